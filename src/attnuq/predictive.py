@@ -1,0 +1,153 @@
+"""Predictive distributions shared by SA, Levy attention and every baseline.
+
+Two concrete forms with one interface (``mean``, ``std``, ``quantile``, ``interval``):
+
+* :class:`Predictive` holds Monte Carlo samples, samples first: ``samples`` is ``(S, B, ...)``.
+* :class:`GaussianPredictive` holds a per-element normal ``N(mean, std^2)`` (Levy attention's
+  closed-form ``sigma_hat``, Laplace, GPs, homoscedastic baselines).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attnuq._validation import check_finite
+
+__all__ = ["GaussianPredictive", "Predictive", "check_level", "check_probability"]
+
+
+def check_probability(q: float | torch.Tensor, name: str = "q") -> torch.Tensor:
+    """Return ``q`` as a tensor after checking every entry lies strictly in (0, 1)."""
+    qt = torch.as_tensor(q, dtype=torch.float64)
+    if qt.numel() == 0 or bool(((qt <= 0) | (qt >= 1) | torch.isnan(qt)).any()):
+        raise ValueError(f"{name} must lie strictly in (0, 1), got {name}={q!r}")
+    return qt
+
+
+def check_level(level: float) -> float:
+    """Validate a central interval level in (0, 1)."""
+    if not isinstance(level, (int, float)) or isinstance(level, bool) or not 0 < level < 1:
+        raise ValueError(f"level must be a float in (0, 1), got {level=!r}")
+    return float(level)
+
+
+@dataclass(frozen=True)
+class Predictive:
+    """Sample-based predictive distribution.
+
+    Parameters
+    ----------
+    samples
+        ``(S, B, ...)`` Monte Carlo draws of the prediction (``S >= 1``).
+    frozen
+        ``(B, ...)`` the deterministic output of the unperturbed model, or ``None``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> pred = Predictive(samples=torch.randn(1000, 4, 2))
+    >>> pred.interval(0.9)[0].shape
+    torch.Size([4, 2])
+    """
+
+    samples: torch.Tensor
+    frozen: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.samples, torch.Tensor) or self.samples.dim() < 2:
+            shape = getattr(self.samples, "shape", None)
+            raise ValueError(f"samples must be a tensor of shape (S, B, ...), got shape={shape}")
+        if self.samples.shape[0] < 1:
+            raise ValueError(f"samples needs at least one draw, got S={self.samples.shape[0]}")
+        check_finite(self.samples, "samples")
+        if self.frozen is not None and self.frozen.shape != self.samples.shape[1:]:
+            raise ValueError(
+                f"frozen must have shape samples.shape[1:]={tuple(self.samples.shape[1:])}, "
+                f"got frozen.shape={tuple(self.frozen.shape)}"
+            )
+
+    @property
+    def n_samples(self) -> int:
+        return int(self.samples.shape[0])
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """``(B, ...)`` sample mean."""
+        return self.samples.mean(0)
+
+    @property
+    def std(self) -> torch.Tensor:
+        """``(B, ...)`` sample standard deviation (unbiased; 0 for a single draw)."""
+        if self.n_samples < 2:
+            return torch.zeros_like(self.samples[0])
+        return self.samples.std(0, unbiased=True)
+
+    def quantile(self, q: float | torch.Tensor) -> torch.Tensor:
+        """Empirical quantile(s) over samples; ``(B, ...)`` for a float, ``(len(q), B, ...)``."""
+        qt = check_probability(q).to(self.samples.dtype)
+        return torch.quantile(self.samples, qt.to(self.samples.device), dim=0)
+
+    def interval(self, level: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+        """Central ``level`` interval ``(lower, upper)`` from empirical quantiles."""
+        level = check_level(level)
+        a = (1.0 - level) / 2.0
+        return self.quantile(a), self.quantile(1.0 - a)
+
+    def scaled(self, factor: float | torch.Tensor) -> Predictive:
+        """Spread the samples about their mean by ``factor`` (conformal/coverage rescaling)."""
+        m = self.mean
+        return Predictive(samples=m + (self.samples - m) * factor, frozen=self.frozen)
+
+
+@dataclass(frozen=True)
+class GaussianPredictive:
+    """Element-wise normal predictive distribution ``N(mean, std^2)``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> g = GaussianPredictive(mean=torch.zeros(3), std=torch.ones(3))
+    >>> round(float(g.interval(0.95)[1][0]), 3)
+    1.96
+    """
+
+    mean: torch.Tensor
+    std: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.mean.shape != self.std.shape:
+            raise ValueError(
+                f"mean and std must have the same shape, got {tuple(self.mean.shape)} "
+                f"and {tuple(self.std.shape)}"
+            )
+        check_finite(self.mean, "mean")
+        check_finite(self.std, "std")
+        if bool((self.std < 0).any()):
+            raise ValueError("std must be non-negative")
+
+    def quantile(self, q: float | torch.Tensor) -> torch.Tensor:
+        qt = check_probability(q).to(self.mean.dtype).to(self.mean.device)
+        z = math.sqrt(2.0) * torch.erfinv(2 * qt - 1)
+        if qt.dim() == 0:
+            return self.mean + z * self.std
+        shape = (-1,) + (1,) * self.mean.dim()
+        return self.mean.unsqueeze(0) + z.reshape(shape) * self.std.unsqueeze(0)
+
+    def interval(self, level: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+        level = check_level(level)
+        a = (1.0 - level) / 2.0
+        return self.quantile(a), self.quantile(1.0 - a)
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> Predictive:
+        """Draw ``n`` samples and return them as a :class:`Predictive`."""
+        eps = torch.randn(
+            (n, *self.mean.shape), generator=generator, dtype=self.mean.dtype,
+            device=self.mean.device,
+        )
+        return Predictive(samples=self.mean + eps * self.std, frozen=self.mean)
+
+    def scaled(self, factor: float | torch.Tensor) -> GaussianPredictive:
+        return GaussianPredictive(mean=self.mean, std=self.std * factor)
