@@ -1,1 +1,5 @@
 """attnuq.nn"""
+
+from attnuq.nn.levy import LevyAttention, LevyAttentionOutput
+
+__all__ = ["LevyAttention", "LevyAttentionOutput"]

@@ -1,0 +1,422 @@
+"""``LevyAttention``: multi-head Levy cross-attention from query times to irregular observations.
+
+API (stable)
+------------
+``LevyAttention(num_channels, d_model=64, num_heads=4, *, value_features=1, out_features=None,
+n_fourier=8, alpha=1.0, beta=2.0, h=0.1, max_period=100.0, block_size=128)``
+
+``forward(times, channels, values, mask, query_times, query_channels=None)
+-> LevyAttentionOutput`` with
+
+* ``times``          ``(B, N)`` float observation times (any real values, any order).
+* ``channels``       ``(B, N)`` int64 channel ids in ``[0, num_channels)``.
+* ``values``         ``(B, N)`` or ``(B, N, value_features)`` observed values.
+* ``mask``           ``(B, N)`` bool, ``True`` = observed. Masked entries (padding) are ignored
+  and may hold anything, NaN included.
+* ``query_times``    ``(B, Q)`` float.
+* ``query_channels`` ``(B, Q)`` int64 target channel per query, or ``None``.
+
+``LevyAttentionOutput`` fields (``D_out = out_features`` if given, else ``d_model``):
+
+* ``mean``      ``(B, Q, D_out)`` expected output.
+* ``sigma_dim`` ``(B, Q, D_out)`` predictive standard deviation per output dimension (exact).
+* ``sigma``     ``(B, Q)`` ``sqrt`` of the summed predictive variance (``sigma_hat``).
+* ``evidence``  ``(B, Q, H)`` ``Lambda_q`` per head; ``p_empty`` ``(B, Q, H)`` ``exp(-Lambda_q)``.
+* ``heads``     the per-head :class:`attnuq.ops.LevyResult` (shapes ``(B, H, Q, Dv)``).
+
+``sample(..., num_samples, generator=None) -> (samples (S, B, Q, D_out), nonempty (S, B, Q, H))``
+draws the Poisson random measure explicitly (heads independent).
+
+Architecture (per head ``h``)
+-----------------------------
+* time embedding ``tau(t) = [w_0 t + b_0, sin(W t + b)]`` (learnable, mTAN style), ``d_model``;
+* key ``k_i = W_k (tau(t_i) + E_k[c_i])``, query ``q = W_q (tau(t_q) + E_q[c_q])`` (``E_q`` has
+  one extra "no channel" row used when ``query_channels`` is None); ``E = d_model / H``;
+* value embedding ``a_i = W_v GELU(W_x x_i + E_v[c_i] + b_x) + b_v``;
+* value field ``V_i(t) = a_i + D g(t)``, ``g_k(t) = cos(omega_k t + b_k)``, ``K = n_fourier``;
+* ``alpha, beta, h`` per head, positive through ``softplus``.
+
+Output space. With ``out_features=None`` the heads are concatenated: ``D_out = H * (d_model/H)``
+and the per-dimension variance is exact because each output coordinate is one head's value
+coordinate. With ``out_features=P`` the output projection ``W_o`` is folded into the values:
+head ``h`` carries ``W_o^h a_i`` in ``R^P`` (and its own ``D^h`` in ``R^{P x K}``), the output is
+``sum_h mu_h + b_o``, and the per-output-dimension variance ``sum_h Sigma_V,h,jj phi(Lambda_h)``
+is exact (no cross terms are dropped).
+
+NOTE(paper): heads are modelled as independent Poisson random measures, so their variances add;
+the paper states the operator for one head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnuq._validation import check_positive_int
+from attnuq.ops.levy import LevyResult, _safe_sqrt, levy_attention, levy_attention_sample
+
+__all__ = ["LevyAttention", "LevyAttentionOutput"]
+
+
+@dataclass(frozen=True)
+class LevyAttentionOutput:
+    """Output of :class:`LevyAttention` (see the module docstring for shapes).
+
+    Attributes
+    ----------
+    mean : ``(B, Q, D_out)``.
+    sigma_dim : ``(B, Q, D_out)`` predictive std per output dimension.
+    sigma : ``(B, Q)`` ``sqrt(sum_j sigma_dim_j^2)``.
+    evidence : ``(B, Q, H)``.
+    p_empty : ``(B, Q, H)``.
+    heads : :class:`attnuq.ops.LevyResult` with ``(B, H, Q, Dv)`` tensors.
+    """
+
+    mean: torch.Tensor
+    sigma_dim: torch.Tensor
+    sigma: torch.Tensor
+    evidence: torch.Tensor
+    p_empty: torch.Tensor
+    heads: LevyResult
+
+
+def _inv_softplus(x: float) -> float:
+    if x <= 0:
+        raise ValueError(f"initial value must be > 0, got {x=}")
+    return x + math.log(-math.expm1(-x))
+
+
+class LevyAttention(nn.Module):
+    r"""Multi-head Levy attention with single-pass mean and uncertainty.
+
+    Parameters
+    ----------
+    num_channels : int
+        Number of observation channels (variables), ``C``.
+    d_model : int
+        Width of the embeddings; must be divisible by ``num_heads``.
+    num_heads : int
+        ``H``.
+    value_features : int
+        ``F``, features per observation value (1 for a scalar series).
+    out_features : int, optional
+        If given, fold an output projection to this many dimensions into the values (exact
+        per-output ``sigma_dim``); else concatenate heads (``D_out = d_model``).
+    n_fourier : int
+        ``K``, Fourier time features of the value field (0 disables the ``D g(t)`` term).
+    alpha, beta, h : float
+        Initial ``alpha > 0`` (atoms per fully compatible observation), ``beta > 0``
+        (sharpness), ``h > 0`` (mollifier bandwidth, in time units).
+    max_period : float
+        Longest initial period of the time embedding and the Fourier features (time units).
+    block_size : int
+        Block size of the sums over observations (see :func:`attnuq.ops.levy_attention`).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from attnuq.nn import LevyAttention
+    >>> layer = LevyAttention(num_channels=3, d_model=16, num_heads=2, out_features=1)
+    >>> B, N, Q = 2, 7, 4
+    >>> out = layer(torch.rand(B, N) * 24, torch.randint(0, 3, (B, N)), torch.randn(B, N),
+    ...             torch.rand(B, N) > 0.3, torch.rand(B, Q) * 24 + 24,
+    ...             query_channels=torch.randint(0, 3, (B, Q)))
+    >>> out.mean.shape, out.sigma_dim.shape, out.evidence.shape
+    (torch.Size([2, 4, 1]), torch.Size([2, 4, 1]), torch.Size([2, 4, 2]))
+    """
+
+    def __init__(
+        self,
+        num_channels: int,
+        d_model: int = 64,
+        num_heads: int = 4,
+        *,
+        value_features: int = 1,
+        out_features: int | None = None,
+        n_fourier: int = 8,
+        alpha: float = 1.0,
+        beta: float = 2.0,
+        h: float = 0.1,
+        max_period: float = 100.0,
+        block_size: int = 128,
+    ) -> None:
+        super().__init__()
+        self.num_channels = check_positive_int(num_channels, "num_channels")
+        self.d_model = check_positive_int(d_model, "d_model")
+        self.num_heads = check_positive_int(num_heads, "num_heads")
+        if d_model % num_heads:
+            raise ValueError(
+                f"d_model must be divisible by num_heads, got {d_model=}, {num_heads=}"
+            )
+        self.value_features = check_positive_int(value_features, "value_features")
+        self.out_features = (
+            None if out_features is None else check_positive_int(out_features, "out_features")
+        )
+        if isinstance(n_fourier, bool) or not isinstance(n_fourier, int) or n_fourier < 0:
+            raise ValueError(f"n_fourier must be an int >= 0, got {n_fourier=}")
+        if not max_period > 0:
+            raise ValueError(f"max_period must be > 0, got {max_period=}")
+        self.n_fourier = n_fourier
+        self.block_size = check_positive_int(block_size, "block_size")
+        H, dh = num_heads, d_model // num_heads
+        self.d_head = dh
+        self.d_value = dh if out_features is None else out_features
+
+        # time embedding tau(t) = [w0 t + b0, sin(W t + b)]
+        periods = torch.logspace(0.0, math.log10(max_period), d_model - 1) if d_model > 1 else None
+        self.time_lin = nn.Parameter(torch.tensor([1.0 / max_period, 0.0]))
+        self.time_freq = nn.Parameter(
+            2 * math.pi / periods if periods is not None else torch.zeros(0)
+        )
+        self.time_phase = nn.Parameter(torch.zeros(max(d_model - 1, 0)))
+        self.key_channel = nn.Embedding(num_channels, d_model)
+        self.query_channel = nn.Embedding(num_channels + 1, d_model)  # last row: no channel
+        self.w_q = nn.Linear(d_model, H * dh, bias=False)
+        self.w_k = nn.Linear(d_model, H * dh, bias=False)
+        # value embedding a_i = W_v GELU(W_x x_i + E_v[c_i] + b_x) + b_v
+        self.value_in = nn.Linear(value_features, d_model)
+        self.value_channel = nn.Embedding(num_channels, d_model)
+        self.w_v = nn.Linear(d_model, H * dh)
+        if out_features is not None:
+            self.out_proj: nn.Linear | None = nn.Linear(H * dh, out_features)
+        else:
+            self.out_proj = None
+        # value field D g(t)
+        K = n_fourier
+        if K > 0:
+            fperiods = torch.logspace(0.0, math.log10(max_period), K)
+            self.omega: nn.Parameter | None = nn.Parameter(2 * math.pi / fperiods)
+            self.phase: nn.Parameter | None = nn.Parameter(torch.rand(K) * 2 * math.pi)
+            self.D: nn.Parameter | None = nn.Parameter(
+                torch.randn(H, self.d_value, K) * (0.1 / math.sqrt(K))
+            )
+        else:
+            self.omega = self.phase = self.D = None
+        # positive per-head scalars through softplus
+        self.alpha_raw = nn.Parameter(torch.full((H,), _inv_softplus(alpha)))
+        self.beta_raw = nn.Parameter(torch.full((H,), _inv_softplus(beta)))
+        self.h_raw = nn.Parameter(torch.full((H,), _inv_softplus(h)))
+
+    # ------------------------------------------------------------------ parameters
+    @property
+    def alpha(self) -> torch.Tensor:
+        """``(H,)`` atoms per fully compatible observation, ``softplus(alpha_raw)``."""
+        return F.softplus(self.alpha_raw)
+
+    @property
+    def beta(self) -> torch.Tensor:
+        """``(H,)`` sharpness, ``softplus(beta_raw)``."""
+        return F.softplus(self.beta_raw)
+
+    @property
+    def h(self) -> torch.Tensor:
+        """``(H,)`` mollifier bandwidth, ``softplus(h_raw)``."""
+        return F.softplus(self.h_raw)
+
+    def time_embedding(self, t: torch.Tensor) -> torch.Tensor:
+        """``tau(t)``: ``(...)`` -> ``(..., d_model)``."""
+        lin = (t * self.time_lin[0] + self.time_lin[1])[..., None]
+        per = torch.sin(t[..., None] * self.time_freq + self.time_phase)
+        return torch.cat([lin, per], dim=-1)
+
+    # ------------------------------------------------------------------ inputs
+    def _check(
+        self,
+        times: torch.Tensor,
+        channels: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        query_times: torch.Tensor,
+        query_channels: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+            raise ValueError(
+                f"mask must be a (B, N) bool tensor, got {getattr(mask, 'dtype', type(mask))} "
+                f"of shape {tuple(getattr(mask, 'shape', ()))}"
+            )
+        B, N = mask.shape
+        for t, n in ((times, "times"), (query_times, "query_times")):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 2:
+                raise ValueError(f"{n} must be a 2-D floating tensor, got {type(t).__name__}")
+        if times.shape != (B, N):
+            raise ValueError(f"times must be (B, N) = {(B, N)}, got {tuple(times.shape)}")
+        if query_times.shape[0] != B:
+            raise ValueError(
+                f"query_times must be (B, Q) with B={B}, got {tuple(query_times.shape)}"
+            )
+        if not isinstance(values, torch.Tensor) or not values.is_floating_point():
+            raise ValueError(f"values must be a floating tensor, got {type(values).__name__}")
+        if values.dim() == 2:
+            values = values[..., None]
+        if values.shape != (B, N, self.value_features):
+            raise ValueError(
+                f"values must be (B, N) or (B, N, F) = {(B, N, self.value_features)}, "
+                f"got {tuple(values.shape)}"
+            )
+        if not isinstance(channels, torch.Tensor) or channels.dtype != torch.long:
+            raise ValueError(
+                f"channels must be an int64 tensor, got {getattr(channels, 'dtype', channels)}"
+            )
+        if channels.shape != (B, N):
+            raise ValueError(f"channels must be (B, N) = {(B, N)}, got {tuple(channels.shape)}")
+        bad_t = ~torch.isfinite(times) & mask
+        if bool(bad_t.any()):
+            raise ValueError(
+                f"times contains {int(bad_t.sum())} NaN/inf entries at observed (mask=True) "
+                f"positions, e.g. times={times[bad_t][0].item()!r}"
+            )
+        bad_v = ~torch.isfinite(values) & mask[..., None]
+        if bool(bad_v.any()):
+            raise ValueError(
+                f"values contains {int(bad_v.sum())} NaN/inf entries at observed (mask=True) "
+                f"positions, e.g. values={values[bad_v][0].item()!r}"
+            )
+        bad_c = ((channels < 0) | (channels >= self.num_channels)) & mask
+        if bool(bad_c.any()):
+            raise ValueError(
+                f"channels must lie in [0, {self.num_channels}) at observed positions, got "
+                f"channels={channels[bad_c][0].item()}"
+            )
+        if not bool(torch.isfinite(query_times).all()):
+            raise ValueError(f"query_times contains NaN/inf, got shape {tuple(query_times.shape)}")
+        if query_channels is not None:
+            if (
+                not isinstance(query_channels, torch.Tensor)
+                or query_channels.dtype != torch.long
+                or query_channels.shape != query_times.shape
+            ):
+                raise ValueError(
+                    "query_channels must be an int64 tensor shaped like query_times "
+                    f"{tuple(query_times.shape)}, got {getattr(query_channels, 'shape', None)}"
+                )
+            if bool(((query_channels < 0) | (query_channels >= self.num_channels)).any()):
+                raise ValueError(
+                    f"query_channels must lie in [0, {self.num_channels}), got values in "
+                    f"[{int(query_channels.min())}, {int(query_channels.max())}]"
+                )
+        zero = torch.zeros((), dtype=times.dtype, device=times.device)
+        times = torch.where(mask, times, zero)
+        values = torch.where(mask[..., None], values, zero.to(values.dtype))
+        channels = torch.where(mask, channels, torch.zeros_like(channels))
+        return times, channels, values, query_channels
+
+    def _embed(
+        self,
+        times: torch.Tensor,
+        channels: torch.Tensor,
+        values: torch.Tensor,
+        query_times: torch.Tensor,
+        query_channels: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q (B, H, Q, E)``, ``k (B, H, N, E)``, ``a (B, H, N, Dv)``."""
+        B, N = times.shape
+        Q = query_times.shape[1]
+        H, dh = self.num_heads, self.d_head
+        qc = (
+            torch.full_like(query_times, self.num_channels, dtype=torch.long)
+            if query_channels is None
+            else query_channels
+        )
+        qf = self.time_embedding(query_times) + self.query_channel(qc)
+        kf = self.time_embedding(times) + self.key_channel(channels)
+        q = self.w_q(qf).view(B, Q, H, dh).transpose(1, 2)
+        k = self.w_k(kf).view(B, N, H, dh).transpose(1, 2)
+        u = F.gelu(self.value_in(values) + self.value_channel(channels))  # (B, N, d_model)
+        if self.out_proj is None:
+            a = self.w_v(u).view(B, N, H, dh).transpose(1, 2)
+        else:
+            P = self.out_proj.out_features
+            wo = self.out_proj.weight.view(P, H, dh)  # (P, H, dh)
+            wv = self.w_v.weight.view(H, dh, self.d_model)
+            bv = self.w_v.bias.view(H, dh)
+            wf = torch.einsum("phe,hed->hpd", wo, wv)  # (H, P, d_model)
+            bf = torch.einsum("phe,he->hp", wo, bv)  # (H, P)
+            a = torch.einsum("bnd,hpd->bhnp", u, wf) + bf[None, :, None, :]
+        return q, k, a
+
+    def _op_kwargs(self) -> dict[str, torch.Tensor | None]:
+        return {
+            "alpha": self.alpha,
+            "beta": self.beta,
+            "h": self.h,
+            "omega": self.omega,
+            "phase": self.phase,
+            "D": self.D,
+        }
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        times: torch.Tensor,
+        channels: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        query_times: torch.Tensor,
+        query_channels: torch.Tensor | None = None,
+    ) -> LevyAttentionOutput:
+        """Mean and closed-form uncertainty at ``query_times`` (shapes in the module docstring)."""
+        times, channels, values, query_channels = self._check(
+            times, channels, values, mask, query_times, query_channels
+        )
+        q, k, a = self._embed(times, channels, values, query_times, query_channels)
+        res = levy_attention(
+            q, k, a, times, mask, block_size=self.block_size, **self._op_kwargs()  # type: ignore[arg-type]
+        )
+        B, H, Q, Dv = res.mean.shape
+        pvar = res.var * res.phi[..., None]  # (B, H, Q, Dv) predictive variance per head
+        if self.out_proj is None:
+            mean = res.mean.transpose(1, 2).reshape(B, Q, H * Dv)
+            sigma_dim = res.sigma_dim.transpose(1, 2).reshape(B, Q, H * Dv)
+            total = pvar.sum(dim=(1, 3))
+        else:
+            mean = res.mean.sum(1) + self.out_proj.bias
+            tot_dim = pvar.sum(1)  # (B, Q, P)
+            sigma_dim = _safe_sqrt(tot_dim)
+            total = tot_dim.sum(-1)
+        return LevyAttentionOutput(
+            mean=mean,
+            sigma_dim=sigma_dim,
+            sigma=_safe_sqrt(total),
+            evidence=res.evidence.transpose(1, 2),
+            p_empty=res.p_empty.transpose(1, 2),
+            heads=res,
+        )
+
+    @torch.no_grad()
+    def sample(
+        self,
+        times: torch.Tensor,
+        channels: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        query_times: torch.Tensor,
+        query_channels: torch.Tensor | None = None,
+        *,
+        num_samples: int,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Explicit draws of the layer's sampled operator.
+
+        Returns
+        -------
+        samples : ``(S, B, Q, D_out)`` (a head with no atom contributes 0 in that draw).
+        nonempty : ``(S, B, Q, H)`` bool, whether each head had at least one atom.
+        """
+        times, channels, values, query_channels = self._check(
+            times, channels, values, mask, query_times, query_channels
+        )
+        q, k, a = self._embed(times, channels, values, query_times, query_channels)
+        smp = levy_attention_sample(
+            q, k, a, times, mask, num_samples=num_samples, generator=generator,
+            **self._op_kwargs(),  # type: ignore[arg-type]
+        )
+        S, B, H, Q, Dv = smp.values.shape
+        if self.out_proj is None:
+            out = smp.values.transpose(2, 3).reshape(S, B, Q, H * Dv)
+        else:
+            out = smp.values.sum(2) + self.out_proj.bias
+        return out, smp.nonempty.transpose(2, 3)

@@ -1,0 +1,605 @@
+"""Levy attention: continuous-time Poisson cross-attention with single-pass uncertainty.
+
+API (stable; ``attnuq.nn.LevyAttention`` is the module wrapper)
+---------------------------------------------------------------
+``levy_attention(q, k, a, times, mask, *, alpha, beta, h, omega=None, phase=None, D=None,
+block_size=128) -> LevyResult``
+
+* ``q``     ``(B, H, Q, E)`` query embeddings (one per query time and head).
+* ``k``     ``(B, H, N, E)`` key embeddings of the observations ``(t_i, c_i)``.
+* ``a``     ``(B, H, N, Dv)`` value embeddings ``a_i`` of ``(x_i, c_i)``.
+* ``times`` ``(B, N)`` observation times ``t_i`` (any real numbers; order does not matter).
+* ``mask``  ``(B, N)`` bool, ``True`` = observed. Masked entries are ignored and may hold
+  anything, NaN included.
+* ``alpha``, ``beta`` ``> 0`` and ``h >= 0``: floats or tensors of shape ``()`` or ``(H,)``.
+* ``omega``, ``phase``: ``(K,)`` or ``(H, K)`` Fourier frequencies ``omega_k`` and phases ``b_k``;
+  ``D``: ``(Dv, K)`` or ``(H, Dv, K)``. Either all three or none (``D = 0``).
+
+``LevyResult`` (frozen dataclass), shapes in the ``F.scaled_dot_product_attention`` convention
+``(B, H, Q, ...)``:
+
+* ``mean``      ``(B, H, Q, Dv)`` ``mu_q = sum_i p_qi (a_i + D m_i)``.
+* ``var``       ``(B, H, Q, Dv)`` ``diag Sigma_V(q)``: the per-atom value covariance.
+* ``evidence``  ``(B, H, Q)`` ``Lambda_q = sum_i w_qi``.
+* ``p_empty``   ``(B, H, Q)`` ``exp(-Lambda_q)``.
+* ``phi``       ``(B, H, Q)`` ``phi(Lambda_q) = E[1/N | N >= 1]``.
+* ``sigma``     ``(B, H, Q)`` ``sqrt(tr Sigma_V(q) phi(Lambda_q))``.
+* ``sigma_dim`` ``(B, H, Q, Dv)`` ``sqrt(Sigma_V,jj(q) phi(Lambda_q))``.
+
+``levy_attention_sample(q, k, a, times, mask, *, alpha, beta, h, omega, phase, D,
+num_samples, generator=None) -> LevySamples`` draws the Poisson random measure explicitly:
+``values`` ``(S, B, H, Q, Dv)``, ``counts`` ``(S, B, H, Q)`` (atoms ``N_q``), ``nonempty``
+``(S, B, H, Q)`` (``N_q >= 1``; ``values`` is 0 where it is False).
+
+Math (METHODS.md section 2), per batch element, head and query ``q``
+-------------------------------------------------------------------
+* ``w_qi = alpha exp(beta (cos(q, k_i) - 1))`` for observed ``i`` (0 for masked ``i``),
+  ``Lambda_q = sum_i w_qi``, ``p_qi = w_qi / Lambda_q``.
+* An atom spawned by ``i`` sits at ``t ~ N(t_i, h^2)`` and carries ``V_i(t) = a_i + D g(t)`` with
+  ``g_k(t) = cos(omega_k t + b_k)``. Under the mollifier
+  ``E g_k = m_ik = exp(-omega_k^2 h^2 / 2) cos(omega_k t_i + b_k)`` and, with ``z_k = omega_k t_i
+  + b_k``, ``e_kl = exp(-(omega_k^2 + omega_l^2) h^2 / 2)`` and ``u_kl = omega_k omega_l h^2``,
+
+      Cov(g)_kl = e_kl [ (cosh u_kl - 1) cos z_k cos z_l + sinh u_kl sin z_k sin z_l ],
+
+  which is METHODS' ``E[g g^T] - m m^T`` rewritten without cancellation (``cosh u - 1 =
+  2 sinh^2(u/2)``). Hence ``vbar_i = a_i + D m_i`` and the within-atom variance
+  ``s_ij = D_j Cov(g) D_j^T`` are closed-form, and
+
+      mu_q = sum_i p_qi vbar_i,      Sigma_V,jj(q) = sum_i p_qi (vbar_ij^2 + s_ij) - mu_qj^2.
+
+* ``Y_q = (1/N_q) sum_m V_{i_m}(t_m)`` with ``N_q ~ Poisson(Lambda_q)``: conditional on
+  ``N_q >= 1``, ``E Y_q = mu_q`` and ``E|Y_q - mu_q|^2 = tr Sigma_V(q) phi(Lambda_q)``.
+
+Implementation notes
+--------------------
+* The softmax form ``p_qi = exp(beta(cos_qi - M_q)) / Z_q`` with ``M_q`` the (exact,
+  order-independent) maximum over observed ``i`` avoids underflow for large ``beta``;
+  ``Lambda_q = alpha exp(beta (M_q - 1)) Z_q``.
+* Masked observations are removed with ``torch.where`` (their weight and value rows become exact
+  zeros), and every sum over observations runs over fixed-size blocks of ``block_size``
+  (zero-padded) accumulated in order. Appending masked observations therefore leaves every
+  output bit-identical: the blocks that existed hold the same numbers, new blocks add exact zeros.
+* The second moment is accumulated about a per-series reference (the plain mean of ``vbar`` over
+  observed ``i``), which removes most of the cancellation of ``E v^2 - (E v)^2`` in float32.
+* Empty series (no observed entry): ``evidence = 0``, ``p_empty = 1``, ``mean = 0``, ``var = 0``,
+  ``phi = 1``, ``sigma = 0``; gradients are finite (zero where the output is constant).
+* ``sqrt`` has an infinite derivative at 0: ``sigma`` and ``sigma_dim`` use a guarded square
+  root whose gradient is 0 where the variance is exactly 0.
+* NOTE(paper): the paper states the variance identity for the trace; the per-dimension
+  ``sigma_dim`` uses the same identity per coordinate, which holds because the atoms are i.i.d.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from attnuq._validation import check_positive_int
+from attnuq.ops.phi import poisson_phi
+
+__all__ = [
+    "LevyResult",
+    "LevySamples",
+    "levy_attention",
+    "levy_attention_sample",
+    "levy_weights",
+]
+
+
+@dataclass(frozen=True)
+class LevyResult:
+    """Output of :func:`levy_attention` (shapes ``(B, H, Q, ...)``; see the module docstring).
+
+    Attributes
+    ----------
+    mean : ``(B, H, Q, Dv)`` expected output ``mu_q`` (0 for an empty series).
+    var : ``(B, H, Q, Dv)`` ``diag Sigma_V(q)``, the covariance of one atom's value.
+    evidence : ``(B, H, Q)`` ``Lambda_q``.
+    p_empty : ``(B, H, Q)`` ``P(N_q = 0) = exp(-Lambda_q)``.
+    phi : ``(B, H, Q)`` ``E[1/N_q | N_q >= 1]``.
+    sigma : ``(B, H, Q)`` ``sqrt(tr Sigma_V(q) phi(Lambda_q))``.
+    sigma_dim : ``(B, H, Q, Dv)`` ``sqrt(Sigma_V,jj(q) phi(Lambda_q))``.
+    """
+
+    mean: torch.Tensor
+    var: torch.Tensor
+    evidence: torch.Tensor
+    p_empty: torch.Tensor
+    phi: torch.Tensor
+    sigma: torch.Tensor
+    sigma_dim: torch.Tensor
+
+
+class LevySamples(NamedTuple):
+    """Explicit draws of the sampled Levy operator, samples first.
+
+    values : ``(S, B, H, Q, Dv)`` ``Y_q`` per draw (0 where ``nonempty`` is False).
+    counts : ``(S, B, H, Q)`` int64 atom counts ``N_q``.
+    nonempty : ``(S, B, H, Q)`` bool, ``N_q >= 1``.
+    """
+
+    values: torch.Tensor
+    counts: torch.Tensor
+    nonempty: torch.Tensor
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _head_param(
+    x: float | torch.Tensor, name: str, heads: int, ref: torch.Tensor, *, strict: bool
+) -> torch.Tensor:
+    """Return ``x`` as a ``(H,)`` tensor of ``ref``'s dtype/device after range checks."""
+    t = torch.as_tensor(x, dtype=ref.dtype, device=ref.device)
+    if t.dim() == 0:
+        t = t.expand(heads)
+    if t.shape != (heads,):
+        raise ValueError(f"{name} must be a scalar or have shape ({heads},), got {tuple(t.shape)}")
+    bad = ~torch.isfinite(t) | ((t <= 0) if strict else (t < 0))
+    if bool(bad.any()):
+        rel = "> 0" if strict else ">= 0"
+        raise ValueError(f"{name} must be finite and {rel}, got {name}={t.detach().tolist()}")
+    return t
+
+
+def _check_observed_finite(t: torch.Tensor, m: torch.Tensor, name: str) -> None:
+    """NaN/inf check restricted to observed entries (``m`` broadcast to ``t``)."""
+    bad = ~torch.isfinite(t) & m
+    if bool(bad.any()):
+        n_nan = int((torch.isnan(t) & m).sum())
+        raise ValueError(
+            f"{name} contains non-finite values at observed (mask=True) entries "
+            f"({n_nan} NaN, {int(bad.sum()) - n_nan} inf) in a tensor of shape {tuple(t.shape)}"
+        )
+
+
+class _Inputs(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    a: torch.Tensor
+    times: torch.Tensor
+    mask: torch.Tensor
+    alpha: torch.Tensor
+    beta: torch.Tensor
+    h: torch.Tensor
+    omega: torch.Tensor | None
+    phase: torch.Tensor | None
+    D: torch.Tensor | None
+
+
+def _validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    a: torch.Tensor,
+    times: torch.Tensor,
+    mask: torch.Tensor,
+    alpha: float | torch.Tensor,
+    beta: float | torch.Tensor,
+    h: float | torch.Tensor,
+    omega: torch.Tensor | None,
+    phase: torch.Tensor | None,
+    D: torch.Tensor | None,
+) -> _Inputs:
+    for t, n in ((q, "q"), (k, "k"), (a, "a"), (times, "times")):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{n} must be a floating-point torch.Tensor, got {type(t).__name__}")
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool torch.Tensor, got {getattr(mask, 'dtype', mask)!r}")
+    if q.dim() != 4 or k.dim() != 4 or a.dim() != 4:
+        raise ValueError(
+            "q, k, a must be (B, H, Q, E), (B, H, N, E), (B, H, N, Dv), got "
+            f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, a.shape={tuple(a.shape)}"
+        )
+    B, H, _, E = q.shape
+    N = k.shape[2]
+    if k.shape[:2] != (B, H) or k.shape[3] != E:
+        raise ValueError(f"k must be (B, H, N, E) = ({B}, {H}, N, {E}), got {tuple(k.shape)}")
+    if a.shape[:3] != (B, H, N):
+        raise ValueError(f"a must be (B, H, N, Dv) = ({B}, {H}, {N}, Dv), got {tuple(a.shape)}")
+    if times.shape != (B, N) or mask.shape != (B, N):
+        raise ValueError(
+            f"times and mask must be (B, N) = ({B}, {N}), got times.shape={tuple(times.shape)}, "
+            f"mask.shape={tuple(mask.shape)}"
+        )
+    for t, n in ((q, "q"), (k, "k"), (a, "a"), (times, "times")):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{n} must have dtype {q.dtype} like q, got {n}.dtype={t.dtype}")
+    _check_observed_finite(times, mask, "times")
+    _check_observed_finite(k, mask[:, None, :, None], "k")
+    _check_observed_finite(a, mask[:, None, :, None], "a")
+    if not bool(torch.isfinite(q).all()):
+        raise ValueError(f"q contains non-finite values in a tensor of shape {tuple(q.shape)}")
+    al = _head_param(alpha, "alpha", H, q, strict=True)
+    be = _head_param(beta, "beta", H, q, strict=True)
+    hh = _head_param(h, "h", H, q, strict=False)
+    given = [x is not None for x in (omega, phase, D)]
+    if any(given) and not all(given):
+        raise ValueError(
+            "omega, phase and D must be given together or not at all, got "
+            f"omega={'set' if given[0] else None}, phase={'set' if given[1] else None}, "
+            f"D={'set' if given[2] else None}"
+        )
+    om = ph = dd = None
+    if omega is not None and phase is not None and D is not None:
+        Dv = a.shape[3]
+        om = omega.to(q.dtype)
+        ph = phase.to(q.dtype)
+        dd = D.to(q.dtype)
+        if om.dim() == 1:
+            om = om.expand(H, -1)
+        if ph.dim() == 1:
+            ph = ph.expand(H, -1)
+        if dd.dim() == 2:
+            dd = dd.expand(H, -1, -1)
+        K = om.shape[-1]
+        if om.shape != (H, K) or ph.shape != (H, K) or dd.shape != (H, Dv, K):
+            raise ValueError(
+                "omega, phase must be (K,) or (H, K) and D (Dv, K) or (H, Dv, K), got "
+                f"omega.shape={tuple(omega.shape)}, phase.shape={tuple(phase.shape)}, "
+                f"D.shape={tuple(D.shape)} with H={H}, Dv={Dv}"
+            )
+        for t, n in ((om, "omega"), (ph, "phase"), (dd, "D")):
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{n} contains non-finite values")
+    return _Inputs(q, k, a, times, mask, al, be, hh, om, ph, dd)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _blocked_matmul(x: torch.Tensor, y: torch.Tensor, block: int) -> torch.Tensor:
+    """``x @ y`` over the contraction dim ``N`` in zero-padded blocks accumulated in order.
+
+    ``x`` is ``(..., M, N)``, ``y`` is ``(..., N, P)``. For identical leading entries, appending
+    zero columns to ``x`` (rows to ``y``) leaves the result bit-identical.
+    """
+    n = x.shape[-1]
+    nb = max(1, -(-n // block))
+    pad = nb * block - n
+    if pad:
+        x = F.pad(x, (0, pad))
+        y = F.pad(y, (0, 0, 0, pad))
+    if nb == 1:
+        return x @ y
+    acc = x[..., :block].contiguous() @ y[..., :block, :].contiguous()
+    for j in range(1, nb):
+        sl = slice(j * block, (j + 1) * block)
+        acc = acc + x[..., sl].contiguous() @ y[..., sl, :].contiguous()
+    return acc
+
+
+def _safe_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """``sqrt(x)`` for ``x >= 0`` with gradient 0 (instead of inf) where ``x == 0``."""
+    pos = x > 0
+    root = torch.sqrt(torch.where(pos, x, torch.ones_like(x)))
+    return torch.where(pos, root, torch.zeros_like(x))
+
+
+def _gcov_matrices(omega: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(M1, M2)`` each ``(H, K, K)``: ``Cov(g)_kl = M1_kl c_k c_l + M2_kl s_k s_l``.
+
+    ``M1 = e (cosh u - 1)``, ``M2 = e sinh u`` with ``e_kl = exp(-(w_k^2 + w_l^2) h^2 / 2)`` and
+    ``u_kl = w_k w_l h^2``. For ``|u| < 1`` they are formed from ``sinh`` (no cancellation), else
+    from ``e cosh u = (e^{-(w_k - w_l)^2 h^2/2} + e^{-(w_k + w_l)^2 h^2/2}) / 2`` (no overflow).
+    """
+    h2 = (h * h)[:, None, None]  # (H, 1, 1)
+    wk = omega[:, :, None]
+    wl = omega[:, None, :]
+    u = wk * wl * h2
+    e = torch.exp(-(wk * wk + wl * wl) * h2 / 2)
+    em = torch.exp(-((wk - wl) ** 2) * h2 / 2)
+    ep = torch.exp(-((wk + wl) ** 2) * h2 / 2)
+    small = u.abs() < 1
+    us = torch.where(small, u, torch.zeros_like(u))
+    m1 = torch.where(small, e * 2 * torch.sinh(us / 2) ** 2, (em + ep) / 2 - e)
+    m2 = torch.where(small, e * torch.sinh(us), (em - ep) / 2)
+    return m1, m2
+
+
+def _value_moments(
+    inp: _Inputs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``vbar`` ``(B, H, N, Dv)`` and within-atom variance ``s`` ``(B, H, N, Dv)`` (or None)."""
+    mask4 = inp.mask[:, None, :, None]
+    a = torch.where(mask4, inp.a, torch.zeros_like(inp.a))
+    if inp.omega is None or inp.phase is None or inp.D is None:
+        return a, None
+    times = torch.where(inp.mask, inp.times, torch.zeros_like(inp.times))
+    z = times[:, None, :, None] * inp.omega[None, :, None, :] + inp.phase[None, :, None, :]
+    c = torch.cos(z)  # (B, H, N, K)
+    sn = torch.sin(z)
+    damp = torch.exp(-(inp.omega**2) * (inp.h**2)[:, None] / 2)  # (H, K)
+    m = c * damp[None, :, None, :]
+    D = inp.D  # (H, Dv, K)
+    vbar = a + torch.einsum("bhnk,hjk->bhnj", m, D)
+    m1, m2 = _gcov_matrices(inp.omega, inp.h)
+    K = c.shape[-1]
+    w1 = torch.einsum("hjk,hjl,hkl->hklj", D, D, m1).reshape(D.shape[0], K * K, D.shape[1])
+    w2 = torch.einsum("hjk,hjl,hkl->hklj", D, D, m2).reshape(D.shape[0], K * K, D.shape[1])
+    cc = (c[..., :, None] * c[..., None, :]).flatten(-2)  # (B, H, N, K*K)
+    ss = (sn[..., :, None] * sn[..., None, :]).flatten(-2)
+    s = cc @ w1[None] + ss @ w2[None]  # (B, H, N, Dv)
+    s = torch.where(mask4, s, torch.zeros_like(s))
+    vbar = torch.where(mask4, vbar, torch.zeros_like(vbar))
+    return vbar, s
+
+
+def _scores(inp: _Inputs) -> torch.Tensor:
+    """``cos(q, k_i)`` ``(B, H, Q, N)`` (masked keys zeroed first)."""
+    k = torch.where(inp.mask[:, None, :, None], inp.k, torch.zeros_like(inp.k))
+    qn = F.normalize(inp.q, dim=-1, eps=1e-12)
+    kn = F.normalize(k, dim=-1, eps=1e-12)
+    return qn @ kn.transpose(-1, -2)
+
+
+# ----------------------------------------------------------------------------- public ops
+
+
+def levy_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    alpha: float | torch.Tensor,
+    beta: float | torch.Tensor,
+) -> torch.Tensor:
+    """Compatibilities ``w_qi = alpha exp(beta (cos(q, k_i) - 1))``, 0 for masked ``i``.
+
+    Parameters
+    ----------
+    q : ``(B, H, Q, E)``; k : ``(B, H, N, E)``; mask : ``(B, N)`` bool (True = observed).
+    alpha, beta : ``> 0``, scalars or ``(H,)``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, H, Q, N)``; ``evidence = w.sum(-1)``. May underflow to 0 for very large ``beta``
+        (``levy_attention`` itself works in a shifted form that does not).
+
+    Examples
+    --------
+    >>> import torch
+    >>> q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4)
+    >>> levy_weights(q, k, torch.ones(1, 5, dtype=torch.bool), alpha=1.0, beta=2.0).shape
+    torch.Size([1, 2, 3, 5])
+    """
+    B, H = q.shape[:2]
+    N = k.shape[2]
+    dummy_a = k.new_zeros(B, H, N, 1)
+    inp = _validate(q, k, dummy_a, k.new_zeros(B, N), mask, alpha, beta, 0.0, None, None, None)
+    cos = _scores(inp)
+    w = inp.alpha[:, None, None] * torch.exp(inp.beta[:, None, None] * (cos - 1))
+    return torch.where(mask[:, None, None, :], w, torch.zeros_like(w))
+
+
+def levy_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    a: torch.Tensor,
+    times: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    alpha: float | torch.Tensor,
+    beta: float | torch.Tensor,
+    h: float | torch.Tensor,
+    omega: torch.Tensor | None = None,
+    phase: torch.Tensor | None = None,
+    D: torch.Tensor | None = None,
+    block_size: int = 128,
+) -> LevyResult:
+    r"""Expected Levy attention output and its closed-form uncertainty in one pass.
+
+    .. math::
+
+        w_{qi} = \alpha e^{\beta(\cos(q, k_i) - 1)},\quad \Lambda_q = \sum_i w_{qi},\quad
+        p_{qi} = w_{qi} / \Lambda_q,\quad
+        \mu_q = \sum_i p_{qi} (a_i + D m_i),\quad
+        \hat\sigma_q = \sqrt{\operatorname{tr}\Sigma_V(q)\,\phi(\Lambda_q)},
+
+    with ``m_ik = exp(-omega_k^2 h^2/2) cos(omega_k t_i + b_k)`` and ``Sigma_V(q)`` the covariance
+    of one atom's value ``a_i + D g(t)``, ``i ~ p_q``, ``t ~ N(t_i, h^2)`` (module docstring).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``(B, H, Q, E)`` query embeddings.
+    k : torch.Tensor
+        ``(B, H, N, E)`` key embeddings of the observations.
+    a : torch.Tensor
+        ``(B, H, N, Dv)`` value embeddings ``a_i``.
+    times : torch.Tensor
+        ``(B, N)`` observation times (any real values, any order).
+    mask : torch.Tensor
+        ``(B, N)`` bool, ``True`` = observed; masked entries are ignored (may be NaN).
+    alpha, beta : float or torch.Tensor
+        ``> 0``, scalar or ``(H,)``: atoms per fully compatible observation, sharpness.
+    h : float or torch.Tensor
+        ``>= 0``, scalar or ``(H,)``: bandwidth of the Gaussian mollifier.
+    omega, phase : torch.Tensor, optional
+        ``(K,)`` or ``(H, K)`` Fourier frequencies and phases of ``g(t)``.
+    D : torch.Tensor, optional
+        ``(Dv, K)`` or ``(H, Dv, K)`` loading of ``g`` in the value field (None means ``D = 0``).
+    block_size : int
+        Observations per block in the sums over ``N`` (see module docstring).
+
+    Returns
+    -------
+    LevyResult
+        ``mean``, ``var``, ``evidence``, ``p_empty``, ``phi``, ``sigma``, ``sigma_dim``.
+
+    Raises
+    ------
+    ValueError
+        NaN/inf in observed ``times``, ``k``, ``a`` or in ``q``; ``alpha <= 0``, ``beta <= 0``,
+        ``h < 0``; inconsistent shapes.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from attnuq.ops import levy_attention
+    >>> B, H, Q, N, E, Dv, K = 2, 4, 3, 10, 8, 5, 6
+    >>> r = levy_attention(torch.randn(B, H, Q, E), torch.randn(B, H, N, E),
+    ...                    torch.randn(B, H, N, Dv), torch.rand(B, N) * 48,
+    ...                    torch.ones(B, N, dtype=torch.bool), alpha=1.0, beta=3.0, h=0.5,
+    ...                    omega=torch.rand(K), phase=torch.rand(K), D=torch.randn(Dv, K))
+    >>> r.mean.shape, r.sigma.shape, bool((r.p_empty == torch.exp(-r.evidence)).all())
+    (torch.Size([2, 4, 3, 5]), torch.Size([2, 4, 3]), True)
+    """
+    block_size = check_positive_int(block_size, "block_size")
+    inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
+    B, H = q.shape[:2]
+    Dv = a.shape[-1]
+    mask4 = mask[:, None, None, :]  # (B, 1, 1, N)
+
+    cos = _scores(inp)  # (B, H, Q, N)
+    s = inp.beta[:, None, None] * (cos - 1)  # <= 0
+    neg_inf = torch.tensor(float("-inf"), dtype=s.dtype, device=s.device)
+    mx = torch.where(mask4, s, neg_inf).amax(-1, keepdim=True).detach()  # order-independent
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    e = torch.where(mask4, torch.exp(torch.where(mask4, s - mx, torch.zeros_like(s))), 0.0)
+
+    vbar, within = _value_moments(inp)  # (B, H, N, Dv) each, masked rows zero
+    # reference: plain mean of vbar over observed entries (blocked, so padding-invariant)
+    obs = mask.to(q.dtype)[:, None, None, :]  # (B, 1, 1, N)
+    count = mask.sum(-1).clamp_min(1).to(q.dtype)[:, None, None, None]
+    ref = _blocked_matmul(obs.expand(B, H, 1, -1), vbar, block_size) / count  # (B, H, 1, Dv)
+    vc = torch.where(mask[:, None, :, None], vbar - ref, torch.zeros_like(vbar))
+    sq = vc * vc if within is None else vc * vc + within
+    ones = obs.transpose(-1, -2).expand(B, H, -1, 1)  # (B, H, N, 1), zero on masked rows
+    vals = torch.cat([ones, vc, sq], dim=-1)  # (B, H, N, 1 + 2 Dv)
+    acc = _blocked_matmul(e, vals, block_size)  # (B, H, Q, 1 + 2 Dv)
+
+    z = acc[..., 0]  # (B, H, Q)
+    nonempty = z > 0
+    zs = torch.where(nonempty, z, torch.ones_like(z))
+    mu_c = acc[..., 1 : 1 + Dv] / zs[..., None]
+    m2 = acc[..., 1 + Dv :] / zs[..., None]
+    mean = torch.where(nonempty[..., None], mu_c + ref, torch.zeros_like(mu_c))
+    var = torch.clamp_min(m2 - mu_c * mu_c, 0.0)
+    evidence = inp.alpha[:, None] * torch.exp(mx[..., 0]) * z  # (B, H, Q)
+    phi = poisson_phi(evidence)
+    p_empty = torch.exp(-evidence)
+    sigma = _safe_sqrt(var.sum(-1) * phi)
+    sigma_dim = _safe_sqrt(var * phi[..., None])
+    return LevyResult(
+        mean=mean, var=var, evidence=evidence, p_empty=p_empty, phi=phi, sigma=sigma,
+        sigma_dim=sigma_dim,
+    )
+
+
+@torch.no_grad()
+def levy_attention_sample(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    a: torch.Tensor,
+    times: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    alpha: float | torch.Tensor,
+    beta: float | torch.Tensor,
+    h: float | torch.Tensor,
+    omega: torch.Tensor | None = None,
+    phase: torch.Tensor | None = None,
+    D: torch.Tensor | None = None,
+    num_samples: int,
+    generator: torch.Generator | None = None,
+    max_atoms_per_chunk: int = 4_000_000,
+) -> LevySamples:
+    r"""Draw the Poisson random measure explicitly (the sampled operator the layer averages).
+
+    For each draw, query and head: ``N_q ~ Poisson(Lambda_q)``; each atom picks
+    ``i ~ p_q`` and ``t ~ N(t_i, h^2)`` and carries ``V_i(t) = a_i + D g(t)``;
+    ``Y_q = (1/N_q) sum_m V_{i_m}(t_m)`` if ``N_q >= 1``. Vectorised: counts first, then all
+    atoms of a chunk of draws at once (inverse CDF on a row-offset global CDF), then a
+    scatter-add per draw. Memory is ``O(max_atoms_per_chunk * (Dv + K))``.
+
+    Parameters
+    ----------
+    q, k, a, times, mask, alpha, beta, h, omega, phase, D
+        As in :func:`levy_attention`.
+    num_samples : int
+        ``S``, the number of independent draws.
+    generator : torch.Generator, optional
+        Source of randomness (on the inputs' device).
+    max_atoms_per_chunk : int
+        Draws are processed in chunks holding about this many atoms.
+
+    Returns
+    -------
+    LevySamples
+        ``values`` ``(S, B, H, Q, Dv)``, ``counts`` ``(S, B, H, Q)``, ``nonempty``
+        ``(S, B, H, Q)``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from attnuq.ops import levy_attention_sample
+    >>> out = levy_attention_sample(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4),
+    ...                             torch.randn(1, 2, 5, 2), torch.rand(1, 5),
+    ...                             torch.ones(1, 5, dtype=torch.bool),
+    ...                             alpha=1.0, beta=2.0, h=0.1, num_samples=100)
+    >>> out.values.shape
+    torch.Size([100, 1, 2, 3, 2])
+    """
+    S = check_positive_int(num_samples, "num_samples")
+    chunk_atoms = check_positive_int(max_atoms_per_chunk, "max_atoms_per_chunk")
+    inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
+    B, H, Q, _ = q.shape
+    N, Dv = a.shape[2], a.shape[3]
+    dt, dev = q.dtype, q.device
+    # weights directly from the definition (a separate path from levy_attention's shifted form)
+    cos = _scores(inp)
+    w = inp.alpha[:, None, None] * torch.exp(inp.beta[:, None, None] * (cos - 1))
+    w = torch.where(mask[:, None, None, :], w, torch.zeros_like(w))  # (B, H, Q, N)
+    lam = w.sum(-1)  # (B, H, Q)
+    R = B * H * Q
+    cdf = w.reshape(R, N).cumsum(-1)
+    tot = cdf[:, -1:]
+    cdf = cdf / torch.where(tot > 0, tot, torch.ones_like(tot))  # last entry exactly 1
+    gcdf = (cdf + torch.arange(R, device=dev, dtype=dt)[:, None]).reshape(-1)
+    a_flat = torch.where(mask[:, None, :, None], a, torch.zeros_like(a)).reshape(B * H * N, Dv)
+    t_obs = torch.where(mask, times, torch.zeros_like(times))  # (B, N)
+    head_of_row = torch.arange(R, device=dev) // Q % H
+    batch_of_row = torch.arange(R, device=dev) // (Q * H)
+
+    counts = torch.poisson(lam.reshape(1, R).expand(S, R).contiguous(), generator=generator)
+    counts = counts.to(torch.long)  # (S, R)
+    values = torch.zeros(S, R, Dv, dtype=dt, device=dev)
+    per_draw = counts.sum(-1)  # (S,)
+    s0 = 0
+    while s0 < S:
+        # grow the chunk of draws until it holds about chunk_atoms atoms (at least one draw)
+        csum = torch.cumsum(per_draw[s0:], 0)
+        s1 = s0 + max(1, int((csum <= chunk_atoms).sum()))
+        cnt = counts[s0:s1].reshape(-1)  # ((s1 - s0) * R,)
+        n_atoms = int(cnt.sum())
+        if n_atoms:
+            slot = torch.repeat_interleave(torch.arange(cnt.numel(), device=dev), cnt)
+            row = slot % R
+            u = torch.rand(n_atoms, generator=generator, dtype=dt, device=dev)
+            pos = torch.searchsorted(gcdf, row.to(dt) + u, right=True)
+            i = (pos - row * N).clamp_(0, N - 1)
+            hd = head_of_row[row]
+            bt = batch_of_row[row]
+            v = a_flat[(bt * H + hd) * N + i]  # (n_atoms, Dv)
+            if inp.omega is not None and inp.phase is not None and inp.D is not None:
+                eps = torch.randn(n_atoms, generator=generator, dtype=dt, device=dev)
+                t = t_obs[bt, i] + inp.h[hd] * eps
+                g = torch.cos(t[:, None] * inp.omega[hd] + inp.phase[hd])  # (n_atoms, K)
+                for head in range(H):
+                    sel = (hd == head).nonzero().squeeze(-1)
+                    v.index_add_(0, sel, g[sel] @ inp.D[head].transpose(0, 1))
+            sums = torch.zeros(cnt.numel(), Dv, dtype=dt, device=dev).index_add_(0, slot, v)
+            values[s0:s1] = sums.reshape(s1 - s0, R, Dv)
+        s0 = s1
+    nonempty = counts >= 1
+    values = values / counts.clamp_min(1).to(dt)[..., None]
+    return LevySamples(
+        values=values.reshape(S, B, H, Q, Dv),
+        counts=counts.reshape(S, B, H, Q),
+        nonempty=nonempty.reshape(S, B, H, Q),
+    )
