@@ -6,4 +6,4 @@ bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} MPLBACKEND=Agg HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/mypy
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-2}" --durations=15 "$@"

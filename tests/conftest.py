@@ -11,7 +11,9 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# one thread per pytest-xdist worker (scripts/test.sh runs two workers on two cores)
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
 @pytest.fixture(autouse=True)
