@@ -1,0 +1,307 @@
+"""One interface for every uncertainty method: a :class:`Task`, a :class:`Method`, a registry.
+
+A :class:`Task` describes the problem generically, so the same method code serves an
+FT-Transformer on UCI (inputs ``(B, F)``, outputs ``(B,)``), a Hugging Face PatchTST (dict inputs,
+outputs ``(B, horizon, channels)``) and a ViT on ERA5 (outputs ``(B, lat, lon)``):
+
+* ``model``: the trained, frozen backbone every post-hoc method uses,
+* ``train``, ``val``, ``cal``: re-iterable ``(inputs, targets)`` batches (or ``(X, Y)`` tensors),
+* ``forward_fn(model, inputs) -> prediction`` shaped like the targets,
+* ``make_model(seed)`` and ``train_fn(model, train, val, seed)`` for methods that retrain
+  (deep ensemble, MultiSWAG, IVON, HSA).
+
+A :class:`Method` is fitted once (``fit(task)``) and then maps inputs to a predictive
+distribution (``predict(inputs)`` -> :class:`~attnuq.predictive.Predictive` with samples
+``(S, B, ...)`` or :class:`~attnuq.predictive.GaussianPredictive`). Each method books its extra
+cost in :class:`Cost`: seconds and example-forward passes spent fitting (beyond the frozen
+backbone), seconds predicting and forward passes per predicted input.
+
+Convention for the held-out parts: methods fit their own parameters (``nu``, sigma, prior
+precision, early stopping) on ``val``; split-conformal steps use ``cal``.
+
+Examples
+--------
+>>> from attnuq.baselines import make_method, available_methods
+>>> "gaussian" in available_methods()
+True
+>>> make_method("gaussian").name
+'gaussian'
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnuq.models.ft import Batches, as_batches, default_forward
+from attnuq.predictive import GaussianPredictive, Predictive
+
+__all__ = [
+    "Cost",
+    "Method",
+    "PredictiveLike",
+    "Task",
+    "available_methods",
+    "collect",
+    "conformal_quantile",
+    "make_method",
+    "register_method",
+]
+
+PredictiveLike = Predictive | GaussianPredictive
+
+
+@dataclass
+class Cost:
+    """Extra cost of a method beyond training the frozen backbone once.
+
+    ``fit_forward`` counts example-forwards during fitting (a training step on ``b`` rows counts
+    ``b``); ``predict_forward_per_input`` is the number of forward passes of the network per
+    predicted input (``S`` for a Monte Carlo method, 1 for a deterministic one).
+    """
+
+    fit_seconds: float = 0.0
+    fit_forward: int = 0
+    predict_seconds: float = 0.0
+    predict_forward_per_input: int = 0
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+@dataclass
+class Task:
+    """A trained model with its data, described generically (see module docstring).
+
+    Parameters
+    ----------
+    model
+        The trained backbone; post-hoc methods never change its weights.
+    train, val, cal
+        Batches of ``(inputs, targets)``; ``(X, Y)`` tensor pairs are batched with ``batch_size``.
+    forward_fn
+        ``forward_fn(model, inputs) -> Tensor`` shaped like the targets.
+    make_model
+        ``make_model(seed) -> nn.Module``: a fresh, untrained backbone (for retraining methods).
+    train_fn
+        ``train_fn(model, train, val, seed) -> None``: trains ``model`` in place with the backbone's
+        recipe (early stopping on ``val``).
+    n_train
+        Number of training examples (IVON's effective sample size); counted when ``None``.
+    member_dir
+        Optional folder where retrained members are cached as ``member<seed>.pt`` (+ cost JSON),
+        so interrupted benchmarks resume without retraining.
+    """
+
+    model: nn.Module
+    train: Batches
+    val: Batches
+    cal: Batches
+    forward_fn: Callable[[nn.Module, Any], torch.Tensor] = default_forward
+    make_model: Callable[[int], nn.Module] | None = None
+    train_fn: Callable[[nn.Module, Batches, Batches, int], Any] | None = None
+    n_train: int | None = None
+    batch_size: int = 256
+    member_dir: Path | None = None
+    _members: dict[int, tuple[nn.Module, Cost]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(self.model).__name__}")
+        self.train = as_batches(self.train, batch_size=self.batch_size, shuffle=True)
+        self.val = as_batches(self.val, batch_size=self.batch_size)
+        self.cal = as_batches(self.cal, batch_size=self.batch_size)
+        if self.n_train is None:
+            self.n_train = sum(len(t) for _, t in self.train)
+        if self.n_train < 1:
+            raise ValueError(f"training data is empty, got n_train={self.n_train}")
+
+    def forward(self, model: nn.Module, inputs: Any) -> torch.Tensor:
+        """``forward_fn(model, inputs)``."""
+        return self.forward_fn(model, inputs)
+
+    def require_retraining(
+        self, method: str
+    ) -> tuple[Callable[[int], nn.Module], Callable[..., Any]]:
+        """Return ``(make_model, train_fn)`` or raise naming the method that needs them."""
+        if self.make_model is None or self.train_fn is None:
+            raise ValueError(
+                f"method {method!r} retrains the backbone: the Task needs make_model and "
+                f"train_fn, got make_model={self.make_model!r}, train_fn={self.train_fn!r}"
+            )
+        return self.make_model, self.train_fn
+
+    def member(self, seed: int) -> tuple[nn.Module, Cost]:
+        """Backbone trained with ``seed``: seed 0 is the frozen ``model`` (no extra cost).
+
+        Other seeds are trained with ``make_model(seed)`` / ``train_fn`` once, then cached (in
+        memory and in ``member_dir``). The returned cost is what training the member took, also
+        when it comes from the cache, so every method that uses it books it honestly.
+        """
+        if seed == 0:
+            return self.model, Cost()
+        if seed in self._members:
+            return self._members[seed]
+        make_model, train_fn = self.require_retraining("member")
+        model = make_model(seed)
+        path = None if self.member_dir is None else Path(self.member_dir) / f"member{seed}.pt"
+        if path is not None and path.is_file() and path.with_suffix(".json").is_file():
+            model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            cost = Cost(**json.loads(path.with_suffix(".json").read_text()))
+        else:
+            t0 = time.perf_counter()
+            out = train_fn(model, self.train, self.val, seed)
+            n_fwd = int(getattr(out, "n_forward", 0))
+            cost = Cost(fit_seconds=time.perf_counter() - t0, fit_forward=n_fwd)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(model.state_dict(), path)
+                path.with_suffix(".json").write_text(json.dumps(cost.to_dict()))
+        model.eval()
+        self._members[seed] = (model, cost)
+        return model, cost
+
+
+def collect(
+    model: nn.Module,
+    batches: Batches,
+    forward_fn: Callable[[nn.Module, Any], torch.Tensor] = default_forward,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic predictions and targets over all batches, concatenated on dim 0."""
+    preds, ys = [], []
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        for inputs, targets in as_batches(batches):
+            preds.append(forward_fn(model, inputs))
+            ys.append(targets)
+    model.train(was)
+    if not preds:
+        raise ValueError("empty data: no batches")
+    p, y = torch.cat(preds), torch.cat(ys)
+    if p.shape != y.shape:
+        raise ValueError(
+            f"predictions {tuple(p.shape)} and targets {tuple(y.shape)} differ in shape"
+        )
+    return p, y
+
+
+def conformal_quantile(scores: torch.Tensor, alpha: float = 0.05) -> float:
+    """Split-conformal quantile: the ``ceil((n + 1)(1 - alpha))``-th smallest of ``n`` scores.
+
+    With exchangeable calibration and test points, ``score_test <= q`` holds with probability
+    ``>= 1 - alpha`` (Vovk et al. 2005; Lei et al. 2018). Raises if ``n`` is too small for
+    ``alpha`` (the quantile would be infinite).
+    """
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must lie in (0, 1), got {alpha=}")
+    s = scores.detach().reshape(-1).double()
+    if s.numel() == 0 or not bool(torch.isfinite(s).all()):
+        raise ValueError(f"scores must be non-empty and finite, got {s.numel()} scores")
+    n = s.numel()
+    k = math.ceil((n + 1) * (1.0 - alpha))
+    if k > n:
+        raise ValueError(f"{n} calibration scores are too few for {alpha=} (need >= {k})")
+    return float(torch.sort(s).values[k - 1])
+
+
+class Method(ABC):
+    """Base class: ``fit(task)`` then ``predict(inputs)``; keeps :attr:`cost` up to date."""
+
+    #: registry name, set by :func:`register_method`
+    name: str = "method"
+
+    def __init__(self) -> None:
+        self.cost = Cost()
+        self._task: Task | None = None
+
+    @property
+    def task(self) -> Task:
+        if self._task is None:
+            raise RuntimeError(f"method {self.name!r} is not fitted: call fit(task) first")
+        return self._task
+
+    def fit(self, task: Task) -> Method:
+        """Fit the method on ``task`` and return ``self``; the time goes to ``cost.fit_seconds``."""
+        if not isinstance(task, Task):
+            raise TypeError(f"task must be an attnuq.baselines.Task, got {type(task).__name__}")
+        self._task = task
+        t0 = time.perf_counter()
+        extra = self._fit(task)
+        self.cost.fit_seconds += time.perf_counter() - t0
+        if extra is not None:  # cached members: add their training cost, not the cache lookup
+            self.cost.fit_seconds += extra.fit_seconds
+            self.cost.fit_forward += extra.fit_forward
+        return self
+
+    def predict(self, inputs: Any) -> PredictiveLike:
+        """Predictive distribution for ``inputs`` (a batch the task's ``forward_fn`` accepts)."""
+        task = self.task
+        t0 = time.perf_counter()
+        pred, passes = self._predict(task, inputs)
+        self.cost.predict_seconds += time.perf_counter() - t0
+        self.cost.predict_forward_per_input = int(passes)
+        return pred
+
+    @abstractmethod
+    def _fit(self, task: Task) -> Cost | None:
+        """Fit; may return the cost of cached members to add to :attr:`cost`."""
+
+    @abstractmethod
+    def _predict(self, task: Task, inputs: Any) -> tuple[PredictiveLike, int]:
+        """Return the predictive distribution and the forward passes per input."""
+
+    def config(self) -> dict[str, Any]:
+        """JSON-serialisable settings of the method (for result files)."""
+        return {k: v for k, v in vars(self).items()
+                if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None)))}
+
+    def info(self) -> dict[str, Any]:
+        """Fitted quantities worth recording (``nu``, sigma, prior precision, ...)."""
+        return {}
+
+
+_METHODS: dict[str, tuple[type[Method], dict[str, Any]]] = {}
+
+
+def register_method(name: str, cls: type[Method], **defaults: Any) -> None:
+    """Register ``cls`` under ``name`` with default constructor keywords."""
+    _METHODS[name] = (cls, defaults)
+
+
+def available_methods() -> list[str]:
+    """Names accepted by :func:`make_method`."""
+    _load_all()
+    return list(_METHODS)
+
+
+def make_method(name: str, **kwargs: Any) -> Method:
+    """Build the method registered as ``name``; ``kwargs`` override its defaults."""
+    _load_all()
+    if name not in _METHODS:
+        raise ValueError(f"unknown method {name=!r}; known: {sorted(_METHODS)}")
+    cls, defaults = _METHODS[name]
+    m = cls(**{**defaults, **kwargs})
+    m.name = name
+    return m
+
+
+def _load_all() -> None:
+    import attnuq.baselines  # noqa: F401  (registers every method on import)
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A deep copy in eval mode (for methods that move weights, e.g. SWAG sampling)."""
+    m = copy.deepcopy(model)
+    m.eval()
+    return m

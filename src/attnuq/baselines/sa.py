@@ -1,0 +1,123 @@
+"""Stochastic attention (SA) on the frozen model, as a baseline-interface method.
+
+``fit``: ``nu`` is chosen with :func:`attnuq.calibrate` on the validation part (criterion
+``"paper"`` -- the paper's ``L_SA`` --, ``"scale"``, ``"crps"`` or ``"coverage"``; search
+``"bo"`` by default). ``predict``: ``n_samples`` stochastic passes with :func:`attnuq.predict`
+(or, for a custom ``forward_fn``, a loop under :func:`attnuq.stochastic`) give samples
+``(S, B, ...)``; the frozen output is attached.
+
+``conformal=True`` adds a split-conformal step on the ``cal`` part: the SA spread about its mean
+is scaled by the conformal factor of :func:`attnuq.baselines.calibration.coverage_scale`
+(normalised by the SA interval), which gives finite-sample coverage ``>= 1 - alpha`` of the
+central interval at ``level = 1 - alpha``.
+
+Examples
+--------
+>>> from attnuq.baselines import make_method
+>>> m = make_method("sa-conformal")
+>>> m.criterion, m.conformal
+('paper', True)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnuq._validation import check_positive_int
+from attnuq.baselines._base import Cost, Method, PredictiveLike, Task
+from attnuq.baselines.calibration import coverage_scale
+from attnuq.models.ft import default_forward
+from attnuq.predictive import Predictive
+
+__all__ = ["StochasticAttention"]
+
+_CRITERIA = ("paper", "scale", "crps", "coverage")
+
+
+class StochasticAttention(Method):
+    """SA with ``nu`` calibrated by ``criterion``; optionally conformalised on ``cal``."""
+
+    def __init__(
+        self,
+        criterion: str = "paper",
+        conformal: bool = False,
+        alpha: float = 0.05,
+        n_samples: int = 100,
+        search: str = "bo",
+        n_passes: int = 10,
+        seed: int = 0,
+        progress: bool = True,
+        **calibrate_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if criterion not in _CRITERIA:
+            raise ValueError(f"criterion must be one of {_CRITERIA}, got {criterion=!r}")
+        if not 0 < alpha < 1:
+            raise ValueError(f"alpha must lie in (0, 1), got {alpha=}")
+        self.criterion = criterion
+        self.conformal = bool(conformal)
+        self.alpha = float(alpha)
+        self.n_samples = check_positive_int(n_samples, "n_samples")
+        self.search = search
+        self.n_passes = check_positive_int(n_passes, "n_passes")
+        self.seed = int(seed)
+        self.progress = bool(progress)
+        self.calibrate_kwargs = calibrate_kwargs
+        self.nu: int | None = None
+        self.scale: float = 1.0
+        self.report: Any = None
+
+    def _fit(self, task: Task) -> Cost | None:
+        import attnuq
+
+        kw = dict(self.calibrate_kwargs)
+        if task.forward_fn is not default_forward:
+            kw.setdefault("forward_fn", task.forward_fn)
+        self.report = attnuq.calibrate(
+            task.model.eval(), task.val, criterion=self.criterion, search=self.search,
+            n_passes=self.n_passes, seed=self.seed, progress=self.progress, **kw,
+        )
+        self.nu = int(self.report.nu)
+        self.cost.fit_forward += int(getattr(self.report, "n_forward", 0) or 0)
+        self.scale = 1.0
+        if self.conformal:
+            preds, ys = [], []
+            for inputs, targets in task.cal:
+                preds.append(self._sa(task, inputs))
+                ys.append(targets)
+            pred = Predictive(samples=torch.cat([p.samples for p in preds], dim=1))
+            self.scale = coverage_scale(pred, torch.cat(ys), level=1.0 - self.alpha)
+            self.cost.fit_forward += self.n_samples * sum(len(y) for y in ys)
+        return None
+
+    def _sa(self, task: Task, inputs: Any) -> Predictive:
+        import attnuq
+
+        assert self.nu is not None
+        model = task.model.eval()
+        if task.forward_fn is default_forward and isinstance(inputs, torch.Tensor):
+            pred = attnuq.predict(model, inputs, nu=self.nu, n_samples=self.n_samples,
+                                  seed=self.seed, progress=False)
+            return Predictive(samples=pred.samples, frozen=pred.frozen)
+        with torch.no_grad():
+            frozen = task.forward(model, inputs)
+            with attnuq.stochastic(model, nu=self.nu, seed=self.seed):
+                samples = torch.stack([task.forward(model, inputs) for _ in range(self.n_samples)])
+        return Predictive(samples=samples, frozen=frozen)
+
+    def _predict(self, task: Task, inputs: Any) -> tuple[PredictiveLike, int]:
+        pred = self._sa(task, inputs)
+        if self.scale != 1.0:
+            pred = pred.scaled(self.scale)
+        return pred, self.n_samples
+
+    def info(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"nu": self.nu, "conformal_scale": self.scale}
+        for k in ("n_forward", "wall_time", "seconds"):
+            v = getattr(self.report, k, None)
+            if isinstance(v, (int, float)):
+                out[f"calibration_{k}"] = v
+        return out
+

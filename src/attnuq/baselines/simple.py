@@ -1,0 +1,155 @@
+"""Cheap baselines on the frozen model: homoscedastic Gaussian, split conformal, MC dropout.
+
+* ``gaussian``: ``N(f(x), sigma^2)`` with ``sigma^2 = mean_val (y - f(x))^2`` over every output
+  element of the validation part.
+* ``conformal``: split conformal on absolute residuals. The interval is ``f(x) +- q`` with ``q``
+  the ``ceil((n+1)(1-alpha))``-th smallest ``|y - f(x)|`` on the ``n`` calibration elements
+  (coverage ``>= 1 - alpha`` for exchangeable data). As a distribution (for PIT, CRPS, NLL) it
+  returns ``f(x) + r_i`` over the signed validation residuals ``r_i`` (the empirical residual
+  distribution), spread about its mean so that its central ``1 - alpha`` interval has half-width
+  ``q`` at the residuals' quantiles.
+* ``mc-dropout``: the frozen model with its dropout modules switched to training mode at test
+  time only (Gal & Ghahramani 2016); ``S`` passes give samples ``(S, B, ...)``.
+
+Examples
+--------
+>>> import torch
+>>> from torch import nn
+>>> from attnuq.baselines import Task, make_method
+>>> net = nn.Sequential(nn.Linear(2, 8), nn.Dropout(0.2), nn.Linear(8, 1), nn.Flatten(0))
+>>> x, y = torch.randn(40, 2), torch.randn(40)
+>>> task = Task(model=net.eval(), train=(x, y), val=(x, y), cal=(x, y))
+>>> make_method("gaussian").fit(task).predict(x[:5]).std.shape
+torch.Size([5])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnuq._validation import check_positive_int
+from attnuq.baselines._base import Cost, Method, PredictiveLike, Task, collect, conformal_quantile
+from attnuq.predictive import GaussianPredictive, Predictive
+
+__all__ = ["HomoscedasticGaussian", "MCDropout", "SplitConformal", "dropout_active"]
+
+
+class HomoscedasticGaussian(Method):
+    """``N(f(x), sigma^2)``, one ``sigma`` from validation residuals (RMS)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sigma: float | None = None
+
+    def _fit(self, task: Task) -> Cost | None:
+        pred, y = collect(task.model, task.val, task.forward_fn)
+        self.sigma = float(((pred - y) ** 2).mean().sqrt())
+        self.cost.fit_forward += y.shape[0]
+        if not self.sigma > 0:
+            raise ValueError(f"validation residuals are all zero: sigma={self.sigma}")
+        return None
+
+    def _predict(self, task: Task, inputs: Any) -> tuple[PredictiveLike, int]:
+        assert self.sigma is not None
+        with torch.no_grad():
+            mean = task.forward(task.model.eval(), inputs)
+        return GaussianPredictive(mean=mean, std=torch.full_like(mean, self.sigma)), 1
+
+    def info(self) -> dict[str, Any]:
+        return {"sigma": self.sigma}
+
+
+class SplitConformal(Method):
+    """Split conformal on absolute residuals of the frozen model (see module docstring)."""
+
+    def __init__(self, alpha: float = 0.05) -> None:
+        super().__init__()
+        if not 0 < alpha < 1:
+            raise ValueError(f"alpha must lie in (0, 1), got {alpha=}")
+        self.alpha = float(alpha)
+        self.q: float | None = None
+        self._residuals: torch.Tensor | None = None
+
+    def _fit(self, task: Task) -> Cost | None:
+        pv, yv = collect(task.model, task.val, task.forward_fn)
+        pc, yc = collect(task.model, task.cal, task.forward_fn)
+        self.cost.fit_forward += yv.shape[0] + yc.shape[0]
+        self.q = conformal_quantile((yc - pc).abs(), self.alpha)
+        r = (yv - pv).reshape(-1)
+        # Spread the residual distribution about its mean so that its central (1 - alpha)
+        # interval has half-width q (the conformal interval), keeping its shape for PIT/CRPS.
+        lo, hi = torch.quantile(r.double(), torch.tensor([self.alpha / 2, 1 - self.alpha / 2],
+                                                         dtype=torch.float64))
+        half = float(hi - lo) / 2
+        if not half > 0:
+            raise ValueError("validation residuals are degenerate (zero spread)")
+        m = r.mean()
+        self._residuals = (m + (r - m) * (self.q / half)).to(pv.dtype)
+        return None
+
+    def _predict(self, task: Task, inputs: Any) -> tuple[PredictiveLike, int]:
+        assert self._residuals is not None
+        with torch.no_grad():
+            f = task.forward(task.model.eval(), inputs)
+        shape = (-1,) + (1,) * f.dim()
+        return Predictive(samples=f.unsqueeze(0) + self._residuals.reshape(shape), frozen=f), 1
+
+    def info(self) -> dict[str, Any]:
+        return {"q": self.q}
+
+
+@contextmanager
+def dropout_active(model: nn.Module) -> Iterator[int]:
+    """Switch only the dropout modules of ``model`` to training mode; yields how many there are.
+
+    Everything else stays in eval mode (LayerNorm/BatchNorm statistics untouched); the previous
+    modes are restored on exit, exceptions included.
+    """
+    drops = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)
+             and m.p > 0]
+    modes = [m.training for m in drops]
+    try:
+        for m in drops:
+            m.train()
+        yield len(drops)
+    finally:
+        for m, t in zip(drops, modes, strict=True):
+            m.train(t)
+
+
+class MCDropout(Method):
+    """MC dropout on the frozen model: dropout active at test time only, ``n_samples`` passes."""
+
+    def __init__(self, n_samples: int = 100, seed: int = 0) -> None:
+        super().__init__()
+        self.n_samples = check_positive_int(n_samples, "n_samples")
+        self.seed = int(seed)
+
+    def _fit(self, task: Task) -> Cost | None:
+        with dropout_active(task.model) as n:
+            if n == 0:
+                raise ValueError(
+                    "mc-dropout needs a model with dropout modules of p > 0; "
+                    f"{type(task.model).__name__} has none"
+                )
+        return None
+
+    def _predict(self, task: Task, inputs: Any) -> tuple[PredictiveLike, int]:
+        model = task.model.eval()
+        gen_state = torch.get_rng_state()
+        torch.manual_seed(self.seed)
+        try:
+            with torch.no_grad():
+                frozen = task.forward(model, inputs)
+                with dropout_active(model):
+                    samples = torch.stack(
+                        [task.forward(model, inputs) for _ in range(self.n_samples)]
+                    )  # (S, B, ...)
+        finally:
+            torch.set_rng_state(gen_state)
+        return Predictive(samples=samples, frozen=frozen), self.n_samples

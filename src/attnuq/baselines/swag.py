@@ -1,0 +1,246 @@
+"""SWAG and MultiSWAG (Maddox et al. 2019; Wilson & Izmailov 2020), implemented here.
+
+There is no maintained pip package for SWAG usable here (the reference code,
+``wjmaddox/swa_gaussian``, is a research repository, not a package; ``torch-uncertainty`` has
+SWAG but needs torchvision, which does not import beside this CPU torch build), so the few lines
+of bookkeeping live in :class:`SWAGCollector`.
+
+From the trained weights, training continues for ``swag_epochs`` epochs at a constant learning
+rate; ``snapshots_per_epoch`` times per epoch the flat weight vector ``w_i`` is collected into
+
+* running first and second moments ``mean = 1/n sum w_i``, ``sq_mean = 1/n sum w_i^2``,
+* the deviation matrix ``D`` whose columns are ``w_i - mean_i`` (the running mean after adding
+  ``w_i``) for the last ``K = max_rank`` snapshots.
+
+Samples follow the SWAG formula
+
+    w = mean + 1/sqrt(2) * diag(Sigma_diag)^(1/2) z_1 + 1/sqrt(2 (K - 1)) * D z_2,
+
+``z_1 ~ N(0, I_P)``, ``z_2 ~ N(0, I_K)``, ``Sigma_diag = max(sq_mean - mean^2, var_clamp)``, i.e.
+``w ~ N(mean, (Sigma_diag + D D^T / (K - 1)) / 2)``. MultiSWAG fits one SWAG posterior per deep
+ensemble member and pools their samples.
+
+NOTE(paper): Maddox et al. run SGD with a constant (or cyclic) high learning rate; the
+FT-Transformer recipe is AdamW, so SWAG continues with AdamW at a constant learning rate
+(default: the recipe's 1e-4) for a budgeted number of epochs (default 10, 2 snapshots each).
+
+Examples
+--------
+>>> import torch
+>>> c = SWAGCollector(n_params=3, max_rank=4)
+>>> for _ in range(5):
+...     c.collect(torch.randn(3, dtype=torch.float64))
+>>> c.sample(torch.Generator().manual_seed(0)).shape
+torch.Size([3])
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from attnuq._validation import check_finite, check_positive_int
+from attnuq.baselines._base import Cost, Method, PredictiveLike, Task
+from attnuq.models.ft import _tqdm, as_batches, make_optimizer
+from attnuq.predictive import Predictive
+
+__all__ = ["SWAG", "MultiSWAG", "SWAGCollector", "fit_swag"]
+
+
+class SWAGCollector:
+    """Running moments and low-rank deviations of a flat weight vector (see module docstring).
+
+    Parameters
+    ----------
+    n_params
+        Length ``P`` of the flat weight vector.
+    max_rank
+        ``K``, the number of most recent deviation columns kept.
+    var_clamp
+        Lower bound on the diagonal variance.
+    """
+
+    def __init__(self, n_params: int, max_rank: int = 20, var_clamp: float = 1e-30) -> None:
+        self.n_params = check_positive_int(n_params, "n_params")
+        self.max_rank = check_positive_int(max_rank, "max_rank")
+        self.var_clamp = float(var_clamp)
+        self.n = 0
+        self.mean: torch.Tensor | None = None
+        self.sq_mean: torch.Tensor | None = None
+        self.deviations: list[torch.Tensor] = []
+
+    def collect(self, w: torch.Tensor) -> None:
+        """Add snapshot ``w`` of shape ``(P,)``."""
+        if w.dim() != 1 or w.numel() != self.n_params:
+            raise ValueError(f"w must have shape ({self.n_params},), got w.shape={tuple(w.shape)}")
+        check_finite(w, "w")
+        w = w.detach().clone()
+        if self.mean is None or self.sq_mean is None:
+            self.mean, self.sq_mean = torch.zeros_like(w), torch.zeros_like(w)
+        self.n += 1
+        self.mean += (w - self.mean) / self.n
+        self.sq_mean += (w * w - self.sq_mean) / self.n
+        self.deviations.append(w - self.mean)
+        if len(self.deviations) > self.max_rank:
+            self.deviations.pop(0)
+
+    @property
+    def variance(self) -> torch.Tensor:
+        """``(P,)`` diagonal variance ``max(sq_mean - mean^2, var_clamp)``."""
+        if self.mean is None or self.sq_mean is None:
+            raise RuntimeError("SWAGCollector is empty: collect snapshots first")
+        return (self.sq_mean - self.mean**2).clamp_min(self.var_clamp)
+
+    @property
+    def deviation_matrix(self) -> torch.Tensor:
+        """``(P, K)`` deviation columns, oldest first."""
+        if not self.deviations:
+            raise RuntimeError("SWAGCollector is empty: collect snapshots first")
+        return torch.stack(self.deviations, dim=1)
+
+    def covariance(self) -> torch.Tensor:
+        """``(P, P)`` dense covariance of :meth:`sample` (for small ``P`` / tests)."""
+        cov = torch.diag(self.variance)
+        if len(self.deviations) >= 2:
+            d = self.deviation_matrix
+            cov = cov + d @ d.T / (d.shape[1] - 1)
+        return cov / 2
+
+    def sample(self, generator: torch.Generator | None = None, scale: float = 1.0) -> torch.Tensor:
+        """One draw ``w ~ N(mean, scale * (Sigma_diag + D D^T/(K-1)) / 2)``, shape ``(P,)``."""
+        if self.n < 2:
+            raise RuntimeError(f"SWAG needs >= 2 snapshots to sample, got n={self.n}")
+        assert self.mean is not None
+        z1 = torch.randn(self.n_params, generator=generator, dtype=self.mean.dtype)
+        out = self.variance.sqrt() * z1
+        k = len(self.deviations)
+        if k >= 2:
+            z2 = torch.randn(k, generator=generator, dtype=self.mean.dtype)
+            out = out + self.deviation_matrix @ z2 / math.sqrt(k - 1)
+        return self.mean + math.sqrt(scale / 2.0) * out
+
+
+def fit_swag(
+    model: nn.Module,
+    task: Task,
+    *,
+    epochs: int = 10,
+    snapshots_per_epoch: int = 2,
+    lr: float = 1e-4,
+    weight_decay: float = 1e-5,
+    max_rank: int = 20,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[nn.Module, SWAGCollector, int]:
+    """Continue training a copy of ``model`` at constant ``lr`` and collect SWAG moments.
+
+    Returns ``(copy, collector, example_forwards)``; the copy holds the SWA mean afterwards.
+    """
+    epochs = check_positive_int(epochs, "epochs")
+    snapshots_per_epoch = check_positive_int(snapshots_per_epoch, "snapshots_per_epoch")
+    net = copy.deepcopy(model)
+    params = [p for p in net.parameters() if p.requires_grad]
+    coll = SWAGCollector(sum(p.numel() for p in params), max_rank=max_rank)
+    opt = make_optimizer(net, lr=lr, weight_decay=weight_decay)
+    batches = as_batches(task.train, shuffle=True, seed=seed)
+    n_steps = sum(1 for _ in batches)
+    marks = {
+        max(1, round((j + 1) * n_steps / snapshots_per_epoch))
+        for j in range(snapshots_per_epoch)
+    }
+    torch.manual_seed(seed)
+    n_fwd = 0
+    for _ in _tqdm(range(epochs), desc="swag", disable=not progress):
+        net.train()
+        for step, (inputs, targets) in enumerate(batches, start=1):
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(task.forward(net, inputs), targets)
+            loss.backward()
+            opt.step()
+            n_fwd += len(targets)
+            if step in marks:
+                coll.collect(parameters_to_vector(params).detach().double())
+    net.eval()
+    assert coll.mean is not None
+    vector_to_parameters(coll.mean.to(params[0].dtype), params)
+    return net, coll, n_fwd
+
+
+class SWAG(Method):
+    """SWAG around the frozen model (``n_members=1``) or MultiSWAG (``n_members > 1``).
+
+    Predicts with ``n_samples`` weight draws in total (split evenly over members).
+    """
+
+    def __init__(
+        self,
+        n_members: int = 1,
+        n_samples: int = 50,
+        epochs: int = 10,
+        snapshots_per_epoch: int = 2,
+        lr: float = 1e-4,
+        max_rank: int = 20,
+        seed: int = 0,
+        progress: bool = True,
+    ) -> None:
+        super().__init__()
+        self.n_members = check_positive_int(n_members, "n_members")
+        self.n_samples = check_positive_int(n_samples, "n_samples")
+        if self.n_samples < self.n_members:
+            raise ValueError(f"n_samples must be >= n_members, got {n_samples=}, {n_members=}")
+        self.epochs = check_positive_int(epochs, "epochs")
+        self.snapshots_per_epoch = check_positive_int(snapshots_per_epoch, "snapshots_per_epoch")
+        if not lr > 0:
+            raise ValueError(f"lr must be positive, got {lr=}")
+        self.lr = float(lr)
+        self.max_rank = check_positive_int(max_rank, "max_rank")
+        self.seed = int(seed)
+        self.progress = bool(progress)
+        self._posteriors: list[tuple[nn.Module, SWAGCollector]] = []
+
+    def _fit(self, task: Task) -> Cost | None:
+        if self.n_members > 1:
+            task.require_retraining(self.name)
+        extra = Cost()
+        self._posteriors = []
+        for k in range(self.n_members):
+            base, c = task.member(k)
+            extra.fit_seconds += c.fit_seconds
+            extra.fit_forward += c.fit_forward
+            net, coll, n_fwd = fit_swag(
+                base, task, epochs=self.epochs, snapshots_per_epoch=self.snapshots_per_epoch,
+                lr=self.lr, max_rank=self.max_rank, seed=self.seed + k, progress=self.progress,
+            )
+            self.cost.fit_forward += n_fwd
+            self._posteriors.append((net, coll))
+        return extra
+
+    def _predict(self, task: Task, inputs: Any) -> tuple[PredictiveLike, int]:
+        gen = torch.Generator().manual_seed(self.seed)
+        per = [self.n_samples // self.n_members + (k < self.n_samples % self.n_members)
+               for k in range(self.n_members)]
+        outs = []
+        with torch.no_grad():
+            for (net, coll), s in zip(self._posteriors, per, strict=True):
+                params = [p for p in net.parameters() if p.requires_grad]
+                keep = parameters_to_vector(params).clone()
+                net.eval()
+                try:
+                    for _ in range(s):
+                        vector_to_parameters(coll.sample(gen).to(keep.dtype), params)
+                        outs.append(task.forward(net, inputs))
+                finally:
+                    vector_to_parameters(keep, params)
+        return Predictive(samples=torch.stack(outs)), self.n_samples
+
+
+class MultiSWAG(SWAG):
+    """MultiSWAG: SWAG on each of ``n_members`` (default 5) ensemble members, samples pooled."""
+
+    def __init__(self, n_members: int = 5, **kwargs: Any) -> None:
+        super().__init__(n_members=n_members, **kwargs)
