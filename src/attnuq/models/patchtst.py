@@ -1,0 +1,298 @@
+"""Build, train, save and reload a Hugging Face ``PatchTSTForPrediction`` forecaster.
+
+This is the ETT backbone: a small multivariate PatchTST (channel-independent patches of length
+16 with stride 8, a few transformer layers) trained here with early stopping, written with
+``save_pretrained`` and read back with ``from_pretrained`` -- the same code path a user takes with
+a hub checkpoint. The reloaded model is then frozen and perturbed only at inference time.
+
+Shapes: ``past_values`` ``(B, L, C)`` -> forecast ``(B, H, C)``.
+
+Examples
+--------
+>>> import torch
+>>> m = build_patchtst(num_channels=2, context_length=32, prediction_length=8, d_model=16,
+...                    num_layers=1, num_heads=2, ffn_dim=16, patch_length=8, patch_stride=8)
+>>> f = PatchTSTForecaster(m).eval()
+>>> f(torch.randn(3, 32, 2)).shape
+torch.Size([3, 8, 2])
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnuq._validation import check_finite, check_positive_int
+
+__all__ = [
+    "PatchTSTForecaster",
+    "TrainReport",
+    "build_patchtst",
+    "load_patchtst",
+    "predict_batched",
+    "save_patchtst",
+    "train_forecaster",
+]
+
+
+def build_patchtst(
+    *,
+    num_channels: int,
+    context_length: int = 336,
+    prediction_length: int = 96,
+    d_model: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    ffn_dim: int = 64,
+    patch_length: int = 16,
+    patch_stride: int = 8,
+    dropout: float = 0.1,
+    seed: int = 0,
+) -> Any:
+    """A randomly initialised ``PatchTSTForPrediction`` (point forecasts, MSE loss).
+
+    ``dropout`` is used for attention, feed-forward, residual-path and head dropout, so that MC
+    dropout has something to switch on at test time. The model's own per-window ``"std"`` scaler
+    (RevIN-style instance normalisation) is kept on, as in the PatchTST paper.
+    """
+    from transformers import PatchTSTConfig, PatchTSTForPrediction
+
+    for name, v in (
+        ("num_channels", num_channels), ("context_length", context_length),
+        ("prediction_length", prediction_length), ("d_model", d_model),
+        ("num_layers", num_layers), ("num_heads", num_heads), ("ffn_dim", ffn_dim),
+        ("patch_length", patch_length), ("patch_stride", patch_stride),
+    ):
+        check_positive_int(v, name)
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must lie in [0, 1), got {dropout=}")
+    if d_model % num_heads:
+        raise ValueError(f"d_model must be divisible by num_heads, got {d_model=}, {num_heads=}")
+    if patch_length > context_length:
+        raise ValueError(f"patch_length must be <= context_length, got {patch_length=}")
+    config = PatchTSTConfig(
+        num_input_channels=num_channels,
+        context_length=context_length,
+        prediction_length=prediction_length,
+        patch_length=patch_length,
+        patch_stride=patch_stride,
+        d_model=d_model,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        ffn_dim=ffn_dim,
+        attention_dropout=dropout,
+        ff_dropout=dropout,
+        path_dropout=0.0,
+        positional_dropout=0.0,
+        head_dropout=dropout,
+        scaling="std",
+        loss="mse",
+        share_embedding=True,
+        channel_attention=False,
+        do_mask_input=False,
+    )
+    # eager attention: the SA patcher swaps the implementation for the length of its block
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = PatchTSTForPrediction(config)
+    return model
+
+
+class PatchTSTForecaster(nn.Module):
+    """``nn.Module`` view of a ``PatchTSTForPrediction``: ``forward(past) -> (B, H, C)`` tensor.
+
+    The wrapper holds the HF model as ``.model`` so that attention finders walk into it.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    @property
+    def _cfg(self) -> Any:
+        return self.model.config
+
+    @property
+    def context_length(self) -> int:
+        return int(self._cfg.context_length)
+
+    @property
+    def prediction_length(self) -> int:
+        return int(self._cfg.prediction_length)
+
+    @property
+    def num_channels(self) -> int:
+        return int(self._cfg.num_input_channels)
+
+    def forward(self, past: torch.Tensor) -> torch.Tensor:
+        if past.dim() != 3 or past.shape[1:] != (self.context_length, self.num_channels):
+            raise ValueError(
+                f"past must be (B, {self.context_length}, {self.num_channels}), "
+                f"got shape={tuple(past.shape)}"
+            )
+        out = self.model(past_values=past)
+        return out.prediction_outputs  # (B, H, C)
+
+
+def save_patchtst(model: nn.Module, path: str | os.PathLike[str]) -> Path:
+    """``save_pretrained`` the HF model (or the one inside a :class:`PatchTSTForecaster`)."""
+    hf = model.model if isinstance(model, PatchTSTForecaster) else model
+    if not hasattr(hf, "save_pretrained"):
+        raise TypeError(f"expected a PatchTSTForPrediction, got {type(hf).__name__}")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(out)  # type: ignore[operator]
+    return out
+
+
+def load_patchtst(path: str | os.PathLike[str]) -> PatchTSTForecaster:
+    """``PatchTSTForPrediction.from_pretrained(path)`` wrapped, in eval mode, weights frozen.
+
+    Raises ``FileNotFoundError`` naming the folder when it holds no ``config.json``.
+    """
+    from transformers import PatchTSTForPrediction
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"no saved PatchTST model (config.json) in {str(p)!r}")
+    hf = PatchTSTForPrediction.from_pretrained(str(p), attn_implementation="eager")
+    f = PatchTSTForecaster(hf).eval()
+    for prm in f.parameters():
+        prm.requires_grad_(False)
+    return f
+
+
+@dataclass
+class TrainReport:
+    """What :func:`train_forecaster` did: per-epoch losses, the best epoch, the time taken."""
+
+    train_loss: list[float] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+    best_epoch: int = -1
+    best_val: float = math.inf
+    epochs_run: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@torch.no_grad()
+def predict_batched(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int = 256
+) -> torch.Tensor:
+    """Apply ``fn`` to ``x`` in batches along axis 0 and concatenate."""
+    batch_size = check_positive_int(batch_size, "batch_size")
+    if x.shape[0] == 0:
+        raise ValueError("x is empty (0 rows)")
+    return torch.cat([fn(x[i : i + batch_size]) for i in range(0, x.shape[0], batch_size)])
+
+
+def train_forecaster(
+    model: nn.Module,
+    train: tuple[torch.Tensor, torch.Tensor],
+    val: tuple[torch.Tensor, torch.Tensor],
+    *,
+    epochs: int = 10,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    batch_size: int = 64,
+    patience: int = 3,
+    max_steps_per_epoch: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    desc: str = "train",
+) -> TrainReport:
+    """Train ``model`` (``forward(x) -> prediction``) on MSE with Adam and early stopping.
+
+    The weights of the epoch with the lowest validation MSE are restored at the end.
+
+    Parameters
+    ----------
+    model
+        Maps ``(B, ...)`` inputs to predictions with the targets' shape.
+    train, val
+        ``(inputs, targets)`` tensors, rows first.
+    epochs, patience
+        At most ``epochs`` epochs; stop after ``patience`` epochs without improvement.
+    max_steps_per_epoch
+        Optional cap on optimiser steps per epoch (random subset of batches), for CPU budgets.
+    """
+    from tqdm.auto import tqdm
+
+    epochs = check_positive_int(epochs, "epochs")
+    patience = check_positive_int(patience, "patience")
+    batch_size = check_positive_int(batch_size, "batch_size")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr=}")
+    xtr, ytr = train
+    xva, yva = val
+    for name, t in (("train inputs", xtr), ("train targets", ytr), ("val inputs", xva),
+                    ("val targets", yva)):
+        check_finite(t, name)
+    if xtr.shape[0] != ytr.shape[0] or xtr.shape[0] == 0:
+        raise ValueError(
+            f"train inputs/targets must have the same non-zero number of rows, got "
+            f"{xtr.shape[0]} and {ytr.shape[0]}"
+        )
+    if xva.shape[0] != yva.shape[0] or xva.shape[0] == 0:
+        raise ValueError(
+            f"val inputs/targets must have the same non-zero number of rows, got "
+            f"{xva.shape[0]} and {yva.shape[0]}"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    rep = TrainReport()
+    best_state = copy.deepcopy(model.state_dict())
+    bad = 0
+    t0 = time.perf_counter()
+    n = xtr.shape[0]
+    n_batches = math.ceil(n / batch_size)
+    steps = n_batches if max_steps_per_epoch is None else min(n_batches, max_steps_per_epoch)
+    for ep in range(epochs):
+        model.train()
+        perm = torch.randperm(n, generator=gen)
+        tot, cnt = 0.0, 0
+        bar = tqdm(range(steps), desc=f"{desc} ep{ep}", disable=not progress, leave=False)
+        for i in bar:
+            idx = perm[i * batch_size : (i + 1) * batch_size]
+            pred = model(xtr[idx])
+            loss = torch.nn.functional.mse_loss(pred, ytr[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            tot += float(loss.detach()) * len(idx)
+            cnt += len(idx)
+            rep.steps += 1
+        model.eval()
+        with torch.no_grad():
+            vp = predict_batched(model, xva, 512)
+            vl = float(torch.nn.functional.mse_loss(vp, yva))
+        rep.train_loss.append(tot / max(cnt, 1))
+        rep.val_loss.append(vl)
+        rep.epochs_run = ep + 1
+        if progress:
+            print(f"[{desc}] epoch {ep}: train {tot / max(cnt, 1):.4f} val {vl:.4f}", flush=True)
+        if vl < rep.best_val:
+            rep.best_val, rep.best_epoch, bad = vl, ep, 0
+            best_state = copy.deepcopy(model.state_dict())
+        else:
+            bad += 1
+            if bad >= patience:
+                break
+    model.load_state_dict(best_state)
+    model.eval()
+    rep.seconds = time.perf_counter() - t0
+    return rep
