@@ -251,24 +251,36 @@ def _validate(
 # ----------------------------------------------------------------------------- helpers
 
 
-def _blocked_matmul(x: torch.Tensor, y: torch.Tensor, block: int) -> torch.Tensor:
-    """``x @ y`` over the contraction dim ``N`` in zero-padded blocks accumulated in order.
-
-    ``x`` is ``(..., M, N)``, ``y`` is ``(..., N, P)``. For identical leading entries, appending
-    zero columns to ``x`` (rows to ``y``) leaves the result bit-identical.
-    """
-    n = x.shape[-1]
+def _split_blocks(inp: _Inputs, block: int) -> list[_Inputs]:
+    """Zero-pad the observation axis to a multiple of ``block`` and cut it into blocks."""
+    n = inp.k.shape[2]
     nb = max(1, -(-n // block))
     pad = nb * block - n
+    k, a, times, mask = inp.k, inp.a, inp.times, inp.mask
     if pad:
-        x = F.pad(x, (0, pad))
-        y = F.pad(y, (0, 0, 0, pad))
-    if nb == 1:
-        return x @ y
-    acc = x[..., :block].contiguous() @ y[..., :block, :].contiguous()
-    for j in range(1, nb):
+        k = F.pad(k, (0, 0, 0, pad))
+        a = F.pad(a, (0, 0, 0, pad))
+        times = F.pad(times, (0, pad))
+        mask = F.pad(mask, (0, pad), value=False)
+    out = []
+    for j in range(nb):
         sl = slice(j * block, (j + 1) * block)
-        acc = acc + x[..., sl].contiguous() @ y[..., sl, :].contiguous()
+        out.append(
+            inp._replace(
+                k=k[:, :, sl].contiguous(),
+                a=a[:, :, sl].contiguous(),
+                times=times[:, sl].contiguous(),
+                mask=mask[:, sl].contiguous(),
+            )
+        )
+    return out
+
+
+def _ordered_sum(xs: list[torch.Tensor]) -> torch.Tensor:
+    """``xs[0] + xs[1] + ...`` left to right (trailing exact zeros leave the bits unchanged)."""
+    acc = xs[0]
+    for x in xs[1:]:
+        acc = acc + x
     return acc
 
 
@@ -453,25 +465,36 @@ def levy_attention(
     inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
     B, H = q.shape[:2]
     Dv = a.shape[-1]
-    mask4 = mask[:, None, None, :]  # (B, 1, 1, N)
-
-    cos = _scores(inp)  # (B, H, Q, N)
-    s = inp.beta[:, None, None] * (cos - 1)  # <= 0
-    neg_inf = torch.tensor(float("-inf"), dtype=s.dtype, device=s.device)
-    mx = torch.where(mask4, s, neg_inf).amax(-1, keepdim=True).detach()  # order-independent
+    # Every per-observation quantity and every sum over observations is computed on fixed-size,
+    # zero-padded blocks of `block_size` observations, so that the same numbers meet the same
+    # kernels whatever the padded length N is (bit-identical under appended masked entries).
+    blocks = _split_blocks(inp, block_size)
+    cos_b = [_scores(blk) for blk in blocks]  # (B, H, Q, bs) each
+    mom_b = [_value_moments(blk) for blk in blocks]  # vbar, within: (B, H, bs, Dv) each
+    neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
+    s_b = [inp.beta[:, None, None] * (c - 1) for c in cos_b]  # <= 0
+    mx = torch.stack(
+        [torch.where(blk.mask[:, None, None, :], sb, neg_inf).amax(-1) for blk, sb in zip(
+            blocks, s_b, strict=True)],
+        dim=-1,
+    ).amax(-1, keepdim=True).detach()  # (B, H, Q, 1); max is exact and order-independent
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-    e = torch.where(mask4, torch.exp(torch.where(mask4, s - mx, torch.zeros_like(s))), 0.0)
-
-    vbar, within = _value_moments(inp)  # (B, H, N, Dv) each, masked rows zero
-    # reference: plain mean of vbar over observed entries (blocked, so padding-invariant)
-    obs = mask.to(q.dtype)[:, None, None, :]  # (B, 1, 1, N)
     count = mask.sum(-1).clamp_min(1).to(q.dtype)[:, None, None, None]
-    ref = _blocked_matmul(obs.expand(B, H, 1, -1), vbar, block_size) / count  # (B, H, 1, Dv)
-    vc = torch.where(mask[:, None, :, None], vbar - ref, torch.zeros_like(vbar))
-    sq = vc * vc if within is None else vc * vc + within
-    ones = obs.transpose(-1, -2).expand(B, H, -1, 1)  # (B, H, N, 1), zero on masked rows
-    vals = torch.cat([ones, vc, sq], dim=-1)  # (B, H, N, 1 + 2 Dv)
-    acc = _blocked_matmul(e, vals, block_size)  # (B, H, Q, 1 + 2 Dv)
+    # reference: plain mean of vbar over observed entries
+    ref = _ordered_sum(
+        [blk.mask.to(q.dtype)[:, None, None, :].expand(B, H, 1, -1) @ mb[0]
+         for blk, mb in zip(blocks, mom_b, strict=True)]
+    ) / count  # (B, H, 1, Dv)
+    parts = []
+    for blk, sb, (vbar, within) in zip(blocks, s_b, mom_b, strict=True):
+        m4 = blk.mask[:, None, None, :]  # (B, 1, 1, bs)
+        e = torch.where(m4, torch.exp(torch.where(m4, sb - mx, torch.zeros_like(sb))), 0.0)
+        obs = blk.mask[:, None, :, None]  # (B, 1, bs, 1)
+        vc = torch.where(obs, vbar - ref, torch.zeros_like(vbar))
+        sq = vc * vc if within is None else vc * vc + within
+        ones = obs.to(q.dtype).expand(B, H, -1, 1)  # zero on masked rows
+        parts.append(e @ torch.cat([ones, vc, sq], dim=-1))  # (B, H, Q, 1 + 2 Dv)
+    acc = _ordered_sum(parts)
 
     z = acc[..., 0]  # (B, H, Q)
     nonempty = z > 0
@@ -560,11 +583,19 @@ def levy_attention_sample(
     cdf = w.reshape(R, N).cumsum(-1)
     tot = cdf[:, -1:]
     cdf = cdf / torch.where(tot > 0, tot, torch.ones_like(tot))  # last entry exactly 1
-    gcdf = (cdf + torch.arange(R, device=dev, dtype=dt)[:, None]).reshape(-1)
+    gcdf = (cdf + torch.arange(R, device=dev, dtype=dt)[:, None]).reshape(-1)  # (R * N,)
+    # flat position r * N + i  ->  source row (b * H + h) * N + i of a, times and the head
+    r_idx = torch.arange(R, device=dev)
+    bh_of_row = r_idx // Q  # b * H + h
+    src_of_pos = (bh_of_row[:, None] * N + torch.arange(N, device=dev)).reshape(-1)
+    head_of_pos = (bh_of_row % H).repeat_interleave(N)
+    # last position with positive weight per row (guards u + r rounding up to r + 1)
+    pos_w = (w.reshape(R, N) > 0).to(torch.long) * torch.arange(1, N + 1, device=dev)
+    last_pos = r_idx * N + (pos_w.amax(-1) - 1).clamp_min(0)
     a_flat = torch.where(mask[:, None, :, None], a, torch.zeros_like(a)).reshape(B * H * N, Dv)
-    t_obs = torch.where(mask, times, torch.zeros_like(times))  # (B, N)
-    head_of_row = torch.arange(R, device=dev) // Q % H
-    batch_of_row = torch.arange(R, device=dev) // (Q * H)
+    t_flat = torch.where(mask, times, torch.zeros_like(times))[:, None, :].expand(B, H, N)
+    t_flat = t_flat.reshape(-1)
+    fourier = inp.omega is not None and inp.phase is not None and inp.D is not None
 
     counts = torch.poisson(lam.reshape(1, R).expand(S, R).contiguous(), generator=generator)
     counts = counts.to(torch.long)  # (S, R)
@@ -578,21 +609,26 @@ def levy_attention_sample(
         cnt = counts[s0:s1].reshape(-1)  # ((s1 - s0) * R,)
         n_atoms = int(cnt.sum())
         if n_atoms:
-            slot = torch.repeat_interleave(torch.arange(cnt.numel(), device=dev), cnt)
-            row = slot % R
+            slot = torch.repeat_interleave(cnt)  # draw-row slot of every atom
+            row = slot % R if R > 1 else torch.zeros_like(slot)
             u = torch.rand(n_atoms, generator=generator, dtype=dt, device=dev)
-            pos = torch.searchsorted(gcdf, row.to(dt) + u, right=True)
-            i = (pos - row * N).clamp_(0, N - 1)
-            hd = head_of_row[row]
-            bt = batch_of_row[row]
-            v = a_flat[(bt * H + hd) * N + i]  # (n_atoms, Dv)
-            if inp.omega is not None and inp.phase is not None and inp.D is not None:
+            pos = torch.searchsorted(gcdf, u.add_(row), right=True)
+            pos = torch.minimum(pos, last_pos[row])  # atom's (row, i) in the flat CDF
+            src = src_of_pos[pos]
+            v = a_flat[src]  # (n_atoms, Dv)
+            if fourier:
+                assert inp.omega is not None and inp.phase is not None and inp.D is not None
                 eps = torch.randn(n_atoms, generator=generator, dtype=dt, device=dev)
-                t = t_obs[bt, i] + inp.h[hd] * eps
-                g = torch.cos(t[:, None] * inp.omega[hd] + inp.phase[hd])  # (n_atoms, K)
-                for head in range(H):
-                    sel = (hd == head).nonzero().squeeze(-1)
-                    v.index_add_(0, sel, g[sel] @ inp.D[head].transpose(0, 1))
+                if H == 1:
+                    t = t_flat[src] + inp.h[0] * eps
+                    g = torch.cos(t[:, None] * inp.omega[0] + inp.phase[0])  # (n_atoms, K)
+                    v = v + g @ inp.D[0].transpose(0, 1)
+                else:
+                    hd = head_of_pos[pos]
+                    t = t_flat[src] + inp.h[hd] * eps
+                    g = torch.cos(t[:, None] * inp.omega[hd] + inp.phase[hd])  # (n_atoms, K)
+                    full = (g @ inp.D.reshape(H * Dv, -1).transpose(0, 1)).view(-1, H, Dv)
+                    v = v + full.gather(1, hd[:, None, None].expand(-1, 1, Dv))[:, 0]
             sums = torch.zeros(cnt.numel(), Dv, dtype=dt, device=dev).index_add_(0, slot, v)
             values[s0:s1] = sums.reshape(s1 - s0, R, Dv)
         s0 = s1

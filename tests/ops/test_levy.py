@@ -1,0 +1,358 @@
+"""levy_attention: closed form vs loop reference, explicit Poisson sampler, invariances, limits."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from tests.ops._reference_levy import ref_cosine_softmax, ref_levy
+
+from attnuq.ops import LevyResult, levy_attention, levy_attention_sample, poisson_phi
+
+F64 = torch.float64
+FIELDS = ("mean", "var", "evidence", "p_empty", "phi", "sigma", "sigma_dim")
+
+
+def make_problem(
+    B: int = 2,
+    H: int = 2,
+    Q: int = 3,
+    N: int = 7,
+    E: int = 4,
+    Dv: int = 3,
+    K: int = 4,
+    *,
+    fourier: bool = True,
+    dtype: torch.dtype = F64,
+    seed: int = 0,
+    p_obs: float = 0.75,
+) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Q, E, generator=g, dtype=dtype)
+    k = torch.randn(B, H, N, E, generator=g, dtype=dtype)
+    a = torch.randn(B, H, N, Dv, generator=g, dtype=dtype)
+    times = torch.rand(B, N, generator=g, dtype=dtype) * 6 - 1  # some negative, unsorted
+    mask = torch.rand(B, N, generator=g) < p_obs
+    mask[:, 0] = True
+    kw: dict[str, Any] = {
+        "alpha": torch.linspace(0.7, 1.9, H, dtype=dtype),
+        "beta": torch.linspace(1.5, 3.0, H, dtype=dtype),
+        "h": torch.linspace(0.2, 0.6, H, dtype=dtype),
+    }
+    if fourier:
+        kw["omega"] = torch.rand(H, K, generator=g, dtype=dtype) * 3
+        kw["phase"] = torch.rand(H, K, generator=g, dtype=dtype) * 2 * math.pi
+        kw["D"] = torch.randn(H, Dv, K, generator=g, dtype=dtype)
+    return (q, k, a, times, mask), kw
+
+
+def assert_result_close(r: LevyResult, s: LevyResult, atol: float, rtol: float = 0.0) -> None:
+    for f in FIELDS:
+        torch.testing.assert_close(getattr(r, f), getattr(s, f), atol=atol, rtol=rtol, msg=f)
+
+
+# ------------------------------------------------------------------------ closed form
+
+
+@pytest.mark.parametrize("fourier", [True, False])
+def test_matches_loop_reference(fourier: bool) -> None:
+    args, kw = make_problem(fourier=fourier)
+    r = levy_attention(*args, **kw)
+    ref = ref_levy(*args, **kw)
+    np.testing.assert_allclose(r.evidence.numpy(), ref["evidence"], rtol=1e-12, atol=0)
+    np.testing.assert_allclose(r.mean.numpy(), ref["mean"], rtol=0, atol=1e-11)
+    var_ref = np.diagonal(ref["cov"], axis1=-2, axis2=-1)
+    np.testing.assert_allclose(r.var.numpy(), var_ref, rtol=0, atol=1e-11)
+    phi = np.vectorize(lambda x: poisson_phi(torch.tensor(x, dtype=F64)).item())(ref["evidence"])
+    np.testing.assert_allclose(r.phi.numpy(), phi, rtol=1e-14)
+    np.testing.assert_allclose(
+        r.sigma.numpy(), np.sqrt(np.trace(ref["cov"], axis1=-2, axis2=-1) * phi), atol=1e-11
+    )
+    np.testing.assert_allclose(r.sigma_dim.numpy(), np.sqrt(var_ref * phi[..., None]), atol=1e-11)
+    torch.testing.assert_close(r.p_empty, torch.exp(-r.evidence), rtol=0, atol=0)
+
+
+def test_shapes_and_scalar_parameters() -> None:
+    args, kw = make_problem(B=3, H=4, Q=5, N=6, Dv=2, K=3)
+    kw.update(alpha=1.3, beta=2.0, h=0.4, omega=kw["omega"][0], phase=kw["phase"][0], D=kw["D"][0])
+    r = levy_attention(*args, **kw)
+    assert r.mean.shape == r.var.shape == r.sigma_dim.shape == (3, 4, 5, 2)
+    for f in ("evidence", "p_empty", "phi", "sigma"):
+        assert getattr(r, f).shape == (3, 4, 5)
+    ref = ref_levy(*args, **kw)
+    np.testing.assert_allclose(r.mean.numpy(), ref["mean"], atol=1e-11)
+
+
+# ------------------------------------------------------------------------ explicit sampler
+
+# Each setting: (alpha, beta, description). Per setting we compare, over the draws with N >= 1,
+# the empirical mean per value dimension with `mean`, the empirical E|Y - mu|^2 with
+# tr Sigma_V * phi(Lambda), the fraction of empty draws with p_empty and the mean atom count with
+# Lambda. Each comparison is a z-test with the standard error estimated from the same draws,
+# |z| <= 5: two-sided false-failure probability 5.7e-7 per comparison; with at most
+# 3 settings x 2 heads x (2 + 1 + 1 + 1) = 30 comparisons the suite fails by chance with
+# probability below 2e-5 (seeds are fixed, so a given run is deterministic). The Lambda > 50
+# setting uses one head only (1e5 draws x ~55 atoms is the cost driver).
+_MC_SETTINGS = [(0.06, 1.0, "Lambda < 0.5"), (1.0, 0.5, "Lambda ~ 2-4"), (14.0, 0.3, "Lambda > 50")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("alpha", "beta", "label"), _MC_SETTINGS)
+def test_sampler_matches_closed_form(alpha: float, beta: float, label: str) -> None:
+    S, Z = 100_000, 5.0
+    H = 1 if label == "Lambda > 50" else 2
+    args, kw = make_problem(B=1, H=H, Q=1, N=5, E=3, Dv=2, K=3, seed=3, p_obs=1.0)
+    kw.update(alpha=alpha, beta=beta)
+    r = levy_attention(*args, **kw)
+    lam = r.evidence.flatten()
+    if label == "Lambda < 0.5":
+        assert bool((lam < 0.5).all()), lam
+    if label == "Lambda > 50":
+        assert bool((lam > 50).all()), lam
+    smp = levy_attention_sample(
+        *args, **kw, num_samples=S, generator=torch.Generator().manual_seed(11)
+    )
+    assert smp.values.shape == (S, 1, H, 1, 2)
+    for hd in range(H):
+        cnt = smp.counts[:, 0, hd, 0].to(F64)
+        ne = smp.nonempty[:, 0, hd, 0]
+        lam_h = r.evidence[0, hd, 0]
+        # atom count ~ Poisson(Lambda): mean Lambda, standard error sqrt(Lambda / S)
+        assert abs(cnt.mean() - lam_h) <= Z * math.sqrt(lam_h / S)
+        # empty draws ~ Binomial(S, p_empty)
+        pe = r.p_empty[0, hd, 0]
+        assert abs((~ne).to(F64).mean() - pe) <= Z * math.sqrt(pe * (1 - pe) / S) + 1e-12
+        y = smp.values[ne, 0, hd, 0]  # (n, Dv)
+        n = y.shape[0]
+        mu = r.mean[0, hd, 0]
+        z_mean = (y.mean(0) - mu) / (y.std(0) / math.sqrt(n))
+        assert bool((z_mean.abs() <= Z).all()), (label, hd, z_mean)
+        d2 = ((y - mu) ** 2).sum(-1)
+        target = r.var[0, hd, 0].sum() * r.phi[0, hd, 0]
+        z_var = (d2.mean() - target) / (d2.std() / math.sqrt(n))
+        assert abs(z_var) <= Z, (label, hd, float(z_var), float(d2.mean()), float(target))
+
+
+def test_sampler_empty_series_and_shapes() -> None:
+    args, kw = make_problem(B=2, H=2, Q=2, N=4, Dv=2, K=3)
+    q, k, a, times, mask = args
+    mask = mask.clone()
+    mask[1] = False
+    smp = levy_attention_sample(q, k, a, times, mask, **kw, num_samples=50)
+    assert smp.values.shape == (50, 2, 2, 2, 2)
+    assert bool((smp.counts[:, 1] == 0).all()) and not bool(smp.nonempty[:, 1].any())
+    assert bool((smp.values[:, 1] == 0).all())
+
+
+# ------------------------------------------------------------------------ gradients
+
+
+def test_gradcheck_mean_and_sigma() -> None:
+    """gradcheck (float64) of mean, sigma, sigma_dim and evidence w.r.t. every input."""
+    args, kw = make_problem(B=1, H=2, Q=2, N=4, E=3, Dv=2, K=2)
+    q, k, a, times, mask = args
+    mask = torch.tensor([[True, True, False, True]])
+    names = ["q", "k", "a", "times", "alpha", "beta", "h", "omega", "phase", "D"]
+    leaves = [q, k, a, times, kw["alpha"], kw["beta"], kw["h"], kw["omega"], kw["phase"], kw["D"]]
+    leaves = [x.clone().requires_grad_(True) for x in leaves]
+
+    def f(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        d = dict(zip(names, xs, strict=True))
+        r = levy_attention(
+            d["q"], d["k"], d["a"], d["times"], mask,
+            alpha=d["alpha"], beta=d["beta"], h=d["h"], omega=d["omega"], phase=d["phase"],
+            D=d["D"], block_size=2,
+        )
+        return r.mean, r.sigma, r.sigma_dim, r.evidence
+
+    assert torch.autograd.gradcheck(f, tuple(leaves), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_gradients_finite_with_empty_series_and_large_beta() -> None:
+    args, kw = make_problem(B=2, H=2, Q=2, N=5)
+    q, k, a, times, mask = args
+    mask = mask.clone()
+    mask[1] = False
+    kw["beta"] = torch.tensor([2.0, 400.0], dtype=F64)  # exp(-800) underflows without the shift
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, a, times)]
+    r = levy_attention(*leaves, mask, **kw)
+    total = sum(getattr(r, f).sum() for f in FIELDS)
+    total.backward()
+    for x in leaves:
+        assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+    assert bool((r.evidence[0] > 0).all())
+
+
+# ------------------------------------------------------------------------ invariances
+
+
+@pytest.mark.parametrize("extra", [3, 300])
+def test_masked_padding_is_bit_identical(extra: int) -> None:
+    """Appending masked entries (holding NaN / garbage) leaves every output bit-identical.
+
+    ``extra = 300`` crosses the 128-observation block boundary twice.
+    """
+    args, kw = make_problem(B=2, H=2, Q=3, N=9)
+    q, k, a, times, mask = args
+    r = levy_attention(q, k, a, times, mask, **kw)
+    B, H, _, E = q.shape
+    g = torch.Generator().manual_seed(5)
+    k2 = torch.cat([k, torch.randn(B, H, extra, E, generator=g, dtype=F64) * 1e3], dim=2)
+    a2 = torch.cat([a, torch.full((B, H, extra, a.shape[-1]), math.nan, dtype=F64)], dim=2)
+    t2 = torch.cat([times, torch.full((B, extra), math.nan, dtype=F64)], dim=1)
+    m2 = torch.cat([mask, torch.zeros(B, extra, dtype=torch.bool)], dim=1)
+    r2 = levy_attention(q, k2, a2, t2, m2, **kw)
+    for f in FIELDS:
+        assert torch.equal(getattr(r, f), getattr(r2, f)), f
+    # changing what masked entries hold (in place, same N) also changes nothing
+    assert bool((~mask).any())
+    a3 = torch.where(mask[:, None, :, None], a, torch.full_like(a, 1e6))
+    t3 = torch.where(mask, times, torch.full_like(times, -7.0))
+    k3 = torch.where(mask[:, None, :, None], k, torch.full_like(k, 3.0))
+    r3 = levy_attention(q, k3, a3, t3, mask, **kw)
+    for f in FIELDS:
+        assert torch.equal(getattr(r, f), getattr(r3, f)), f
+
+
+def test_permutation_invariance() -> None:
+    args, kw = make_problem(B=2, H=2, Q=3, N=11)
+    q, k, a, times, mask = args
+    r = levy_attention(q, k, a, times, mask, **kw)
+    perm = torch.randperm(11, generator=torch.Generator().manual_seed(2))
+    r2 = levy_attention(q, k[:, :, perm], a[:, :, perm], times[:, perm], mask[:, perm], **kw)
+    assert_result_close(r, r2, atol=1e-12)
+
+
+def test_block_size_does_not_change_result() -> None:
+    args, kw = make_problem(N=10)
+    r = levy_attention(*args, **kw)
+    for bs in (1, 3, 10, 1000):
+        assert_result_close(r, levy_attention(*args, **kw, block_size=bs), atol=1e-13)
+
+
+# ------------------------------------------------------------------------ limits
+
+
+def test_h_zero_no_fourier_is_cosine_softmax() -> None:
+    args, _ = make_problem(fourier=False)
+    q, k, a, times, mask = args
+    for h in (0.0, 0.3):  # with D = 0 the bandwidth plays no role
+        r = levy_attention(q, k, a, times, mask, alpha=1.0, beta=2.5, h=h)
+        torch.testing.assert_close(
+            r.mean, ref_cosine_softmax(q, k, a, mask, 2.5), atol=1e-13, rtol=0
+        )
+    # D = 0 given explicitly is the same operator
+    z = levy_attention(
+        q, k, a, times, mask, alpha=1.0, beta=2.5, h=0.0,
+        omega=torch.rand(4, dtype=F64), phase=torch.rand(4, dtype=F64),
+        D=torch.zeros(a.shape[-1], 4, dtype=F64),
+    )
+    torch.testing.assert_close(z.mean, ref_cosine_softmax(q, k, a, mask, 2.5), atol=1e-13, rtol=0)
+
+
+def test_h_to_zero_is_continuous_and_removes_within_atom_variance() -> None:
+    """At h = 0 each atom of observation i carries exactly a_i + D g(t_i)."""
+    args, kw = make_problem()
+    q, k, a, times, mask = args
+    kw0 = dict(kw, h=0.0)
+    r0 = levy_attention(*args, **kw0)
+    r_small = levy_attention(*args, **dict(kw, h=1e-7))
+    assert_result_close(r0, r_small, atol=1e-10)
+    g = torch.cos(times[:, None, :, None] * kw["omega"][None, :, None] + kw["phase"][None, :, None])
+    v = a + torch.einsum("bhnk,hjk->bhnj", g, kw["D"])
+    r_plain = levy_attention(q, k, v, times, mask, alpha=kw["alpha"], beta=kw["beta"], h=0.0)
+    assert_result_close(r0, r_plain, atol=1e-12)
+
+
+def test_alpha_to_infinity_drives_sigma_to_zero() -> None:
+    args, kw = make_problem()
+    sig, tr = [], []
+    for alpha in (1.0, 1e2, 1e4, 1e6):
+        r = levy_attention(*args, **dict(kw, alpha=alpha))
+        sig.append(r.sigma)
+        tr.append(r.var.sum(-1))
+        # phi(Lambda) ~ 1/Lambda: sigma^2 Lambda -> tr Sigma_V, mean unchanged
+        torch.testing.assert_close(r.mean, levy_attention(*args, **kw).mean, atol=1e-12, rtol=0)
+    assert bool((sig[1] < sig[0]).all() and (sig[2] < sig[1]).all() and (sig[3] < sig[2]).all())
+    assert float((sig[3] / sig[0]).max()) < 1e-2
+    r = levy_attention(*args, **dict(kw, alpha=1e6))
+    torch.testing.assert_close(r.sigma**2 * r.evidence, tr[3], rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------------------------------ edge cases
+
+
+def test_empty_series_defined_output() -> None:
+    args, kw = make_problem(B=2)
+    q, k, a, times, mask = args
+    mask = mask.clone()
+    mask[0] = False
+    r = levy_attention(q, k, a, times, mask, **kw)
+    assert bool((r.evidence[0] == 0).all()) and bool((r.p_empty[0] == 1).all())
+    assert bool((r.mean[0] == 0).all()) and bool((r.var[0] == 0).all())
+    assert bool((r.sigma[0] == 0).all()) and bool((r.phi[0] == 1).all())
+    for f in FIELDS:
+        assert bool(torch.isfinite(getattr(r, f)).all()), f
+    # the other series is unaffected by its neighbour being empty
+    r1 = levy_attention(q[1:], k[1:], a[1:], times[1:], mask[1:], **kw)
+    assert_result_close(
+        LevyResult(**{f: getattr(r, f)[1:] for f in FIELDS}), r1, atol=1e-14
+    )
+
+
+def test_negative_and_unsorted_times_are_allowed() -> None:
+    args, kw = make_problem()
+    q, k, a, times, mask = args
+    shifted = times - 100.0
+    r = levy_attention(q, k, a, shifted, mask, **kw)
+    ref = ref_levy(q, k, a, shifted, mask, **kw)
+    np.testing.assert_allclose(r.mean.numpy(), ref["mean"], atol=1e-10)
+
+
+def test_float32_close_to_float64() -> None:
+    args, kw = make_problem(N=40, seed=4)
+    r64 = levy_attention(*args, **kw)
+    args32 = tuple(x.float() if x.is_floating_point() else x for x in args)
+    kw32 = {key: v.float() for key, v in kw.items()}
+    r32 = levy_attention(*args32, **kw32)
+    for f in FIELDS:
+        torch.testing.assert_close(getattr(r32, f).double(), getattr(r64, f), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"times_nan": True}, "times"),
+        ({"a_nan": True}, "a contains"),
+        ({"alpha": 0.0}, "alpha"),
+        ({"beta": -1.0}, "beta"),
+        ({"h": -0.1}, "h must"),
+        ({"D": None}, "together"),
+        ({"alpha": torch.ones(3)}, "alpha"),
+    ],
+)
+def test_bad_input(change: dict[str, Any], match: str) -> None:
+    args, kw = make_problem()
+    q, k, a, times, mask = args
+    times, a = times.clone(), a.clone()
+    if change.pop("times_nan", False):
+        times[0, 0] = math.nan  # entry 0 is observed
+    if change.pop("a_nan", False):
+        a[0, 1, 0, 0] = math.nan
+    kw.update(change)
+    with pytest.raises(ValueError, match=match):
+        levy_attention(q, k, a, times, mask, **kw)
+
+
+def test_bad_shapes() -> None:
+    args, kw = make_problem()
+    q, k, a, times, mask = args
+    with pytest.raises(ValueError, match="times and mask"):
+        levy_attention(q, k, a, times[:, :-1], mask, **kw)
+    with pytest.raises(ValueError, match="a must be"):
+        levy_attention(q, k, a[:, :, :-1], times, mask, **kw)
+    with pytest.raises(TypeError, match="mask"):
+        levy_attention(q, k, a, times, mask.long(), **kw)
