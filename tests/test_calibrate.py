@@ -1,0 +1,153 @@
+"""calibrate(): recovers a known optimum with grid and BO; report, errors, input forms."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from tests._reference_calibration import make_uniform_problem
+from torch import nn
+
+from attnuq.calibrate import CalibrationReport, calibrate
+
+C, SIGMA = 4.0, 1.0
+# Gaussian limit (the multinomial mean of nu >= 16 Hadamard rows is close to it):
+# R = (c/sqrt(nu)) chi_E, Z = sigma chi_E, kappa = E[chi^2]/E[chi]^2. scale/crps/coverage are
+# optimal at c^2/nu = sigma^2. L_SA (M passes, plug-in estimator) is minimised where
+# E R = E Z / (kappa + (kappa - 1)/M).
+E_DIM, M = 8, 10
+E_CHI = math.sqrt(2) * math.gamma((E_DIM + 1) / 2) / math.gamma(E_DIM / 2)
+KAPPA = E_DIM / E_CHI**2
+NU_STAR = {
+    "scale": C**2 / SIGMA**2,
+    "crps": C**2 / SIGMA**2,
+    "coverage": C**2 / SIGMA**2,
+    "paper": (C / SIGMA * (KAPPA + (KAPPA - 1) / M)) ** 2,
+}
+
+
+@pytest.fixture(scope="module")
+def problem() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    model, v, y = make_uniform_problem(n=128, e=E_DIM, c=C, sigma=SIGMA)
+    return model, [(v[i : i + 64], y[i : i + 64]) for i in range(0, 128, 64)]
+
+
+# a smaller search than the defaults to keep the test fast: 17 grid points (ratio sqrt 2)
+RANGE = (2, 512)
+KW = {"nu_range": RANGE, "n_passes": M, "progress": False}
+
+
+@pytest.mark.parametrize("criterion", ["scale", "paper", "crps", "coverage"])
+def test_grid_and_bo_recover_known_optimum(problem, criterion: str) -> None:  # type: ignore[no-untyped-def]
+    model, data = problem
+    nu_star = NU_STAR[criterion]
+    grid = calibrate(model, data, criterion=criterion, search="grid", grid_size=17, **KW)
+    bo = calibrate(model, data, criterion=criterion, search="bo", max_evals=5, **KW)
+    assert len(grid.evaluations) == 17
+    assert grid.noise_band is not None and grid.nu in grid.noise_band
+    # the analytic optimum lies inside the grid's noise band (between its extreme members)
+    assert min(grid.noise_band) <= nu_star <= max(grid.noise_band)
+    # BO lands in the band: its nu lies between the grid neighbours just outside the band ...
+    step = math.sqrt(2.0)  # grid ratio (512/2)^(1/16)
+    assert min(grid.noise_band) / step < bo.nu < max(grid.noise_band) * step
+    # ... and its measured objective is within 5 paired standard errors of the grid minimum
+    # (same examples; normal approximation -> false failure < 1e-6).
+    gi, bi = grid.chosen.influence, bo.chosen.influence
+    assert gi is not None and bi is not None
+    se_d = float(np.std(bi - gi, ddof=1)) / math.sqrt(len(gi))
+    assert bo.chosen.objective - grid.chosen.objective <= 5 * se_d + 1e-12
+    # with at most a third of the grid's forward passes
+    assert bo.forward_passes <= grid.forward_passes / 3
+    # the surrogate recovers the exact exponent s(nu) ~ nu^(-1/2) (5 posterior sd)
+    a_mean, a_sd = bo.surrogate["mean"][1], math.sqrt(bo.surrogate["cov"][1][1])  # type: ignore[index]
+    assert abs(a_mean + 0.5) < 5 * a_sd + 0.02
+    if criterion == "scale":
+        # ln nu_hat = ln nu* + 2 (ln s0_hat - ln s0) + ...: 5 sd of that plus integer rounding
+        tol = 2 * 5 * math.sqrt(2) * bo.chosen.se + math.log1p(1 / nu_star)
+        assert abs(math.log(bo.nu / nu_star)) < tol
+
+
+def test_report_roundtrip_and_contents(problem, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model, data = problem
+    rep = calibrate(model, data, criterion="paper", search="bo", **KW)
+    assert rep.nu in [e.nu for e in rep.evaluations]
+    assert rep.forward_passes == 1 + rep.n_passes * len(rep.evaluations)
+    assert rep.n_examples == 128 and rep.wall_time > 0
+    for e in rep.evaluations:
+        assert e.se > 0 and math.isfinite(e.objective)
+        assert set(e.values) == {"l_sa", "crps", "coverage", "scale_ratio"}
+        assert e.values["l_sa"] == pytest.approx(e.objective)
+    path = rep.save(tmp_path / "r.json")
+    back = CalibrationReport.load(path)
+    assert back.to_dict() == rep.to_dict()
+    assert CalibrationReport.from_json(rep.to_json()).nu == rep.nu
+    lo, hi = rep.nu_interval  # type: ignore[misc]
+    assert RANGE[0] <= lo <= hi <= RANGE[1]
+    with pytest.raises(KeyError, match="not evaluated"):
+        rep.evaluation(999_999)
+
+
+def test_same_seed_same_report_and_input_forms(problem) -> None:  # type: ignore[no-untyped-def]
+    model, data = problem
+    v, y = data[0]
+    a = calibrate(model, [(v, y)], criterion="scale", search="bo", progress=False)
+    b = calibrate(model, [((v,), y)], criterion="scale", search="bo", progress=False)
+    c = calibrate(model, [({"v": v, "scale": 1.0}, y)], criterion="scale", progress=False)
+    assert a.nu == b.nu == c.nu
+    assert [e.objective for e in a.evaluations] == [e.objective for e in c.evaluations]
+    # output_fn maps a structured output to the prediction
+    wrapped = calibrate(
+        _TupleOut(model).eval(), [(v, y)], criterion="scale", output_fn=lambda o: o["pred"],
+        progress=False,
+    )
+    assert wrapped.nu == a.nu
+
+
+class _TupleOut(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"pred": self.inner(v)}
+
+
+class _Bypass(nn.Module):
+    """Holds an attention module that the forward pass never reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        return self.lin(v.mean(1))
+
+
+def test_clear_errors(problem) -> None:  # type: ignore[no-untyped-def]
+    model, data = problem
+    v, y = data[0]
+    with pytest.raises(ValueError, match="data is empty"):
+        calibrate(model, [], progress=False)
+    bad = y.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"targets .*non-finite"):
+        calibrate(model, [(v, bad)], progress=False)
+    with pytest.raises(ValueError, match=r"prediction.shape=\(64, 8\) and targets.shape=\(64, 3\)"):
+        calibrate(model, [(v, y[:, :3])], progress=False)
+    with pytest.raises(RuntimeError, match="did not change under stochastic attention"):
+        calibrate(_Bypass().eval(), [(v, y)], progress=False)
+    with pytest.raises(ValueError, match="no attention site"):
+        calibrate(nn.Sequential(nn.Flatten(), nn.Linear(256, 8)).eval(), [(v, y)], progress=False)
+    with pytest.raises(ValueError, match="criterion"):
+        calibrate(model, data, criterion="nll", progress=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="search"):
+        calibrate(model, data, search="random", progress=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="nu_range"):
+        calibrate(model, data, nu_range=(0, 10), progress=False)
+    with pytest.raises(ValueError, match="n_passes"):
+        calibrate(model, data, n_passes=1, progress=False)
+    with pytest.raises(TypeError, match="data must be an iterable"):
+        calibrate(model, v, progress=False)  # type: ignore[arg-type]
