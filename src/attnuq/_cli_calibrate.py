@@ -195,7 +195,7 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
             "criterion": args.criterion,
             "search": args.search,
             "held-out rows": len(y),
-            "forward passes": report.n_forward,
+            "forward passes": report.forward_passes,
         },
         "tables": [],
         "figures": [{"file": "calibration_curve.png", "caption": "objective against nu"}],
