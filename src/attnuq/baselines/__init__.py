@@ -39,7 +39,6 @@ from attnuq.baselines._base import (
     Task,
     available_methods,
     collect,
-    conformal_quantile,
     make_method,
     register_method,
 )
@@ -84,7 +83,6 @@ __all__ = [
     "Task",
     "available_methods",
     "collect",
-    "conformal_quantile",
     "coverage_scale",
     "gumbel_attention",
     "make_method",

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -53,7 +52,6 @@ __all__ = [
     "Task",
     "available_methods",
     "collect",
-    "conformal_quantile",
     "make_method",
     "register_method",
 ]
@@ -194,25 +192,6 @@ def collect(
             f"predictions {tuple(p.shape)} and targets {tuple(y.shape)} differ in shape"
         )
     return p, y
-
-
-def conformal_quantile(scores: torch.Tensor, alpha: float = 0.05) -> float:
-    """Split-conformal quantile: the ``ceil((n + 1)(1 - alpha))``-th smallest of ``n`` scores.
-
-    With exchangeable calibration and test points, ``score_test <= q`` holds with probability
-    ``>= 1 - alpha`` (Vovk et al. 2005; Lei et al. 2018). Raises if ``n`` is too small for
-    ``alpha`` (the quantile would be infinite).
-    """
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"alpha must lie in (0, 1), got {alpha=}")
-    s = scores.detach().reshape(-1).double()
-    if s.numel() == 0 or not bool(torch.isfinite(s).all()):
-        raise ValueError(f"scores must be non-empty and finite, got {s.numel()} scores")
-    n = s.numel()
-    k = math.ceil((n + 1) * (1.0 - alpha))
-    if k > n:
-        raise ValueError(f"{n} calibration scores are too few for {alpha=} (need >= {k})")
-    return float(torch.sort(s).values[k - 1])
 
 
 class Method(ABC):

@@ -1,18 +1,14 @@
-"""Rescaling a predictive distribution's central interval to a target coverage.
+"""Unified coverage calibration: every method's interval scaled to the same held-out coverage.
 
-For a central ``level`` interval ``[l, u]`` around the predictive mean ``m``, scaling the spread
-about ``m`` by ``c > 0`` gives ``[m - c (m - l), m + c (u - m)]`` (exact for both
-:class:`~attnuq.predictive.Predictive` -- quantiles of ``m + c (x - m)`` -- and
-:class:`~attnuq.predictive.GaussianPredictive`). Each held-out pair ``(x_i, y_i)`` needs
+A thin layer over :mod:`attnuq.conformal` (normalised split conformal): for a central ``level``
+interval ``[l, u]`` around the predictive mean ``m``, scaling the spread about ``m`` by ``c``
+gives ``[m - c (m - l), m + c (u - m)]``; each held-out pair needs the score
+``c_i = max((m - y)/(m - l), (y - m)/(u - m))_+`` (:func:`needed_scales`), and the factor is the
+``ceil((n + 1) level)``-th smallest score (:func:`coverage_scale`), which gives coverage
+``>= level`` for a new exchangeable point.
 
-    c_i = (y_i - m_i) / (u_i - m_i)  if y_i >= m_i,   else  (m_i - y_i) / (m_i - l_i)
-
-to be covered. The split-conformal factor is the ``ceil((n + 1) level)``-th smallest ``c_i``;
-then a new exchangeable point is covered with probability ``>= level`` (finite-sample guarantee of
-split conformal prediction with the normalised score ``c_i``).
-
-This is used twice: as the "+ conformal" step of SA (on the ``cal`` part) and as the benchmark's
-unified coverage calibration that puts every method on the same coverage before comparing widths.
+Used twice: as the "+ conformal" step of SA (on the ``cal`` part) and as the benchmark's unified
+coverage calibration that puts every method on the same coverage before widths are compared.
 
 Examples
 --------
@@ -28,46 +24,20 @@ from __future__ import annotations
 
 import torch
 
-from attnuq.baselines._base import PredictiveLike, conformal_quantile
-from attnuq.predictive import GaussianPredictive, check_level
+from attnuq.baselines._base import PredictiveLike
+from attnuq.conformal import conformal_scale, conformal_scores
+from attnuq.predictive import check_level
 
-__all__ = ["coverage_scale", "needed_scales", "predictive_center"]
-
-
-def predictive_center(pred: PredictiveLike) -> torch.Tensor:
-    """``(B, ...)`` the point about which :meth:`scaled` scales: the mean."""
-    return pred.mean
+__all__ = ["coverage_scale", "needed_scales"]
 
 
 def needed_scales(pred: PredictiveLike, targets: torch.Tensor, level: float = 0.95) -> torch.Tensor:
-    """Per-element scale ``c_i`` that puts ``targets`` on the edge of the scaled interval.
-
-    Returns ``(N,)`` (all elements flattened), ``inf`` where the interval has zero width on the
-    side of the target.
-    """
+    """``(B, ...)`` scale each target needs to lie on the edge of the scaled ``level`` interval."""
     level = check_level(level)
-    lo, hi = pred.interval(level)
-    m = predictive_center(pred)
-    if targets.shape != m.shape:
-        raise ValueError(
-            f"targets must have the predictive's shape {tuple(m.shape)}, got {tuple(targets.shape)}"
-        )
-    if not bool(torch.isfinite(targets).all()):
-        raise ValueError("targets contain non-finite values")
-    y, m, lo, hi = (t.double().reshape(-1) for t in (targets, m, lo, hi))
-    up = y >= m
-    num = torch.where(up, y - m, m - y)
-    den = torch.where(up, hi - m, m - lo).clamp_min(0)
-    c = torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, torch.inf, 0.0))
-    return c
+    return conformal_scores(pred, targets, alpha=1.0 - level)
 
 
 def coverage_scale(pred: PredictiveLike, targets: torch.Tensor, level: float = 0.95) -> float:
-    """Split-conformal scale factor so that ``pred.scaled(c).interval(level)`` covers ``level``."""
-    c = needed_scales(pred, targets, level)
-    if bool(torch.isinf(c).any()):
-        n_inf = int(torch.isinf(c).sum())
-        if isinstance(pred, GaussianPredictive):
-            raise ValueError(f"{n_inf} held-out targets fall where the predictive std is zero")
-        c = torch.where(torch.isinf(c), torch.finfo(torch.float64).max, c)
-    return conformal_quantile(c, alpha=1.0 - level)
+    """Split-conformal factor ``c`` so that ``pred.scaled(c).interval(level)`` covers ``level``."""
+    level = check_level(level)
+    return float(conformal_scale(pred, targets, alpha=1.0 - level).factor)

@@ -3,8 +3,8 @@
 ``fit``: ``nu`` is chosen with :func:`attnuq.calibrate` on the validation part (criterion
 ``"paper"`` -- the paper's ``L_SA`` --, ``"scale"``, ``"crps"`` or ``"coverage"``; search
 ``"bo"`` by default). ``predict``: ``n_samples`` stochastic passes with :func:`attnuq.predict`
-(or, for a custom ``forward_fn``, a loop under :func:`attnuq.stochastic`) give samples
-``(S, B, ...)``; the frozen output is attached.
+give samples ``(S, B, ...)`` with the frozen output attached; a custom ``forward_fn`` is
+wrapped in a module whose ``forward(inputs)`` calls it, so any input form works.
 
 ``conformal=True`` adds a split-conformal step on the ``cal`` part: the SA spread about its mean
 is scaled by the conformal factor of :func:`attnuq.baselines.calibration.coverage_scale`
@@ -21,9 +21,11 @@ Examples
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from attnuq._validation import check_positive_int
 from attnuq.baselines._base import Cost, Method, PredictiveLike, Task
@@ -70,17 +72,17 @@ class StochasticAttention(Method):
         self.report: Any = None
 
     def _fit(self, task: Task) -> Cost | None:
-        import attnuq
+        from attnuq.calibrate import calibrate
 
-        kw = dict(self.calibrate_kwargs)
-        if task.forward_fn is not default_forward:
-            kw.setdefault("forward_fn", task.forward_fn)
-        self.report = attnuq.calibrate(
-            task.model.eval(), task.val, criterion=self.criterion, search=self.search,
-            n_passes=self.n_passes, seed=self.seed, progress=self.progress, **kw,
+        model = _sa_model(task)
+        self.report = calibrate(
+            model, task.val, criterion=self.criterion, search=self.search,  # type: ignore[arg-type]
+            n_passes=self.n_passes, seed=self.seed, progress=self.progress,
+            **self.calibrate_kwargs,
         )
         self.nu = int(self.report.nu)
-        self.cost.fit_forward += int(getattr(self.report, "n_forward", 0) or 0)
+        # passes over the validation part (1 frozen + n_passes per evaluated nu) x examples
+        self.cost.fit_forward += int(self.report.forward_passes) * int(self.report.n_examples)
         self.scale = 1.0
         if self.conformal:
             preds, ys = [], []
@@ -93,19 +95,14 @@ class StochasticAttention(Method):
         return None
 
     def _sa(self, task: Task, inputs: Any) -> Predictive:
-        import attnuq
+        # NOTE: ``attnuq.predict`` is shadowed by the submodule ``attnuq.predict`` once that is
+        # imported, so import the function from its module.
+        from attnuq.predict import predict
 
         assert self.nu is not None
-        model = task.model.eval()
-        if task.forward_fn is default_forward and isinstance(inputs, torch.Tensor):
-            pred = attnuq.predict(model, inputs, nu=self.nu, n_samples=self.n_samples,
-                                  seed=self.seed, progress=False)
-            return Predictive(samples=pred.samples, frozen=pred.frozen)
-        with torch.no_grad():
-            frozen = task.forward(model, inputs)
-            with attnuq.stochastic(model, nu=self.nu, seed=self.seed):
-                samples = torch.stack([task.forward(model, inputs) for _ in range(self.n_samples)])
-        return Predictive(samples=samples, frozen=frozen)
+        pred = predict(_sa_model(task), inputs, nu=self.nu, n_samples=self.n_samples,
+                       seed=self.seed, progress=False)
+        return Predictive(samples=pred.samples, frozen=pred.frozen)
 
     def _predict(self, task: Task, inputs: Any) -> tuple[PredictiveLike, int]:
         pred = self._sa(task, inputs)
@@ -115,9 +112,35 @@ class StochasticAttention(Method):
 
     def info(self) -> dict[str, Any]:
         out: dict[str, Any] = {"nu": self.nu, "conformal_scale": self.scale}
-        for k in ("n_forward", "wall_time", "seconds"):
-            v = getattr(self.report, k, None)
-            if isinstance(v, (int, float)):
-                out[f"calibration_{k}"] = v
+        if self.report is not None:
+            out["calibration_passes"] = int(self.report.forward_passes)
+            out["calibration_seconds"] = float(self.report.wall_time)
+            out["evaluated_nu"] = [int(e.nu) for e in self.report.evaluations]
         return out
 
+
+class _ForwardModule(nn.Module):
+    """``forward(inputs) = forward_fn(model, inputs)``, so SA code calling ``module(inputs)``
+    (tensor, ``*tuple`` or ``**dict``) sees the task's prediction; the attention modules of
+    ``model`` stay reachable as submodules for patching."""
+
+    def __init__(self, model: nn.Module, forward_fn: Callable[[nn.Module, Any], torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self.forward_fn = forward_fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs:
+            inputs: Any = kwargs
+        elif len(args) == 1:
+            inputs = args[0]
+        else:
+            inputs = args
+        return self.forward_fn(self.model, inputs)
+
+
+def _sa_model(task: Task) -> nn.Module:
+    model = task.model.eval()
+    if task.forward_fn is default_forward:
+        return model
+    return _ForwardModule(model, task.forward_fn).eval()

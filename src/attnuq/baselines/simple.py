@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from attnuq._validation import check_positive_int
-from attnuq.baselines._base import Cost, Method, PredictiveLike, Task, collect, conformal_quantile
+from attnuq.baselines._base import Cost, Method, PredictiveLike, Task, collect
+from attnuq.conformal import conformal_quantile
 from attnuq.predictive import GaussianPredictive, Predictive
 
 __all__ = ["HomoscedasticGaussian", "MCDropout", "SplitConformal", "dropout_active"]
@@ -79,7 +80,7 @@ class SplitConformal(Method):
         pv, yv = collect(task.model, task.val, task.forward_fn)
         pc, yc = collect(task.model, task.cal, task.forward_fn)
         self.cost.fit_forward += yv.shape[0] + yc.shape[0]
-        self.q = conformal_quantile((yc - pc).abs(), self.alpha)
+        self.q = float(conformal_quantile((yc - pc).abs(), self.alpha))
         r = (yv - pv).reshape(-1)
         # Spread the residual distribution about its mean so that its central (1 - alpha)
         # interval has half-width q (the conformal interval), keeping its shape for PIT/CRPS.

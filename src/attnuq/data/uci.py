@@ -116,7 +116,10 @@ def _read_index(path: Path) -> np.ndarray:
 
 @dataclass(frozen=True)
 class UCISplit:
-    """One standardised split: ``x_*`` are ``(N, F)`` float32, ``y_*`` are ``(N,)`` float32."""
+    """One standardised split: ``x_*`` are ``(N, F)`` float32, ``y_*`` are ``(N,)`` float32.
+
+    ``y_std`` and ``y_mean`` undo the target scaling: ``y_raw = y * y_std + y_mean``.
+    """
 
     name: str
     split: int
@@ -134,6 +137,8 @@ class UCISplit:
     y_std: float
     fractions: tuple[float, float, float] = field(default=(0.8, 0.1, 0.1))
     seed: int = 0
+    #: row indices into ``data.txt`` of the parts ``fit``, ``val``, ``cal``, ``test``
+    indices: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
     def n_features(self) -> int:
@@ -249,4 +254,5 @@ def load_uci(
         y_std=y_std,
         fractions=(1.0 - val_fraction - cal_fraction, float(val_fraction), float(cal_fraction)),
         seed=int(seed),
+        indices={"fit": fit_i, "val": val_i, "cal": cal_i, "test": test_idx},
     )

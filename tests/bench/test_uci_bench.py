@@ -1,0 +1,93 @@
+"""End-to-end ``attnuq bench uci`` on one bundled split with cheap methods, and table logic."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from attnuq.bench.uci import add_arguments, run, write_table
+
+
+def main(argv: list[str]) -> int:
+    """``attnuq bench uci ...`` without building the whole CLI (which imports every suite)."""
+    assert argv[:2] == ["bench", "uci"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    try:
+        run(parser.parse_args(argv[2:]))
+    except ValueError as exc:
+        print(exc)
+        return 2
+    return 0
+
+
+def test_bench_uci_tiny_end_to_end_and_resumable(tmp_path: Path) -> None:
+    out = tmp_path / "uci"
+    argv = ["bench", "uci", "--datasets", "concrete", "--splits", "1", "--data-dir", "bundled",
+            "--methods", "gaussian", "conformal", "laplace", "--out", str(out),
+            "--n-blocks", "1", "--max-epochs", "1", "--patience", "1", "--no-progress"]
+    assert main(argv) == 0
+    runs = sorted((out / "runs" / "concrete" / "split0").glob("*.json"))
+    assert [p.stem for p in runs] == ["conformal", "gaussian", "laplace"]
+    for p in runs:
+        r = json.loads(p.read_text())
+        m = r["metrics"]
+        assert r["sizes"]["test"] == len(r["pit"]) == 103
+        assert 0 <= m["coverage"] <= 1 and 0 <= m["coverage_native"] <= 1
+        assert m["width"] > 0 and m["rmse"] > 0 and m["crps"] > 0 and m["scale_factor"] > 0
+        assert 0 <= m["w1_native"] <= 0.5
+        assert r["backbone"]["epochs_run"] == 1
+    # the three post-hoc methods share the frozen backbone, hence the point prediction
+    rm = {json.loads(p.read_text())["metrics"]["rmse"] for p in runs}
+    assert len(rm) == 1
+    table = (tmp_path / "uci.md").read_text()
+    for s in ("| gaussian |", "| laplace |", "| conformal |", "command:", "machine:",
+              "concrete: splits [0]"):
+        assert s in table
+    assert (out / "pit_concrete.png").stat().st_size > 1000
+    # resumable: a second run skips existing JSON (files untouched)
+    stamps = {p: p.stat().st_mtime_ns for p in runs}
+    assert main(argv) == 0
+    assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())
+    # a bad method name fails with the name in the message
+    with pytest.raises(ValueError, match="'nope'"):
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        run(parser.parse_args([*argv[2:9], "nope", *argv[12:]]))
+
+
+def _row(ds: str, method: str, split: int, width: float, crps: float) -> dict:
+    metrics = {k: 0.1 for k in ("rmse", "w1_native", "w1_scaled", "coverage_native", "coverage",
+                                "nll")}
+    metrics.update(width=width, crps=crps)
+    return {"dataset": ds, "method": method, "split": split, "metrics": metrics, "pit": [0.5],
+            "cost": {"fit_seconds": 1.0, "predict_forward_per_input": 1}}
+
+
+def test_table_says_where_sa_loses_and_bolds_the_narrowest(tmp_path: Path) -> None:
+    rows = [
+        _row("a", "sa-paper", 0, 2.0, 1.0), _row("a", "sa-paper", 1, 2.2, 1.0),
+        _row("a", "gaussian", 0, 3.0, 0.9), _row("a", "gaussian", 1, 3.2, 0.9),
+        _row("b", "sa-paper", 0, 5.0, 1.0), _row("b", "conformal", 0, 4.0, 1.1),
+    ]
+    args = argparse.Namespace(n_blocks=1, max_epochs=1, patience=1, batch_size=32, n_samples=10,
+                              swag_epochs=1)
+    info = {"command": "attnuq bench uci", "date": "d", "machine": "m"}
+    text = write_table(tmp_path / "t.md", tmp_path, rows, info, args).read_text()
+    assert "a: **SA wins** on calibrated PI-95 width: sa-paper 2.100 vs the best baseline " \
+           "gaussian 3.100 (baseline 1.48x wider); on CRPS SA loses" in text
+    assert "b: **SA loses** on calibrated PI-95 width: best baseline conformal 4.000 vs " \
+           "best SA sa-paper 5.000 (SA 1.25x wider)" in text
+    assert "SA has the narrowest calibrated PI-95 on 1 of 2 data sets" in text
+    assert "**2.100 ± 0.141**" in text  # narrowest width on a, mean ± std over 2 splits
+    assert "| conformal | 1 |" in text
+
+
+@pytest.mark.parametrize("bad", [["--splits", "0"]])
+def test_bad_split_count_is_refused(tmp_path: Path, bad: list[str]) -> None:
+    argv = ["bench", "uci", "--datasets", "concrete", "--data-dir", "bundled", "--methods",
+            "gaussian", "--out", str(tmp_path / "o"), "--no-progress", *bad]
+    assert main(argv) == 2
