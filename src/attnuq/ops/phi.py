@@ -16,7 +16,7 @@ Limits: ``phi(L) -> 1 - L/4 + ...`` as ``L -> 0``; ``phi(L) ~ 1/L + 1/L^2 + 2/L^
 ``L -> inf``. PyTorch has no ``Ei``, and ``Ei`` overflows near ``L = 709``, so ``phi`` is
 evaluated in float64 on three branches, none of which forms ``Ei`` itself:
 
-* ``L <= 1``: the Taylor series of ``phi`` about 0 (radius ``2 pi``; 40 terms, coefficients
+* ``L <= 1``: the Taylor series of ``phi`` about 0 (radius ``2 pi``; 24 terms, coefficients
   computed exactly with :class:`fractions.Fraction` at import). Its derivative is the
   differentiated series, so ``dphi/dL`` has no ``1/L - 1/L`` cancellation near 0.
 * ``1 < L <= 40``: the positive series ``Ein(L)`` (no cancellation) divided by ``expm1(L)``;
@@ -42,7 +42,7 @@ __all__ = ["poisson_phi", "poisson_phi_derivative"]
 _EULER_GAMMA = 0.57721566490153286060651209008240243
 _SMALL = 1.0  # Taylor branch for L <= _SMALL
 _LARGE = 40.0  # asymptotic branch for L > _LARGE
-_N_TAYLOR = 40
+_N_TAYLOR = 24  # |L| <= 1 in a series of radius 2 pi: (1/2pi)^24 ~ 1e-19
 _N_ASYMPTOTIC = 24
 
 
@@ -136,7 +136,8 @@ class _PoissonPhi(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, lam: torch.Tensor) -> torch.Tensor:
         phi, dphi = _phi_and_derivative(lam.detach().to(torch.float64))
-        ctx.save_for_backward(dphi)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(dphi)
         ctx.in_dtype = lam.dtype
         return phi.to(lam.dtype)
 
