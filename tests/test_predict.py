@@ -1,0 +1,97 @@
+"""predict(): samples-first shapes, exact first two moments on a known model, batching."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tests._reference_calibration import make_uniform_problem
+from torch import nn
+
+from attnuq.predict import predict
+from attnuq.predictive import Predictive
+
+C = 4.0
+
+
+@pytest.fixture(scope="module")
+def uniform() -> tuple[nn.Module, torch.Tensor]:
+    model, v, _ = make_uniform_problem(n=6, e=8, c=C)
+    return model, v
+
+
+@pytest.mark.parametrize(("batch_replicas", "s"), [(None, 2000), (1, 60), (20, 400)])
+def test_moments_match_closed_form(uniform, batch_replicas, s) -> None:  # type: ignore[no-untyped-def]
+    # f_nu - f has mean 0 and covariance (c^2/nu) I exactly (Hadamard values, uniform weights),
+    # whether the S passes run in one replicated call, one call each (loop) or chunks of 20.
+    model, v = uniform
+    nu = 4
+    pred = predict(model, v, nu=nu, n_samples=s, batch_replicas=batch_replicas, progress=False)
+    assert isinstance(pred, Predictive)
+    assert pred.samples.shape == (s, 6, 8) and pred.frozen is not None
+    torch.testing.assert_close(pred.frozen, model(v).detach())
+    var = C**2 / nu
+    # mean: 48 elements, each within 5 se (Bonferroni: false failure < 48 * 6e-7 = 3e-5)
+    z = (pred.samples.mean(0) - pred.frozen) / math.sqrt(var / s)
+    assert z.abs().max().item() < 5
+    # variance pooled over 48 elements (independent across the 6 examples): relative sd of a
+    # sample variance <= sqrt(2/(S-1)) (the mean of 4 +-1 draws is platykurtic); 5 sd of the
+    # pooled mean over 6 independent examples -> false failure < 1e-6
+    v_hat = pred.samples.var(0).mean().item()
+    assert abs(v_hat / var - 1) < 5 * math.sqrt(2 / (s - 1)) / math.sqrt(6)
+
+
+def test_replicas_draw_independently_and_seed_reproduces(uniform) -> None:  # type: ignore[no-untyped-def]
+    model, v = uniform
+    a = predict(model, v, nu=2, n_samples=5, seed=3, progress=False)
+    b = predict(model, v, nu=2, n_samples=5, seed=3, progress=False)
+    c = predict(model, v, nu=2, n_samples=5, seed=4, progress=False)
+    assert torch.equal(a.samples, b.samples)
+    assert not torch.equal(a.samples, c.samples)
+    assert not torch.equal(a.samples[0], a.samples[1])  # replicas are not copies
+    d = predict(model, v, nu=2, n_samples=7, batch_replicas=3, progress=False)
+    assert d.samples.shape == (7, 6, 8)
+    e = predict(model, v, nu=2, n_samples=7, max_rows=12, progress=False)  # 2 replicas per call
+    assert e.samples.shape == (7, 6, 8)
+
+
+def test_input_forms_and_sequence_outputs() -> None:
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(3, 5, 8)
+    mask = torch.zeros(5, 5, dtype=torch.bool)  # not batch-sized: passed unchanged
+    p1 = predict(enc, x, nu=3, n_samples=4, progress=False)
+    p2 = predict(enc, (x, mask), nu=3, n_samples=4, progress=False)
+    p3 = predict(enc, {"src": x, "mask": mask}, nu=3, n_samples=4, progress=False)
+    assert p1.samples.shape == (4, 3, 5, 8)
+    assert torch.equal(p1.samples, p2.samples) and torch.equal(p2.samples, p3.samples)
+    p4 = predict(enc, x, nu=3, n_samples=4, output_fn=lambda o: o[:, 0], progress=False)
+    assert p4.samples.shape == (4, 3, 8)
+
+
+class _Flat(nn.Module):
+    """Returns samples flattened: batch not in dim 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mha(x, x, x)[0].reshape(-1)
+
+
+def test_errors(uniform) -> None:  # type: ignore[no-untyped-def]
+    model, v = uniform
+    with pytest.raises(ValueError, match="nu must be a positive int, got nu=0"):
+        predict(model, v, nu=0, n_samples=2)
+    with pytest.raises(ValueError, match="n_samples"):
+        predict(model, v, nu=2, n_samples=0)
+    with pytest.raises(ValueError, match="empty"):
+        predict(model, v[:0], nu=2, n_samples=2)
+    with pytest.raises(ValueError, match="batch-first"):
+        predict(_Flat().eval(), torch.randn(2, 3, 8), nu=2, n_samples=2)
+    with pytest.raises(TypeError, match="output_fn"):
+        predict(model, v, nu=2, n_samples=2, output_fn=lambda o: {"x": o})
+    with pytest.raises(TypeError, match="inputs must be"):
+        predict(model, 3.0, nu=2, n_samples=2)
