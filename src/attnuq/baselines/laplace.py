@@ -140,7 +140,7 @@ class LastLayerLaplace(Method):
             )
         phi = cap.inp.reshape(-1, cap.inp.shape[-1]).double()
         if self._layer.bias is not None:
-            phi = torch.cat([phi, torch.ones(len(phi), 1, dtype=phi.dtype)], 1)
+            phi = torch.cat([phi, phi.new_ones(len(phi), 1)], 1)
         return pred, phi
 
     def _fit(self, task: Task) -> Cost | None:
@@ -172,7 +172,7 @@ class LastLayerLaplace(Method):
         if self.prior_precision is not None:
             alpha = float(self.prior_precision)
         else:
-            grid = torch.logspace(-6, 6, 241, dtype=torch.float64)
+            grid = torch.logspace(-6, 6, 241, dtype=torch.float64, device=gram.device)
             if self.prior == "marglik":
                 lml = laplace_log_marglik(eig, grid, s2=s2, rss=rss, n=n, k=k, theta_sq=theta_sq)
                 alpha = float(grid[int(torch.argmax(lml))])

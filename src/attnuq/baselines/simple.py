@@ -84,8 +84,9 @@ class SplitConformal(Method):
         r = (yv - pv).reshape(-1)
         # Spread the residual distribution about its mean so that its central (1 - alpha)
         # interval has half-width q (the conformal interval), keeping its shape for PIT/CRPS.
-        lo, hi = torch.quantile(r.double(), torch.tensor([self.alpha / 2, 1 - self.alpha / 2],
-                                                         dtype=torch.float64))
+        qs = torch.tensor([self.alpha / 2, 1 - self.alpha / 2], dtype=torch.float64,
+                          device=r.device)
+        lo, hi = torch.quantile(r.double(), qs)
         half = float(hi - lo) / 2
         if not half > 0:
             raise ValueError("validation residuals are degenerate (zero spread)")

@@ -116,11 +116,12 @@ class SWAGCollector:
         if self.n < 2:
             raise RuntimeError(f"SWAG needs >= 2 snapshots to sample, got n={self.n}")
         assert self.mean is not None
-        z1 = torch.randn(self.n_params, generator=generator, dtype=self.mean.dtype)
+        dev = self.mean.device  # draw on the CPU generator's device, then move
+        z1 = torch.randn(self.n_params, generator=generator, dtype=self.mean.dtype).to(dev)
         out = self.variance.sqrt() * z1
         k = len(self.deviations)
         if k >= 2:
-            z2 = torch.randn(k, generator=generator, dtype=self.mean.dtype)
+            z2 = torch.randn(k, generator=generator, dtype=self.mean.dtype).to(dev)
             out = out + self.deviation_matrix @ z2 / math.sqrt(k - 1)
         return self.mean + math.sqrt(scale / 2.0) * out
 
@@ -232,7 +233,7 @@ class SWAG(Method):
                 net.eval()
                 try:
                     for _ in range(s):
-                        vector_to_parameters(coll.sample(gen).to(keep.dtype), params)
+                        vector_to_parameters(coll.sample(gen).to(keep), params)
                         outs.append(task.forward(net, inputs))
                 finally:
                     vector_to_parameters(keep, params)
