@@ -62,6 +62,8 @@ def test_swag_method_leaves_the_frozen_model_untouched_and_samples_vary() -> Non
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1), nn.Flatten(0)).eval()
     x, y = torch.randn(64, 3), torch.randn(64)
+    for p in net.parameters():  # a frozen model: SWAG trains a copy with gradients on
+        p.requires_grad_(False)
     before = [p.detach().clone() for p in net.parameters()]
     task = Task(model=net, train=(x, y), val=(x, y), cal=(x, y), batch_size=16)
     m = SWAG(n_samples=6, epochs=2, snapshots_per_epoch=2, lr=1e-2, progress=False).fit(task)

@@ -145,7 +145,9 @@ def fit_swag(
     epochs = check_positive_int(epochs, "epochs")
     snapshots_per_epoch = check_positive_int(snapshots_per_epoch, "snapshots_per_epoch")
     net = copy.deepcopy(model)
-    params = [p for p in net.parameters() if p.requires_grad]
+    for p in net.parameters():  # the copy trains even if the frozen model has grads off
+        p.requires_grad_(True)
+    params = list(net.parameters())
     coll = SWAGCollector(sum(p.numel() for p in params), max_rank=max_rank)
     opt = make_optimizer(net, lr=lr, weight_decay=weight_decay)
     batches = as_batches(task.train, shuffle=True, seed=seed)
