@@ -44,7 +44,7 @@ def test_bench_uci_tiny_end_to_end_and_resumable(tmp_path: Path) -> None:
     rm = {json.loads(p.read_text())["metrics"]["rmse"] for p in runs}
     assert len(rm) == 1
     table = (tmp_path / "uci.md").read_text()
-    for s in ("| gaussian |", "| laplace |", "| conformal |", "command:", "machine:",
+    for s in ("| gaussian |", "| laplace |", "| conformal |", "runs produced by:", "machine:",
               "concrete: splits [0]"):
         assert s in table
     assert (out / "pit_concrete.png").stat().st_size > 1000
