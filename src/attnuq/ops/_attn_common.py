@@ -22,7 +22,9 @@ import torch
 
 from attnuq._validation import check_finite
 
-__all__ = ["Attn", "compute_dtype", "empty_rows_error", "prepare"]
+__all__ = ["LOG2E", "Attn", "compute_dtype", "empty_rows_error", "prepare"]
+
+LOG2E = 1.0 / math.log(2.0)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -32,12 +34,14 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class Attn:
-    """Inputs folded into groups. Shapes: ``q`` ``(G, M, D)`` (already multiplied by the scale),
-    ``k`` ``(G, Lk, D)``, ``v`` ``(G, Lk, Dv)``, all in the compute dtype."""
+    """Inputs folded into groups. Shapes: ``q`` ``(G, M, D)``, ``k`` ``(G, Lk, D)``, ``v``
+    ``(G, Lk, Dv)``, all in the compute dtype. ``scale`` is the SDPA scale times ``log2(e)``:
+    scores are in log2 units and weights are ``exp2(scores - max)``."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+    scale: float
     mask: torch.Tensor | None  # (N, Hk, R|1, Lq|1, Lk), a broadcast view of the user's mask
     causal: bool
     batch_shape: tuple[int, ...]
@@ -69,28 +73,93 @@ class Attn:
         heads = (self.hk * self.r,) if self.has_head_dim else ()
         return x.reshape(*self.batch_shape, *heads, self.lq, *tail)
 
-    def scores(self, g0: int, g1: int, j0: int, j1: int) -> torch.Tensor:
-        """Masked scaled scores of groups ``g0:g1`` against keys ``j0:j1``: ``(g, M, j1 - j0)``.
+    def chunks(
+        self, per_row: int, budget: int, min_rows: int, max_rows: int | None = None
+    ) -> list[tuple[int, int, int, int]]:
+        """Split the ``(G, M)`` query rows into chunks ``(g0, g1, i0, i1)``.
 
-        Masked entries are ``-inf``. Out-of-place, so it is safe under autograd.
+        A chunk holds about ``budget // per_row`` rows (at least ``min(M, min_rows)``; at most
+        ``max_rows`` when a group has more rows than that): several
+        whole groups when one group fits, else a block of rows of one group. Chunks come in
+        group-major, row-minor order: concatenating their ``(rows, ...)`` results gives
+        ``(G, M, ...)``.
         """
-        s = torch.bmm(self.q[g0:g1], self.k[g0:g1, j0:j1].transpose(1, 2))  # (g, M, nk)
-        g, nk = g1 - g0, j1 - j0
+        m, g = self.rows, self.groups
+        rows = max(min(m, min_rows), budget // max(1, per_row))
+        if max_rows is not None and m > max_rows:
+            rows = max(1, min(rows, max_rows))
+        if rows >= m:
+            step = max(1, rows // max(1, m))
+            return [(g0, min(g, g0 + step), 0, m) for g0 in range(0, g, step)]
+        return [(gi, gi + 1, i0, min(m, i0 + rows)) for gi in range(g) for i0 in range(0, m, rows)]
+
+    def causal_keys(self, i0: int, i1: int) -> int:
+        """Number of leading keys that rows ``i0:i1`` may see under ``is_causal`` (else ``Lk``)."""
+        if not self.causal:
+            return self.lk
+        if i1 - i0 >= self.lq or i0 // self.lq != (i1 - 1) // self.lq:
+            last = self.lq - 1
+        else:
+            last = (i1 - 1) % self.lq
+        return max(1, min(self.lk, last + 1))
+
+    def scores(
+        self,
+        g0: int,
+        g1: int,
+        i0: int,
+        i1: int,
+        j0: int,
+        j1: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Masked scores (in log2 units) of rows ``i0:i1`` of groups ``g0:g1`` against keys
+        ``j0:j1``: ``(g, i1 - i0, j1 - j0)``; masked entries are ``-inf``.
+
+        With ``out`` the result is written there and masks are applied in place (no autograd);
+        without it every step is out-of-place (safe under autograd).
+        """
+        kt = self.k[g0:g1, j0:j1].transpose(1, 2)
+        qc = self.q[g0:g1, i0:i1]
+        if out is None:
+            s = torch.bmm(qc * self.scale, kt)  # (g, rows, nk)
+        else:  # the scale rides on the GEMM (alpha) for free
+            s = torch.baddbmm(out, qc, kt, beta=0.0, alpha=self.scale, out=out)
         if self.mask is None and not self.causal:
             return s
-        s4 = s.view(g, self.r, self.lq, nk)
+        dev = s.device
+        ri = torch.arange(i0, i1, device=dev)
+        lq_idx = ri % self.lq  # query position of each row
         if self.mask is not None:
-            idx = torch.arange(g0, g1, device=s.device)
-            m = self.mask[..., j0:j1][idx // self.hk, idx % self.hk]  # (g, R|1, Lq|1, nk)
+            mk = self.mask
+            gi = torch.arange(g0, g1, device=dev).unsqueeze(1)  # (g, 1)
+            r_sel = (ri // self.lq) if mk.shape[2] > 1 else torch.zeros_like(ri)
+            l_sel = lq_idx if mk.shape[3] > 1 else torch.zeros_like(ri)
+            m = mk[:, :, :, :, j0:j1][gi // self.hk, gi % self.hk, r_sel, l_sel]  # (g, rows, nk)
             if m.dtype == torch.bool:
-                s4 = s4.masked_fill(~m, float("-inf"))
+                s = s.masked_fill_(~m, float("-inf")) if out is not None else s.masked_fill(
+                    ~m, float("-inf")
+                )
             else:
-                s4 = s4 + m.to(s.dtype)
+                m = m.to(s.dtype) * LOG2E
+                s = s.add_(m) if out is not None else s + m
         if self.causal:
-            qi = torch.arange(self.lq, device=s.device).unsqueeze(-1)
-            kj = torch.arange(j0, j1, device=s.device)
-            s4 = s4.masked_fill(kj > qi, float("-inf"))  # (Lq, nk) broadcast
-        return s4.reshape(g, self.rows, nk)
+            rows = i1 - i0
+            p0 = i0 % self.lq
+            if i0 // self.lq == (i1 - 1) // self.lq and j0 == 0 and j1 == p0 + rows:
+                # Rows are positions p0..p0+rows-1 and the keys end at the last of them: the
+                # future keys are the strict upper triangle of the last (rows x rows) block.
+                tri = torch.full((rows, rows), float("-inf"), dtype=s.dtype, device=dev).triu_(1)
+                if out is not None:
+                    s[..., p0:j1].add_(tri)
+                else:
+                    s = torch.cat([s[..., :p0], s[..., p0:j1] + tri], dim=-1)
+            else:
+                future = torch.arange(j0, j1, device=dev) > lq_idx.unsqueeze(-1)  # (rows, nk)
+                s = s.masked_fill_(future, float("-inf")) if out is not None else s.masked_fill(
+                    future, float("-inf")
+                )
+        return s
 
 
 def _is_real(x: object) -> bool:
@@ -173,9 +242,12 @@ def prepare(
     if scale is not None and (not _is_real(scale) or not math.isfinite(float(scale))):
         raise ValueError(f"scale must be None or a finite real number, got {scale=!r}")
     if check_values:
-        check_finite(q, "q")
-        check_finite(k, "k")
-        check_finite(v, "v")
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):
+            # A finite sum proves every entry finite (NaN and +-inf propagate); only when the
+            # sum is not finite (or overflows) run the exact, slower check that names the count.
+            if not bool(torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64
+                                              else torch.float32))):
+                check_finite(t, name)
 
     r = hq // hk if hk else 1
     lq, lk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
@@ -223,13 +295,14 @@ def prepare(
 
     cdt = compute_dtype(q.dtype)
     sc = float(scale) if scale is not None else 1.0 / math.sqrt(d) if d > 0 else 1.0
-    qg = (q.to(cdt) * sc).reshape(n * hk, r * lq, d)
+    qg = q.to(cdt).reshape(n * hk, r * lq, d)
     kg = k.to(cdt).reshape(n * hk, lk, d)
     vg = v.to(cdt).reshape(n * hk, lk, dv)
     return Attn(
         q=qg,
         k=kg,
         v=vg,
+        scale=sc * LOG2E,
         mask=mask5,
         causal=is_causal,
         batch_shape=batch_shape,

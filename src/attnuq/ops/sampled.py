@@ -38,11 +38,13 @@ __all__ = ["EmptyRows", "attention_moments", "sampled_attention"]
 
 EmptyRows = Literal["error", "zero"]
 
-# Elements of score / probability storage allowed per chunk of groups on the dense path (the
-# chunk always holds at least one group's full ``M x Lk`` matrix).
+# Dense path: elements of the score/CDF buffer per chunk (about L2-sized: the CDF is searched
+# while still in cache) and the fewest query rows per chunk (keeps the GEMM efficient for long Lk).
 _DENSE_CHUNK_ELEMS = 1 << 19
-# Elements allowed per chunk of groups on the blocked path (``M * (block_size + nu)`` per group).
-_BLOCKED_CHUNK_ELEMS = 1 << 22
+_DENSE_MIN_ROWS = 128
+# Blocked path: elements per chunk, ``rows * (block_size + nu)``.
+_BLOCKED_CHUNK_ELEMS = 1 << 20
+_BLOCKED_MIN_ROWS = 64
 
 
 def _check_empty_rows(empty_rows: object) -> EmptyRows:
@@ -57,83 +59,118 @@ def _check_block_size(block_size: object) -> int | None:
     return check_positive_int(block_size, "block_size")
 
 
-def _group_chunks(total: int, per_group: int, budget: int) -> list[tuple[int, int]]:
-    step = max(1, budget // max(1, per_group))
-    return [(g0, min(total, g0 + step)) for g0 in range(0, total, step)]
+def _exp2_cdf_(s: torch.Tensor, keep_max: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """In place: scores (log2 units) -> unnormalised CDF ``cumsum(2^(s - max))`` along keys.
 
-
-def _inverse_cdf(c: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Indices ``j`` with ``c[j-1] <= u * c[-1] < c[j]`` for cumulative masses ``c`` ``(..., n)``
-    and uniforms ``u`` ``(..., nu)`` in ``[0, 1)``. Keys of zero mass are never returned; rows of
-    zero total mass return garbage in ``[0, n)`` (callers handle them)."""
-    total = c[..., -1:]
-    x = u * total
-    # u < 1 but u * total may round up to total: keep it strictly below.
-    x = torch.minimum(x, torch.nextafter(total, torch.zeros_like(total)))
-    idx = torch.searchsorted(c, x, right=True)
-    return idx.clamp_max_(c.shape[-1] - 1)
+    Rows whose every score is ``-inf`` become all zeros (their maximum is replaced by 0). The
+    row maxima ``(..., 1)`` are appended to ``keep_max`` when given."""
+    mx = s.amax(-1, keepdim=True).nan_to_num_(neginf=0.0)
+    if keep_max is not None:
+        keep_max.append(mx)
+    torch.exp2(s.sub_(mx), out=s)
+    return s.cumsum_(-1)
 
 
 @torch.no_grad()
-def _indices_dense(
-    att: Attn, nu: int, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw indices ``(G, M, nu)`` (int64) and flag empty rows ``(G, M)`` on the dense path."""
+def _sample_dense(
+    att: Attn,
+    nu: int,
+    generator: torch.Generator | None,
+    counts_out: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Dense inverse-CDF draws, query chunk by query chunk.
+
+    Returns ``idx`` ``(G, M, nu)`` (int32 when it fits, else int64) and ``empty`` ``(G, M)``.
+    With ``counts_out`` ``(G, M, Dv)`` the output ``W V / nu`` is written there instead, through the
+    count matrix ``W`` (cheaper than gathering when ``nu`` is large against ``Lk``); ``idx`` is
+    then ``None``.
+    """
     dev, dt = att.q.device, att.q.dtype
-    idx = torch.empty(att.groups, att.rows, nu, dtype=torch.long, device=dev)
-    empty = torch.empty(att.groups, att.rows, dtype=torch.bool, device=dev)
-    for g0, g1 in _group_chunks(att.groups, att.rows * att.lk, _DENSE_CHUNK_ELEMS):
-        s = att.scores(g0, g1, 0, att.lk)  # (g, M, Lk)
-        p = torch.softmax(s, dim=-1)  # NaN on rows with every key masked
-        del s
-        c = p.cumsum_(-1)
-        tot = c[..., -1]
-        empty[g0:g1] = ~(tot > 0)
-        u = torch.rand((g1 - g0, att.rows, nu), generator=generator, device=dev, dtype=dt)
-        idx[g0:g1] = _inverse_cdf(c, u)
+    g_all, m_all, lk = att.groups, att.rows, att.lk
+    use_i32 = g_all * lk < 2**31 - 1
+    # One call for all uniforms: the draws do not depend on the chunking.
+    u = torch.rand((g_all, m_all, nu), generator=generator, device=dev, dtype=dt)
+    idx = None
+    if counts_out is None:
+        idx = torch.empty(g_all, m_all, nu, device=dev,
+                          dtype=torch.int32 if use_i32 else torch.long)
+    empty = torch.empty(g_all, m_all, dtype=torch.bool, device=dev)
+    # Causal: query blocks of ~Lq/4 rows only look at the keys up to their last position.
+    max_rows = max(_DENSE_MIN_ROWS, att.lq // 4) if att.causal else None
+    chunks = att.chunks(lk, _DENSE_CHUNK_ELEMS, _DENSE_MIN_ROWS, max_rows)
+    cap = max((g1 - g0) * (i1 - i0) for g0, g1, i0, i1 in chunks) * lk
+    buf = torch.empty(cap, dtype=dt, device=dev)
+    ones = None
+    for g0, g1, i0, i1 in chunks:
+        g, rows = g1 - g0, i1 - i0
+        nk = att.causal_keys(i0, i1)
+        b = buf[: g * rows * nk].view(g, rows, nk)
+        att.scores(g0, g1, i0, i1, 0, nk, out=b)
+        c = _exp2_cdf_(b)
+        empty[g0:g1, i0:i1] = c[..., -1] == 0
+        # u < 1 is a float of the same precision as total (>= 1), so u * total < total after
+        # rounding: no key past the last one of positive mass can be returned. The clamp only
+        # guards rows of zero total mass (flagged empty).
+        ic = torch.searchsorted(
+            c, u[g0:g1, i0:i1] * c[..., -1:], right=True, out_int32=use_i32 and counts_out is None
+        ).clamp_max_(nk - 1)
+        if counts_out is None:
+            assert idx is not None
+            idx[g0:g1, i0:i1] = ic
+        else:
+            if ones is None or ones.shape != ic.shape:
+                ones = torch.full(ic.shape, 1.0 / nu, dtype=dt, device=dev)
+            w = b.zero_().scatter_add_(-1, ic, ones)  # (g, rows, Lk) weights W / nu
+            torch.bmm(w, att.v[g0:g1, :nk], out=counts_out[g0:g1, i0:i1])
     return idx, empty
 
 
 @torch.no_grad()
-def _indices_blocked(
+def _sample_blocked(
     att: Attn, nu: int, block_size: int, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw indices ``(G, M, nu)`` streaming over key blocks of ``block_size``.
+    """Draw indices ``(G, M, nu)`` (int64) streaming over key blocks of ``block_size``.
 
     Each draw keeps a running choice. With running log-mass ``L`` of the keys seen so far and
     block log-mass ``l_b``, the choice is replaced by a draw from the block (inverse CDF within it)
-    with probability ``p_b = exp(l_b - logaddexp(L, l_b))``. By induction the choice after block
-    ``b`` is distributed as ``softmax`` restricted to blocks ``1..b``, so after the last block it
-    is an exact draw from the full softmax. One uniform ``u`` per draw and block serves both the
-    coin (``u < p_b``) and, given replacement, the within-block position (``u / p_b`` is then
-    uniform on ``[0, 1)``).
+    with probability ``p_b = 2^(l_b - L')``, ``L' = logaddexp2(L, l_b)`` (log2 units). By
+    induction the choice after block ``b`` is distributed as the softmax restricted to blocks
+    ``1..b``, so after the last block it is an exact draw from the full softmax. One uniform ``u``
+    per draw and block serves both the coin (``u < p_b``) and, given replacement, the position
+    within the block (``u / p_b`` is then uniform on ``[0, 1)``). Memory per chunk of ``rows``
+    queries: ``O(rows * (block_size + nu))``.
     """
     dev, dt = att.q.device, att.q.dtype
+    lk = att.lk
+    # largest float below 1 in the compute dtype: keeps u / p_b < 1 after rounding, so that
+    # (u / p_b) * total < total and a key of zero mass is never returned
+    below_one = 1.0 - torch.finfo(dt).eps / 2
     idx = torch.zeros(att.groups, att.rows, nu, dtype=torch.long, device=dev)
     empty = torch.empty(att.groups, att.rows, dtype=torch.bool, device=dev)
-    neg_inf = torch.tensor(float("-inf"), dtype=dt, device=dev)
-    one = torch.tensor(1.0, dtype=dt, device=dev)
-    for g0, g1 in _group_chunks(att.groups, att.rows * (block_size + nu), _BLOCKED_CHUNK_ELEMS):
-        g = g1 - g0
-        run = torch.full((g, att.rows, 1), float("-inf"), dtype=dt, device=dev)  # log-mass
-        choice = idx[g0:g1]
-        for j0 in range(0, att.lk, block_size):
-            j1 = min(att.lk, j0 + block_size)
-            s = att.scores(g0, g1, j0, j1)  # (g, M, nb)
-            mb = s.amax(-1, keepdim=True)
-            mb = torch.where(torch.isfinite(mb), mb, torch.zeros_like(mb))
-            c = s.sub_(mb).exp_().cumsum_(-1)  # unnormalised block CDF
-            tot = c[..., -1:]
-            lb = torch.where(tot > 0, tot.log() + mb, neg_inf)  # (g, M, 1)
-            new_run = torch.logaddexp(run, lb)
-            p = torch.where(lb > neg_inf, (lb - new_run).exp(), torch.zeros_like(lb))
-            p = torch.minimum(p, one)
+    chunks = att.chunks(block_size + nu, _BLOCKED_CHUNK_ELEMS, _BLOCKED_MIN_ROWS)
+    cap = max((g1 - g0) * (i1 - i0) for g0, g1, i0, i1 in chunks) * block_size
+    buf = torch.empty(cap, dtype=dt, device=dev)
+    for g0, g1, i0, i1 in chunks:
+        g, rows = g1 - g0, i1 - i0
+        run = torch.full((g, rows, 1), float("-inf"), dtype=dt, device=dev)  # log2-mass so far
+        choice = idx[g0:g1, i0:i1]
+        for j0 in range(0, lk, block_size):
+            j1 = min(lk, j0 + block_size)
+            b = buf[: g * rows * (j1 - j0)].view(g, rows, j1 - j0)
+            att.scores(g0, g1, i0, i1, j0, j1, out=b)
+            bmax: list[torch.Tensor] = []
+            c = _exp2_cdf_(b, bmax)  # unnormalised block CDF, in place
+            lb = c[..., -1:].log2().add_(bmax[0])  # block log2-mass (-inf if all masked)
+            new_run = torch.logaddexp2(run, lb)
+            # replacement probability; 0 for an empty block (NaN from -inf - -inf included)
+            p = torch.exp2(lb - new_run).nan_to_num_(nan=0.0)
             run = new_run
-            u = torch.rand((g, att.rows, nu), generator=generator, device=dev, dtype=dt)
-            take = u < p  # (g, M, nu)
-            local = _inverse_cdf(c, (u / torch.where(p > 0, p, one)).clamp_max_(1.0)) + j0
+            u = torch.rand((g, rows, nu), generator=generator, device=dev, dtype=dt)
+            take = u < p  # (g, rows, nu)
+            x = (u / p).clamp_max_(below_one).mul_(c[..., -1:])
+            local = torch.searchsorted(c, x, right=True).clamp_max_(j1 - j0 - 1).add_(j0)
             choice.copy_(torch.where(take, local, choice))
-        empty[g0:g1] = (run == neg_inf).squeeze(-1)
+        empty[g0:g1, i0:i1] = (run == float("-inf")).squeeze(-1)
     return idx, empty
 
 
@@ -159,18 +196,25 @@ def _sample_indices(
     block_size = _check_block_size(block_size)
     att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     idx, empty = _draw(att, nu, block_size, generator)
-    return att.unfold(idx), att.unfold(empty.unsqueeze(-1)).squeeze(-1)
+    assert idx is not None
+    return att.unfold(idx.long()), att.unfold(empty.unsqueeze(-1)).squeeze(-1)
 
 
 def _draw(
-    att: Attn, nu: int, block_size: int | None, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    att: Attn,
+    nu: int,
+    block_size: int | None,
+    generator: torch.Generator | None,
+    counts_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     if att.lk == 0:
         z = torch.zeros(att.groups, att.rows, nu, dtype=torch.long, device=att.q.device)
+        if counts_out is not None:
+            counts_out.zero_()
         return z, torch.ones(att.groups, att.rows, dtype=torch.bool, device=att.q.device)
     if block_size is None or block_size >= att.lk:
-        return _indices_dense(att, nu, generator)
-    return _indices_blocked(att, nu, block_size, generator)
+        return _sample_dense(att, nu, generator, counts_out)
+    return _sample_blocked(att, nu, block_size, generator)
 
 
 def sampled_attention(
@@ -261,15 +305,28 @@ def sampled_attention(
     att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     if att.groups * att.rows == 0:
         return torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
-    idx, empty = _draw(att, nu, block_size, generator)
+    g, m, lk, dv = att.groups, att.rows, att.lk, att.dv
+    # Large nu against Lk: go through the count matrix W (a GEMM) instead of gathering nu rows;
+    # not when v needs a gradient (the GEMM path would not record it).
+    via_counts = (
+        (block_size is None or block_size >= lk)
+        and nu * 8 >= lk
+        and not (torch.is_grad_enabled() and att.v.requires_grad)
+    )
+    counts_out = torch.empty(g, m, dv, dtype=att.v.dtype, device=q.device) if via_counts else None
+    idx, empty = _draw(att, nu, block_size, generator, counts_out)
     has_empty = bool(empty.any())
     if has_empty and empty_rows == "error":
         raise empty_rows_error(att, empty)
-    g, m, lk = att.groups, att.rows, att.lk
-    offs = torch.arange(g, device=idx.device).mul_(lk).view(g, 1, 1)
-    flat = (idx + offs).view(g * m, nu)
-    out = F.embedding_bag(flat, att.v.reshape(g * lk, att.dv), mode="mean")  # (G*M, Dv)
-    out = out.view(g, m, att.dv)
+    if counts_out is not None:
+        out = counts_out
+    else:
+        assert idx is not None
+        offs = torch.arange(g, device=idx.device, dtype=idx.dtype).mul_(lk).view(g, 1, 1)
+        flat = (idx + offs).view(g * m, nu)
+        out = F.embedding_bag(flat, att.v.reshape(g * lk, dv), mode="sum")  # (G*M, Dv)
+        out = out.view(g, m, dv)
+        out = out * (1.0 / nu) if out.requires_grad else out.mul_(1.0 / nu)
     if has_empty:
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
     return att.unfold(out).to(att.out_dtype)
@@ -278,55 +335,60 @@ def sampled_attention(
 def _moments(att: Attn, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Online-softmax moments over key blocks: mean, var ``(G, M, Dv)`` and empty ``(G, M)``.
 
+    Per chunk of query rows: running max ``m`` (log2 units, no gradient: any shift cancels),
+    normaliser ``l = sum_j 2^(s_j - m)``, ``a1 = sum_j 2^(s_j - m) vc_j`` and
+    ``a2 = sum_j 2^(s_j - m) vc_j^2``, rescaled by ``2^(m_old - m_new)`` when the max grows.
     Values are centred on their unweighted mean per group (``vbar``) to limit cancellation in
     ``E[v^2] - E[v]^2``; the shift cancels exactly (variance is shift-invariant).
     """
     dt = att.q.dtype
-    lk = att.lk
-    per_group = att.rows * min(block_size, lk)
+    lk, dv = att.lk, att.dv
+    nb = min(block_size, lk)
+    vbar = att.v.mean(dim=1, keepdim=True)  # (G, 1, Dv)
+    vc = att.v - vbar
+    vc2 = vc * vc
     means, vars_, empties = [], [], []
-    for g0, g1 in _group_chunks(att.groups, per_group, _DENSE_CHUNK_ELEMS):
-        v = att.v[g0:g1]
-        vbar = v.mean(dim=1, keepdim=True)  # (g, 1, Dv)
-        vc = v - vbar
-        vc2 = vc * vc
-        g = g1 - g0
+    for g0, g1, i0, i1 in att.chunks(nb + 2 * dv, _BLOCKED_CHUNK_ELEMS, _DENSE_MIN_ROWS):
         run_max: torch.Tensor | None = None
         l_acc = a1 = a2 = None
-        for j0 in range(0, lk, block_size):
-            j1 = min(lk, j0 + block_size)
-            s = att.scores(g0, g1, j0, j1)  # (g, M, nb)
+        for j0 in range(0, lk, nb):
+            j1 = min(lk, j0 + nb)
+            s = att.scores(g0, g1, i0, i1, j0, j1)  # (g, rows, nk)
             with torch.no_grad():
                 bm = s.amax(-1, keepdim=True)
                 new_max = bm if run_max is None else torch.maximum(run_max, bm)
                 shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
-            e = torch.exp(s - shift)  # (g, M, nb); masked keys -> 0
+            e = torch.exp2(s - shift)  # masked keys -> 0
             le = e.sum(-1, keepdim=True)
-            b1 = torch.bmm(e, vc[:, j0:j1])
-            b2 = torch.bmm(e, vc2[:, j0:j1])
+            b1 = torch.bmm(e, vc[g0:g1, j0:j1])
+            b2 = torch.bmm(e, vc2[g0:g1, j0:j1])
             if run_max is None:
                 l_acc, a1, a2 = le, b1, b2
             else:
                 assert l_acc is not None and a1 is not None and a2 is not None
                 with torch.no_grad():
-                    old = torch.where(torch.isfinite(run_max), run_max, torch.zeros_like(run_max))
-                    alpha = torch.where(torch.isfinite(run_max), torch.exp(old - shift), 0.0)
+                    fin = torch.isfinite(run_max)
+                    old = torch.where(fin, run_max, torch.zeros_like(run_max))
+                    alpha = torch.where(fin, torch.exp2(old - shift), torch.zeros_like(old))
                 l_acc = l_acc * alpha + le
                 a1 = a1 * alpha + b1
                 a2 = a2 * alpha + b2
             run_max = new_max
         assert l_acc is not None and a1 is not None and a2 is not None
-        emp = ~(l_acc > 0)  # (g, M, 1)
+        emp = ~(l_acc > 0)  # (g, rows, 1)
         denom = torch.where(emp, torch.ones_like(l_acc), l_acc)
         mc = a1 / denom
         var = (a2 / denom - mc * mc).clamp_min(0.0)
-        mean = torch.where(emp, torch.zeros((), dtype=dt, device=mc.device), mc + vbar)
-        var = torch.where(emp, torch.zeros((), dtype=dt, device=mc.device), var)
-        means.append(mean)
-        vars_.append(var)
-        empties.append(emp.squeeze(-1))
-        del g
-    return torch.cat(means), torch.cat(vars_), torch.cat(empties)
+        zero = torch.zeros((), dtype=dt, device=mc.device)
+        means.append(torch.where(emp, zero, mc + vbar[g0:g1]).reshape(-1, dv))
+        vars_.append(torch.where(emp, zero, var).reshape(-1, dv))
+        empties.append(emp.reshape(-1))
+    shape = (att.groups, att.rows)
+    return (
+        torch.cat(means).view(*shape, dv),
+        torch.cat(vars_).view(*shape, dv),
+        torch.cat(empties).view(shape),
+    )
 
 
 def attention_moments(
