@@ -483,3 +483,27 @@ def test_sampled_attention_module():
         SampledAttention(nu=0)
     with pytest.raises(ValueError, match="empty_rows='x'"):
         SampledAttention(nu=1, empty_rows="x")  # type: ignore[arg-type]
+
+
+def test_dense_paths_with_and_without_max_shift_agree():
+    """Small scores skip the row-max shift (bound |q||k| scale <= 64 in log2 units); an additive
+    zero mask forces the shift. Same uniforms -> the same draws (up to CDF rounding)."""
+    q, k, v = _qkv(2, 2, 2, 16, 40, 8, seed=25)
+    a, _ = _sample_indices(q, k, v, nu=64, generator=_gen(1))
+    b, _ = _sample_indices(q, k, v, nu=64, generator=_gen(1),
+                           attn_mask=torch.zeros(40, dtype=torch.float64))
+    assert (a == b).double().mean() > 0.999
+
+
+def test_dense_large_scores_match_softmax():
+    """Scores far beyond the no-shift bound (|s| ~ 100): exact draws via the max shift."""
+    lk, nu = 6, 40_000
+    q, k, v = _qkv(1, 1, 1, 2, lk, 4, seed=26)
+    q = q * 15.0
+    p = ref_probs(q, k).numpy()[0, 0]
+    idx, empty = _sample_indices(q, k, v, nu=nu, generator=_gen(2))
+    assert not empty.any()
+    for i in range(2):
+        cnt = _counts(idx, lk)[0, 0, i]
+        assert (cnt[p[i] == 0] == 0).all()
+        assert chi2_gof_pvalue(cnt, p[i]) > P_MIN  # false failure 1e-6 per query

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,9 @@ class Attn:
     lk: int
     dv: int
     out_dtype: torch.dtype
+    _tri_cache: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = field(
+        default_factory=dict, repr=False
+    )
 
     @property
     def groups(self) -> int:
@@ -92,6 +95,15 @@ class Attn:
             step = max(1, rows // max(1, m))
             return [(g0, min(g, g0 + step), 0, m) for g0 in range(0, g, step)]
         return [(gi, gi + 1, i0, min(m, i0 + rows)) for gi in range(g) for i0 in range(0, m, rows)]
+
+    def _tri(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``(n, n)`` additive mask: 0 on and below the diagonal, ``-inf`` above (cached)."""
+        key = (n, dtype, device)
+        t = self._tri_cache.get(key)
+        if t is None:
+            t = torch.full((n, n), float("-inf"), dtype=dtype, device=device).triu_(1)
+            self._tri_cache[key] = t
+        return t
 
     def causal_keys(self, i0: int, i1: int) -> int:
         """Number of leading keys that rows ``i0:i1`` may see under ``is_causal`` (else ``Lk``)."""
@@ -149,7 +161,7 @@ class Attn:
             if i0 // self.lq == (i1 - 1) // self.lq and j0 == 0 and j1 == p0 + rows:
                 # Rows are positions p0..p0+rows-1 and the keys end at the last of them: the
                 # future keys are the strict upper triangle of the last (rows x rows) block.
-                tri = torch.full((rows, rows), float("-inf"), dtype=s.dtype, device=dev).triu_(1)
+                tri = self._tri(rows, s.dtype, dev)
                 if out is not None:
                     s[..., p0:j1].add_(tri)
                 else:

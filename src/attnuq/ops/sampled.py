@@ -17,11 +17,17 @@ i.e. the mean of ``nu`` value rows drawn i.i.d. from :math:`\pi`. Exactly:
 over the keys. Both functions take ``block_size`` to stream over key blocks without ever holding
 an ``Lq x Lk`` probability matrix.
 
-Implementation (dense path, ``block_size=None``): per group of heads the scores are turned into
-probabilities, cumulated along the keys, and each draw is an inverse-CDF lookup
-(``searchsorted``) of a uniform from ``torch.rand(generator=...)``; the value rows are then
-averaged with ``embedding_bag`` (or, when ``nu`` is large compared to ``Lk``, through the count
-matrix ``W``). No tensor of ``B*H*Lq*Lk*nu`` elements is formed.
+Implementation (dense path, ``block_size=None``): query rows are processed in chunks (a few
+heads, or at least 128 queries of one head) whose scores against all keys sit in one reused
+buffer; scores are turned in place into an unnormalised CDF (``cumsum(exp2(s - max))``, the
+``log2(e)`` factor rides on the GEMM's ``alpha``), and each draw is an inverse-CDF lookup
+(``searchsorted``) of a uniform from one ``torch.rand(generator=...)`` call. The value rows are
+then summed with ``embedding_bag`` (or, when ``nu >= Lk / 8`` and no gradient is needed, through
+the count matrix ``W`` and a GEMM). With ``is_causal`` each query chunk only scores the keys up to
+its last position. No tensor of ``B*H*Lq*Lk*nu`` (or ``B*H*Lq*Lk``) elements is formed.
+
+Inputs are checked for NaN/inf with one sum per tensor (a finite sum proves all entries finite;
+otherwise an exact count is made for the message).
 """
 
 from __future__ import annotations
@@ -59,11 +65,16 @@ def _check_block_size(block_size: object) -> int | None:
     return check_positive_int(block_size, "block_size")
 
 
-def _exp2_cdf_(s: torch.Tensor, keep_max: list[torch.Tensor] | None = None) -> torch.Tensor:
+def _exp2_cdf_(
+    s: torch.Tensor, keep_max: list[torch.Tensor] | None = None, shift: bool = True
+) -> torch.Tensor:
     """In place: scores (log2 units) -> unnormalised CDF ``cumsum(2^(s - max))`` along keys.
 
     Rows whose every score is ``-inf`` become all zeros (their maximum is replaced by 0). The
-    row maxima ``(..., 1)`` are appended to ``keep_max`` when given."""
+    row maxima ``(..., 1)`` are appended to ``keep_max`` when given. ``shift=False`` skips the
+    maximum (the caller has proved ``|s| <= 64``)."""
+    if not shift:
+        return torch.exp2(s, out=s).cumsum_(-1)
     mx = s.amax(-1, keepdim=True).nan_to_num_(neginf=0.0)
     if keep_max is not None:
         keep_max.append(mx)
@@ -100,15 +111,23 @@ def _sample_dense(
     chunks = att.chunks(lk, _DENSE_CHUNK_ELEMS, _DENSE_MIN_ROWS, max_rows)
     cap = max((g1 - g0) * (i1 - i0) for g0, g1, i0, i1 in chunks) * lk
     buf = torch.empty(cap, dtype=dt, device=dev)
+    # |s_ij| <= |q_i| |k_j| * scale (Cauchy-Schwarz, log2 units). When that bound is <= 64
+    # everywhere and the mask is boolean (or absent), 2^s stays in the normal range without
+    # subtracting the row maximum, which saves two passes over the scores.
+    shift = True
+    if att.mask is None or att.mask.dtype == torch.bool:
+        bound = att.q.norm(dim=-1).amax() * att.k.norm(dim=-1).amax() * abs(att.scale)
+        shift = not bool(bound <= 64.0)
     ones = None
     for g0, g1, i0, i1 in chunks:
         g, rows = g1 - g0, i1 - i0
         nk = att.causal_keys(i0, i1)
         b = buf[: g * rows * nk].view(g, rows, nk)
         att.scores(g0, g1, i0, i1, 0, nk, out=b)
-        c = _exp2_cdf_(b)
+        c = _exp2_cdf_(b, shift=shift)
         empty[g0:g1, i0:i1] = c[..., -1] == 0
-        # u < 1 is a float of the same precision as total (>= 1), so u * total < total after
+        # u < 1 is a float of the same precision as the total (a normal number: >= 1 with the
+        # shift, >= 2^-64 without), so u * total < total after
         # rounding: no key past the last one of positive mass can be returned. The clamp only
         # guards rows of zero total mass (flagged empty).
         ic = torch.searchsorted(
@@ -129,7 +148,7 @@ def _sample_dense(
 def _sample_blocked(
     att: Attn, nu: int, block_size: int, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw indices ``(G, M, nu)`` (int64) streaming over key blocks of ``block_size``.
+    """Draw indices ``(G, M, nu)`` (int32 when it fits) streaming over key blocks.
 
     Each draw keeps a running choice. With running log-mass ``L`` of the keys seen so far and
     block log-mass ``l_b``, the choice is replaced by a draw from the block (inverse CDF within it)
@@ -145,7 +164,9 @@ def _sample_blocked(
     # largest float below 1 in the compute dtype: keeps u / p_b < 1 after rounding, so that
     # (u / p_b) * total < total and a key of zero mass is never returned
     below_one = 1.0 - torch.finfo(dt).eps / 2
-    idx = torch.zeros(att.groups, att.rows, nu, dtype=torch.long, device=dev)
+    use_i32 = att.groups * lk < 2**31 - 1
+    idx = torch.zeros(att.groups, att.rows, nu, device=dev,
+                      dtype=torch.int32 if use_i32 else torch.long)
     empty = torch.empty(att.groups, att.rows, dtype=torch.bool, device=dev)
     chunks = att.chunks(block_size + nu, _BLOCKED_CHUNK_ELEMS, _BLOCKED_MIN_ROWS)
     cap = max((g1 - g0) * (i1 - i0) for g0, g1, i0, i1 in chunks) * block_size
@@ -168,7 +189,8 @@ def _sample_blocked(
             u = torch.rand((g, rows, nu), generator=generator, device=dev, dtype=dt)
             take = u < p  # (g, rows, nu)
             x = (u / p).clamp_max_(below_one).mul_(c[..., -1:])
-            local = torch.searchsorted(c, x, right=True).clamp_max_(j1 - j0 - 1).add_(j0)
+            local = torch.searchsorted(c, x, right=True, out_int32=use_i32)
+            local = local.clamp_max_(j1 - j0 - 1).add_(j0)
             choice.copy_(torch.where(take, local, choice))
         empty[g0:g1, i0:i1] = (run == float("-inf")).squeeze(-1)
     return idx, empty
@@ -270,7 +292,8 @@ def sampled_attention(
         Stream over key blocks of this size (a running categorical choice per draw, exact in
         distribution), never holding an ``Lq x Lk`` matrix: extra memory
         ``O(B * H * Lq * (nu + block_size))``. ``None`` (default) is the dense path, which holds
-        the ``Lq x Lk`` probabilities of a few heads at a time and is faster for short sequences.
+        the scores of one chunk of queries (at least 128 rows, about 2 MiB) against all keys
+        and is faster.
     generator : torch.Generator, optional
         Source of the uniforms; the same generator state (and the same arguments) gives the same
         draws.
@@ -323,7 +346,7 @@ def sampled_attention(
     else:
         assert idx is not None
         offs = torch.arange(g, device=idx.device, dtype=idx.dtype).mul_(lk).view(g, 1, 1)
-        flat = (idx + offs).view(g * m, nu)
+        flat = idx.add_(offs).view(g * m, nu)  # global row of v, in place (idx is ours)
         out = F.embedding_bag(flat, att.v.reshape(g * lk, dv), mode="sum")  # (G*M, Dv)
         out = out.view(g, m, dv)
         out = out * (1.0 / nu) if out.requires_grad else out.mul_(1.0 / nu)
@@ -423,7 +446,7 @@ def attention_moments(
         As in :func:`sampled_attention` (SDPA conventions, ``(*batch, H, L, D)``).
     block_size : int, optional
         Key block size of the online-softmax pass; never holds an ``Lq x Lk`` matrix. ``None``
-        processes all keys at once (a few heads at a time).
+        processes all keys at once for chunks of query rows.
     empty_rows : {"error", "zero"}
         Rows with every key masked: raise (default) or return zero mean and zero variance
         (SDPA returns a zero output for them).

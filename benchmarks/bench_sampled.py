@@ -1,0 +1,288 @@
+"""Speed and memory of sampled attention (issue 2 targets).
+
+Speed (CPU, float32, ``B=8, H=8, Lq=Lk=512, D=64``): ``sampled_attention`` against
+``F.scaled_dot_product_attention`` on the same tensors, each repeat timing the reference and the
+candidate back to back so that load drifts on a shared machine hit both; the table gives the
+median of the per-repeat ratios. Rows: ``nu`` in {1, 4, 8, 16, 64, 256} (target at ``nu=8``:
+ratio <= 1.3), plus ``nu=8`` causal (against causal SDPA), ``nu=8`` key-blocked
+(``block_size=128``) and ``attention_moments`` (mean and variance in one pass).
+
+Memory (``B=1, H=8, Lq=Lk=16384, D=64, nu=16``): every variant runs once in a fresh subprocess;
+the peak extra resident memory of the call is ``VmHWM`` after the call minus ``VmRSS`` just
+before it, with the high-water mark reset (``/proc/self/clear_refs``) after the inputs are built
+(the method actually used is printed with the table). Variants: the dense path as shipped
+(query-chunked), the key-blocked path (``block_size=512``; target: <= 1/4 of dense), the dense
+path with query chunking disabled (one head's ``Lq x Lk`` matrix at a time, i.e. what a dense
+operator that materialises the probabilities costs) and SDPA for context.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_sampled.py [--repeats 15] [--threads 1] [--skip-memory]
+        [--out docs/benchmarks/sampled.md] [--json docs/benchmarks/sampled.json]
+        [--png docs/benchmarks/sampled.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from attnuq._runinfo import run_info
+from attnuq.ops import attention_moments, sampled_attention
+from attnuq.ops import sampled as _sampled
+
+SPEED_SHAPE = (8, 8, 512, 64)
+MEM_SHAPE = (1, 8, 16384, 64)
+MEM_NU = 16
+MEM_BLOCK = 512
+NUS = (1, 4, 8, 16, 64, 256)
+
+
+# ---------------------------------------------------------------------------------------------
+# speed
+# ---------------------------------------------------------------------------------------------
+def _time(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def speed(repeats: int) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, *SPEED_SHAPE, generator=g).unbind(0)
+    gen = torch.Generator().manual_seed(1)
+
+    def sdpa(causal: bool = False) -> Callable[[], Any]:
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def sa(nu: int, **kw: Any) -> Callable[[], Any]:
+        return lambda: sampled_attention(q, k, v, nu=nu, generator=gen, **kw)
+
+    rows: list[tuple[str, int | None, Callable[[], Any], Callable[[], Any], str]] = [
+        (f"sampled_attention nu={nu}", nu, sa(nu), sdpa(), "SDPA") for nu in NUS
+    ]
+    rows += [
+        ("sampled_attention nu=8, is_causal", 8, sa(8, is_causal=True), sdpa(True), "SDPA causal"),
+        ("sampled_attention nu=8, block_size=128", 8, sa(8, block_size=128), sdpa(), "SDPA"),
+        ("attention_moments (mean + var)", None, lambda: attention_moments(q, k, v), sdpa(),
+         "SDPA"),
+    ]
+    out = []
+    for name, nu, fn, ref, ref_name in tqdm(rows, desc="speed", file=sys.stderr):
+        fn()
+        ref()  # warm-up
+        t_ref, t_fn, ratio = [], [], []
+        for _ in range(repeats):
+            a = _time(ref)
+            b = _time(fn)
+            t_ref.append(a)
+            t_fn.append(b)
+            ratio.append(b / a)
+        out.append(
+            {
+                "variant": name,
+                "nu": nu,
+                "reference": ref_name,
+                "ms": statistics.median(t_fn) * 1e3,
+                "ref_ms": statistics.median(t_ref) * 1e3,
+                "ratio": statistics.median(ratio),
+                "ratio_q25": statistics.quantiles(ratio, n=4)[0],
+                "ratio_q75": statistics.quantiles(ratio, n=4)[2],
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# memory (one subprocess per variant)
+# ---------------------------------------------------------------------------------------------
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _child(variant: str, threads: int) -> None:
+    import gc
+    import resource
+
+    torch.set_num_threads(threads)
+    b, h, n, d = MEM_SHAPE
+    q = torch.randn(b, h, n, d)
+    k = torch.randn(b, h, n, d)
+    v = torch.randn(b, h, n, d)
+    gen = torch.Generator().manual_seed(0)
+    fns: dict[str, Callable[[], Any]] = {
+        "dense": lambda: sampled_attention(q, k, v, nu=MEM_NU, generator=gen),
+        "blocked": lambda: sampled_attention(
+            q, k, v, nu=MEM_NU, generator=gen, block_size=MEM_BLOCK
+        ),
+        "dense-unchunked": lambda: sampled_attention(q, k, v, nu=MEM_NU, generator=gen),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
+    }
+    if variant == "dense-unchunked":
+        # one whole head (Lq x Lk) per chunk instead of 128-query chunks
+        _sampled._DENSE_MIN_ROWS = n
+    gc.collect()
+    method = "VmHWM reset via /proc/self/clear_refs"
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        method = "ru_maxrss (high-water mark NOT reset: includes input creation)"
+    before = _status_kb("VmRSS")
+    t0 = time.perf_counter()
+    y = fns[variant]()
+    secs = time.perf_counter() - t0
+    if method.startswith("VmHWM"):
+        peak = _status_kb("VmHWM")
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out_mb = y.numel() * y.element_size() / 2**20
+    print(
+        json.dumps(
+            {
+                "variant": variant,
+                "peak_extra_mb": (peak - before) / 1024,
+                "rss_before_mb": before / 1024,
+                "output_mb": out_mb,
+                "seconds": secs,
+                "method": method,
+            }
+        )
+    )
+
+
+def memory(threads: int) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    out = []
+    for variant in tqdm(["dense", "blocked", "dense-unchunked", "sdpa"], desc="memory",
+                        file=sys.stderr):
+        res = subprocess.run(
+            [sys.executable, __file__, "--_child", variant, "--threads", str(threads)],
+            capture_output=True, text=True, check=True,
+        )
+        out.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+def render(info: dict[str, Any], sp: list[dict[str, Any]], mem: list[dict[str, Any]]) -> str:
+    lines = [
+        "# Sampled attention: speed and memory",
+        "",
+        f"* command: `{info['command']}`",
+        f"* date: {info['date']}",
+        f"* machine: {info['machine']}",
+        "",
+        f"## Speed: CPU float32, B, H, L, D = {SPEED_SHAPE}",
+        "",
+        "Median over repeats of (candidate time / reference time), each repeat timing both back "
+        "to back. Target: `nu=8` ratio <= 1.3.",
+        "",
+        "| variant | reference | time ms | reference ms | ratio | ratio IQR |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for r in sp:
+        lines.append(
+            f"| {r['variant']} | {r['reference']} | {r['ms']:.1f} | {r['ref_ms']:.1f} | "
+            f"{r['ratio']:.2f} | {r['ratio_q25']:.2f}-{r['ratio_q75']:.2f} |"
+        )
+    nu8 = next(r for r in sp if r["variant"] == "sampled_attention nu=8")
+    verdict = "met" if nu8["ratio"] <= 1.3 else "NOT met"
+    lines += ["", f"Target at nu=8 (<= 1.3): **{verdict}** (ratio {nu8['ratio']:.2f}).", ""]
+    if mem:
+        lines += [
+            f"## Peak memory: B, H, L, D = {MEM_SHAPE}, nu = {MEM_NU}",
+            "",
+            f"One fresh subprocess per variant; method: {mem[0]['method']}. Peak extra = peak "
+            "resident memory during the call minus resident memory just before it (inputs "
+            f"excluded; the output itself is {mem[0]['output_mb']:.0f} MiB).",
+            "",
+            "| variant | peak extra MiB | seconds |",
+            "|---|---:|---:|",
+        ]
+        by = {m["variant"]: m for m in mem}
+        for m in mem:
+            lines.append(f"| {m['variant']} | {m['peak_extra_mb']:.0f} | {m['seconds']:.1f} |")
+        rd = by["blocked"]["peak_extra_mb"] / by["dense"]["peak_extra_mb"]
+        ru = by["blocked"]["peak_extra_mb"] / by["dense-unchunked"]["peak_extra_mb"]
+        lines += [
+            "",
+            f"* blocked / dense (as shipped, query-chunked): **{rd:.2f}** "
+            f"(target <= 0.25: {'met' if rd <= 0.25 else 'NOT met'})",
+            f"* blocked / dense with query chunking disabled (one head's Lq x Lk at a time): "
+            f"**{ru:.3f}** ({'<=' if ru <= 0.25 else '>'} 0.25)",
+            "",
+            "The shipped dense path already processes queries in chunks of at least 128 rows, "
+            "so it never holds more than `rows x Lk` scores; at this shape both paths' peaks are "
+            "dominated by the output, the uniforms and the drawn indices, not by the attention "
+            "matrix. The key-blocked path's advantage is the `Lk`-independent working set "
+            "`O(rows * (block_size + nu))`, which matters once `128 x Lk` itself is large.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(sp: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [(r["nu"], r["ratio"]) for r in sp if r["variant"] == f"sampled_attention nu={r['nu']}"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="sampled_attention / SDPA")
+    ax.axhline(1.3, color="grey", ls="--", label="target at nu=8")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("nu")
+    ax.set_ylabel("time ratio")
+    ax.set_title(f"CPU float32, B,H,L,D={SPEED_SHAPE}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--out", default="docs/benchmarks/sampled.md")
+    ap.add_argument("--json", default="docs/benchmarks/sampled.json")
+    ap.add_argument("--png", default="docs/benchmarks/sampled.png")
+    ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._child:
+        _child(args._child, args.threads)
+        return
+    torch.set_num_threads(args.threads)
+    info = run_info()
+    sp = speed(args.repeats)
+    mem = [] if args.skip_memory else memory(args.threads)
+    text = render(info, sp, mem)
+    print(text)
+    for p in (args.out, args.json, args.png):
+        Path(p).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    Path(args.json).write_text(json.dumps({**info, "speed": sp, "memory": mem}, indent=2))
+    plot(sp, Path(args.png))
+
+
+if __name__ == "__main__":
+    main()
