@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> Path:
                     continue
                 res["backbone"] = backbone
                 res["wall_seconds"] = time.perf_counter() - t0
-                res["run_info"] = info
+                res["run_info"] = {**info, "date": run_info()["date"]}
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(res, indent=1))
                 if err.exists():
