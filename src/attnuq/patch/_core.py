@@ -146,6 +146,7 @@ def _sampled_or_dense(
         return ORIGINAL_SDPA(
             q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
+    extra: dict[str, Any] = {"empty_rows": "zero"} if _OP_HAS_EMPTY_ROWS else {}
     return sampled_attention(
         q,
         k,
@@ -156,7 +157,13 @@ def _sampled_or_dense(
         scale=scale,
         enable_gqa=enable_gqa,
         generator=generator,
+        **extra,
     )
+
+
+#: whether the operator zeroes fully masked rows itself (``empty_rows="zero"``); if not, the
+#: adapter does it (older operator versions).
+_OP_HAS_EMPTY_ROWS = "empty_rows" in inspect.signature(sampled_attention).parameters
 
 
 def sampled_sdpa(
@@ -232,7 +239,7 @@ def sampled_sdpa(
         return out.reshape(*lead, *out.shape[-2:])
 
     dead: torch.Tensor | None = None  # (B|1, H|1, Lq, 1) fully masked query rows
-    if attn_mask is not None and nu is not None:
+    if attn_mask is not None and nu is not None and not _OP_HAS_EMPTY_ROWS:
         allowed = _allowed(attn_mask)
         if attn_mask.dim() < 2:
             raise ValueError(f"attn_mask must have at least 2 dims, got {attn_mask.dim()=}")
@@ -521,6 +528,7 @@ def num_heads_of(nu: object) -> int | None:
 # handle, patch, stochastic
 # --------------------------------------------------------------------------------------------
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, PatchHandle] = weakref.WeakKeyDictionary()
+_SITE_OWNER: weakref.WeakKeyDictionary[nn.Module, PatchHandle] = weakref.WeakKeyDictionary()
 _LOCK = threading.RLock()
 
 
@@ -584,6 +592,8 @@ class PatchHandle:
             model = self._model_ref()
             if model is not None and _ACTIVE.get(model) is self:
                 del _ACTIVE[model]
+            for m in [m for m, h in _SITE_OWNER.items() if h is self]:
+                del _SITE_OWNER[m]
         if errors:
             raise RuntimeError(f"attnuq: {len(errors)} undo step(s) failed") from errors[0]
 
@@ -694,11 +704,12 @@ def patch(
                 f"({other!r}); nested stochastic()/patch() on the same model is not supported: "
                 "remove the outer patch first"
             )
-        for name, sub in model.named_modules():
-            h = _ACTIVE.get(sub)
-            if h is not None and h.active and sub is not model:
+        for s, m in ok:
+            h = _SITE_OWNER.get(m)
+            if h is not None and h.active:
                 raise RuntimeError(
-                    f"submodule {name!r} is already patched by an active attnuq handle ({h!r})"
+                    f"attention site {s.name!r} ({s.module_type}) is already patched by an active "
+                    f"attnuq handle ({h!r}); nested patches are not supported"
                 )
         by_backend: dict[str, list[tuple[nn.Module, SiteState]]] = {}
         for s, m in ok:
@@ -715,6 +726,8 @@ def patch(
             raise
         handle = PatchHandle(model, sites, nus, pool, undos)
         _ACTIVE[model] = handle
+        for _, m in ok:
+            _SITE_OWNER[m] = handle
     return handle
 
 

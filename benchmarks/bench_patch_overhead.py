@@ -1,0 +1,239 @@
+"""Forward latency of stochastic attention (nu=4) over the frozen model, per backend.
+
+For every model the frozen forward and the patched forward (``attnuq.stochastic(model, nu=4)``)
+are timed alternately (frozen, patched, frozen, patched, ...) so that drifts in machine load hit
+both equally; the ratio of the medians is reported. Models have random weights and moderate,
+realistic sizes (BERT-base width with reduced depth at sequence 128, ViT-B/16 width at 224 px, ...).
+Target from the issue: ratio <= 1.15 (the paper reports +11 % on ClimaX).
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_patch_overhead.py [--repeats 15] [--threads 1]
+        [--out docs/benchmarks/patch_overhead.md] [--json docs/benchmarks/patch_overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import attnuq
+
+Bench = tuple[str, str, str, Callable[[], tuple[nn.Module, Callable[[nn.Module], Any]]]]
+
+
+def _bert() -> tuple[nn.Module, Callable[[nn.Module], Any]]:
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(hidden_size=768, num_attention_heads=12, num_hidden_layers=4,
+                     intermediate_size=3072, vocab_size=30522)
+    m = BertModel(cfg).eval()
+    ids = torch.randint(0, 30522, (8, 128))
+    mask = torch.ones(8, 128, dtype=torch.long)
+    mask[::2, 100:] = 0
+    return m, lambda mm: mm(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def _vit() -> tuple[nn.Module, Callable[[nn.Module], Any]]:
+    from transformers import ViTConfig, ViTModel
+
+    cfg = ViTConfig(hidden_size=768, num_attention_heads=12, num_hidden_layers=4,
+                    intermediate_size=3072, image_size=224, patch_size=16)
+    m = ViTModel(cfg, add_pooling_layer=False).eval()
+    x = torch.randn(4, 3, 224, 224)
+    return m, lambda mm: mm(pixel_values=x).last_hidden_state
+
+
+def _patchtst() -> tuple[nn.Module, Callable[[nn.Module], Any]]:
+    from transformers import PatchTSTConfig, PatchTSTForPrediction
+
+    cfg = PatchTSTConfig(num_input_channels=7, context_length=512, patch_length=16,
+                         patch_stride=8, prediction_length=96, d_model=128,
+                         num_attention_heads=16, num_hidden_layers=3, ffn_dim=256)
+    m = PatchTSTForPrediction(cfg).eval()
+    x = torch.randn(16, 512, 7).cumsum(1)
+    return m, lambda mm: mm(past_values=x).prediction_outputs
+
+
+def _timesfm() -> tuple[nn.Module, Callable[[nn.Module], Any]]:
+    from transformers import TimesFmConfig, TimesFmModelForPrediction
+
+    cfg = TimesFmConfig(patch_length=32, context_length=512, horizon_length=128,
+                        num_hidden_layers=4, hidden_size=512, intermediate_size=512,
+                        head_dim=64, num_attention_heads=8)
+    m = TimesFmModelForPrediction(cfg).eval()
+    xs = [torch.randn(512).cumsum(0) for _ in range(16)]
+    return m, lambda mm: mm(past_values=xs, freq=[0] * len(xs)).mean_predictions
+
+
+def _llama() -> tuple[nn.Module, Callable[[nn.Module], Any]]:
+    from transformers import LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
+                      num_hidden_layers=4, intermediate_size=1408, vocab_size=32000)
+    m = LlamaModel(cfg).eval()
+    ids = torch.randint(0, 32000, (8, 128))
+    return m, lambda mm: mm(input_ids=ids).last_hidden_state
+
+
+def _rtdl() -> tuple[nn.Module, Callable[[nn.Module], Any]]:
+    import rtdl_revisiting_models as r
+
+    m = r.FTTransformer(n_cont_features=8, cat_cardinalities=[], d_out=1,
+                        **r.FTTransformer.get_default_kwargs(n_blocks=3)).eval()
+    x = torch.randn(512, 8)
+    return m, lambda mm: mm(x, None)
+
+
+def _encoder() -> tuple[nn.Module, Callable[[nn.Module], Any]]:
+    layer = nn.TransformerEncoderLayer(256, 8, 1024, batch_first=True)
+    m = nn.TransformerEncoder(layer, 4).eval()
+    x = torch.randn(16, 128, 256)
+    kpm = torch.zeros(16, 128, dtype=torch.bool)
+    kpm[::2, 100:] = True
+    return m, lambda mm: mm(x, src_key_padding_mask=kpm)
+
+
+class _SDPABlock(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.h = h
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(self.n1(x)).view(b, n, 3, self.h, c // self.h).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v)
+        x = x + self.out(a.transpose(1, 2).reshape(b, n, c))
+        return x + self.ff(self.n2(x))
+
+
+def _sdpa() -> tuple[nn.Module, Callable[[nn.Module], Any]]:
+    m = nn.Sequential(*[_SDPABlock(384, 6) for _ in range(4)]).eval()
+    x = torch.randn(8, 197, 384)
+    return m, lambda mm: mm(x)
+
+
+BENCHES: list[Bench] = [
+    ("HF BERT", "hf", "hidden 768, 12 heads, 4 layers, batch 8 x seq 128 (padding mask)", _bert),
+    ("HF ViT", "hf", "hidden 768, 12 heads, 4 layers, batch 4 x 224 px / 16 (197 tokens)", _vit),
+    ("HF PatchTST", "hf", "d 128, 16 heads, 3 layers, batch 16 x 7 ch x 512 steps", _patchtst),
+    ("HF TimesFM", "hf", "hidden 512, 8 heads, 4 layers, batch 16 x 512 steps", _timesfm),
+    ("HF Llama (GQA 8q/2kv)", "hf", "hidden 512, 4 layers, batch 8 x seq 128 (causal)", _llama),
+    ("rtdl FT-Transformer", "rtdl", "default 3 blocks (d 192, 8 heads), batch 512 x 8 feats",
+     _rtdl),
+    ("nn.TransformerEncoder", "mha", "d 256, 8 heads, 4 layers, batch 16 x seq 128 (padding); "
+     "frozen runs torch's fused fast path", _encoder),
+    ("F.sdpa direct", "sdpa", "d 384, 6 heads, 4 blocks, batch 8 x 197 tokens", _sdpa),
+]
+
+
+def _time(fwd: Callable[[nn.Module], Any], model: nn.Module) -> float:
+    t0 = time.perf_counter()
+    fwd(model)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--nu", type=int, default=4)
+    ap.add_argument("--only", default=None, help="comma-separated backend names")
+    ap.add_argument("--out", default="docs/benchmarks/patch_overhead.md")
+    ap.add_argument("--json", default="docs/benchmarks/patch_overhead.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        def tqdm(x: Any, **_: Any) -> Any:  # type: ignore[no-redef]
+            return x
+
+    rows: list[dict[str, Any]] = []
+    benches = [b for b in BENCHES if args.only is None or b[1] in args.only.split(",")]
+    for name, backend, size, make in tqdm(benches, desc="models"):
+        model, fwd = make()
+        frozen: list[float] = []
+        patched: list[float] = []
+        with torch.inference_mode():
+            for _ in range(args.warmup):
+                fwd(model)
+                with attnuq.stochastic(model, nu=args.nu, seed=0):
+                    fwd(model)
+            for _ in range(args.repeats):
+                frozen.append(_time(fwd, model))
+                with attnuq.stochastic(model, nu=args.nu, seed=0):
+                    patched.append(_time(fwd, model))
+        f, p = statistics.median(frozen), statistics.median(patched)
+        rows.append({
+            "model": name, "backend": backend, "size": size,
+            "frozen_ms": 1e3 * f, "patched_ms": 1e3 * p, "ratio": p / f,
+            "frozen_ms_all": [1e3 * t for t in frozen],
+            "patched_ms_all": [1e3 * t for t in patched],
+        })
+        print(f"{name:24s} frozen {1e3 * f:8.1f} ms  nu={args.nu} {1e3 * p:8.1f} ms  "
+              f"ratio {p / f:.3f}", flush=True)
+    rows.append({"model": "timm vit_tiny_patch16_224", "backend": "timm",
+                 "size": "not run: timm not importable (needs torchvision)", "ratio": None})
+    try:
+        import timm  # noqa: F401
+        rows[-1]["size"] = "timm importable but not benchmarked by this script"
+    except Exception:
+        pass
+
+    machine = (f"{platform.platform()}, {platform.processor() or platform.machine()}, "
+               f"{os.cpu_count()} CPUs (torch threads {args.threads}), torch {torch.__version__}, "
+               f"python {platform.python_version()}")
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = "python benchmarks/bench_patch_overhead.py " + " ".join(sys.argv[1:] if argv is None
+                                                                  else argv)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"command": cmd, "date": date, "machine": machine,
+                                           "nu": args.nu, "repeats": args.repeats,
+                                           "rows": rows}, indent=1))
+    lines = [
+        "# Overhead of `attnuq.stochastic` (forward latency, patched / frozen)",
+        "",
+        f"* command: `{cmd.strip()}`",
+        f"* date: {date}",
+        f"* machine: {machine}",
+        f"* nu = {args.nu}; median of {args.repeats} alternating timed forwards each "
+        f"(after {args.warmup} warm-up pairs), `torch.inference_mode()`, random weights.",
+        "* target (issue 3): ratio <= 1.15 (the paper reports +11 % latency on ClimaX at nu=4).",
+        "",
+        "| model | backend | size | frozen (ms) | nu=4 (ms) | ratio | <= 1.15 |",
+        "|---|---|---|---:|---:|---:|:---:|",
+    ]
+    for r in rows:
+        if r["ratio"] is None:
+            lines.append(f"| {r['model']} | {r['backend']} | {r['size']} | - | - | - | - |")
+            continue
+        ok = "yes" if r["ratio"] <= 1.15 else "**no**"
+        lines.append(f"| {r['model']} | {r['backend']} | {r['size']} | {r['frozen_ms']:.1f} | "
+                     f"{r['patched_ms']:.1f} | {r['ratio']:.3f} | {ok} |")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out} and {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
