@@ -164,7 +164,7 @@ def test_gradcheck_mean_and_sigma() -> None:
         r = levy_attention(
             d["q"], d["k"], d["a"], d["times"], mask,
             alpha=d["alpha"], beta=d["beta"], h=d["h"], omega=d["omega"], phase=d["phase"],
-            D=d["D"], block_size=2,
+            D=d["D"],
         )
         return r.mean, r.sigma, r.sigma_dim, r.evidence
 
@@ -356,3 +356,53 @@ def test_bad_shapes() -> None:
         levy_attention(q, k, a[:, :, :-1], times, mask, **kw)
     with pytest.raises(TypeError, match="mask"):
         levy_attention(q, k, a, times, mask.long(), **kw)
+
+
+def test_large_beta_shifted_path_matches_softmax() -> None:
+    """beta = 600: exp(beta (cos - 1)) falls below sqrt(tiny) and the max-shifted path is used."""
+    args, _ = make_problem(fourier=False)
+    q, k, a, times, mask = args
+    r = levy_attention(q, k, a, times, mask, alpha=2.0, beta=600.0, h=0.0)
+    torch.testing.assert_close(r.mean, ref_cosine_softmax(q, k, a, mask, 600.0), atol=1e-12, rtol=0)
+    qn = q / q.norm(dim=-1, keepdim=True)
+    kn = k / k.norm(dim=-1, keepdim=True)
+    s = (600.0 * (qn @ kn.transpose(-1, -2) - 1)).masked_fill(~mask[:, None, None, :], -math.inf)
+    lam = 2.0 * torch.exp(torch.logsumexp(s, dim=-1))
+    assert bool((lam < torch.finfo(F64).tiny ** 0.5).any())  # the fallback really is exercised
+    torch.testing.assert_close(r.evidence, lam, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("fourier", [True, False])
+def test_fused_and_explicit_backends_agree(fourier: bool) -> None:
+    """The fused SDPA path (sentinel key) against the explicit reference path, values and grads."""
+    args, kw = make_problem(fourier=fourier, N=13)
+    leaves = [x.clone().requires_grad_(True) for x in args[:4]]
+    outs = {}
+    for backend in ("sdpa", "explicit"):
+        r = levy_attention(*leaves, args[4], **kw, backend=backend, block_size=5)
+        grads = torch.autograd.grad(
+            r.mean.sum() + r.sigma.sum() + r.evidence.sum(), leaves, allow_unused=True
+        )
+        outs[backend] = (r, grads)
+    assert_result_close(outs["sdpa"][0], outs["explicit"][0], atol=1e-12, rtol=1e-12)
+    for g1, g2 in zip(outs["sdpa"][1], outs["explicit"][1], strict=True):
+        assert (g1 is None) == (g2 is None)  # times are unused without the Fourier field
+        if g1 is not None:
+            torch.testing.assert_close(g1, g2, atol=1e-11, rtol=1e-11)
+
+
+def test_trace_only_mode_matches_per_dim() -> None:
+    args, kw = make_problem()
+    full = levy_attention(*args, **kw)
+    tr = levy_attention(*args, **kw, per_dim=False)
+    assert tr.var is None and tr.sigma_dim is None
+    for f in ("mean", "evidence", "p_empty", "phi", "sigma"):
+        torch.testing.assert_close(getattr(tr, f), getattr(full, f), atol=1e-12, rtol=0)
+
+
+def test_sdpa_backend_refuses_large_beta() -> None:
+    args, kw = make_problem()
+    with pytest.raises(ValueError, match="beta"):
+        levy_attention(*args, **dict(kw, beta=200.0), backend="sdpa")
+    with pytest.raises(ValueError, match="backend"):
+        levy_attention(*args, **kw, backend="fast")

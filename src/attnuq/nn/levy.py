@@ -3,7 +3,7 @@
 API (stable)
 ------------
 ``LevyAttention(num_channels, d_model=64, num_heads=4, *, value_features=1, out_features=None,
-n_fourier=8, alpha=1.0, beta=2.0, h=0.1, max_period=100.0, block_size=128)``
+n_fourier=8, alpha=1.0, beta=2.0, h=0.1, max_period=100.0, per_dim=True, block_size=256)``
 
 ``forward(times, channels, values, mask, query_times, query_channels=None)
 -> LevyAttentionOutput`` with
@@ -69,7 +69,8 @@ class LevyAttentionOutput:
     Attributes
     ----------
     mean : ``(B, Q, D_out)``.
-    sigma_dim : ``(B, Q, D_out)`` predictive std per output dimension.
+    sigma_dim : ``(B, Q, D_out)`` predictive std per output dimension (``None`` if the layer was
+        built with ``per_dim=False``).
     sigma : ``(B, Q)`` ``sqrt(sum_j sigma_dim_j^2)``.
     evidence : ``(B, Q, H)``.
     p_empty : ``(B, Q, H)``.
@@ -77,7 +78,7 @@ class LevyAttentionOutput:
     """
 
     mean: torch.Tensor
-    sigma_dim: torch.Tensor
+    sigma_dim: torch.Tensor | None
     sigma: torch.Tensor
     evidence: torch.Tensor
     p_empty: torch.Tensor
@@ -113,6 +114,9 @@ class LevyAttention(nn.Module):
         (sharpness), ``h > 0`` (mollifier bandwidth, in time units).
     max_period : float
         Longest initial period of the time embedding and the Fourier features (time units).
+    per_dim : bool
+        Compute ``sigma_dim`` per output dimension (default); ``False`` gives only ``sigma``
+        (cheaper: see :func:`attnuq.ops.levy_attention`).
     block_size : int
         Block size of the sums over observations (see :func:`attnuq.ops.levy_attention`).
 
@@ -142,7 +146,8 @@ class LevyAttention(nn.Module):
         beta: float = 2.0,
         h: float = 0.1,
         max_period: float = 100.0,
-        block_size: int = 128,
+        per_dim: bool = True,
+        block_size: int = 256,
     ) -> None:
         super().__init__()
         self.num_channels = check_positive_int(num_channels, "num_channels")
@@ -161,6 +166,9 @@ class LevyAttention(nn.Module):
         if not max_period > 0:
             raise ValueError(f"max_period must be > 0, got {max_period=}")
         self.n_fourier = n_fourier
+        if not isinstance(per_dim, bool):
+            raise TypeError(f"per_dim must be a bool, got {per_dim=!r}")
+        self.per_dim = per_dim
         self.block_size = check_positive_int(block_size, "block_size")
         H, dh = num_heads, d_model // num_heads
         self.d_head = dh
@@ -364,19 +372,26 @@ class LevyAttention(nn.Module):
         )
         q, k, a = self._embed(times, channels, values, query_times, query_channels)
         res = levy_attention(
-            q, k, a, times, mask, block_size=self.block_size, **self._op_kwargs()  # type: ignore[arg-type]
+            q, k, a, times, mask, per_dim=self.per_dim, block_size=self.block_size,
+            **self._op_kwargs(),  # type: ignore[arg-type]
         )
         B, H, Q, Dv = res.mean.shape
-        pvar = res.var * res.phi[..., None]  # (B, H, Q, Dv) predictive variance per head
         if self.out_proj is None:
             mean = res.mean.transpose(1, 2).reshape(B, Q, H * Dv)
-            sigma_dim = res.sigma_dim.transpose(1, 2).reshape(B, Q, H * Dv)
-            total = pvar.sum(dim=(1, 3))
         else:
             mean = res.mean.sum(1) + self.out_proj.bias
-            tot_dim = pvar.sum(1)  # (B, Q, P)
-            sigma_dim = _safe_sqrt(tot_dim)
-            total = tot_dim.sum(-1)
+        sigma_dim: torch.Tensor | None = None
+        if res.var is None:  # per_dim=False: heads' trace variances add
+            total = (res.sigma**2).sum(1)
+        else:
+            pvar = res.var * res.phi[..., None]  # (B, H, Q, Dv) predictive variance per head
+            if self.out_proj is None:
+                sigma_dim = _safe_sqrt(pvar).transpose(1, 2).reshape(B, Q, H * Dv)
+                total = pvar.sum(dim=(1, 3))
+            else:
+                tot_dim = pvar.sum(1)  # (B, Q, P)
+                sigma_dim = _safe_sqrt(tot_dim)
+                total = tot_dim.sum(-1)
         return LevyAttentionOutput(
             mean=mean,
             sigma_dim=sigma_dim,

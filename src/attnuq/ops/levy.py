@@ -72,6 +72,7 @@ Implementation notes
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -97,21 +98,23 @@ class LevyResult:
     Attributes
     ----------
     mean : ``(B, H, Q, Dv)`` expected output ``mu_q`` (0 for an empty series).
-    var : ``(B, H, Q, Dv)`` ``diag Sigma_V(q)``, the covariance of one atom's value.
+    var : ``(B, H, Q, Dv)`` ``diag Sigma_V(q)``, the covariance of one atom's value
+        (``None`` when computed with ``per_dim=False``).
     evidence : ``(B, H, Q)`` ``Lambda_q``.
     p_empty : ``(B, H, Q)`` ``P(N_q = 0) = exp(-Lambda_q)``.
     phi : ``(B, H, Q)`` ``E[1/N_q | N_q >= 1]``.
     sigma : ``(B, H, Q)`` ``sqrt(tr Sigma_V(q) phi(Lambda_q))``.
-    sigma_dim : ``(B, H, Q, Dv)`` ``sqrt(Sigma_V,jj(q) phi(Lambda_q))``.
+    sigma_dim : ``(B, H, Q, Dv)`` ``sqrt(Sigma_V,jj(q) phi(Lambda_q))`` (``None`` when
+        ``per_dim=False``).
     """
 
     mean: torch.Tensor
-    var: torch.Tensor
+    var: torch.Tensor | None
     evidence: torch.Tensor
     p_empty: torch.Tensor
     phi: torch.Tensor
     sigma: torch.Tensor
-    sigma_dim: torch.Tensor
+    sigma_dim: torch.Tensor | None
 
 
 class LevySamples(NamedTuple):
@@ -229,14 +232,17 @@ def _validate(
         om = omega.to(q.dtype)
         ph = phase.to(q.dtype)
         dd = D.to(q.dtype)
+        # shared (1-D) frequencies and phases stay (1, K): the time features are then computed
+        # once for all heads
+        hw = 1 if (om.dim() == 1 and ph.dim() == 1) else H
         if om.dim() == 1:
-            om = om.expand(H, -1)
+            om = om[None].expand(hw, -1)
         if ph.dim() == 1:
-            ph = ph.expand(H, -1)
+            ph = ph[None].expand(hw, -1)
         if dd.dim() == 2:
             dd = dd.expand(H, -1, -1)
         K = om.shape[-1]
-        if om.shape != (H, K) or ph.shape != (H, K) or dd.shape != (H, Dv, K):
+        if om.shape != (hw, K) or ph.shape != (hw, K) or dd.shape != (H, Dv, K):
             raise ValueError(
                 "omega, phase must be (K,) or (H, K) and D (Dv, K) or (H, Dv, K), got "
                 f"omega.shape={tuple(omega.shape)}, phase.shape={tuple(phase.shape)}, "
@@ -312,29 +318,61 @@ def _gcov_matrices(omega: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, 
     return m1, m2
 
 
+class _Field(NamedTuple):
+    """Per-call constants of the value field: damping ``(H, K)``, ``D^T`` ``(H, K, Dv)``, the
+    packed within-atom variance weights ``(2T, H * Dv)`` and the ``T = K (K + 1) / 2`` upper
+    triangle index pair."""
+
+    damp: torch.Tensor
+    dt: torch.Tensor
+    w: torch.Tensor
+    iu: torch.Tensor
+
+
+def _field(inp: _Inputs) -> _Field | None:
+    if inp.omega is None or inp.phase is None or inp.D is None:
+        return None
+    H, Dv, K = inp.D.shape
+    om_h = inp.omega.expand(H, -1)
+    damp = torch.exp(-(om_h**2) * (inp.h**2)[:, None] / 2)  # (H, K)
+    m1, m2 = _gcov_matrices(om_h, inp.h)  # (H, K, K) each
+    iu = torch.triu_indices(K, K, device=inp.D.device)  # (2, T)
+    i0, i1 = iu[0], iu[1]
+    mult = torch.where(i0 == i1, 1.0, 2.0).to(inp.D.dtype)  # symmetric off-diagonal pairs
+    dd = inp.D[:, :, i0] * inp.D[:, :, i1] * mult  # (H, Dv, T)
+    w1 = dd * m1[:, i0, i1][:, None, :]
+    w2 = dd * m2[:, i0, i1][:, None, :]
+    w = torch.cat([w1, w2], dim=-1)  # (H, Dv, 2T)
+    w = w.permute(2, 0, 1).reshape(-1, H * Dv)  # (2T, H * Dv)
+    return _Field(damp=damp, dt=inp.D.transpose(-1, -2), w=w, iu=iu)
+
+
 def _value_moments(
-    inp: _Inputs,
+    inp: _Inputs, fld: _Field | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``vbar`` ``(B, H, N, Dv)`` and within-atom variance ``s`` ``(B, H, N, Dv)`` (or None)."""
+    """``vbar`` ``(B, H, N, Dv)`` and within-atom variance ``s`` ``(B, H, N, Dv)`` (or None).
+
+    ``s_ij = D_j Cov(g) D_j^T = sum_{k<=l} mult_kl D_jk D_jl (M1_kl c_k c_l + M2_kl s_k s_l)``
+    is one GEMM of the ``2T`` products of the time features with fixed weights.
+    """
     mask4 = inp.mask[:, None, :, None]
     a = torch.where(mask4, inp.a, torch.zeros_like(inp.a))
-    if inp.omega is None or inp.phase is None or inp.D is None:
+    if fld is None or inp.omega is None or inp.phase is None:
         return a, None
+    B, H, N, Dv = a.shape
     times = torch.where(inp.mask, inp.times, torch.zeros_like(inp.times))
     z = times[:, None, :, None] * inp.omega[None, :, None, :] + inp.phase[None, :, None, :]
-    c = torch.cos(z)  # (B, H, N, K)
+    c = torch.cos(z)  # (B, Hw, N, K), Hw in {1, H}
     sn = torch.sin(z)
-    damp = torch.exp(-(inp.omega**2) * (inp.h**2)[:, None] / 2)  # (H, K)
-    m = c * damp[None, :, None, :]
-    D = inp.D  # (H, Dv, K)
-    vbar = a + torch.einsum("bhnk,hjk->bhnj", m, D)
-    m1, m2 = _gcov_matrices(inp.omega, inp.h)
-    K = c.shape[-1]
-    w1 = torch.einsum("hjk,hjl,hkl->hklj", D, D, m1).reshape(D.shape[0], K * K, D.shape[1])
-    w2 = torch.einsum("hjk,hjl,hkl->hklj", D, D, m2).reshape(D.shape[0], K * K, D.shape[1])
-    cc = (c[..., :, None] * c[..., None, :]).flatten(-2)  # (B, H, N, K*K)
-    ss = (sn[..., :, None] * sn[..., None, :]).flatten(-2)
-    s = cc @ w1[None] + ss @ w2[None]  # (B, H, N, Dv)
+    vbar = a + (c * fld.damp[None, :, None, :]) @ fld.dt  # (B, H, N, Dv)
+    i0, i1 = fld.iu[0], fld.iu[1]
+    feats = torch.cat([c[..., i0] * c[..., i1], sn[..., i0] * sn[..., i1]], dim=-1)
+    hw = feats.shape[1]
+    if hw == 1:  # shared time features: one GEMM for all heads
+        s = (feats[:, 0] @ fld.w).view(B, N, H, Dv).transpose(1, 2)
+    else:
+        w = fld.w.view(-1, H, Dv).transpose(0, 1)  # (H, 2T, Dv)
+        s = feats @ w
     s = torch.where(mask4, s, torch.zeros_like(s))
     vbar = torch.where(mask4, vbar, torch.zeros_like(vbar))
     return vbar, s
@@ -401,7 +439,9 @@ def levy_attention(
     omega: torch.Tensor | None = None,
     phase: torch.Tensor | None = None,
     D: torch.Tensor | None = None,
-    block_size: int = 128,
+    per_dim: bool = True,
+    block_size: int = 256,
+    backend: str = "auto",
 ) -> LevyResult:
     r"""Expected Levy attention output and its closed-form uncertainty in one pass.
 
@@ -435,8 +475,17 @@ def levy_attention(
         ``(K,)`` or ``(H, K)`` Fourier frequencies and phases of ``g(t)``.
     D : torch.Tensor, optional
         ``(Dv, K)`` or ``(H, Dv, K)`` loading of ``g`` in the value field (None means ``D = 0``).
+    per_dim : bool
+        Compute ``var`` and ``sigma_dim`` per value dimension (default). ``False`` computes only
+        the trace (``sigma``), which halves the width of the fused attention call.
     block_size : int
         Observations per block in the sums over ``N`` (see module docstring).
+    backend : {"auto", "sdpa", "explicit"}
+        ``"sdpa"``: one fused ``F.scaled_dot_product_attention`` per block with a sentinel key
+        that recovers the normaliser (see :func:`_accumulate_sdpa`); needs
+        ``beta <= log(finfo.max) / 4`` (22 in float32, 177 in float64). ``"explicit"``: scores,
+        a max shift, ``exp`` and GEMMs (the reference; any ``beta``). ``"auto"`` picks
+        ``"sdpa"`` when ``beta`` allows.
 
     Returns
     -------
@@ -462,56 +511,148 @@ def levy_attention(
     (torch.Size([2, 4, 3, 5]), torch.Size([2, 4, 3]), True)
     """
     block_size = check_positive_int(block_size, "block_size")
+    if backend not in ("auto", "sdpa", "explicit"):
+        raise ValueError(f"backend must be 'auto', 'sdpa' or 'explicit', got {backend=!r}")
+    if not isinstance(per_dim, bool):
+        raise TypeError(f"per_dim must be a bool, got {per_dim=!r}")
     inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
     B, H = q.shape[:2]
     Dv = a.shape[-1]
     # Every per-observation quantity and every sum over observations is computed on fixed-size,
     # zero-padded blocks of `block_size` observations, so that the same numbers meet the same
     # kernels whatever the padded length N is (bit-identical under appended masked entries).
+    # Masked observations have all-zero key and value rows, so they add exact zeros.
     blocks = _split_blocks(inp, block_size)
-    cos_b = [_scores(blk) for blk in blocks]  # (B, H, Q, bs) each
-    mom_b = [_value_moments(blk) for blk in blocks]  # vbar, within: (B, H, bs, Dv) each
-    neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
-    s_b = [inp.beta[:, None, None] * (c - 1) for c in cos_b]  # <= 0
-    mx = torch.stack(
-        [torch.where(blk.mask[:, None, None, :], sb, neg_inf).amax(-1) for blk, sb in zip(
-            blocks, s_b, strict=True)],
-        dim=-1,
-    ).amax(-1, keepdim=True).detach()  # (B, H, Q, 1); max is exact and order-independent
-    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    fld = _field(inp)
+    mom_b = [_value_moments(blk, fld) for blk in blocks]  # vbar, within: (B, H, bs, Dv)
     count = mask.sum(-1).clamp_min(1).to(q.dtype)[:, None, None, None]
     # reference: plain mean of vbar over observed entries
     ref = _ordered_sum(
         [blk.mask.to(q.dtype)[:, None, None, :].expand(B, H, 1, -1) @ mb[0]
          for blk, mb in zip(blocks, mom_b, strict=True)]
     ) / count  # (B, H, 1, Dv)
-    parts = []
-    for blk, sb, (vbar, within) in zip(blocks, s_b, mom_b, strict=True):
-        m4 = blk.mask[:, None, None, :]  # (B, 1, 1, bs)
-        e = torch.where(m4, torch.exp(torch.where(m4, sb - mx, torch.zeros_like(sb))), 0.0)
+    vals_b = []  # (B, H, bs, 2 Dv or Dv + 1): [v - ref, (v - ref)^2 + s] or [v - ref, sum_j (...)]
+    for blk, (vbar, within) in zip(blocks, mom_b, strict=True):
         obs = blk.mask[:, None, :, None]  # (B, 1, bs, 1)
         vc = torch.where(obs, vbar - ref, torch.zeros_like(vbar))
         sq = vc * vc if within is None else vc * vc + within
-        ones = obs.to(q.dtype).expand(B, H, -1, 1)  # zero on masked rows
-        parts.append(e @ torch.cat([ones, vc, sq], dim=-1))  # (B, H, Q, 1 + 2 Dv)
-    acc = _ordered_sum(parts)
+        if not per_dim:
+            sq = sq.sum(-1, keepdim=True)
+        vals_b.append(torch.cat([vc, sq], dim=-1))
+    kn_b = [
+        F.normalize(torch.where(blk.mask[:, None, :, None], blk.k, torch.zeros_like(blk.k)),
+                    dim=-1, eps=1e-12)
+        for blk in blocks
+    ]  # (B, H, bs, E), zero rows for masked keys
+    qn = F.normalize(q, dim=-1, eps=1e-12)
+    limit = 0.25 * math.log(torch.finfo(q.dtype).max)  # 22 in float32, 177 in float64
+    if backend == "auto":
+        backend = "sdpa" if float(inp.beta.detach().max()) <= limit else "explicit"
+    if backend == "sdpa":
+        if float(inp.beta.detach().max()) > limit:
+            raise ValueError(
+                f"backend='sdpa' needs beta <= {limit:.1f} in {q.dtype}, got "
+                f"beta={inp.beta.detach().tolist()}"
+            )
+        z, tsum = _accumulate_sdpa(qn, kn_b, vals_b, blocks, inp.beta)
+        log_scale = -2 * inp.beta[:, None]  # Lambda = alpha e^{-2 beta} z
+    else:
+        z, tsum, log_scale = _accumulate_explicit(qn, kn_b, vals_b, blocks, inp.beta)
 
-    z = acc[..., 0]  # (B, H, Q)
     nonempty = z > 0
     zs = torch.where(nonempty, z, torch.ones_like(z))
-    mu_c = acc[..., 1 : 1 + Dv] / zs[..., None]
-    m2 = acc[..., 1 + Dv :] / zs[..., None]
+    mu_c = tsum[..., :Dv] / zs[..., None]
+    m2 = tsum[..., Dv:] / zs[..., None]
     mean = torch.where(nonempty[..., None], mu_c + ref, torch.zeros_like(mu_c))
-    var = torch.clamp_min(m2 - mu_c * mu_c, 0.0)
-    evidence = inp.alpha[:, None] * torch.exp(mx[..., 0]) * z  # (B, H, Q)
+    if per_dim:
+        var: torch.Tensor | None = torch.clamp_min(m2 - mu_c * mu_c, 0.0)
+        assert var is not None
+        trace = var.sum(-1)
+    else:
+        var = None
+        trace = torch.clamp_min(m2[..., 0] - (mu_c * mu_c).sum(-1), 0.0)
+    evidence = inp.alpha[:, None] * torch.exp(log_scale) * z  # (B, H, Q)
     phi = poisson_phi(evidence)
     p_empty = torch.exp(-evidence)
-    sigma = _safe_sqrt(var.sum(-1) * phi)
-    sigma_dim = _safe_sqrt(var * phi[..., None])
+    sigma = _safe_sqrt(trace * phi)
+    sigma_dim = None if var is None else _safe_sqrt(var * phi[..., None])
     return LevyResult(
         mean=mean, var=var, evidence=evidence, p_empty=p_empty, phi=phi, sigma=sigma,
         sigma_dim=sigma_dim,
     )
+
+
+def _accumulate_sdpa(
+    qn: torch.Tensor,
+    kn_b: list[torch.Tensor],
+    vals_b: list[torch.Tensor],
+    blocks: list[_Inputs],
+    beta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z = sum_i e^{beta (cos_i + 1)}`` ``(B, H, Q)`` and ``sum_i e^{beta (cos_i + 1)} v_i``.
+
+    One fused ``F.scaled_dot_product_attention`` per block. A *sentinel* key with score
+    ``-beta`` and value ``e_0`` is prepended: its output weight ``o = e^{-beta} / (e^{-beta} +
+    sum_i e^{beta cos_i})`` gives the normaliser the softmax discards, ``z = (1 - o) / o``, and
+    the other output columns times ``1 / o`` give the unnormalised sums. Every observed term
+    is ``>= 1`` so ``o <= 1/2`` for a block with an observation (no cancellation). Masked keys get
+    score ``-1e4`` (weight exactly 0); ``q``, ``k`` and ``v`` are zero-padded to one width ``Dp``
+    because the fused CPU kernel needs equal head dims.
+    """
+    B, H, Q, E = qn.shape
+    dt = qn.dtype
+    w_cols = vals_b[0].shape[-1]
+    dp = max(E + 1, w_cols + 1)
+    beta4 = beta[:, None, None]  # (H, 1, 1)
+    qa = F.pad(torch.cat([qn * beta4, qn.new_ones(B, H, Q, 1)], dim=-1), (0, dp - E - 1))
+    sent_k = F.pad(torch.cat([qn.new_zeros(H, 1, E), -beta4], dim=-1), (0, dp - E - 1))
+    sent_k = sent_k.expand(B, H, 1, dp)
+    sent_v = F.pad(qn.new_ones(B, H, 1, 1), (0, dp - 1))
+    z_parts, t_parts = [], []
+    for blk, kn, vb in zip(blocks, kn_b, vals_b, strict=True):
+        bs = kn.shape[2]
+        off = torch.where(blk.mask, 0.0, -1e4).to(dt)[:, None, :, None].expand(B, H, bs, 1)
+        keys = torch.cat([sent_k, F.pad(torch.cat([kn, off], dim=-1), (0, dp - E - 1))], dim=2)
+        vals = torch.cat(
+            [sent_v, F.pad(torch.cat([kn.new_zeros(B, H, bs, 1), vb], -1), (0, dp - w_cols - 1))],
+            dim=2,
+        )
+        out = F.scaled_dot_product_attention(qa, keys, vals, scale=1.0)  # (B, H, Q, dp)
+        o = out[..., 0]
+        z_parts.append((1 - o) / o)
+        t_parts.append(out[..., 1 : 1 + w_cols] / o[..., None])
+    return _ordered_sum(z_parts), _ordered_sum(t_parts)
+
+
+def _accumulate_explicit(
+    qn: torch.Tensor,
+    kn_b: list[torch.Tensor],
+    vals_b: list[torch.Tensor],
+    blocks: list[_Inputs],
+    beta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference path: ``exp(beta cos - M)`` with ``M`` the max over observed keys, then GEMMs.
+
+    Returns ``z`` ``(B, H, Q)``, the weighted sums ``(B, H, Q, W)`` and ``log_scale`` with
+    ``Lambda = alpha exp(log_scale) z`` (``log_scale = M - beta``). Works for any ``beta``.
+    """
+    beta4 = beta[:, None, None]
+    qb = qn * beta4
+    neg_inf = torch.tensor(float("-inf"), dtype=qn.dtype, device=qn.device)
+    scores = [qb @ kn.transpose(-1, -2) for kn in kn_b]  # beta cos, (B, H, Q, bs)
+    mx = torch.stack(
+        [torch.where(blk.mask[:, None, None, :], sc, neg_inf).amax(-1)
+         for blk, sc in zip(blocks, scores, strict=True)],
+        dim=-1,
+    ).amax(-1, keepdim=True).detach()  # (B, H, Q, 1): exact and order-independent
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    z_parts, t_parts = [], []
+    for blk, sc, vb in zip(blocks, scores, vals_b, strict=True):
+        m4 = blk.mask[:, None, None, :]
+        e = torch.where(m4, torch.exp(torch.where(m4, sc - mx, torch.zeros_like(sc))), 0.0)
+        z_parts.append(e.sum(-1))
+        t_parts.append(e @ vb)
+    return _ordered_sum(z_parts), _ordered_sum(t_parts), mx[..., 0] - beta4[..., 0]
 
 
 @torch.no_grad()
@@ -626,7 +767,8 @@ def levy_attention_sample(
                 else:
                     hd = head_of_pos[pos]
                     t = t_flat[src] + inp.h[hd] * eps
-                    g = torch.cos(t[:, None] * inp.omega[hd] + inp.phase[hd])  # (n_atoms, K)
+                    om_h, ph_h = inp.omega.expand(H, -1), inp.phase.expand(H, -1)
+                    g = torch.cos(t[:, None] * om_h[hd] + ph_h[hd])  # (n_atoms, K)
                     full = (g @ inp.D.reshape(H * Dv, -1).transpose(0, 1)).view(-1, H, Dv)
                     v = v + full.gather(1, hd[:, None, None].expand(-1, 1, Dv))[:, 0]
             sums = torch.zeros(cnt.numel(), Dv, dtype=dt, device=dev).index_add_(0, slot, v)
