@@ -8,8 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 # one thread per pytest-xdist worker (scripts/test.sh runs two workers on two cores)
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

@@ -60,7 +60,10 @@ def build_parser(load_suite: str | None = None) -> argparse.ArgumentParser:
     demo.add_argument("--split", type=int, default=0, help="standard split index (default: 0)")
     demo.add_argument("--retrain", action="store_true", help="retrain even if a model is cached")
     demo.add_argument(
-        "--max-epochs", type=int, default=150, help="training epochs at most (default: 150)"
+        "--max-epochs", type=int, default=100, help="training epochs at most (default: 100)"
+    )
+    demo.add_argument(
+        "--n-blocks", type=int, default=1, help="FT-Transformer blocks (default: 1)"
     )
     demo.add_argument(
         "--n-samples", type=int, default=100, help="stochastic passes for prediction (default: 100)"
@@ -137,6 +140,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         device=args.device,
         retrain=args.retrain,
         max_epochs=args.max_epochs,
+        n_blocks=args.n_blocks,
         n_samples=args.n_samples,
     )
     print(f"report written to {out / 'report.html'}")
