@@ -19,3 +19,14 @@ def test_readme_has_python_examples() -> None:
 def test_readme_example_runs(code: str, capsys: pytest.CaptureFixture[str]) -> None:
     exec(compile(code, str(README), "exec"), {"__name__": "__readme__"})
     assert capsys.readouterr().out.strip(), "each example prints what it shows"
+
+
+def test_docs_list_every_paper_departure() -> None:
+    """docs/methods.md carries every NOTE(paper) remark of the source (regenerate if stale)."""
+    import subprocess
+    import sys
+
+    script = README.parent / "scripts" / "collect_paper_notes.py"
+    proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
