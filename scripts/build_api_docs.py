@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import re
 import sys
 from pathlib import Path
 
@@ -35,9 +36,10 @@ OUT = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
 def _signature(obj: object) -> str:
     try:
-        return str(inspect.signature(obj))  # type: ignore[arg-type]
+        sig = str(inspect.signature(obj))  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return "(...)"
+    return re.sub(r" at 0x[0-9a-f]+>", ">", sig)  # memory addresses differ from run to run
 
 
 def _doc(obj: object) -> str:

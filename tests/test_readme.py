@@ -30,3 +30,14 @@ def test_docs_list_every_paper_departure() -> None:
     proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_api_reference_is_current() -> None:
+    """docs/api.md is what scripts/build_api_docs.py builds from today's docstrings."""
+    import subprocess
+    import sys
+
+    script = README.parent / "scripts" / "build_api_docs.py"
+    proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
