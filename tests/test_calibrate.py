@@ -151,3 +151,25 @@ def test_clear_errors(problem) -> None:  # type: ignore[no-untyped-def]
         calibrate(model, data, n_passes=1, progress=False)
     with pytest.raises(TypeError, match="data must be an iterable"):
         calibrate(model, v, progress=False)  # type: ignore[arg-type]
+
+
+def test_bench_suite_writes_table(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("matplotlib")
+    from attnuq.bench import get_suite
+
+    suite = get_suite("calibration")
+    import argparse
+
+    p = argparse.ArgumentParser()
+    suite.add_arguments(p)
+    args = p.parse_args(["--models", "uniform-mha", "--criteria", "scale", "--seeds", "1",
+                         "--nu-max", "64", "--grid-size", "7", "--max-evals", "2",
+                         "--out", str(tmp_path / "cal")])
+    out = suite.run(args)
+    text = (tmp_path / "cal.md").read_text()
+    assert "| uniform-mha | scale | 0 |" in text and "machine:" in text
+    import json
+
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert rows[0]["grid_passes"] == 1 + 10 * 7 and rows[0]["bo_passes"] <= 1 + 10 * 2
+    assert (out / "uniform-mha_scale.png").exists()
