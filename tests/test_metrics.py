@@ -247,3 +247,16 @@ def test_field_metrics_and_w1_validate_inputs() -> None:
         M.crps_samples(X, Y, reduction="sum")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="at least 2 draws"):
         M.crps_samples(X[:1], Y)
+
+
+def test_predictive_convenience_methods_call_the_metrics() -> None:
+    from attnuq.predictive import GaussianPredictive, Predictive
+
+    g = gen(13)
+    x, y = torch.randn(20, 7, generator=g, dtype=D), torch.randn(7, generator=g, dtype=D)
+    p = Predictive(samples=x)
+    torch.testing.assert_close(p.crps(y, reduction="none"), M.crps_samples(x, y, reduction="none"))
+    torch.testing.assert_close(p.pit(y, generator=gen(1)), M.pit_samples(x, y, generator=gen(1)))
+    gp = GaussianPredictive(torch.zeros(7, dtype=D), torch.ones(7, dtype=D))
+    torch.testing.assert_close(gp.crps(y), M.crps_normal(gp.mean, gp.std, y))
+    torch.testing.assert_close(gp.nll(y), M.nll_normal(gp.mean, gp.std, y))

@@ -101,6 +101,20 @@ class Predictive:
         m = self.mean
         return Predictive(samples=m + (self.samples - m) * factor, frozen=self.frozen)
 
+    def pit(
+        self, targets: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """``(B, ...)`` randomised PIT of ``targets`` (:func:`attnuq.metrics.pit_samples`)."""
+        from attnuq.metrics import pit_samples
+
+        return pit_samples(self.samples, targets, generator=generator)
+
+    def crps(self, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Fair CRPS of the samples (:func:`attnuq.metrics.crps_samples`)."""
+        from attnuq.metrics import crps_samples
+
+        return crps_samples(self.samples, targets, reduction=reduction)  # type: ignore[arg-type]
+
 
 @dataclass(frozen=True)
 class GaussianPredictive:
@@ -151,3 +165,15 @@ class GaussianPredictive:
 
     def scaled(self, factor: float | torch.Tensor) -> GaussianPredictive:
         return GaussianPredictive(mean=self.mean, std=self.std * factor)
+
+    def crps(self, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Closed-form CRPS (:func:`attnuq.metrics.crps_normal`)."""
+        from attnuq.metrics import crps_normal
+
+        return crps_normal(self.mean, self.std, targets, reduction=reduction)  # type: ignore[arg-type]
+
+    def nll(self, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Negative log-likelihood (:func:`attnuq.metrics.nll_normal`)."""
+        from attnuq.metrics import nll_normal
+
+        return nll_normal(self.mean, self.std, targets, reduction=reduction)  # type: ignore[arg-type]
