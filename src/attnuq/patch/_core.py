@@ -660,6 +660,23 @@ def patch(
         If ``model`` is already patched by another active handle (nested ``stochastic`` on the
         same model is refused rather than stacked: remove the outer patch first).
 
+    Notes
+    -----
+    * Each backend hooks its library the way the library allows (see :mod:`attnuq.patch.hf`,
+      :mod:`~attnuq.patch.mha`, :mod:`~attnuq.patch.rtdl`, :mod:`~attnuq.patch.timm`,
+      :mod:`~attnuq.patch.sdpa`); every change is an instance attribute, a hook, a config
+      attribute or a registry entry, recorded and put back exactly by :meth:`PatchHandle.remove`
+      (in reverse order, also when an exception escapes a ``with`` block).
+    * Inside the block the model still supports ``eval()``, ``to(dtype)``/``to(device)`` (a
+      generator is created per device) and ``state_dict()``. Pickle or ``deepcopy`` it *after*
+      the block: inside, the swapped forwards are closures (not picklable) and a deep copy would
+      carry the patch without the handle that removes it.
+    * Active attention dropout (a module in training mode with attention dropout ``p > 0``) is
+      refused with an error: stochastic attention is an inference-time method.
+    * The sampled weights themselves are not exposed; ``nn.MultiheadAttention(need_weights=True)``
+      returns the softmax weights ``pi = E[W/nu]`` and HF models return ``None`` weights, as
+      with their SDPA implementation.
+
     Examples
     --------
     >>> import torch
