@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -189,6 +190,7 @@ def render(info: dict[str, Any], sp: list[dict[str, Any]], mem: list[dict[str, A
         f"* command: `{info['command']}`",
         f"* date: {info['date']}",
         f"* machine: {info['machine']}",
+        f"* load: {info['load']}",
         "",
         f"## Speed: CPU float32, B, H, L, D = {SPEED_SHAPE}",
         "",
@@ -272,9 +274,15 @@ def main(argv: list[str] | None = None) -> None:
         _child(args._child, args.threads)
         return
     torch.set_num_threads(args.threads)
-    info = run_info()
+    info = run_info([".venv/bin/python", "benchmarks/bench_sampled.py", *sys.argv[1:]])
+    load0 = os.getloadavg()
     sp = speed(args.repeats)
+    load1 = os.getloadavg()
     mem = [] if args.skip_memory else memory(args.threads)
+    info["load"] = (
+        f"1-min load average {load0[0]:.1f} before the speed runs, {load1[0]:.1f} after "
+        f"(on {os.cpu_count()} cores shared with other jobs)"
+    )
     text = render(info, sp, mem)
     print(text)
     for p in (args.out, args.json, args.png):

@@ -507,3 +507,16 @@ def test_dense_large_scores_match_softmax():
         cnt = _counts(idx, lk)[0, 0, i]
         assert (cnt[p[i] == 0] == 0).all()
         assert chi2_gof_pvalue(cnt, p[i]) > P_MIN  # false failure 1e-6 per query
+
+
+def test_degenerate_sizes():
+    q, k, v = _qkv(1, 2, 2, 3, 4, 5, seed=27)
+    with pytest.raises(ValueError, match="6 query row"):
+        sampled_attention(q, k[:, :, :0], v[:, :, :0], nu=2)
+    with pytest.raises(ValueError, match="6 query row"):
+        attention_moments(q, k[:, :, :0], v[:, :, :0])
+    y = sampled_attention(q, k[:, :, :0], v[:, :, :0], nu=2, empty_rows="zero")
+    assert y.shape == (1, 2, 3, 5) and (y == 0).all()
+    assert sampled_attention(q[:, :, :0], k, v, nu=2).shape == (1, 2, 0, 5)
+    m, var = attention_moments(q[:, :, :0], k, v)
+    assert m.shape == var.shape == (1, 2, 0, 5)

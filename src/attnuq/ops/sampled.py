@@ -326,7 +326,9 @@ def sampled_attention(
     block_size = _check_block_size(block_size)
     empty_rows = _check_empty_rows(empty_rows)
     att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
-    if att.groups * att.rows == 0:
+    if att.groups * att.rows == 0 or att.lk == 0:
+        if att.groups * att.rows > 0 and empty_rows == "error":  # no keys at all
+            raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
         return torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
     g, m, lk, dv = att.groups, att.rows, att.lk, att.dv
     # Large nu against Lk: go through the count matrix W (a GEMM) instead of gathering nu rows;
