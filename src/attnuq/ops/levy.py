@@ -149,8 +149,16 @@ def _head_param(
     return t
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """``True`` iff ``t`` has no NaN/inf. A finite sum proves it in one cheap pass (an inf or NaN
+    entry always makes the sum inf or NaN); an overflowing sum falls back to the exact check."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def _check_observed_finite(t: torch.Tensor, m: torch.Tensor, name: str) -> None:
     """NaN/inf check restricted to observed entries (``m`` broadcast to ``t``)."""
+    if _all_finite(t.detach()):
+        return
     bad = ~torch.isfinite(t) & m
     if bool(bad.any()):
         n_nan = int((torch.isnan(t) & m).sum())
@@ -214,7 +222,7 @@ def _validate(
     _check_observed_finite(times, mask, "times")
     _check_observed_finite(k, mask[:, None, :, None], "k")
     _check_observed_finite(a, mask[:, None, :, None], "a")
-    if not bool(torch.isfinite(q).all()):
+    if not _all_finite(q.detach()):
         raise ValueError(f"q contains non-finite values in a tensor of shape {tuple(q.shape)}")
     al = _head_param(alpha, "alpha", H, q, strict=True)
     be = _head_param(beta, "beta", H, q, strict=True)
@@ -258,11 +266,21 @@ def _validate(
 
 
 def _split_blocks(inp: _Inputs, block: int) -> list[_Inputs]:
-    """Zero-pad the observation axis to a multiple of ``block`` and cut it into blocks."""
+    """Zero masked entries, zero-pad the observation axis to a multiple of ``block``, cut it.
+
+    After this, masked rows of ``k``, ``a`` and ``times`` hold exact zeros (so anything derived
+    from them is finite); the operator then gives them weight exactly 0.
+    """
     n = inp.k.shape[2]
     nb = max(1, -(-n // block))
     pad = nb * block - n
-    k, a, times, mask = inp.k, inp.a, inp.times, inp.mask
+    mask = inp.mask
+    m4 = mask[:, None, :, None]
+    k = torch.where(m4, inp.k, 0.0)
+    a = torch.where(m4, inp.a, 0.0)
+    times = torch.where(mask, inp.times, 0.0)
+    if nb == 1 and not pad:
+        return [inp._replace(k=k, a=a, times=times)]
     if pad:
         k = F.pad(k, (0, 0, 0, pad))
         a = F.pad(a, (0, 0, 0, pad))
@@ -319,32 +337,27 @@ def _gcov_matrices(omega: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 class _Field(NamedTuple):
-    """Per-call constants of the value field: damping ``(H, K)``, ``D^T`` ``(H, K, Dv)``, the
-    packed within-atom variance weights ``(2T, H * Dv)`` and the ``T = K (K + 1) / 2`` upper
-    triangle index pair."""
+    """Per-call constants of the value field: damping ``(H, K)``, ``D^T`` ``(H, K, Dv)`` and
+    the within-atom variance weights ``(2 K^2, H * Dv)``."""
 
     damp: torch.Tensor
     dt: torch.Tensor
     w: torch.Tensor
-    iu: torch.Tensor
 
 
 def _field(inp: _Inputs) -> _Field | None:
     if inp.omega is None or inp.phase is None or inp.D is None:
         return None
-    H, Dv, K = inp.D.shape
+    H, Dv = inp.D.shape[:2]
     om_h = inp.omega.expand(H, -1)
     damp = torch.exp(-(om_h**2) * (inp.h**2)[:, None] / 2)  # (H, K)
     m1, m2 = _gcov_matrices(om_h, inp.h)  # (H, K, K) each
-    iu = torch.triu_indices(K, K, device=inp.D.device)  # (2, T)
-    i0, i1 = iu[0], iu[1]
-    mult = torch.where(i0 == i1, 1.0, 2.0).to(inp.D.dtype)  # symmetric off-diagonal pairs
-    dd = inp.D[:, :, i0] * inp.D[:, :, i1] * mult  # (H, Dv, T)
-    w1 = dd * m1[:, i0, i1][:, None, :]
-    w2 = dd * m2[:, i0, i1][:, None, :]
-    w = torch.cat([w1, w2], dim=-1)  # (H, Dv, 2T)
-    w = w.permute(2, 0, 1).reshape(-1, H * Dv)  # (2T, H * Dv)
-    return _Field(damp=damp, dt=inp.D.transpose(-1, -2), w=w, iu=iu)
+    dd = inp.D[:, :, :, None] * inp.D[:, :, None, :]  # (H, Dv, K, K)
+    w1 = (dd * m1[:, None]).flatten(-2)  # (H, Dv, K*K)
+    w2 = (dd * m2[:, None]).flatten(-2)
+    w = torch.cat([w1, w2], dim=-1)  # (H, Dv, 2 K^2)
+    w = w.permute(2, 0, 1).reshape(-1, H * Dv)  # (2 K^2, H * Dv)
+    return _Field(damp=damp, dt=inp.D.transpose(-1, -2), w=w)
 
 
 def _value_moments(
@@ -352,29 +365,30 @@ def _value_moments(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``vbar`` ``(B, H, N, Dv)`` and within-atom variance ``s`` ``(B, H, N, Dv)`` (or None).
 
-    ``s_ij = D_j Cov(g) D_j^T = sum_{k<=l} mult_kl D_jk D_jl (M1_kl c_k c_l + M2_kl s_k s_l)``
-    is one GEMM of the ``2T`` products of the time features with fixed weights.
+    ``s_ij = D_j Cov(g) D_j^T = sum_{k,l} D_jk D_jl (M1_kl c_k c_l + M2_kl s_k s_l)`` is one
+    GEMM of the ``2 K^2`` products of the time features with fixed weights. Rows of masked
+    entries are finite but meaningless (the callers weight them by exactly 0).
     """
-    mask4 = inp.mask[:, None, :, None]
-    a = torch.where(mask4, inp.a, torch.zeros_like(inp.a))
+    a = inp.a
     if fld is None or inp.omega is None or inp.phase is None:
         return a, None
     B, H, N, Dv = a.shape
-    times = torch.where(inp.mask, inp.times, torch.zeros_like(inp.times))
+    times = inp.times
     z = times[:, None, :, None] * inp.omega[None, :, None, :] + inp.phase[None, :, None, :]
     c = torch.cos(z)  # (B, Hw, N, K), Hw in {1, H}
     sn = torch.sin(z)
     vbar = a + (c * fld.damp[None, :, None, :]) @ fld.dt  # (B, H, N, Dv)
-    i0, i1 = fld.iu[0], fld.iu[1]
-    feats = torch.cat([c[..., i0] * c[..., i1], sn[..., i0] * sn[..., i1]], dim=-1)
+    feats = torch.cat(
+        [(c[..., :, None] * c[..., None, :]).flatten(-2),
+         (sn[..., :, None] * sn[..., None, :]).flatten(-2)],
+        dim=-1,
+    )  # (B, Hw, N, 2 K^2)
     hw = feats.shape[1]
     if hw == 1:  # shared time features: one GEMM for all heads
         s = (feats[:, 0] @ fld.w).view(B, N, H, Dv).transpose(1, 2)
     else:
         w = fld.w.view(-1, H, Dv).transpose(0, 1)  # (H, 2T, Dv)
         s = feats @ w
-    s = torch.where(mask4, s, torch.zeros_like(s))
-    vbar = torch.where(mask4, vbar, torch.zeros_like(vbar))
     return vbar, s
 
 
@@ -532,18 +546,13 @@ def levy_attention(
          for blk, mb in zip(blocks, mom_b, strict=True)]
     ) / count  # (B, H, 1, Dv)
     vals_b = []  # (B, H, bs, 2 Dv or Dv + 1): [v - ref, (v - ref)^2 + s] or [v - ref, sum_j (...)]
-    for blk, (vbar, within) in zip(blocks, mom_b, strict=True):
-        obs = blk.mask[:, None, :, None]  # (B, 1, bs, 1)
-        vc = torch.where(obs, vbar - ref, torch.zeros_like(vbar))
+    for vbar, within in mom_b:
+        vc = vbar - ref  # masked rows: finite, weighted by exactly 0 below
         sq = vc * vc if within is None else vc * vc + within
         if not per_dim:
             sq = sq.sum(-1, keepdim=True)
         vals_b.append(torch.cat([vc, sq], dim=-1))
-    kn_b = [
-        F.normalize(torch.where(blk.mask[:, None, :, None], blk.k, torch.zeros_like(blk.k)),
-                    dim=-1, eps=1e-12)
-        for blk in blocks
-    ]  # (B, H, bs, E), zero rows for masked keys
+    kn_b = [F.normalize(blk.k, dim=-1, eps=1e-12) for blk in blocks]  # (B, H, bs, E)
     qn = F.normalize(q, dim=-1, eps=1e-12)
     limit = 0.25 * math.log(torch.finfo(q.dtype).max)  # 22 in float32, 177 in float64
     if backend == "auto":
@@ -600,23 +609,21 @@ def _accumulate_sdpa(
     because the fused CPU kernel needs equal head dims.
     """
     B, H, Q, E = qn.shape
-    dt = qn.dtype
     w_cols = vals_b[0].shape[-1]
     dp = max(E + 1, w_cols + 1)
-    beta4 = beta[:, None, None]  # (H, 1, 1)
-    qa = F.pad(torch.cat([qn * beta4, qn.new_ones(B, H, Q, 1)], dim=-1), (0, dp - E - 1))
-    sent_k = F.pad(torch.cat([qn.new_zeros(H, 1, E), -beta4], dim=-1), (0, dp - E - 1))
-    sent_k = sent_k.expand(B, H, 1, dp)
-    sent_v = F.pad(qn.new_ones(B, H, 1, 1), (0, dp - 1))
+    qa = qn.new_zeros(B, H, Q, dp)
+    qa[..., :E] = qn * beta[:, None, None]
+    qa[..., E] = 1.0
     z_parts, t_parts = [], []
     for blk, kn, vb in zip(blocks, kn_b, vals_b, strict=True):
         bs = kn.shape[2]
-        off = torch.where(blk.mask, 0.0, -1e4).to(dt)[:, None, :, None].expand(B, H, bs, 1)
-        keys = torch.cat([sent_k, F.pad(torch.cat([kn, off], dim=-1), (0, dp - E - 1))], dim=2)
-        vals = torch.cat(
-            [sent_v, F.pad(torch.cat([kn.new_zeros(B, H, bs, 1), vb], -1), (0, dp - w_cols - 1))],
-            dim=2,
-        )
+        keys = kn.new_zeros(B, H, bs + 1, dp)
+        keys[:, :, 1:, :E] = kn
+        keys[:, :, 1:, E] = torch.where(blk.mask, 0.0, -1e4).to(kn.dtype)[:, None, :]
+        keys[:, :, 0, E] = -beta
+        vals = vb.new_zeros(B, H, bs + 1, dp)
+        vals[:, :, 0, 0] = 1.0
+        vals[:, :, 1:, 1 : 1 + w_cols] = vb
         out = F.scaled_dot_product_attention(qa, keys, vals, scale=1.0)  # (B, H, Q, dp)
         o = out[..., 0]
         z_parts.append((1 - o) / o)
@@ -649,7 +656,7 @@ def _accumulate_explicit(
     z_parts, t_parts = [], []
     for blk, sc, vb in zip(blocks, scores, vals_b, strict=True):
         m4 = blk.mask[:, None, None, :]
-        e = torch.where(m4, torch.exp(torch.where(m4, sc - mx, torch.zeros_like(sc))), 0.0)
+        e = torch.where(m4, torch.exp(torch.where(m4, sc - mx, 0.0)), 0.0)
         z_parts.append(e.sum(-1))
         t_parts.append(e @ vb)
     return _ordered_sum(z_parts), _ordered_sum(t_parts), mx[..., 0] - beta4[..., 0]
