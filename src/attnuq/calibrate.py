@@ -42,12 +42,14 @@ error of ``ln s`` plus a misfit ``tau^2``). Every criterion is mapped to a *targ
   ``t_* = E[rZ] / E[v + r^2]``; so ``s_* = t_* s(nu)``.
 * ``"crps"`` / ``"coverage"``: ``s_* = k_* s(nu)`` with ``k_*`` the factor that, applied to the
   perturbations ``f_nu - f`` of the evaluated passes about ``f``, minimises the criterion
-  (searched on a log grid of ``k`` in ``[2^-6, 2^6]``, step ``2^{1/16}``; no forward passes).
+  (searched over ``k`` in ``[2^-6, 2^6]`` on a log grid of step ``2^{1/4}``, refined with step
+  ``2^{1/64}`` around the minimum; plateaus resolve to their geometric middle; no forward passes).
 
 This assumes that changing ``nu`` mainly rescales the perturbation (exact for a single SA layer
 in the Gaussian limit); ``s_*`` is re-estimated after every evaluation and the estimate from the
 evaluated ``nu`` closest to it (smallest ``|ln k_*|``) is used, so the assumption is only needed
-locally. The next ``nu`` minimises the posterior expected loss
+locally. The first ``nu`` is the geometric middle ``round(sqrt(lo * hi))`` of the range; each
+next ``nu`` minimises the posterior expected loss
 ``E[(ln s(nu) - ln s_*)^2] = (m(nu) - ln s_*)^2 + var(nu)`` over the integers in ``nu_range``;
 the search stops when that ``nu`` was already evaluated or after ``max_evals`` evaluations, and
 returns the evaluated ``nu`` with the smallest posterior expected loss.
