@@ -301,7 +301,9 @@ def sampled_attention(
         What to do with a query whose every key is masked: ``"error"`` (default) raises a
         ``ValueError`` naming the count and the first ``(batch, head, query)``; ``"zero"`` returns
         a zero row, which is what ``F.scaled_dot_product_attention`` returns for such rows in
-        torch 2.5+ (checked on 2.13), e.g. for left-padded queries.
+        torch 2.5+ (checked on 2.13), e.g. for left-padded queries. A row is empty only when
+        every key is excluded by ``False`` or a ``-inf`` bias; a large finite bias such as
+        ``torch.finfo(dtype).min`` is an ordinary score (uniform weights, as in SDPA).
 
     Returns
     -------
