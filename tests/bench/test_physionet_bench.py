@@ -1,0 +1,55 @@
+"""Tiny end-to-end run of ``attnuq bench physionet`` on synthetic stays in the challenge format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnuq.cli import main
+
+
+def _write_stays(root: Path, n: int) -> None:
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        rid = 140000 + i
+        lines = ["Time,Parameter,Value", f"00:00,RecordID,{rid}", f"00:00,Age,{40 + i}",
+                 "00:00,Weight,-1"]
+        base = rng.uniform(60, 100)
+        for minute in sorted(rng.choice(48 * 60, 16, replace=False)):
+            hh, mm = divmod(int(minute), 60)
+            lines.append(f"{hh:02d}:{mm:02d},HR,{base + 5 * np.sin(minute / 300):.1f}")
+            if minute % 2:
+                lines.append(f"{hh:02d}:{mm:02d},Temp,{36 + rng.uniform(0, 2):.1f}")
+        (root / f"{rid}.txt").write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.slow
+def test_bench_physionet_end_to_end(tmp_path: Path) -> None:
+    data = tmp_path / "data" / "physionet2012"
+    _write_stays(data, 15)
+    out = tmp_path / "res" / "physionet"
+    common = ["bench", "physionet", "--data-dir", str(tmp_path / "data"), "--seeds", "1",
+              "--d", "8", "--max-epochs", "1", "--sub-stays", "2", "--mc-passes", "2",
+              "--sampler-draws", "4", "--ensemble-members", "2", "--gp-train-stays", "4",
+              "--gp-iters", "2", "--plots", "1", "--out", str(out),
+              "--cache-dir", str(tmp_path / "cache")]
+    assert main([*common, "--only-seed", "0"]) == 0
+    seed0 = json.loads((out / "seed_0.json").read_text())
+    assert main([*common, "--reuse"]) == 0
+    res = json.loads((out / "physionet.json").read_text())
+    assert res["per_seed"][0] == seed0  # the parallel-run record is reused as is
+    summ = res["summary"]
+    for meth in ("levy", "levy_nophi", "levy_sub", "levy_sampler", "softmax_mcdropout"):
+        for key in ("mse", "mae", "nll", "crps", "T", "cov90", "ccov90", "width95", "cwidth95"):
+            assert np.isfinite(summ[meth][key][0]), (meth, key)
+    assert summ["levy"]["mse"] == summ["levy_nophi"]["mse"]  # same pass, different spread
+    assert set(res["per_seed"][0]["sparsity"]) == {"0.1", "0.5", "0.9"}
+    assert res["ensemble"]["members"] == 2 and np.isfinite(res["gp"]["crps"])
+    assert res["data"]["n_stays"] == 15 and res["data"]["channels"] == ["Age", "HR", "Temp"]
+    md = (tmp_path / "res" / "physionet.md").read_text()
+    assert "MSE within 5.6 %" in md and "machine:" in md and "command:" in md
+    assert res["plots"] and (out / res["plots"][0]).is_file()
