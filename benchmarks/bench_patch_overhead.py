@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -107,6 +108,21 @@ def _encoder() -> tuple[nn.Module, Callable[[nn.Module], Any]]:
     return m, lambda mm: mm(x, src_key_padding_mask=kpm)
 
 
+def _encoder_slow() -> tuple[nn.Module, Callable[[nn.Module], Any]]:
+    """Same model and input; the frozen reference also runs without torch's fused fast path."""
+    m, fwd = _encoder()
+
+    def run(mm: nn.Module) -> Any:
+        prev = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            return fwd(mm)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(prev)
+
+    return m, run
+
+
 class _SDPABlock(nn.Module):
     def __init__(self, d: int, h: int) -> None:
         super().__init__()
@@ -140,20 +156,62 @@ BENCHES: list[Bench] = [
      _rtdl),
     ("nn.TransformerEncoder", "mha", "d 256, 8 heads, 4 layers, batch 16 x seq 128 (padding); "
      "frozen runs torch's fused fast path", _encoder),
+    ("nn.TransformerEncoder, fast path off", "mha", "same; the frozen reference also runs "
+     "without the fast path (torch.backends.mha.set_fastpath_enabled(False))", _encoder_slow),
     ("F.sdpa direct", "sdpa", "d 384, 6 heads, 4 blocks, batch 8 x 197 tokens", _sdpa),
 ]
 
 
-def _time(fwd: Callable[[nn.Module], Any], model: nn.Module) -> float:
-    t0 = time.perf_counter()
+def _time(fwd: Callable[[nn.Module], Any], model: nn.Module) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one forward."""
+    t0, c0 = time.perf_counter(), time.process_time()
     fwd(model)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _op_bench(nu: int, repeats: int = 15) -> list[dict[str, Any]]:
+    """CPU time of the operator alone against SDPA at the attention shapes of the models."""
+    from attnuq.ops import sampled_attention
+
+    shapes = [  # (B, Hq, Hkv, L, D, causal, padding mask)
+        (8, 12, 12, 128, 64, False, True),
+        (4, 12, 12, 197, 64, False, False),
+        (8, 8, 2, 128, 64, True, False),
+        (16, 8, 8, 128, 32, False, True),
+    ]
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for b, hq, hk, n, d, causal, pad in shapes:
+        q, k, v = torch.randn(b, hq, n, d), torch.randn(b, hk, n, d), torch.randn(b, hk, n, d)
+        mask = None
+        if pad:
+            mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
+            mask[::2, ..., 100:] = False
+        gqa = hq != hk
+
+        kw = {"attn_mask": mask, "is_causal": causal, "enable_gqa": gqa}
+        sdpa = functools.partial(F.scaled_dot_product_attention, q, k, v, **kw)
+        sampled = functools.partial(sampled_attention, q, k, v, nu=nu, generator=g, **kw)
+        ts: dict[str, list[float]] = {"sdpa": [], "sampled": []}
+        with torch.inference_mode():
+            sdpa(), sampled()
+            for _ in range(repeats):
+                for key, fn in (("sdpa", sdpa), ("sampled", sampled)):
+                    c0 = time.process_time()
+                    fn()
+                    ts[key].append(time.process_time() - c0)
+        a, s_ = statistics.median(ts["sdpa"]), statistics.median(ts["sampled"])
+        out.append({"shape": f"({b}, {hq}/{hk}, {n}, {d})",
+                    "mask": "causal" if causal else ("padding" if pad else "none"),
+                    "sdpa_ms": 1e3 * a, "sampled_ms": 1e3 * s_, "ratio": s_ / a})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--nu", type=int, default=4)
     ap.add_argument("--only", default=None, help="comma-separated backend names")
@@ -168,30 +226,52 @@ def main(argv: list[str] | None = None) -> int:
         def tqdm(x: Any, **_: Any) -> Any:  # type: ignore[no-redef]
             return x
 
+    load_start = os.getloadavg()
     rows: list[dict[str, Any]] = []
     benches = [b for b in BENCHES if args.only is None or b[1] in args.only.split(",")]
-    for name, backend, size, make in tqdm(benches, desc="models"):
-        model, fwd = make()
-        frozen: list[float] = []
-        patched: list[float] = []
-        with torch.inference_mode():
-            for _ in range(args.warmup):
-                fwd(model)
-                with attnuq.stochastic(model, nu=args.nu, seed=0):
+    timings: dict[str, dict[str, list[list[tuple[float, float]]]]] = {
+        b[0]: {"frozen": [], "patched": []} for b in benches
+    }
+    # rounds go over all models in turn, so a change of machine load shows up as a spread
+    # between rounds rather than as a bias of one model
+    for rnd in range(args.rounds):
+        for name, _backend, _size, make in tqdm(benches, desc=f"round {rnd + 1}/{args.rounds}"):
+            model, fwd = make()
+            frozen: list[tuple[float, float]] = []
+            patched: list[tuple[float, float]] = []
+            with torch.inference_mode():
+                for _ in range(args.warmup):
                     fwd(model)
-            for _ in range(args.repeats):
-                frozen.append(_time(fwd, model))
-                with attnuq.stochastic(model, nu=args.nu, seed=0):
-                    patched.append(_time(fwd, model))
-        f, p = statistics.median(frozen), statistics.median(patched)
+                    with attnuq.stochastic(model, nu=args.nu, seed=0):
+                        fwd(model)
+                for _ in range(args.repeats):
+                    frozen.append(_time(fwd, model))
+                    with attnuq.stochastic(model, nu=args.nu, seed=0):
+                        patched.append(_time(fwd, model))
+            timings[name]["frozen"].append(frozen)
+            timings[name]["patched"].append(patched)
+            fw, pw = (statistics.median(t[0] for t in ts) for ts in (frozen, patched))
+            fc, pc = (statistics.median(t[1] for t in ts) for ts in (frozen, patched))
+            print(f"[round {rnd + 1}] {name:24s} wall {1e3 * fw:8.1f} -> {1e3 * pw:8.1f} ms "
+                  f"(x{pw / fw:.3f})  cpu {1e3 * fc:8.1f} -> {1e3 * pc:8.1f} ms (x{pc / fc:.3f})",
+                  flush=True)
+    for name, backend, size, _make in benches:
+        fr = [t for rd in timings[name]["frozen"] for t in rd]
+        pa = [t for rd in timings[name]["patched"] for t in rd]
+        fw, pw = (statistics.median(t[0] for t in ts) for ts in (fr, pa))
+        fc, pc = (statistics.median(t[1] for t in ts) for ts in (fr, pa))
+        per_round = [
+            statistics.median(t[0] for t in p_) / statistics.median(t[0] for t in f_)
+            for f_, p_ in zip(timings[name]["frozen"], timings[name]["patched"], strict=True)
+        ]
         rows.append({
             "model": name, "backend": backend, "size": size,
-            "frozen_ms": 1e3 * f, "patched_ms": 1e3 * p, "ratio": p / f,
-            "frozen_ms_all": [1e3 * t for t in frozen],
-            "patched_ms_all": [1e3 * t for t in patched],
+            "frozen_ms": 1e3 * fw, "patched_ms": 1e3 * pw, "ratio": pw / fw,
+            "frozen_cpu_ms": 1e3 * fc, "patched_cpu_ms": 1e3 * pc, "cpu_ratio": pc / fc,
+            "wall_ratio_per_round": per_round,
+            "frozen_ms_all": [1e3 * t[0] for t in fr],
+            "patched_ms_all": [1e3 * t[0] for t in pa],
         })
-        print(f"{name:24s} frozen {1e3 * f:8.1f} ms  nu={args.nu} {1e3 * p:8.1f} ms  "
-              f"ratio {p / f:.3f}", flush=True)
     rows.append({"model": "timm vit_tiny_patch16_224", "backend": "timm",
                  "size": "not run: timm not importable (needs torchvision)", "ratio": None})
     try:
@@ -200,36 +280,67 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         pass
 
+    op_rows = _op_bench(args.nu)
+    load = os.getloadavg()
     machine = (f"{platform.platform()}, {platform.processor() or platform.machine()}, "
                f"{os.cpu_count()} CPUs (torch threads {args.threads}), torch {torch.__version__}, "
-               f"python {platform.python_version()}")
+               f"python {platform.python_version()}; load average at start "
+               f"{load_start[0]:.1f}, at end {load[0]:.1f} (machine shared with other jobs)")
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmd = "python benchmarks/bench_patch_overhead.py " + " ".join(sys.argv[1:] if argv is None
                                                                   else argv)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"command": cmd, "date": date, "machine": machine,
                                            "nu": args.nu, "repeats": args.repeats,
-                                           "rows": rows}, indent=1))
+                                           "rows": rows, "op_rows": op_rows}, indent=1))
     lines = [
         "# Overhead of `attnuq.stochastic` (forward latency, patched / frozen)",
         "",
         f"* command: `{cmd.strip()}`",
         f"* date: {date}",
         f"* machine: {machine}",
-        f"* nu = {args.nu}; median of {args.repeats} alternating timed forwards each "
-        f"(after {args.warmup} warm-up pairs), `torch.inference_mode()`, random weights.",
+        f"* nu = {args.nu}; {args.rounds} rounds over all models, each with {args.repeats} "
+        f"alternating timed forwards (frozen, patched) after {args.warmup} warm-up pairs; "
+        "medians pooled over rounds; `torch.inference_mode()`, random weights.",
+        "* wall = `time.perf_counter`, cpu = `time.process_time` of the single-threaded process "
+        "(less sensitive to the other jobs on a shared machine); the target is judged on both.",
         "* target (issue 3): ratio <= 1.15 (the paper reports +11 % latency on ClimaX at nu=4).",
         "",
-        "| model | backend | size | frozen (ms) | nu=4 (ms) | ratio | <= 1.15 |",
-        "|---|---|---|---:|---:|---:|:---:|",
+        "| model | backend | size | frozen wall (ms) | nu=4 wall (ms) | wall ratio | "
+        "frozen cpu (ms) | nu=4 cpu (ms) | cpu ratio | wall ratio per round | <= 1.15 |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|:---:|",
     ]
     for r in rows:
         if r["ratio"] is None:
-            lines.append(f"| {r['model']} | {r['backend']} | {r['size']} | - | - | - | - |")
+            lines.append(f"| {r['model']} | {r['backend']} | {r['size']} |"
+                         + " - |" * 8)
             continue
-        ok = "yes" if r["ratio"] <= 1.15 else "**no**"
+        worst = max(r["ratio"], r["cpu_ratio"])
+        ok = "yes" if worst <= 1.15 else "**no**"
         lines.append(f"| {r['model']} | {r['backend']} | {r['size']} | {r['frozen_ms']:.1f} | "
-                     f"{r['patched_ms']:.1f} | {r['ratio']:.3f} | {ok} |")
+                     f"{r['patched_ms']:.1f} | {r['ratio']:.3f} | {r['frozen_cpu_ms']:.1f} | "
+                     f"{r['patched_cpu_ms']:.1f} | {r['cpu_ratio']:.3f} | "
+                     f"{', '.join(f'{x:.3f}' for x in r['wall_ratio_per_round'])} | {ok} |")
+    over = [r["model"] for r in rows if r["ratio"] is not None
+            and max(r["ratio"], r["cpu_ratio"]) > 1.15]
+    lines += [
+        "",
+        "## Notes",
+        "",
+        f"* Above the 1.15 target in this run: {', '.join(over) if over else 'none'}.",
+        "* `nn.TransformerEncoder`: the frozen model runs torch's fused encoder-layer kernel on a "
+        "nested tensor (padding skipped); the patch must leave that fast path (the fused kernel "
+        "has no attention hook), so its row measures the fast path's loss as well as sampling. "
+        "The `fast path off` row separates the two.",
+        "* Attention operator alone (attnuq.ops.sampled_attention at nu=4 vs "
+        "F.scaled_dot_product_attention, CPU ms, single thread, shapes of the models above):",
+        "",
+        "| shape (B, Hq/Hkv, L, D) | mask | SDPA cpu (ms) | sampled cpu (ms) | ratio |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in op_rows:
+        lines.append(f"| {r['shape']} | {r['mask']} | {r['sdpa_ms']:.1f} | "
+                     f"{r['sampled_ms']:.1f} | {r['ratio']:.2f} |")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out} and {args.json}")
     return 0

@@ -407,3 +407,30 @@ def test_patch_is_callable_as_attribute() -> None:
     assert isinstance(h, attnuq.patch.PatchHandle)
     h.remove()
     assert "forward" not in vars(m)
+
+
+def test_seed_none_follows_torch_global_rng_and_manual_seed() -> None:
+    m = _mha(batch_first=True)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad(), stochastic(m, nu=1) as h:
+        assert h.seed is None
+        torch.manual_seed(5)
+        a = m(x, x, x)[0]
+        torch.manual_seed(5)
+        b = m(x, x, x)[0]
+        h.manual_seed(7)
+        c = m(x, x, x)[0]
+        h.manual_seed(7)
+        d = m(x, x, x)[0]
+    assert torch.equal(a, b) and torch.equal(c, d) and not torch.equal(a, c)
+    with pytest.raises(TypeError, match="seed="):
+        h.manual_seed(0.5)  # type: ignore[arg-type]
+
+
+def test_hf_training_mode_with_attention_dropout_is_refused(bert: nn.Module) -> None:
+    bert.train()
+    try:
+        with stochastic(bert, nu=2), pytest.raises(RuntimeError, match=r"model.eval\(\)"):
+            bert(**_BERT.batch())
+    finally:
+        bert.eval()

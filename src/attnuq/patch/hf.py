@@ -31,6 +31,7 @@ reported by :func:`attnuq.find_attention` as unpatchable.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -55,6 +56,7 @@ IMPLEMENTATION = "attnuq_sampled"
 _STATES: weakref.WeakKeyDictionary[nn.Module, SiteState] = weakref.WeakKeyDictionary()
 _REFCOUNT = 0
 _SAVED: dict[str, tuple[bool, Any]] = {}
+_LOCK = threading.RLock()
 
 # kwargs with which an HF kernel would change the attention in ways the operator cannot express
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "cu_seq_lens_q", "cu_seq_lens_k")
@@ -102,13 +104,10 @@ def sampled_attention_forward(
         ``(out, None)`` with ``out`` of shape ``(B, Lq, H, Dv)`` (transposed, as HF expects); the
         attention weights are not returned (``None``, like HF's SDPA function).
     """
-    from transformers.integrations.sdpa_attention import (
-        create_position_bias_mask,
-        sdpa_attention_forward,
-    )
-
     state = _STATES.get(module)
     if state is None or state.nu is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
             is_causal=is_causal, **kwargs,
@@ -128,6 +127,8 @@ def sampled_attention_forward(
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     position_bias = kwargs.get("position_bias")
     if position_bias is not None:
+        from transformers.integrations.sdpa_attention import create_position_bias_mask
+
         if causal:
             position_bias = position_bias[..., : key.shape[2]]
         attention_mask = create_position_bias_mask(
@@ -221,15 +222,16 @@ def _register() -> Undo:
     from transformers.modeling_utils import AttentionInterface
 
     global _REFCOUNT
-    if _REFCOUNT == 0:
-        for key, iface, fn in (
-            ("attn", AttentionInterface, sampled_attention_forward),
-            ("mask", AttentionMaskInterface, sdpa_mask),
-        ):
-            g = iface._global_mapping
-            _SAVED[key] = (IMPLEMENTATION in g, g.get(IMPLEMENTATION))
-            iface.register(IMPLEMENTATION, fn)
-    _REFCOUNT += 1
+    with _LOCK:
+        if _REFCOUNT == 0:
+            for key, iface, fn in (
+                ("attn", AttentionInterface, sampled_attention_forward),
+                ("mask", AttentionMaskInterface, sdpa_mask),
+            ):
+                g = iface._global_mapping
+                _SAVED[key] = (IMPLEMENTATION in g, g.get(IMPLEMENTATION))
+                iface.register(IMPLEMENTATION, fn)
+        _REFCOUNT += 1
     done = False
 
     def undo() -> None:
@@ -238,14 +240,15 @@ def _register() -> Undo:
         if done:
             return
         done = True
-        _REFCOUNT -= 1
-        if _REFCOUNT == 0:
-            for key, iface in (("attn", AttentionInterface), ("mask", AttentionMaskInterface)):
-                had, old = _SAVED.pop(key)
-                if had:
-                    iface._global_mapping[IMPLEMENTATION] = old
-                else:
-                    iface._global_mapping.pop(IMPLEMENTATION, None)
+        with _LOCK:
+            _REFCOUNT -= 1
+            if _REFCOUNT == 0:
+                for key, iface in (("attn", AttentionInterface), ("mask", AttentionMaskInterface)):
+                    had, old = _SAVED.pop(key)
+                    if had:
+                        iface._global_mapping[IMPLEMENTATION] = old
+                    else:
+                        iface._global_mapping.pop(IMPLEMENTATION, None)
 
     return undo
 
