@@ -53,7 +53,8 @@ def _fingerprint(
 ) -> dict[str, Any]:
     return {"dataset": dataset, "split": split, "seed": seed, "max_epochs": max_epochs,
             "n_fit_rows": n_rows,
-            "backbone": f"FTTransformer(n_blocks={n_blocks}, rtdl default kwargs)"}
+            "backbone": f"FTTransformer(n_blocks={n_blocks}, rtdl default kwargs)",
+            "optimiser": "AdamW lr 3e-4, batch 64, patience 16"}
 
 
 def run_demo(
@@ -81,7 +82,9 @@ def run_demo(
         UCI set, standard split, and data root (``"bundled"`` for the copies in the package).
     max_epochs, n_blocks
         Training budget (early stopping with patience 16 on the val part) and depth of the
-        FT-Transformer (rtdl's default width for that depth); one block keeps the demo within
+        FT-Transformer (rtdl's default width for that depth). The demo trains with AdamW at
+        lr 3e-4 on batches of 64 (rtdl's recipe: 1e-4, larger batches), which reaches the same
+        accuracy on the small bundled set in far fewer epochs; one block keeps the demo within
         a few minutes on two CPU cores.
     n_samples
         Stochastic passes per test input, for SA and for MC dropout alike.
@@ -130,6 +133,7 @@ def run_demo(
         res = train_regressor(
             model, (to(s.x_fit), to(s.y_fit)), (to(s.x_val), to(s.y_val)),
             max_epochs=max_epochs, patience=16, seed=seed, desc="train FT-Transformer",
+            batch_size=64, lr=3e-4,
             progress=progress is not False,
         )
         train_seconds = res.seconds
