@@ -371,13 +371,16 @@ def _moments(att: Attn, block_size: int) -> tuple[torch.Tensor, torch.Tensor, to
     dt = att.q.dtype
     lk, dv = att.lk, att.dv
     nb = min(block_size, lk)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (att.q, att.k, att.v))
     vbar = att.v.mean(dim=1, keepdim=True)  # (G, 1, Dv)
     vc = att.v - vbar
-    vc2 = vc * vc
+    ones = torch.ones(*vc.shape[:-1], 1, dtype=dt, device=vc.device)
+    # one GEMM per block gives sum e*vc, sum e*vc^2 and sum e (the normaliser)
+    vv = torch.cat([vc, vc * vc, ones], dim=-1)  # (G, Lk, 2 Dv + 1)
     means, vars_, empties = [], [], []
     for g0, g1, i0, i1 in att.chunks(nb + 2 * dv, _BLOCKED_CHUNK_ELEMS, _DENSE_MIN_ROWS):
         run_max: torch.Tensor | None = None
-        l_acc = a1 = a2 = None
+        acc: torch.Tensor | None = None
         for j0 in range(0, lk, nb):
             j1 = min(lk, j0 + nb)
             s = att.scores(g0, g1, i0, i1, j0, j1)  # (g, rows, nk)
@@ -385,23 +388,21 @@ def _moments(att: Attn, block_size: int) -> tuple[torch.Tensor, torch.Tensor, to
                 bm = s.amax(-1, keepdim=True)
                 new_max = bm if run_max is None else torch.maximum(run_max, bm)
                 shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
-            e = torch.exp2(s - shift)  # masked keys -> 0
-            le = e.sum(-1, keepdim=True)
-            b1 = torch.bmm(e, vc[g0:g1, j0:j1])
-            b2 = torch.bmm(e, vc2[g0:g1, j0:j1])
-            if run_max is None:
-                l_acc, a1, a2 = le, b1, b2
+            # masked keys -> 0; in place when no gradient is recorded
+            e = torch.exp2(s - shift) if grad else torch.exp2(s.sub_(shift), out=s)
+            blk = torch.bmm(e, vv[g0:g1, j0:j1])  # (g, rows, 2 Dv + 1)
+            if acc is None:
+                acc = blk
             else:
-                assert l_acc is not None and a1 is not None and a2 is not None
+                assert run_max is not None
                 with torch.no_grad():
                     fin = torch.isfinite(run_max)
                     old = torch.where(fin, run_max, torch.zeros_like(run_max))
                     alpha = torch.where(fin, torch.exp2(old - shift), torch.zeros_like(old))
-                l_acc = l_acc * alpha + le
-                a1 = a1 * alpha + b1
-                a2 = a2 * alpha + b2
+                acc = acc * alpha + blk if grad else acc.mul_(alpha).add_(blk)
             run_max = new_max
-        assert l_acc is not None and a1 is not None and a2 is not None
+        assert acc is not None
+        a1, a2, l_acc = acc[..., :dv], acc[..., dv : 2 * dv], acc[..., 2 * dv :]
         emp = ~(l_acc > 0)  # (g, rows, 1)
         denom = torch.where(emp, torch.ones_like(l_acc), l_acc)
         mc = a1 / denom
