@@ -155,9 +155,11 @@ def save_patchtst(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     return out
 
 
-def load_patchtst(path: str | os.PathLike[str]) -> PatchTSTForecaster:
-    """``PatchTSTForPrediction.from_pretrained(path)`` wrapped, in eval mode, weights frozen.
+def load_patchtst(path: str | os.PathLike[str], *, freeze: bool = True) -> PatchTSTForecaster:
+    """``PatchTSTForPrediction.from_pretrained(path)`` wrapped, in eval mode.
 
+    With ``freeze=True`` every parameter gets ``requires_grad=False`` (the frozen backbone of the
+    post-hoc methods); ``freeze=False`` keeps them trainable (SWAG continues training a copy).
     Raises ``FileNotFoundError`` naming the folder when it holds no ``config.json``.
     """
     from transformers import PatchTSTForPrediction
@@ -168,7 +170,7 @@ def load_patchtst(path: str | os.PathLike[str]) -> PatchTSTForecaster:
     hf = PatchTSTForPrediction.from_pretrained(str(p), attn_implementation="eager")
     f = PatchTSTForecaster(hf).eval()
     for prm in f.parameters():
-        prm.requires_grad_(False)
+        prm.requires_grad_(not freeze)
     return f
 
 
@@ -183,6 +185,8 @@ class TrainReport:
     epochs_run: int = 0
     seconds: float = 0.0
     steps: int = 0
+    #: example-forwards spent training (rows per step summed), for cost accounting
+    n_forward: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -276,6 +280,7 @@ def train_forecaster(
             tot += float(loss.detach()) * len(idx)
             cnt += len(idx)
             rep.steps += 1
+            rep.n_forward += len(idx)
         model.eval()
         with torch.no_grad():
             vp = predict_batched(model, xva, 512)

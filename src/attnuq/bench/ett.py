@@ -1,0 +1,787 @@
+"""``attnuq bench ett``: SA on a frozen Hugging Face PatchTST against the baselines on ETTh1.
+
+Pipeline (every step is recorded in the JSON written next to the markdown table):
+
+1. :func:`attnuq.data.ett.load_ett` with the standard borders (train 12 months, val 4, test 4;
+   val/test windows start ``context`` rows early; scaler fitted on train). All metrics are on the
+   standardised scale, as in the PatchTST/Informer tables.
+2. The val windows are cut in time: the first half (``val``) is used for early stopping and for
+   fitting each method's own parameter (SA's ``nu``, the residual distributions), the second half
+   (``cal``) for the split-conformal steps.
+3. Backbone: ``PatchTSTForPrediction`` trained here with early stopping, written with
+   ``save_pretrained`` and read back with ``from_pretrained`` (frozen). The deep ensemble retrains
+   the same recipe with other seeds (member 0 is the frozen backbone).
+4. Methods (``attnuq.baselines`` interface): ``sa-paper`` (calibration-first, the paper's
+   ``L_SA``), ``sa-crps`` (score-first), ``sa-conformal`` (``sa-paper``'s ``nu`` + a conformal
+   spread factor on ``cal``), ``mc-dropout``, ``ensemble``, ``swag``; here: ``conformal``
+   (split conformal per horizon step and channel) and ``seasonal-naive`` (24 h).
+5. Scores over the test windows: MSE, MAE (of the predictive mean), coverage and width of the
+   central 95 % interval, W1 of the PIT to U(0, 1), CRPS, extra cost; fan chart of ``OT``.
+
+Examples
+--------
+Run the full suite (a few tens of minutes on a laptop core)::
+
+    attnuq bench ett --data-dir ../shared/data --out docs/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from attnuq._validation import check_finite, check_positive_int
+from attnuq.bench import register
+from attnuq.predictive import GaussianPredictive, Predictive
+
+__all__ = [
+    "ALL_METHODS",
+    "ResidualQuantiles",
+    "StreamScores",
+    "add_arguments",
+    "run",
+]
+
+#: every method the suite knows, in table order
+ALL_METHODS: tuple[str, ...] = (
+    "sa-paper",
+    "sa-crps",
+    "sa-conformal",
+    "mc-dropout",
+    "ensemble",
+    "swag",
+    "conformal",
+    "seasonal-naive",
+)
+
+AnyPred = Predictive | GaussianPredictive
+
+
+# ---------------------------------------------------------------------------------------------
+# scores accumulated over chunks of test windows
+
+
+def _normal_cdf(z: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (1.0 + torch.erf(z / math.sqrt(2.0)))
+
+
+@dataclass
+class StreamScores:
+    """Scores of a predictive distribution accumulated over chunks of targets ``(B, ...)``.
+
+    ``update(pred, y)`` adds a chunk; :meth:`result` returns MSE and MAE of the predictive mean,
+    coverage and mean width of the central ``level`` interval, W1 of the pooled PIT values to
+    U(0, 1) (:func:`attnuq.metrics.pit_w1`), mean CRPS (fair ensemble CRPS for samples,
+    closed form for a Gaussian) and the mean predictive standard deviation.
+
+    For a :class:`~attnuq.predictive.GaussianPredictive` the PIT is ``Phi((y - m) / s)`` (exact,
+    no randomisation needed); for samples it is the randomised PIT of
+    :func:`attnuq.metrics.pit_samples`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> g = torch.Generator().manual_seed(0)
+    >>> sc = StreamScores()
+    >>> y = torch.randn(2000, generator=g)
+    >>> sc.update(GaussianPredictive(mean=torch.zeros(2000), std=torch.ones(2000)), y)
+    >>> abs(sc.result()["coverage"] - 0.95) < 0.03
+    True
+    """
+
+    level: float = 0.95
+    seed: int = 0
+    n: int = 0
+    se: float = 0.0
+    ae: float = 0.0
+    covered: float = 0.0
+    width: float = 0.0
+    crps: float = 0.0
+    spread: float = 0.0
+    pits: list[torch.Tensor] = field(default_factory=list)
+    _gen: torch.Generator | None = None
+
+    def update(self, pred: AnyPred, y: torch.Tensor) -> None:
+        from attnuq import metrics
+
+        if self._gen is None:
+            self._gen = torch.Generator().manual_seed(self.seed)
+        check_finite(y, "targets")
+        y = y.double()
+        if isinstance(pred, GaussianPredictive):
+            m, s = pred.mean.double(), pred.std.double()
+            if m.shape != y.shape:
+                raise ValueError(f"prediction {tuple(m.shape)} and targets {tuple(y.shape)} differ")
+            s = s.clamp_min(1e-12)
+            lo, hi = GaussianPredictive(mean=m, std=s).interval(self.level)
+            pit = _normal_cdf((y - m) / s)
+            crps = metrics.crps_normal(m, s, y, reduction="none")
+            spread = s
+        elif isinstance(pred, Predictive):
+            smp = pred.samples.double()
+            if smp.shape[1:] != y.shape:
+                raise ValueError(
+                    f"samples {tuple(smp.shape)} do not match targets {tuple(y.shape)}"
+                )
+            m = smp.mean(0)
+            lo, hi = Predictive(samples=smp).interval(self.level)
+            pit = metrics.pit_samples(smp, y, generator=self._gen)
+            crps = metrics.crps_samples(smp, y, reduction="none")
+            spread = smp.std(0) if smp.shape[0] > 1 else torch.zeros_like(m)
+        else:
+            raise TypeError(f"pred must be a Predictive or GaussianPredictive, got {type(pred)}")
+        self.n += y.numel()
+        self.se += float(((m - y) ** 2).sum())
+        self.ae += float((m - y).abs().sum())
+        self.covered += float(((y >= lo) & (y <= hi)).sum())
+        self.width += float((hi - lo).sum())
+        self.crps += float(crps.sum())
+        self.spread += float(spread.sum())
+        self.pits.append(pit.reshape(-1).float())
+
+    def result(self) -> dict[str, float]:
+        from attnuq import metrics
+
+        if self.n == 0:
+            raise ValueError("no predictions were scored (0 targets)")
+        pit = torch.cat(self.pits).double()
+        return {
+            "mse": self.se / self.n,
+            "mae": self.ae / self.n,
+            "coverage": self.covered / self.n,
+            "width": self.width / self.n,
+            "pit_w1": float(metrics.pit_w1(pit)),
+            "crps": self.crps / self.n,
+            "mean_std": self.spread / self.n,
+            "n_scored": float(self.n),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# reference distributions built from held-out residuals (per output element)
+
+
+@dataclass
+class ResidualQuantiles:
+    """Point forecast plus per-element residual quantiles, as a sample-based distribution.
+
+    Fitted on held-out residuals ``r = y - f(x)`` of shape ``(N, *E)`` (``E`` the per-example
+    output shape, e.g. ``(horizon, channels)``): ``K`` evenly spaced quantiles of ``r`` per output
+    element, at levels ``(k - 1/2) / K``, become ``K`` equally weighted "samples" ``f(x) + q_k``.
+
+    With ``conformal_from`` residuals (a second held-out part), the quantiles are shifted and
+    stretched so that the central ``level`` interval becomes exactly ``f(x) +- q_conf``, with
+    ``q_conf`` the split-conformal quantile of ``|r|`` per element
+    (:func:`attnuq.conformal.conformal_quantile`: the ``ceil((n + 1) level)``-th smallest), so the
+    interval has finite-sample coverage ``>= level`` per element for exchangeable windows.
+
+    Examples
+    --------
+    >>> import torch
+    >>> r = torch.randn(500, 3, generator=torch.Generator().manual_seed(0))
+    >>> rq = ResidualQuantiles.fit(r, n_quantiles=50)
+    >>> rq.predictive(torch.zeros(4, 3)).samples.shape
+    torch.Size([50, 4, 3])
+    """
+
+    quantiles: torch.Tensor  # (K, *E)
+    q_conformal: torch.Tensor | None = None  # (*E,)
+
+    @classmethod
+    def fit(
+        cls,
+        residuals: torch.Tensor,
+        *,
+        n_quantiles: int = 100,
+        conformal_from: torch.Tensor | None = None,
+        level: float = 0.95,
+    ) -> ResidualQuantiles:
+        from attnuq.conformal import conformal_quantile
+
+        k = check_positive_int(n_quantiles, "n_quantiles")
+        if residuals.dim() < 1 or residuals.shape[0] < 2:
+            raise ValueError(
+                f"residuals must be (N, ...) with N >= 2, got shape={tuple(residuals.shape)}"
+            )
+        check_finite(residuals, "residuals")
+        r = residuals.double()
+        lv = (torch.arange(k, dtype=torch.float64) + 0.5) / k
+        q = torch.quantile(r.reshape(r.shape[0], -1), lv, dim=0).reshape(k, *r.shape[1:])
+        if conformal_from is None:
+            return cls(quantiles=q)
+        if conformal_from.shape[1:] != residuals.shape[1:]:
+            raise ValueError(
+                f"conformal_from must have per-example shape {tuple(residuals.shape[1:])}, "
+                f"got {tuple(conformal_from.shape[1:])}"
+            )
+        check_finite(conformal_from, "conformal_from")
+        a = 1.0 - level
+        qc = conformal_quantile(conformal_from.double().abs(), a, dim=0)  # (*E,)
+        lo = torch.quantile(q, a / 2, dim=0)
+        hi = torch.quantile(q, 1 - a / 2, dim=0)
+        mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
+        # shift and stretch the residual shape so that its central interval is exactly
+        # [-q_conf, +q_conf] (quantiles commute with increasing affine maps)
+        q = (q - mid) * (qc / half)
+        return cls(quantiles=q, q_conformal=qc)
+
+    def predictive(self, point: torch.Tensor) -> Predictive:
+        """``K`` samples ``point + q_k``; ``point`` is ``(B, *E)``."""
+        if point.shape[1:] != self.quantiles.shape[1:]:
+            raise ValueError(
+                f"point must be (B, {tuple(self.quantiles.shape[1:])}), got {tuple(point.shape)}"
+            )
+        return Predictive(
+            samples=point.unsqueeze(0) + self.quantiles.to(point.dtype).unsqueeze(1),
+            frozen=point,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", default=None, help="data root (holds ett/ETTh1.csv)")
+    p.add_argument("--file", default="ETTh1.csv", help="ETT-layout CSV (name under ett/ or path)")
+    p.add_argument("--out", default="docs/results", help="results root (writes ett.md, ett/)")
+    p.add_argument("--model-dir", default=None,
+                   help="folder for the save_pretrained backbone (default <out>/ett/backbone; "
+                        "reused when it exists and --retrain is not given)")
+    p.add_argument("--retrain", action="store_true", help="train the backbone even if saved")
+    p.add_argument("--context", type=int, default=336)
+    p.add_argument("--horizon", type=int, default=96)
+    p.add_argument("--d-model", type=int, default=32)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--ffn", type=int, default=64)
+    p.add_argument("--patch", type=int, default=16)
+    p.add_argument("--stride", type=int, default=8)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--patience", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-steps-per-epoch", type=int, default=None)
+    p.add_argument("--member-epochs", type=int, default=None,
+                   help="epoch cap for ensemble members (default: --epochs)")
+    p.add_argument("--ensemble", type=int, default=5, help="deep-ensemble size")
+    p.add_argument("--swag-epochs", type=int, default=2)
+    p.add_argument("--swag-snapshots", type=int, default=4, help="SWAG snapshots per epoch")
+    p.add_argument("--n-samples", type=int, default=20, help="Monte Carlo passes per method")
+    p.add_argument("--n-passes", type=int, default=10, help="passes per nu in calibration")
+    p.add_argument("--nu-max", type=int, default=128,
+                   help="upper end of SA's nu search (cost of a pass grows with nu)")
+    p.add_argument("--test-stride", type=int, default=1, help="stride over test windows")
+    p.add_argument("--val-stride", type=int, default=2,
+                   help="stride over val/cal windows (calibration cost)")
+    p.add_argument("--chunk", type=int, default=128, help="test windows per prediction call")
+    p.add_argument("--methods", default=",".join(ALL_METHODS),
+                   help=f"comma-separated subset of {','.join(ALL_METHODS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--merge", action="append", default=None, metavar="JSON",
+                   help="also take the methods scored in another ett_results.json written with "
+                        "the same config (parallel runs); repeatable")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the methods already scored in <out>/ett/ett_results.json (same "
+                        "config apart from --methods/--resume) and run only the missing ones")
+
+
+def _parse_methods(spec: str) -> list[str]:
+    ms = [m.strip() for m in spec.split(",") if m.strip()]
+    bad = [m for m in ms if m not in ALL_METHODS]
+    if bad or not ms:
+        raise ValueError(f"unknown methods {bad} in --methods={spec!r}; known: {list(ALL_METHODS)}")
+    return ms
+
+
+def _split_val(x: torch.Tensor, y: torch.Tensor, stride: int) -> tuple[tuple[torch.Tensor, ...],
+                                                                        tuple[torch.Tensor, ...]]:
+    """First half of the val windows (in time) -> val, second half -> cal, both strided."""
+    h = x.shape[0] // 2
+    if h < 2:
+        raise ValueError(f"too few val windows to split into val and cal: {x.shape[0]}")
+    return (x[:h:stride], y[:h:stride]), (x[h::stride], y[h::stride])
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _fan_rows(pred: AnyPred, rows: torch.Tensor, ch: int) -> dict[str, list[list[float]]]:
+    """Quantiles of channel ``ch`` for the chosen rows of a chunk, for the fan chart."""
+    out: dict[str, list[list[float]]] = {}
+    if isinstance(pred, GaussianPredictive):
+        sub: AnyPred = GaussianPredictive(mean=pred.mean[rows][..., ch],
+                                          std=pred.std[rows][..., ch])
+    else:
+        sub = Predictive(samples=pred.samples[:, rows][..., ch])
+    for name, q in (("q025", 0.025), ("q25", 0.25), ("q50", 0.5), ("q75", 0.75),
+                    ("q975", 0.975)):
+        out[name] = sub.quantile(q).tolist()
+    return out
+
+
+def _evaluate(
+    predict_fn: Callable[[torch.Tensor], dict[str, AnyPred]],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    chunk: int,
+    fan_idx: Sequence[int],
+    fan_channel: int,
+    seed: int,
+    desc: str,
+    progress: bool,
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, list[list[float]]]], float]:
+    """Score every named predictive that ``predict_fn`` returns per chunk (shared samples)."""
+    from tqdm.auto import tqdm
+
+    scores: dict[str, StreamScores] = {}
+    fans: dict[str, dict[str, list[list[float]]]] = {}
+    t0 = time.perf_counter()
+    for sl in tqdm(_chunks(x.shape[0], chunk), desc=desc, disable=not progress):
+        with torch.no_grad():
+            preds = predict_fn(x[sl])
+        rows = [i - sl.start for i in fan_idx if sl.start <= i < sl.stop]
+        for name, pred in preds.items():
+            scores.setdefault(name, StreamScores(seed=seed)).update(pred, y[sl])
+            fan = fans.setdefault(name, {})
+            if rows:
+                for k, v in _fan_rows(pred, torch.tensor(rows), fan_channel).items():
+                    fan.setdefault(k, []).extend(v)
+    return {k: v.result() for k, v in scores.items()}, fans, time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> Path:
+    """Run the ETT suite; returns the results folder ``<out>/ett``."""
+    import attnuq
+    from attnuq._runinfo import run_info
+    from attnuq.baselines import Task, coverage_scale, make_method
+    from attnuq.data.ett import load_ett, resolve_ett_path, seasonal_naive
+    from attnuq.models.patchtst import (
+        PatchTSTForecaster,
+        build_patchtst,
+        load_patchtst,
+        predict_batched,
+        save_patchtst,
+        train_forecaster,
+    )
+
+    torch.set_num_threads(check_positive_int(args.threads, "threads"))
+    progress = not args.no_progress
+    methods = _parse_methods(args.methods)
+    for name in ("context", "horizon", "n_samples", "n_passes", "test_stride", "val_stride",
+                 "chunk", "ensemble", "epochs", "patience", "swag_epochs"):
+        check_positive_int(getattr(args, name), name)
+    if args.n_samples < 2:
+        raise ValueError(f"n_samples must be >= 2 for intervals and CRPS, got {args.n_samples=}")
+    info = run_info()
+    out_root = Path(args.out)
+    res_dir = out_root / "ett"
+    res_dir.mkdir(parents=True, exist_ok=True)
+
+    path = resolve_ett_path(args.file, args.data_dir)
+    data = load_ett(path, context=args.context)
+    H = args.horizon
+    xtr, ytr = data.windows("train", horizon=H)
+    xv_all, yv_all = data.windows("val", horizon=H)
+    (xv, yv), (xc, yc) = _split_val(xv_all, yv_all, args.val_stride)
+    xte, yte = data.windows("test", horizon=H, stride=args.test_stride)
+    n_test_all = data.windows("test", horizon=H)[0].shape[0]
+    ot = data.channel_index("OT") if "OT" in data.columns else data.n_channels - 1
+    print(f"[ett] {path.name}: train {len(xtr)}, val {len(xv)}, cal {len(xc)}, "
+          f"test {len(xte)} of {n_test_all} windows", flush=True)
+
+    def make_model(seed: int) -> PatchTSTForecaster:
+        return PatchTSTForecaster(build_patchtst(
+            num_channels=data.n_channels, context_length=args.context, prediction_length=H,
+            d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
+            ffn_dim=args.ffn, patch_length=args.patch, patch_stride=args.stride,
+            dropout=args.dropout, seed=seed,
+        ))
+
+    def train_fn(model: Any, _train: Any, _val: Any, seed: int, epochs: int | None = None) -> Any:
+        # the Task's batches wrap exactly these tensors; train on the tensors directly
+        return train_forecaster(
+            model, (xtr, ytr), (xv, yv), epochs=epochs or args.member_epochs or args.epochs,
+            lr=args.lr, batch_size=args.batch_size, patience=args.patience,
+            max_steps_per_epoch=args.max_steps_per_epoch, seed=seed, progress=progress,
+            desc=f"member{seed}",
+        )
+
+    # ---- backbone: train + save_pretrained, then from_pretrained (the hub user's path) --------
+    model_dir = Path(args.model_dir) if args.model_dir else res_dir / "backbone"
+    train_report: dict[str, Any]
+    if (model_dir / "config.json").is_file() and not args.retrain:
+        train_report = json.loads((model_dir / "train_report.json").read_text())
+        train_report["reused"] = True
+        print(f"[ett] reusing saved backbone {model_dir}", flush=True)
+    else:
+        net = make_model(args.seed)
+        rep = train_forecaster(
+            net, (xtr, ytr), (xv, yv), epochs=args.epochs, lr=args.lr,
+            batch_size=args.batch_size, patience=args.patience,
+            max_steps_per_epoch=args.max_steps_per_epoch, seed=args.seed, progress=progress,
+            desc="backbone",
+        )
+        save_patchtst(net, model_dir)
+        train_report = rep.to_dict()
+        (model_dir / "train_report.json").write_text(json.dumps(train_report, indent=1))
+        train_report["reused"] = False
+    frozen = load_patchtst(model_dir)
+    n_params = sum(p.numel() for p in frozen.parameters())
+    sites = [s.name for s in attnuq.find_attention(frozen)]
+
+    task = Task(
+        model=frozen, train=(xtr, ytr), val=(xv, yv), cal=(xc, yc),
+        make_model=make_model, train_fn=train_fn, batch_size=args.chunk,
+        member_dir=res_dir / "members",
+    )
+    S = args.n_samples
+    fan_idx = [0, H] if args.test_stride == 1 else [0]
+    fan_idx = [i for i in fan_idx if i < len(xte)]
+    results: dict[str, Any] = {}
+    fans: dict[str, Any] = {}
+    old = res_dir / "ett_results.json"
+    sources = [old] if args.resume and old.is_file() else []
+    sources += [Path(m) for m in (args.merge or [])]
+    for src in sources:
+        prev = json.loads(src.read_text())
+        same = {k: v for k, v in prev.get("config", {}).items() if k not in _RESUME_FREE}
+        now = {k: v for k, v in vars(args).items() if k in same}
+        if same != now:
+            raise ValueError(f"--resume/--merge: {src} was written with another config: "
+                             f"{same} vs {now}")
+        got = {k: v for k, v in prev["results"].items()
+               if k not in ("frozen", "seasonal-naive-point")}
+        results.update(got)
+        fans.update({k: v for k, v in prev.get("fan_chart", {}).items()
+                     if k in got})
+        info.setdefault("merged_runs", []).extend(
+            [{**prev["run"], "file": str(src), "methods": sorted(
+                k for k in got if k in ALL_METHODS)}, *prev["run"].get("merged_runs", [])])
+        print(f"[ett] from {src}: already scored {sorted(got)}", flush=True)
+
+    def record(names: Sequence[str], predict_fn: Callable[[torch.Tensor], dict[str, AnyPred]],
+               extras: dict[str, dict[str, Any]]) -> None:
+        scores, fan, sec = _evaluate(
+            predict_fn, xte, yte, chunk=args.chunk, fan_idx=fan_idx, fan_channel=ot,
+            seed=args.seed, desc="+".join(names), progress=progress,
+        )
+        for name in names:
+            results[name] = {**scores[name], "predict_seconds": sec, **extras[name]}
+            fans[name] = fan[name]
+            print(f"[ett] {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in scores[name].items()),
+                  flush=True)
+        _write(res_dir, info, args, data, train_report, n_params, sites, results, fans, xte, yte,
+               fan_idx, ot, n_test_all)
+
+    def one(name: str, fn: Callable[[torch.Tensor], AnyPred], extra: dict[str, Any]) -> None:
+        record([name], lambda xb: {name: fn(xb)}, {name: extra})
+
+    # frozen point forecast (no uncertainty): MSE/MAE only, shared by the post-hoc methods
+    with torch.no_grad():
+        f_test = predict_batched(frozen, xte, args.chunk)
+    results["frozen"] = {
+        "mse": float(((f_test - yte) ** 2).mean()),
+        "mae": float((f_test - yte).abs().mean()),
+    }
+    sn = seasonal_naive(xte, H, season=24)
+    results["seasonal-naive-point"] = {
+        "mse": float(((sn - yte) ** 2).mean()),
+        "mae": float((sn - yte).abs().mean()),
+    }
+    print(f"[ett] frozen: {results['frozen']}; seasonal naive: {results['seasonal-naive-point']}",
+          flush=True)
+
+    # cheap and central methods first, the retraining ones last (partial results stay useful)
+    for name in sorted(methods, key=_RUN_ORDER.index):
+        if name in results:
+            continue
+        t0 = time.perf_counter()
+        if name == "sa-crps" or (name == "sa-paper" and "sa-conformal" not in methods):
+            m = make_method(name, n_samples=S, n_passes=args.n_passes, seed=args.seed,
+                            progress=progress, nu_range=(1, args.nu_max)).fit(task)
+            one(name, m.predict, {"fit_seconds": time.perf_counter() - t0,
+                                  "forward_per_input": S, **_info(m)})
+        elif name in ("sa-paper", "sa-conformal"):
+            # one set of SA samples on the test windows serves both: sa-conformal is sa-paper
+            # (same nu, same draws) with its spread scaled by a conformal factor fitted on cal
+            base = make_method("sa-paper", n_samples=S, n_passes=args.n_passes,
+                               seed=args.seed, progress=progress,
+                               nu_range=(1, args.nu_max)).fit(task)
+            t_fit = time.perf_counter() - t0
+            preds = [_as_samples(base.predict(xc[sl])) for sl in _chunks(len(xc), args.chunk)]
+            pc = Predictive(samples=torch.cat([p.samples for p in preds], dim=1))
+            c = coverage_scale(pc, yc, level=0.95)
+            t_conf = time.perf_counter() - t0
+            both = _ScaledPair(base, c)
+            record(["sa-paper", "sa-conformal"], both, {
+                "sa-paper": {"fit_seconds": t_fit, "forward_per_input": S, **_info(base)},
+                "sa-conformal": {"fit_seconds": t_conf, "forward_per_input": S,
+                                 "nu": _info(base).get("nu"), "conformal_scale": c,
+                                 "note": "nu and test draws of sa-paper; spread scaled by a "
+                                         "conformal factor fitted on the cal windows"},
+            })
+        elif name == "mc-dropout":
+            m = make_method(name, n_samples=S, seed=args.seed).fit(task)
+            one(name, m.predict, {"fit_seconds": time.perf_counter() - t0,
+                                     "forward_per_input": S, **_info(m)})
+        elif name == "ensemble":
+            m = make_method(name, n_members=args.ensemble).fit(task)
+            one(name, m.predict, {"fit_seconds": m.cost.fit_seconds,
+                                     "forward_per_input": args.ensemble,
+                                     "fit_forward": m.cost.fit_forward})
+        elif name == "swag":
+            # SWAG continues training a copy: give it the same weights with gradients on
+            swag_task = dataclasses.replace(task, model=load_patchtst(model_dir, freeze=False))
+            m = make_method(name, n_samples=S, epochs=args.swag_epochs, lr=args.lr / 10,
+                            snapshots_per_epoch=args.swag_snapshots, seed=args.seed,
+                            progress=progress).fit(swag_task)
+            one(name, m.predict, {"fit_seconds": m.cost.fit_seconds, "forward_per_input": S,
+                                     "fit_forward": m.cost.fit_forward,
+                                     "swag_epochs": args.swag_epochs, "swag_lr": args.lr / 10})
+        elif name == "conformal":
+            with torch.no_grad():
+                rv = yv - predict_batched(frozen, xv, args.chunk)
+                rc = yc - predict_batched(frozen, xc, args.chunk)
+            rq = ResidualQuantiles.fit(rv, conformal_from=rc, level=0.95)
+            one(name, _Residual(rq, frozen),
+                   {"fit_seconds": time.perf_counter() - t0, "forward_per_input": 1,
+                    "note": "per (horizon step, channel) conformal quantile of |y - f| on cal; "
+                            "shape of the distribution from val residual quantiles"})
+        elif name == "seasonal-naive":
+            rsn = ResidualQuantiles.fit(yv - seasonal_naive(xv, H, season=24))
+            one(name, _Residual(rsn, functools.partial(seasonal_naive, horizon=H, season=24)),
+                   {"fit_seconds": time.perf_counter() - t0, "forward_per_input": 0,
+                    "note": "repeat the last 24 h; distribution = val residual quantiles per "
+                            "(horizon step, channel)"})
+    _write(res_dir, info, args, data, train_report, n_params, sites, results, fans, xte, yte,
+           fan_idx, ot, n_test_all, final=True)
+    return res_dir
+
+
+def _as_samples(p: AnyPred) -> Predictive:
+    if not isinstance(p, Predictive):
+        raise TypeError(f"expected a sample-based Predictive, got {type(p).__name__}")
+    return p
+
+
+@dataclass
+class _ScaledPair:
+    """``{"sa-paper": p, "sa-conformal": p.scaled(factor)}`` from one ``method.predict(x)``."""
+
+    method: Any
+    factor: float
+
+    def __call__(self, x: torch.Tensor) -> dict[str, AnyPred]:
+        p = _as_samples(self.method.predict(x))
+        return {"sa-paper": p, "sa-conformal": p.scaled(self.factor)}
+
+
+@dataclass
+class _Residual:
+    """``point_fn(x)`` plus residual quantiles."""
+
+    rq: ResidualQuantiles
+    point_fn: Callable[[torch.Tensor], torch.Tensor]
+
+    def __call__(self, x: torch.Tensor) -> AnyPred:
+        return self.rq.predictive(self.point_fn(x))
+
+
+def _info(m: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in (m.info() or {}).items():
+        if isinstance(v, (int, float, str, bool)) or v is None:
+            out[k] = v
+    return out
+
+
+def _fan_plot(path: Path, fans: dict[str, Any], xte: torch.Tensor, yte: torch.Tensor,
+              fan_idx: Sequence[int], ot: int, data: Any) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in fans if fans[n]]
+    if not names:
+        return
+    H = yte.shape[1]
+    L = xte.shape[1]
+    hist = min(L, 72)
+    ncol = 2
+    nrow = math.ceil(len(names) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(12, 2.6 * nrow), squeeze=False, sharey=True)
+    truth = torch.cat([yte[i, :, ot] for i in fan_idx]).numpy()
+    t_f = np.arange(len(truth))
+    past = xte[fan_idx[0], -hist:, ot].numpy()
+    for ax, name in zip(axes.flat, names, strict=False):
+        f = fans[name]
+        lo95, hi95 = np.concatenate(f["q025"]), np.concatenate(f["q975"])
+        lo50, hi50 = np.concatenate(f["q25"]), np.concatenate(f["q75"])
+        med = np.concatenate(f["q50"])
+        ax.plot(np.arange(-hist, 0), past, color="0.4", lw=0.8)
+        ax.fill_between(t_f, lo95, hi95, color="C0", alpha=0.25, label="95 %")
+        ax.fill_between(t_f, lo50, hi50, color="C0", alpha=0.45, label="50 %")
+        ax.plot(t_f, med, color="C0", lw=0.9, label="median")
+        ax.plot(t_f, truth, color="k", lw=0.9, label="OT")
+        for j in range(1, len(fan_idx)):
+            ax.axvline(j * H, color="0.6", ls=":", lw=0.8)
+        ax.set_title(name, fontsize=9)
+    for ax in axes.flat[len(names):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7, loc="upper left")
+    start = str(data.dates[data.borders["test"][0] + data.context])[:16]
+    fig.suptitle(f"OT (standardised), forecasts issued at the test border ({start}) and "
+                 f"{H} h later; {hist} h of context shown", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+_RUN_ORDER = ("sa-paper", "sa-conformal", "conformal", "seasonal-naive", "sa-crps", "mc-dropout",
+              "swag", "ensemble")
+_RESUME_FREE = ("methods", "resume", "merge", "no_progress", "threads", "retrain", "chunk",
+                "out", "model_dir")
+
+_COLS = ("mse", "mae", "coverage", "width", "pit_w1", "crps", "mean_std")
+
+
+def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, data: Any,
+           train_report: dict[str, Any], n_params: int, sites: list[str],
+           results: dict[str, Any], fans: dict[str, Any], xte: torch.Tensor,
+           yte: torch.Tensor, fan_idx: Sequence[int], ot: int, n_test_all: int,
+           final: bool = False) -> None:
+    cfg = {k: v for k, v in vars(args).items() if not k.startswith("_") and
+           isinstance(v, (int, float, str, bool, type(None)))}
+    payload = {
+        "run": info, "config": cfg, "complete": final,
+        "data": {"file": str(data.path), "split_rule": data.split_rule,
+                 "borders": data.borders, "n_test_windows": int(xte.shape[0]),
+                 "n_test_windows_all": int(n_test_all), "columns": list(data.columns)},
+        "backbone": {"n_params": n_params, "attention_sites": sites, "train": train_report},
+        "results": results,
+        "fan_chart": {"channel": data.columns[ot], "window_index": list(fan_idx), **fans},
+    }
+    (res_dir / "ett_results.json").write_text(json.dumps(payload, indent=1))
+    if fans and final:  # drawing is slow on a busy core: once, at the end
+        _fan_plot(res_dir / "ett_fan_ot.png", fans, xte, yte, fan_idx, ot, data)
+    md = _markdown(payload, res_dir)
+    (res_dir.parent / "ett.md").write_text(md)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:.4f}" if abs(v) < 1000 else f"{v:.1f}"
+    return str(v)
+
+
+def _markdown(p: dict[str, Any], res_dir: Path) -> str:
+    r, c, d, b = p["run"], p["config"], p["data"], p["backbone"]
+    tr = b["train"]
+    res = p["results"]
+    lines = [
+        "# ETTh1: stochastic attention on a frozen PatchTST vs baselines",
+        "",
+        "Generated by `attnuq bench ett` -- do not edit by hand."
+        + ("" if p["complete"] else " **(partial: run still in progress or interrupted)**"),
+        "",
+        f"* command: `{r['command']}`",
+        f"* date: {r['date']}",
+        f"* machine: {r['machine']}",
+        *[f"* methods {', '.join(m['methods'])} scored earlier by `{m['command']}` "
+          f"({m['date']}), same config, merged from its JSON" for m in r.get("merged_runs", [])
+          if m["methods"]],
+        f"* data: `{Path(d['file']).name}`, {d['split_rule']}; borders (rows, val/test include "
+        f"the {c['context']}-row context overlap): {d['borders']}",
+        f"* test windows scored: {d['n_test_windows']} of {d['n_test_windows_all']} "
+        f"(stride {c['test_stride']}), horizon {c['horizon']}, all {len(d['columns'])} channels;"
+        " metrics on the train-standardised scale",
+        f"* val windows: first half (stride {c['val_stride']}) for early stopping and each "
+        "method's own fit (SA's nu, residual distributions); second half (same stride) = cal "
+        "for the conformal steps",
+        f"* backbone: HF `PatchTSTForPrediction`, context {c['context']}, d_model {c['d_model']}, "
+        f"{c['layers']} layers, {c['heads']} heads, ffn {c['ffn']}, patch {c['patch']} stride "
+        f"{c['stride']}, dropout {c['dropout']}, {b['n_params']} parameters; trained here "
+        f"({tr.get('epochs_run')} epochs, best epoch {tr.get('best_epoch')}, best val MSE "
+        f"{_fmt(tr.get('best_val'))}, {_fmt(tr.get('seconds'))} s"
+        f"{', reused from disk' if tr.get('reused') else ''}), `save_pretrained` then "
+        "`from_pretrained` (frozen)",
+        f"* Monte Carlo samples per method: {c['n_samples']}; calibration passes per nu: "
+        f"{c['n_passes']}, nu searched in [1, {c.get('nu_max')}] (BO); deep ensemble: "
+        f"{c['ensemble']} members (member 0 = the backbone; "
+        f"others retrained with the same recipe, epoch cap "
+        f"{c['member_epochs'] or c['epochs']}, steps/epoch cap {c['max_steps_per_epoch']}); "
+        f"SWAG: {c['swag_epochs']} epochs x {c.get('swag_snapshots')} snapshots at lr/10",
+        "",
+    ]
+    if "frozen" in res:
+        lines.append(
+            f"Point forecasts: frozen PatchTST MSE {_fmt(res['frozen']['mse'])}, MAE "
+            f"{_fmt(res['frozen']['mae'])}; seasonal naive (24 h) MSE "
+            f"{_fmt(res.get('seasonal-naive-point', {}).get('mse'))}, MAE "
+            f"{_fmt(res.get('seasonal-naive-point', {}).get('mae'))}."
+        )
+        lines.append("")
+    lines += [
+        "| method | MSE | MAE | PI-95 coverage | PI-95 width | W1(PIT, U) | CRPS | mean std | "
+        "nu | fit s | predict s | passes/input |",
+        "|---|" + "---|" * 11,
+    ]
+    scored = {k: res[k] for k in ALL_METHODS if k in res and "crps" in res[k]}
+    for name, v in scored.items():
+        lines.append(
+            f"| {name} | " + " | ".join(_fmt(v.get(k)) for k in _COLS[:6]) + " | "
+            + " | ".join(_fmt(v.get(k)) for k in ("mean_std", "nu", "fit_seconds",
+                                                  "predict_seconds", "forward_per_input"))
+            + " |"
+        )
+    if scored:
+        best_crps = min(scored, key=lambda k: scored[k]["crps"])
+        best_w1 = min(scored, key=lambda k: scored[k]["pit_w1"])
+        closest = min(scored, key=lambda k: abs(scored[k]["coverage"] - 0.95))
+        lines += [
+            "",
+            f"Best CRPS: **{best_crps}**; lowest W1(PIT, U): **{best_w1}**; coverage closest to "
+            f"95 %: **{closest}**.",
+        ]
+        for sa in ("sa-paper", "sa-crps", "sa-conformal"):
+            if sa in scored:
+                beaten = [k for k in scored if k != sa and scored[k]["crps"] < scored[sa]["crps"]]
+                lines.append(f"* {sa} CRPS is beaten by: {', '.join(beaten) or 'none'}.")
+    lines += ["", "Fan chart of OT: `ett/ett_fan_ot.png`; raw numbers: `ett/ett_results.json`.",
+              "", "![fan chart](ett/ett_fan_ot.png)", ""]
+    return "\n".join(lines)
+
+
+register(
+    "ett",
+    help="ETTh1 (or any ETT-layout CSV): SA on a frozen HF PatchTST vs baselines",
+    add_arguments=add_arguments,
+    run=run,
+)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    os.environ.setdefault("MPLBACKEND", "Agg")

@@ -1,0 +1,131 @@
+"""``attnuq bench ett`` end to end on a tiny synthetic ETT-layout CSV, and its score helpers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from attnuq.bench.ett import ResidualQuantiles, StreamScores
+from attnuq.data.ett import ETT_CHANNELS
+from attnuq.predictive import GaussianPredictive, Predictive
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():  # type: ignore[no-untyped-def]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_residual_quantiles_conformal_coverage() -> None:
+    """Per-element split conformal: coverage of f +- q_conf is exactly 38/40 = 0.95 here.
+
+    E = 4000 independent elements, each with n = 39 calibration residuals and one test point,
+    all N(0, 1): each element is covered with probability ceil(40 * 0.95) / 40 = 0.95. The mean
+    over elements has sd sqrt(0.95 * 0.05 / 4000) = 0.00345; |cov - 0.95| < 5 sd fails with
+    probability < 1e-6.
+    """
+    g = torch.Generator().manual_seed(0)
+    e = 4000
+    rv = torch.randn(200, e, generator=g, dtype=torch.float64)
+    rc = torch.randn(39, e, generator=g, dtype=torch.float64)
+    y = torch.randn(1, e, generator=g, dtype=torch.float64)
+    rq = ResidualQuantiles.fit(rv, conformal_from=rc, level=0.95)
+    pred = rq.predictive(torch.zeros(1, e, dtype=torch.float64))
+    lo, hi = pred.interval(0.95)
+    assert rq.q_conformal is not None
+    torch.testing.assert_close(hi[0], rq.q_conformal)
+    torch.testing.assert_close(lo[0], -rq.q_conformal)
+    cov = float(((y >= lo) & (y <= hi)).double().mean())
+    assert abs(cov - 0.95) < 5 * (0.95 * 0.05 / e) ** 0.5, cov
+    with pytest.raises(ValueError, match="per-example shape"):
+        ResidualQuantiles.fit(rv, conformal_from=rc[:, :3])
+
+
+def test_stream_scores_match_direct_metrics() -> None:
+    from attnuq import metrics
+
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(30, 50, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(50, 4, generator=g, dtype=torch.float64)
+    sc = StreamScores()
+    sc.update(Predictive(samples=s[:, :20]), y[:20])
+    sc.update(Predictive(samples=s[:, 20:]), y[20:])
+    r = sc.result()
+    m = s.mean(0)
+    assert r["mse"] == pytest.approx(float(((m - y) ** 2).mean()))
+    assert r["mae"] == pytest.approx(float((m - y).abs().mean()))
+    assert r["crps"] == pytest.approx(float(metrics.crps_samples(s, y)))
+    lo, hi = Predictive(samples=s).interval(0.95)
+    assert r["coverage"] == pytest.approx(float(metrics.coverage(lo, hi, y)))
+    assert r["width"] == pytest.approx(float((hi - lo).mean()))
+    # Gaussian branch: exact PIT, closed-form CRPS
+    sg = StreamScores()
+    mu, sd = torch.zeros(50, 4, dtype=torch.float64), torch.ones(50, 4, dtype=torch.float64)
+    sg.update(GaussianPredictive(mean=mu, std=sd), y)
+    assert sg.result()["crps"] == pytest.approx(float(metrics.crps_normal(mu, sd, y)))
+    with pytest.raises(ValueError, match="0 targets"):
+        StreamScores().result()
+
+
+def _tiny_csv(path: Path, n: int = 520) -> Path:
+    rng = np.random.default_rng(0)
+    df = pd.DataFrame({"date": pd.date_range("2021-01-01", periods=n, freq="h")})
+    for i, c in enumerate(ETT_CHANNELS):
+        df[c] = np.sin(2 * np.pi * np.arange(n) / 24 + i) + 0.3 * rng.normal(size=n)
+    df.to_csv(path, index=False)
+    return path
+
+
+def test_bench_ett_end_to_end(tmp_path: Path) -> None:
+    from attnuq.cli import main
+    from attnuq.data.ett import load_ett, seasonal_naive
+    from attnuq.models.patchtst import load_patchtst
+
+    csv = _tiny_csv(tmp_path / "tiny.csv")
+    out = tmp_path / "res"
+    argv = ["bench", "ett", "--file", str(csv), "--out", str(out), "--context", "48",
+            "--horizon", "12", "--d-model", "8", "--layers", "1", "--heads", "2", "--ffn", "8",
+            "--patch", "8", "--stride", "8", "--epochs", "1", "--ensemble", "2",
+            "--swag-epochs", "1", "--swag-snapshots", "2", "--n-samples", "3", "--n-passes", "2",
+            "--chunk", "64", "--val-stride", "1", "--no-progress"]
+    assert main(argv) == 0
+    js = json.loads((out / "ett" / "ett_results.json").read_text())
+    assert js["complete"] is True
+    res = js["results"]
+    for name in ("sa-paper", "sa-crps", "sa-conformal", "mc-dropout", "ensemble", "swag",
+                 "conformal", "seasonal-naive"):
+        r = res[name]
+        for k in ("mse", "mae", "coverage", "width", "pit_w1", "crps"):
+            assert np.isfinite(r[k]), (name, k)
+        assert 0.0 <= r["coverage"] <= 1.0 and 0.0 <= r["pit_w1"] <= 0.5
+    assert res["sa-paper"]["nu"] >= 1
+    # the numbers in the file are the ones the saved (from_pretrained) model and loader give
+    data = load_ett(csv, context=48)
+    x, y = data.windows("test", horizon=12)
+    f = load_patchtst(out / "ett" / "backbone")
+    with torch.no_grad():
+        mse = float(((f(x) - y) ** 2).mean())
+    assert res["frozen"]["mse"] == pytest.approx(mse, rel=1e-5)
+    sn = float(((seasonal_naive(x, 12) - y) ** 2).mean())
+    assert res["seasonal-naive-point"]["mse"] == pytest.approx(sn, rel=1e-6)
+    md = (out / "ett.md").read_text()
+    assert "attnuq bench ett" in md and "machine:" in md and "| sa-conformal |" in md
+    assert (out / "ett" / "ett_fan_ot.png").stat().st_size > 1000
+    # resume: nothing left to run, the table is rewritten from the stored results
+    assert main([*argv, "--resume", "--methods", "conformal,seasonal-naive"]) == 0
+    js2 = json.loads((out / "ett" / "ett_results.json").read_text())
+    assert js2["results"]["sa-paper"] == res["sa-paper"]
+    with pytest.raises(ValueError, match="unknown methods"):
+        from attnuq.bench.ett import _parse_methods
+
+        _parse_methods("sa-paper,bogus")
