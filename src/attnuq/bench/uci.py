@@ -62,6 +62,8 @@ DEFAULT_METHODS: tuple[str, ...] = (
 _SAMPLED = {"sa-paper", "sa-scale", "sa-crps", "sa-conformal", "mc-dropout", "swag", "multiswag",
             "ivon", "hsa"}
 _LEVEL = 0.95
+#: methods whose point prediction is not the frozen backbone's output
+_OWN_POINT = ("ensemble", "swag", "multiswag", "ivon", "hsa")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -486,7 +488,20 @@ def write_table(
             )
             lines += [f"* {ds}: {verdict}.",
                       f"* width of each baseline relative to the best SA: "
-                      f"{', '.join(others_wider)}.", ""]
+                      f"{', '.join(others_wider)}."]
+            frozen_m = next((m for m in ("gaussian", "laplace", "conformal", "mc-dropout", bs)
+                             if m in stats), None)
+            if frozen_m is not None:
+                f_rmse = stats[frozen_m]["rmse"][0]
+                own = [f"{m} {stats[m]['rmse'][0]:.3f}" for m in ms
+                       if m in _OWN_POINT and math.isfinite(stats[m]["rmse"][0])]
+                if own:
+                    lines.append(
+                        f"* point predictions differ from the shared frozen backbone (RMSE "
+                        f"{f_rmse:.3f}) for {', '.join(own)}; interval widths after unified "
+                        "calibration also reflect these RMSE differences."
+                    )
+            lines.append("")
         lines.append(f"![PIT histograms {ds}](uci/pit_{ds}.png)" if out.name == "uci"
                      else f"PIT histograms: `{out / f'pit_{ds}.png'}`")
         lines.append("")
