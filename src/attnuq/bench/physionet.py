@@ -681,7 +681,39 @@ def _write_md(md: Path, out: Path, results: dict[str, Any], per_seed: list[dict[
         f"* seeds: {len(per_seed)} model seeds (mean ± std, ddof 1); the deep ensemble "
         f"(softmax control, seeds 0..{ens.get('members', 0) - 1}) and the GP are single runs.",
         "* every Gaussian method uses `N(mu, (T s)^2)` with T fitted on validation "
-        "(closed form, T^2 = mean((y-mu)^2/s^2)); conformal = split-conformal on validation.",
+        "(closed form, T^2 = mean((y-mu)^2/s^2)); conformal = split-conformal on validation "
+        f"(`attnuq.conformal`, one pooled factor per level); every spread s is floored at "
+        f"{SIGMA_FLOOR:g} (scaled units) before T is fitted.",
+        f"* compute limit (2 shared CPU cores): MC dropout ({a['mc_passes']} passes), the explicit "
+        f"sampler ({a['sampler_draws']} draws) and the sparsity sweep run on a random subset of "
+        f"{d.get('subset_sizes', {}).get('val')} val / {d.get('subset_sizes', {}).get('test')} "
+        "test stays; the Levy model is scored on the same subset for those comparisons (rows "
+        "marked [subset]). Everything else uses the full val/test splits.",
+    ]
+    if a.get("reuse"):
+        lines.append(
+            "* this file merges separate processes run with the same options: `--only-seed S` for "
+            "each seed (in parallel), `--train-only softmax:3,softmax:4` (extra ensemble members), "
+            "`--only-gp`, then the command above with `--reuse` (ensemble, plots, tables)."
+        )
+    lines += [
+        "",
+        "## Training (per seed)",
+        "",
+        "| seed | Levy epochs (best) | Levy s | Levy best val MSE x1e-3 | alpha | beta | h | "
+        "softmax epochs (best) | softmax s | softmax best val MSE x1e-3 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in per_seed:
+        tl, ts = r["train_levy"], r["train_softmax"]
+        lines.append(
+            f"| {r['seed']} | {tl['epochs']} ({tl['best_epoch']}) | {tl['seconds']:.0f} | "
+            f"{tl['best_val_mse'] * 1e3:.3f} | {tl.get('alpha', float('nan')):.3g} | "
+            f"{tl.get('beta', float('nan')):.3g} | {tl.get('h', float('nan')):.3g} | "
+            f"{ts['epochs']} ({ts['best_epoch']}) | {ts['seconds']:.0f} | "
+            f"{ts['best_val_mse'] * 1e3:.3f} |"
+        )
+    lines += [
         "",
         "## Accuracy and scores (test split, scaled values)",
         "",
