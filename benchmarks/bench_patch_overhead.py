@@ -173,11 +173,15 @@ def _op_bench(nu: int, repeats: int = 15) -> list[dict[str, Any]]:
     """CPU time of the operator alone against SDPA at the attention shapes of the models."""
     from attnuq.ops import sampled_attention
 
-    shapes = [  # (B, Hq, Hkv, L, D, causal, padding mask)
+    shapes = [  # (B, Hq, Hkv, L, D, causal, padding mask): BERT, ViT, Llama, encoder, PatchTST,
+        # TimesFM, FT-Transformer
         (8, 12, 12, 128, 64, False, True),
         (4, 12, 12, 197, 64, False, False),
         (8, 8, 2, 128, 64, True, False),
         (16, 8, 8, 128, 32, False, True),
+        (112, 16, 16, 63, 8, False, False),
+        (16, 8, 8, 16, 64, True, True),
+        (512, 8, 8, 9, 24, False, False),
     ]
     g = torch.Generator().manual_seed(0)
     out = []

@@ -434,3 +434,24 @@ def test_hf_training_mode_with_attention_dropout_is_refused(bert: nn.Module) -> 
             bert(**_BERT.batch())
     finally:
         bert.eval()
+
+
+def test_sdpa_site_with_inline_softmax_path_is_reported() -> None:
+    from _patch_cases import TimmLikeAttention
+
+    class Unregistered(TimmLikeAttention):  # forward owner is TimmLikeAttention -> timm backend
+        pass
+
+    class OwnForward(TimmLikeAttention):  # own forward, fused path off: no backend can patch it
+        def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+            if self.fused_attn:
+                return F.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None])[:, 0]
+            return x
+
+    from attnuq.patch.timm import register_class
+
+    register_class(TimmLikeAttention)
+    assert find_attention(nn.Sequential(Unregistered(8, 2, fused=False)))[0].backend == "timm"
+    site = find_attention(nn.Sequential(OwnForward(8, 2, fused=False)))[0]
+    assert site.backend == "sdpa" and not site.patchable and "fused_attn" in str(site.reason)
+    assert find_attention(nn.Sequential(OwnForward(8, 2, fused=True)))[0].patchable

@@ -176,7 +176,14 @@ class _SDPABackend:
         cls = type(module)
         if _NAME not in forward_names(cls):
             return None
-        return AttentionSite(name=name, backend=self.name, module_type=cls.__name__)
+        reason = None
+        if getattr(module, "fused_attn", True) is False:
+            # timm-style modules: F.sdpa only on the fused path, softmax inline otherwise
+            reason = (
+                "fused_attn is False, so this module computes softmax inline instead of calling "
+                "F.scaled_dot_product_attention; set module.fused_attn = True to patch it"
+            )
+        return AttentionSite(name=name, backend=self.name, module_type=cls.__name__, reason=reason)
 
     def apply(self, model: nn.Module, sites: list[tuple[nn.Module, SiteState]]) -> Undo:
         undos: list[Undo] = []

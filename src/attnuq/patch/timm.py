@@ -61,13 +61,21 @@ def _forward_owner(cls: type) -> type | None:
     return None
 
 
+#: modules that define timm's standard ``Attention`` (new and old locations). Other timm classes
+#: that happen to be called ``Attention`` (BEiT's, with relative position bias, ...) compute
+#: something else and are left to the other backends.
+TIMM_MODULES = frozenset(
+    {"timm.layers.attention", "timm.models.vision_transformer", "timm.models.layers.attention"}
+)
+
+
 def _is_timm_attention(cls: type) -> bool:
     owner = _forward_owner(cls)
     if owner is None:
         return False
     if owner in _EXTRA:
         return True
-    return owner.__name__ == "Attention" and owner.__module__.startswith("timm.")
+    return owner.__name__ == "Attention" and owner.__module__ in TIMM_MODULES
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
