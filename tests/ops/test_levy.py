@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,17 @@ from attnuq.ops import LevyResult, levy_attention, levy_attention_sample
 
 F64 = torch.float64
 FIELDS = ("mean", "var", "evidence", "p_empty", "phi", "sigma", "sigma_dim")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Run these (tiny-tensor) tests single-threaded: on an oversubscribed 2-core machine every
+    multi-threaded kernel launch (BLAS, the fused SDPA kernel) waits for a descheduled worker,
+    which made gradcheck ~8x slower. The thread count is restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def make_problem(
@@ -57,10 +69,11 @@ def assert_result_close(r: LevyResult, s: LevyResult, atol: float, rtol: float =
 # ------------------------------------------------------------------------ closed form
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "explicit"])
 @pytest.mark.parametrize("fourier", [True, False])
-def test_matches_loop_reference(fourier: bool) -> None:
+def test_matches_loop_reference(fourier: bool, backend: str) -> None:
     args, kw = make_problem(fourier=fourier)
-    r = levy_attention(*args, **kw)
+    r = levy_attention(*args, **kw, backend=backend)
     ref = ref_levy(*args, **kw)
     np.testing.assert_allclose(r.evidence.numpy(), ref["evidence"], rtol=1e-12, atol=0)
     np.testing.assert_allclose(r.mean.numpy(), ref["mean"], rtol=0, atol=1e-11)
@@ -150,7 +163,8 @@ def test_sampler_empty_series_and_shapes() -> None:
 # ------------------------------------------------------------------------ gradients
 
 
-def test_gradcheck_mean_and_sigma() -> None:
+@pytest.mark.parametrize("backend", ["sdpa", "explicit"])
+def test_gradcheck_mean_and_sigma(backend: str) -> None:
     """gradcheck (float64, full Jacobians) of mean and sigma w.r.t. every input and parameter."""
     args, kw = make_problem(B=1, H=2, Q=2, N=3, E=2, Dv=2, K=2)
     q, k, a, times, mask = args
@@ -164,7 +178,7 @@ def test_gradcheck_mean_and_sigma() -> None:
         r = levy_attention(
             d["q"], d["k"], d["a"], d["times"], mask,
             alpha=d["alpha"], beta=d["beta"], h=d["h"], omega=d["omega"], phase=d["phase"],
-            D=d["D"],
+            D=d["D"], backend=backend,
         )
         return r.mean, r.sigma
 
@@ -189,13 +203,15 @@ def test_gradients_finite_with_empty_series_and_large_beta() -> None:
 # ------------------------------------------------------------------------ invariances
 
 
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "explicit"])
 @pytest.mark.parametrize("extra", [3, 300])
-def test_masked_padding_is_bit_identical(extra: int) -> None:
+def test_masked_padding_is_bit_identical(extra: int, backend: str) -> None:
     """Appending masked entries (holding NaN / garbage) leaves every output bit-identical.
 
-    ``extra = 300`` crosses the 128-observation block boundary twice.
+    ``extra = 300`` crosses the 256-observation block boundary.
     """
     args, kw = make_problem(B=2, H=2, Q=3, N=9)
+    kw["backend"] = backend
     q, k, a, times, mask = args
     r = levy_attention(q, k, a, times, mask, **kw)
     B, H, _, E = q.shape
@@ -226,8 +242,10 @@ def test_permutation_invariance() -> None:
     assert_result_close(r, r2, atol=1e-12)
 
 
-def test_block_size_does_not_change_result() -> None:
+@pytest.mark.parametrize("backend", ["sdpa", "explicit"])
+def test_block_size_does_not_change_result(backend: str) -> None:
     args, kw = make_problem(N=10)
+    kw["backend"] = backend
     r = levy_attention(*args, **kw)
     for bs in (1, 3, 10, 1000):
         assert_result_close(r, levy_attention(*args, **kw, block_size=bs), atol=1e-13)

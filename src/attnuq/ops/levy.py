@@ -3,7 +3,7 @@
 API (stable; ``attnuq.nn.LevyAttention`` is the module wrapper)
 ---------------------------------------------------------------
 ``levy_attention(q, k, a, times, mask, *, alpha, beta, h, omega=None, phase=None, D=None,
-block_size=128) -> LevyResult``
+per_dim=True, block_size=256, backend="auto") -> LevyResult``
 
 * ``q``     ``(B, H, Q, E)`` query embeddings (one per query time and head).
 * ``k``     ``(B, H, N, E)`` key embeddings of the observations ``(t_i, c_i)``.
@@ -19,12 +19,14 @@ block_size=128) -> LevyResult``
 ``(B, H, Q, ...)``:
 
 * ``mean``      ``(B, H, Q, Dv)`` ``mu_q = sum_i p_qi (a_i + D m_i)``.
-* ``var``       ``(B, H, Q, Dv)`` ``diag Sigma_V(q)``: the per-atom value covariance.
+* ``var``       ``(B, H, Q, Dv)`` ``diag Sigma_V(q)``: the per-atom value covariance
+  (``None`` with ``per_dim=False``, which computes only the trace and is cheaper).
 * ``evidence``  ``(B, H, Q)`` ``Lambda_q = sum_i w_qi``.
 * ``p_empty``   ``(B, H, Q)`` ``exp(-Lambda_q)``.
 * ``phi``       ``(B, H, Q)`` ``phi(Lambda_q) = E[1/N | N >= 1]``.
 * ``sigma``     ``(B, H, Q)`` ``sqrt(tr Sigma_V(q) phi(Lambda_q))``.
-* ``sigma_dim`` ``(B, H, Q, Dv)`` ``sqrt(Sigma_V,jj(q) phi(Lambda_q))``.
+* ``sigma_dim`` ``(B, H, Q, Dv)`` ``sqrt(Sigma_V,jj(q) phi(Lambda_q))`` (``None`` with
+  ``per_dim=False``).
 
 ``levy_attention_sample(q, k, a, times, mask, *, alpha, beta, h, omega, phase, D,
 num_samples, generator=None) -> LevySamples`` draws the Poisson random measure explicitly:
@@ -53,13 +55,22 @@ Math (METHODS.md section 2), per batch element, head and query ``q``
 
 Implementation notes
 --------------------
-* The softmax form ``p_qi = exp(beta(cos_qi - M_q)) / Z_q`` with ``M_q`` the (exact,
-  order-independent) maximum over observed ``i`` avoids underflow for large ``beta``;
-  ``Lambda_q = alpha exp(beta (M_q - 1)) Z_q``.
-* Masked observations are removed with ``torch.where`` (their weight and value rows become exact
-  zeros), and every sum over observations runs over fixed-size blocks of ``block_size``
-  (zero-padded) accumulated in order. Appending masked observations therefore leaves every
-  output bit-identical: the blocks that existed hold the same numbers, new blocks add exact zeros.
+* Fast path (``backend="sdpa"``, chosen by ``"auto"`` when ``beta <= log(finfo.max) / 4``, i.e.
+  22 in float32 and 177 in float64): the sums ``sum_i e^{beta cos_qi} [1, v_i, v_i^2 + s_i]``
+  come from ONE fused ``F.scaled_dot_product_attention`` call per block. Softmax discards the
+  normaliser ``Z_q`` that the evidence needs, so a sentinel key with known score ``-beta`` and
+  value ``e_0`` is prepended: its output weight ``o_q`` gives ``Z_q e^{beta} = (1 - o_q) / o_q``
+  (every observed term is ``>= 1`` relative to the sentinel, so ``o_q <= 1/2`` and there is no
+  cancellation), and ``Lambda_q = alpha e^{-2 beta} (1 - o_q) / o_q``. Masked keys get score
+  ``-1e4`` (weight exactly 0).
+* Reference path (``backend="explicit"``, any ``beta``): scores, the exact max ``M_q`` over
+  observed ``i``, ``exp(beta cos - M_q)`` and GEMMs; ``Lambda_q = alpha e^{M_q - beta} Z_q``.
+  Tests check that both paths agree (values and gradients) to 1e-12 in float64.
+* Masked entries of ``k``, ``a``, ``times`` are replaced by zeros once (``torch.where``), so
+  whatever they held (NaN included) they contribute exact zeros. Every sum over observations
+  runs over fixed-size, zero-padded blocks of ``block_size`` accumulated in order, so the same
+  numbers meet the same kernels whatever the padded length: appending masked observations
+  leaves every output bit-identical (tested with 3 and 300 extra entries).
 * The second moment is accumulated about a per-series reference (the plain mean of ``vbar`` over
   observed ``i``), which removes most of the cancellation of ``E v^2 - (E v)^2`` in float32.
 * Empty series (no observed entry): ``evidence = 0``, ``p_empty = 1``, ``mean = 0``, ``var = 0``,
@@ -263,6 +274,8 @@ def _validate(
 
 
 # ----------------------------------------------------------------------------- helpers
+
+_SDPA_MIN_SIZE = 1 << 16  # B * H * Q * N from which backend="auto" uses the fused path
 
 
 def _split_blocks(inp: _Inputs, block: int) -> list[_Inputs]:
@@ -499,7 +512,9 @@ def levy_attention(
         that recovers the normaliser (see :func:`_accumulate_sdpa`); needs
         ``beta <= log(finfo.max) / 4`` (22 in float32, 177 in float64). ``"explicit"``: scores,
         a max shift, ``exp`` and GEMMs (the reference; any ``beta``). ``"auto"`` picks
-        ``"sdpa"`` when ``beta`` allows.
+        ``"sdpa"`` when ``beta`` allows and ``B * H * Q * N_obs >= 65536`` (``N_obs``: most observed
+        entries in a series; below that the fused
+        kernel's thread start-up costs more than it saves).
 
     Returns
     -------
@@ -556,7 +571,11 @@ def levy_attention(
     qn = F.normalize(q, dim=-1, eps=1e-12)
     limit = 0.25 * math.log(torch.finfo(q.dtype).max)  # 22 in float32, 177 in float64
     if backend == "auto":
-        backend = "sdpa" if float(inp.beta.detach().max()) <= limit else "explicit"
+        # the fused kernel pays a thread fork per call: only worth it for non-tiny problems
+        # (sized by observed entries, so that masked padding cannot change the choice)
+        n_obs = int(mask.sum(-1).max()) if mask.numel() else 0
+        big = q.shape[0] * q.shape[1] * q.shape[2] * n_obs >= _SDPA_MIN_SIZE
+        backend = "sdpa" if big and float(inp.beta.detach().max()) <= limit else "explicit"
     if backend == "sdpa":
         if float(inp.beta.detach().max()) > limit:
             raise ValueError(
