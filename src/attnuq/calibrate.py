@@ -51,8 +51,10 @@ evaluated ``nu`` closest to it (smallest ``|ln k_*|``) is used, so the assumptio
 locally. The first ``nu`` is the geometric middle ``round(sqrt(lo * hi))`` of the range; each
 next ``nu`` minimises the posterior expected loss
 ``E[(ln s(nu) - ln s_*)^2] = (m(nu) - ln s_*)^2 + var(nu)`` over the integers in ``nu_range``;
-the search stops when that ``nu`` was already evaluated or after ``max_evals`` evaluations, and
-returns the evaluated ``nu`` with the smallest posterior expected loss.
+the search stops when that ``nu`` was already evaluated or after ``max_evals`` evaluations. The
+choice: among the evaluated ``nu`` inside the 95 % posterior interval of the surrogate's root
+(:attr:`CalibrationReport.nu_interval`), the one with the smallest measured objective (as on
+the grid); if none is inside, the evaluated ``nu`` with the smallest posterior expected loss.
 
 NOTE(paper): the paper gives the surrogate and the scale matching for ``L_SA``; the mapping of
 ``L_SA``, CRPS and coverage to a target scale by rescaling perturbations is ours.
@@ -154,7 +156,8 @@ class CalibrationReport:
         ``x = ln nu - x_center``, ``x_center``, ``tau``, ``target_log_scale``; for ``"grid"``
         it is fitted to the grid points for display only.
     nu_interval
-        BO: 95 % posterior interval of the ``nu`` where the surrogate meets the target.
+        BO: 95 % posterior interval of the ``nu`` where the surrogate mean meets the target
+        (the target treated as fixed).
     noise_band
         Grid: every grid ``nu`` within 2 paired standard errors of the best objective.
     forward_passes
@@ -704,6 +707,14 @@ def calibrate(
         mean, var = surrogate.predict(done)
         chosen = int(done[int(np.argmin((mean - target_log) ** 2 + var))])
         nu_interval = surrogate.root_interval(target_log, lo, hi, 0 if seed is None else seed)
+        # among the evaluated nu that the surrogate finds plausible (inside the 95 % interval of
+        # its root), the measured objective decides -- as on the grid
+        plausible = [
+            e for e in evals
+            if nu_interval[0] <= e.nu <= nu_interval[1] and math.isfinite(e.objective)
+        ]
+        if plausible:
+            chosen = min(plausible, key=lambda e: e.objective).nu
     return CalibrationReport(
         nu=chosen,
         criterion=criterion,
