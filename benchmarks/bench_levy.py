@@ -103,63 +103,71 @@ def run(repeats: int, draws_repeats: int) -> list[dict[str, Any]]:
     x = make_data()
     rows: list[dict[str, Any]] = []
     for n_fourier in (8, 0):
-        torch.manual_seed(0)
-        layer = LevyAttention(C, D_MODEL, H, n_fourier=n_fourier).eval()
-        tag = f"K={n_fourier}"
+        rows += run_config(n_fourier, x, repeats, draws_repeats)
+    return rows
 
-        with torch.no_grad():
-            tl, ts, r = time_pair(lambda: layer(**x), lambda: softmax_reference(layer, x), repeats)
-        rows.append({"case": f"levy module (mean, sigma, per-dim var) vs softmax ({tag})",
-                     "levy_ms": tl * 1e3, "ref_ms": ts * 1e3, "ratio": r, "target": "<= 1.3",
-                     "met": r <= 1.3})
-        layer.per_dim = False
-        with torch.no_grad():
-            tl, ts, r = time_pair(lambda: layer(**x), lambda: softmax_reference(layer, x), repeats)
-        layer.per_dim = True
-        rows.append({"case": f"levy module (mean, sigma; per_dim=False) vs softmax ({tag})",
-                     "levy_ms": tl * 1e3, "ref_ms": ts * 1e3, "ratio": r, "target": "<= 1.3",
-                     "met": r <= 1.3})
 
-        with torch.no_grad():
-            times, channels, values, qc = layer._check(
-                x["times"], x["channels"], x["values"], x["mask"], x["query_times"],
-                x["query_channels"],
-            )
-            q, k, a = layer._embed(times, channels, values, x["query_times"], qc)
-            kw = {"alpha": layer.alpha, "beta": layer.beta, "h": layer.h, "omega": layer.omega,
-                  "phase": layer.phase, "D": layer.D}
-            m4 = x["mask"][:, None, None, :]
-            tl, ts, r = time_pair(
-                lambda: levy_attention(q, k, a, times, x["mask"], **kw),  # type: ignore[arg-type]
-                lambda: F.scaled_dot_product_attention(q, k, a, attn_mask=m4),
-                repeats,
-            )
-        rows.append({"case": f"levy op vs SDPA op ({tag})", "levy_ms": tl * 1e3,
-                     "ref_ms": ts * 1e3, "ratio": r, "target": "(info)", "met": None})
+def run_config(
+    n_fourier: int, x: dict[str, torch.Tensor], repeats: int, draws_repeats: int
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    torch.manual_seed(0)
+    layer = LevyAttention(C, D_MODEL, H, n_fourier=n_fourier).eval()
+    tag = f"K={n_fourier}"
 
-        with torch.no_grad():
-            td, tl, r = time_pair(
-                lambda: sampled_variance(layer, x, 50), lambda: layer(**x), draws_repeats
-            )
-        rows.append({"case": f"50 explicit draws vs closed form ({tag})", "levy_ms": tl * 1e3,
-                     "ref_ms": td * 1e3, "ratio": r, "target": ">= 20 (draws / closed form)",
-                     "met": r >= 20})
+    with torch.no_grad():
+        tl, ts, r = time_pair(lambda: layer(**x), lambda: softmax_reference(layer, x), repeats)
+    rows.append({"case": f"levy module (mean, sigma, per-dim var) vs softmax ({tag})",
+                 "levy_ms": tl * 1e3, "ref_ms": ts * 1e3, "ratio": r, "target": "<= 1.3",
+                 "met": r <= 1.3})
+    layer.per_dim = False
+    with torch.no_grad():
+        tl, ts, r = time_pair(lambda: layer(**x), lambda: softmax_reference(layer, x), repeats)
+    layer.per_dim = True
+    rows.append({"case": f"levy module (mean, sigma; per_dim=False) vs softmax ({tag})",
+                 "levy_ms": tl * 1e3, "ref_ms": ts * 1e3, "ratio": r, "target": "<= 1.3",
+                 "met": r <= 1.3})
 
-        def train_levy() -> None:
-            layer.zero_grad(set_to_none=True)
-            out = layer(**x)
-            (out.mean.sum() + out.sigma.sum()).backward()
+    with torch.no_grad():
+        times, channels, values, qc = layer._check(
+            x["times"], x["channels"], x["values"], x["mask"], x["query_times"],
+            x["query_channels"],
+        )
+        q, k, a = layer._embed(times, channels, values, x["query_times"], qc)
+        kw = {"alpha": layer.alpha, "beta": layer.beta, "h": layer.h, "omega": layer.omega,
+              "phase": layer.phase, "D": layer.D}
+        m4 = x["mask"][:, None, None, :]
+        tl, ts, r = time_pair(
+            lambda: levy_attention(q, k, a, times, x["mask"], **kw),  # type: ignore[arg-type]
+            lambda: F.scaled_dot_product_attention(q, k, a, attn_mask=m4),
+            repeats,
+        )
+    rows.append({"case": f"levy op vs SDPA op ({tag})", "levy_ms": tl * 1e3,
+                 "ref_ms": ts * 1e3, "ratio": r, "target": "(info)", "met": None})
 
-        def train_ref() -> None:
-            layer.zero_grad(set_to_none=True)
-            softmax_reference(layer, x).sum().backward()
+    with torch.no_grad():
+        td, tl, r = time_pair(
+            lambda: sampled_variance(layer, x, 50), lambda: layer(**x), draws_repeats
+        )
+    rows.append({"case": f"50 explicit draws vs closed form ({tag})", "levy_ms": tl * 1e3,
+                 "ref_ms": td * 1e3, "ratio": r, "target": ">= 20 (draws / closed form)",
+                 "met": r >= 20})
 
-        tl, ts, r = time_pair(train_levy, train_ref, max(5, repeats // 2))
-        rows.append({"case": f"train step fwd+bwd vs softmax ({tag})", "levy_ms": tl * 1e3,
-                     "ref_ms": ts * 1e3, "ratio": r, "target": "(info)", "met": None})
-        for row in rows[-5:]:
-            print(f"{row['case']:62s} levy {row['levy_ms']:9.2f} ms  ref {row['ref_ms']:9.2f} ms"
-                  f"  ratio {row['ratio']:7.2f}  target {row['target']}", flush=True)
+    def train_levy() -> None:
+        layer.zero_grad(set_to_none=True)
+        out = layer(**x)
+        (out.mean.sum() + out.sigma.sum()).backward()
+
+    def train_ref() -> None:
+        layer.zero_grad(set_to_none=True)
+        softmax_reference(layer, x).sum().backward()
+
+    tl, ts, r = time_pair(train_levy, train_ref, max(5, repeats // 2))
+    rows.append({"case": f"train step fwd+bwd vs softmax ({tag})", "levy_ms": tl * 1e3,
+                 "ref_ms": ts * 1e3, "ratio": r, "target": "(info)", "met": None})
+    for row in rows:
+        print(f"{row['case']:62s} levy {row['levy_ms']:9.2f} ms  ref {row['ref_ms']:9.2f} ms"
+              f"  ratio {row['ratio']:7.2f}  target {row['target']}", flush=True)
     return rows
 
 

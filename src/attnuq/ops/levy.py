@@ -75,6 +75,10 @@ Implementation notes
   observed ``i``), which removes most of the cancellation of ``E v^2 - (E v)^2`` in float32.
 * Empty series (no observed entry): ``evidence = 0``, ``p_empty = 1``, ``mean = 0``, ``var = 0``,
   ``phi = 1``, ``sigma = 0``; gradients are finite (zero where the output is constant).
+  NOTE(paper): the moments conditional on ``N >= 1`` do not exist when ``Lambda = 0``; these
+  values are a convention, and ``p_empty = 1`` is the signal to act on.
+* Times are plain real numbers: negative and unsorted times are accepted (the operator is
+  permutation invariant; tested to 1e-12).
 * ``sqrt`` has an infinite derivative at 0: ``sigma`` and ``sigma_dim`` use a guarded square
   root whose gradient is 0 where the variance is exactly 0.
 * NOTE(paper): the paper states the variance identity for the trace; the per-dimension
