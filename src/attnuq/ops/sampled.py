@@ -22,9 +22,9 @@ heads, or at least 128 queries of one head) whose scores against all keys sit in
 buffer; scores are turned in place into an unnormalised CDF (``cumsum(exp2(s - max))``, the
 ``log2(e)`` factor rides on the GEMM's ``alpha``), and each draw is an inverse-CDF lookup
 (``searchsorted``) of a uniform from one ``torch.rand(generator=...)`` call. The value rows are
-then summed with ``embedding_bag`` (or, when ``nu >= Lk / 8`` and no gradient is needed, through
-the count matrix ``W`` and a GEMM). With ``is_causal`` each query chunk only scores the keys up to
-its last position. No tensor of ``B*H*Lq*Lk*nu`` (or ``B*H*Lq*Lk``) elements is formed.
+then summed with ``embedding_bag`` (measured faster here than forming the count matrix ``W``
+and a GEMM ``W V``, even for ``nu >= Lk``). With ``is_causal`` each query chunk only scores the
+keys up to its last position. No tensor of ``B*H*Lq*Lk*nu`` (or ``B*H*Lq*Lk``) elements is formed.
 
 Inputs are checked for NaN/inf with one sum per tensor (a finite sum proves all entries finite;
 otherwise an exact count is made for the message).
@@ -87,24 +87,17 @@ def _sample_dense(
     att: Attn,
     nu: int,
     generator: torch.Generator | None,
-    counts_out: torch.Tensor | None,
-) -> tuple[torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense inverse-CDF draws, query chunk by query chunk.
 
     Returns ``idx`` ``(G, M, nu)`` (int32 when it fits, else int64) and ``empty`` ``(G, M)``.
-    With ``counts_out`` ``(G, M, Dv)`` the output ``W V / nu`` is written there instead, through the
-    count matrix ``W`` (cheaper than gathering when ``nu`` is large against ``Lk``); ``idx`` is
-    then ``None``.
     """
     dev, dt = att.q.device, att.q.dtype
     g_all, m_all, lk = att.groups, att.rows, att.lk
     use_i32 = g_all * lk < 2**31 - 1
     # One call for all uniforms: the draws do not depend on the chunking.
     u = torch.rand((g_all, m_all, nu), generator=generator, device=dev, dtype=dt)
-    idx = None
-    if counts_out is None:
-        idx = torch.empty(g_all, m_all, nu, device=dev,
-                          dtype=torch.int32 if use_i32 else torch.long)
+    idx = torch.empty(g_all, m_all, nu, device=dev, dtype=torch.int32 if use_i32 else torch.long)
     empty = torch.empty(g_all, m_all, dtype=torch.bool, device=dev)
     # Causal: query blocks of ~Lq/4 rows only look at the keys up to their last position.
     max_rows = max(_DENSE_MIN_ROWS, att.lq // 4) if att.causal else None
@@ -118,7 +111,6 @@ def _sample_dense(
     if att.mask is None or att.mask.dtype == torch.bool:
         bound = att.q.norm(dim=-1).amax() * att.k.norm(dim=-1).amax() * abs(att.scale)
         shift = not bool(bound <= 64.0)
-    ones = None
     for g0, g1, i0, i1 in chunks:
         g, rows = g1 - g0, i1 - i0
         nk = att.causal_keys(i0, i1)
@@ -130,17 +122,8 @@ def _sample_dense(
         # shift, >= 2^-64 without), so u * total < total after
         # rounding: no key past the last one of positive mass can be returned. The clamp only
         # guards rows of zero total mass (flagged empty).
-        ic = torch.searchsorted(
-            c, u[g0:g1, i0:i1] * c[..., -1:], right=True, out_int32=use_i32 and counts_out is None
-        ).clamp_max_(nk - 1)
-        if counts_out is None:
-            assert idx is not None
-            idx[g0:g1, i0:i1] = ic
-        else:
-            if ones is None or ones.shape != ic.shape:
-                ones = torch.full(ic.shape, 1.0 / nu, dtype=dt, device=dev)
-            w = b.zero_().scatter_add_(-1, ic, ones)  # (g, rows, Lk) weights W / nu
-            torch.bmm(w, att.v[g0:g1, :nk], out=counts_out[g0:g1, i0:i1])
+        ic = torch.searchsorted(c, u[g0:g1, i0:i1] * c[..., -1:], right=True, out_int32=use_i32)
+        idx[g0:g1, i0:i1] = ic.clamp_max_(nk - 1)
     return idx, empty
 
 
@@ -218,7 +201,6 @@ def _sample_indices(
     block_size = _check_block_size(block_size)
     att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     idx, empty = _draw(att, nu, block_size, generator)
-    assert idx is not None
     return att.unfold(idx.long()), att.unfold(empty.unsqueeze(-1)).squeeze(-1)
 
 
@@ -227,15 +209,12 @@ def _draw(
     nu: int,
     block_size: int | None,
     generator: torch.Generator | None,
-    counts_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     if att.lk == 0:
         z = torch.zeros(att.groups, att.rows, nu, dtype=torch.long, device=att.q.device)
-        if counts_out is not None:
-            counts_out.zero_()
         return z, torch.ones(att.groups, att.rows, dtype=torch.bool, device=att.q.device)
     if block_size is None or block_size >= att.lk:
-        return _sample_dense(att, nu, generator, counts_out)
+        return _sample_dense(att, nu, generator)
     return _sample_blocked(att, nu, block_size, generator)
 
 
@@ -333,27 +312,15 @@ def sampled_attention(
             raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
         return torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
     g, m, lk, dv = att.groups, att.rows, att.lk, att.dv
-    # Large nu against Lk: go through the count matrix W (a GEMM) instead of gathering nu rows;
-    # not when v needs a gradient (the GEMM path would not record it).
-    via_counts = (
-        (block_size is None or block_size >= lk)
-        and nu * 8 >= lk
-        and not (torch.is_grad_enabled() and att.v.requires_grad)
-    )
-    counts_out = torch.empty(g, m, dv, dtype=att.v.dtype, device=q.device) if via_counts else None
-    idx, empty = _draw(att, nu, block_size, generator, counts_out)
+    idx, empty = _draw(att, nu, block_size, generator)
     has_empty = bool(empty.any())
     if has_empty and empty_rows == "error":
         raise empty_rows_error(att, empty)
-    if counts_out is not None:
-        out = counts_out
-    else:
-        assert idx is not None
-        offs = torch.arange(g, device=idx.device, dtype=idx.dtype).mul_(lk).view(g, 1, 1)
-        flat = idx.add_(offs).view(g * m, nu)  # global row of v, in place (idx is ours)
-        out = F.embedding_bag(flat, att.v.reshape(g * lk, dv), mode="sum")  # (G*M, Dv)
-        out = out.view(g, m, dv)
-        out = out * (1.0 / nu) if out.requires_grad else out.mul_(1.0 / nu)
+    offs = torch.arange(g, device=idx.device, dtype=idx.dtype).mul_(lk).view(g, 1, 1)
+    flat = idx.add_(offs).view(g * m, nu)  # global row of v, in place (idx is ours)
+    out = F.embedding_bag(flat, att.v.reshape(g * lk, dv), mode="sum")  # (G*M, Dv)
+    out = out.view(g, m, dv)
+    out = out * (1.0 / nu) if out.requires_grad else out.mul_(1.0 / nu)
     if has_empty:
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
     return att.unfold(out).to(att.out_dtype)
