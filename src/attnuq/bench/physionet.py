@@ -780,8 +780,12 @@ def _write_md(md: Path, out: Path, results: dict[str, Any], per_seed: list[dict[
     lines += ["", "## Goals from the paper (computed from the numbers above)", ""]
     if "levy" in summ and "softmax" in summ:
         ratio = summ["levy"]["mse"][0] / summ["softmax"]["mse"][0]
+        ep_l = [r["train_levy"]["epochs"] for r in per_seed]
+        ep_s = [r["train_softmax"]["epochs"] for r in per_seed]
         lines.append(f"* MSE within 5.6 % of the matched control: Levy/control = {ratio:.4f} -> "
-                     f"{'met' if ratio <= 1.056 else 'NOT met'}.")
+                     f"{'met' if ratio <= 1.056 else 'NOT met'} (epochs trained per seed: Levy "
+                     f"{ep_l}, control {ep_s}; both under the same caps: --max-epochs "
+                     f"{a['max_epochs']}, --max-train-seconds {a['max_train_seconds']}).")
     if "levy_sub" in summ and "softmax_mcdropout" in summ:
         x_, y_ = summ["levy_sub"]["crps"][0], summ["softmax_mcdropout"]["crps"][0]
         lines.append(f"* CRPS better than MC dropout (same test subset): {x_:.5f} vs {y_:.5f} -> "
