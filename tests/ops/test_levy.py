@@ -330,12 +330,13 @@ def test_negative_and_unsorted_times_are_allowed() -> None:
     np.testing.assert_allclose(r.mean.numpy(), ref["mean"], atol=1e-10)
 
 
-def test_float32_close_to_float64() -> None:
+@pytest.mark.parametrize("backend", ["sdpa", "explicit"])
+def test_float32_close_to_float64(backend: str) -> None:
     args, kw = make_problem(N=40, seed=4)
-    r64 = levy_attention(*args, **kw)
+    r64 = levy_attention(*args, **kw, backend="explicit")
     args32 = tuple(x.float() if x.is_floating_point() else x for x in args)
     kw32 = {key: v.float() for key, v in kw.items()}
-    r32 = levy_attention(*args32, **kw32)
+    r32 = levy_attention(*args32, **kw32, backend=backend)
     for f in FIELDS:
         torch.testing.assert_close(getattr(r32, f).double(), getattr(r64, f), atol=2e-5, rtol=2e-5)
 
@@ -424,3 +425,15 @@ def test_sdpa_backend_refuses_large_beta() -> None:
         levy_attention(*args, **dict(kw, beta=200.0), backend="sdpa")
     with pytest.raises(ValueError, match="backend"):
         levy_attention(*args, **kw, backend="fast")
+
+
+def test_float32_fused_path_near_its_beta_limit() -> None:
+    """beta = 20 (the fused path allows <= 22 in float32): the sentinel weight is ~e^{-40}."""
+    args, kw = make_problem(N=40, seed=6)
+    kw["beta"] = torch.full((2,), 20.0, dtype=F64)
+    r64 = levy_attention(*args, **kw, backend="explicit")
+    args32 = tuple(x.float() if x.is_floating_point() else x for x in args)
+    r32 = levy_attention(*args32, **{key: v.float() for key, v in kw.items()}, backend="sdpa")
+    for f in ("mean", "var", "sigma", "phi"):
+        torch.testing.assert_close(getattr(r32, f).double(), getattr(r64, f), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(r32.evidence.double(), r64.evidence, atol=0, rtol=1e-4)
