@@ -564,13 +564,13 @@ def levy_attention(
         [blk.mask.to(q.dtype)[:, None, None, :].expand(B, H, 1, -1) @ mb[0]
          for blk, mb in zip(blocks, mom_b, strict=True)]
     ) / count  # (B, H, 1, Dv)
-    vals_b = []  # (B, H, bs, 2 Dv or Dv + 1): [v - ref, (v - ref)^2 + s] or [v - ref, sum_j (...)]
+    vals_b = []  # per block: v - ref (B, H, bs, Dv); (v - ref)^2 + s (Dv) or its sum (1)
     for vbar, within in mom_b:
         vc = vbar - ref  # masked rows: finite, weighted by exactly 0 below
         sq = vc * vc if within is None else vc * vc + within
         if not per_dim:
             sq = sq.sum(-1, keepdim=True)
-        vals_b.append(torch.cat([vc, sq], dim=-1))
+        vals_b.append((vc, sq))
     kn_b = [F.normalize(blk.k, dim=-1, eps=1e-12) for blk in blocks]  # (B, H, bs, E)
     qn = F.normalize(q, dim=-1, eps=1e-12)
     limit = 0.25 * math.log(torch.finfo(q.dtype).max)  # 22 in float32, 177 in float64
@@ -617,7 +617,7 @@ def levy_attention(
 def _accumulate_sdpa(
     qn: torch.Tensor,
     kn_b: list[torch.Tensor],
-    vals_b: list[torch.Tensor],
+    vals_b: list[tuple[torch.Tensor, torch.Tensor]],
     blocks: list[_Inputs],
     beta: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -632,21 +632,29 @@ def _accumulate_sdpa(
     because the fused CPU kernel needs equal head dims.
     """
     B, H, Q, E = qn.shape
-    w_cols = vals_b[0].shape[-1]
+    dv, ws = vals_b[0][0].shape[-1], vals_b[0][1].shape[-1]
+    w_cols = dv + ws
     dp = max(E + 1, w_cols + 1)
     qa = qn.new_zeros(B, H, Q, dp)
     qa[..., :E] = qn * beta[:, None, None]
     qa[..., E] = 1.0
     z_parts, t_parts = [], []
-    for blk, kn, vb in zip(blocks, kn_b, vals_b, strict=True):
+    for blk, kn, (vc, sq) in zip(blocks, kn_b, vals_b, strict=True):
         bs = kn.shape[2]
-        keys = kn.new_zeros(B, H, bs + 1, dp)
+        # buffers written column by column (no zero-fill of what is overwritten anyway)
+        keys = kn.new_empty(B, H, bs + 1, dp)
+        keys[:, :, 0, :] = 0.0
+        keys[:, :, 0, E] = -beta
         keys[:, :, 1:, :E] = kn
         keys[:, :, 1:, E] = torch.where(blk.mask, 0.0, -1e4).to(kn.dtype)[:, None, :]
-        keys[:, :, 0, E] = -beta
-        vals = vb.new_zeros(B, H, bs + 1, dp)
+        keys[:, :, 1:, E + 1 :] = 0.0
+        vals = vc.new_empty(B, H, bs + 1, dp)
+        vals[:, :, 0, :] = 0.0
         vals[:, :, 0, 0] = 1.0
-        vals[:, :, 1:, 1 : 1 + w_cols] = vb
+        vals[:, :, 1:, 0] = 0.0
+        vals[:, :, 1:, 1 : 1 + dv] = vc
+        vals[:, :, 1:, 1 + dv : 1 + w_cols] = sq
+        vals[:, :, 1:, 1 + w_cols :] = 0.0
         out = F.scaled_dot_product_attention(qa, keys, vals, scale=1.0)  # (B, H, Q, dp)
         o = out[..., 0]
         z_parts.append((1 - o) / o)
@@ -657,7 +665,7 @@ def _accumulate_sdpa(
 def _accumulate_explicit(
     qn: torch.Tensor,
     kn_b: list[torch.Tensor],
-    vals_b: list[torch.Tensor],
+    vals_b: list[tuple[torch.Tensor, torch.Tensor]],
     blocks: list[_Inputs],
     beta: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -677,7 +685,8 @@ def _accumulate_explicit(
     ).amax(-1, keepdim=True).detach()  # (B, H, Q, 1): exact and order-independent
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
     z_parts, t_parts = [], []
-    for blk, sc, vb in zip(blocks, scores, vals_b, strict=True):
+    for blk, sc, (vc, sq) in zip(blocks, scores, vals_b, strict=True):
+        vb = torch.cat([vc, sq], dim=-1)
         m4 = blk.mask[:, None, None, :]
         e = torch.where(m4, torch.exp(torch.where(m4, sc - mx, 0.0)), 0.0)
         z_parts.append(e.sum(-1))
