@@ -122,9 +122,19 @@ def test_bench_ett_end_to_end(tmp_path: Path) -> None:
     assert "attnuq bench ett" in md and "machine:" in md and "| sa-conformal |" in md
     assert (out / "ett" / "ett_fan_ot.png").stat().st_size > 1000
     # resume: nothing left to run, the table is rewritten from the stored results
-    assert main([*argv, "--resume", "--methods", "conformal,seasonal-naive"]) == 0
+    assert main([*argv, "--resume", "--methods", "conformal,seasonal-naive",
+                 "--note", "a provenance note"]) == 0
     js2 = json.loads((out / "ett" / "ett_results.json").read_text())
     assert js2["results"]["sa-paper"] == res["sa-paper"]
+    assert "* a provenance note" in (out / "ett.md").read_text()
+    with pytest.raises(ValueError, match="another config"):
+        import argparse
+
+        from attnuq.bench import get_suite
+
+        p = argparse.ArgumentParser()
+        get_suite("ett").add_arguments(p)
+        get_suite("ett").run(p.parse_args([*argv[2:], "--resume", "--horizon", "6"]))
     with pytest.raises(ValueError, match="unknown methods"):
         from attnuq.bench.ett import _parse_methods
 

@@ -191,6 +191,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the methods already scored in <out>/era5/era5_results.json (and "
+                        "their maps) when written with the same config; run only the rest")
+    p.add_argument("--note", action="append", default=None, metavar="TEXT",
+                   help="provenance note printed in the markdown; repeatable")
 
 
 def _parse_ints(spec: str, name: str) -> list[int]:
@@ -319,6 +324,22 @@ def run(args: argparse.Namespace) -> Path:
     clim_te = build.valid_clim(ex["test"].hours)  # (N, L, H, W)
     results: dict[str, Any] = {}
     maps: dict[str, dict[str, np.ndarray]] = {}
+    old = res_dir / "era5_results.json"
+    if args.resume and old.is_file():
+        prev = json.loads(old.read_text())
+        same = {k: v for k, v in prev.get("config", {}).items() if k not in _RESUME_FREE}
+        now = {k: getattr(args, k, None) for k in same}
+        if same != now:
+            raise ValueError(f"--resume: {old} was written with another config: {same} vs {now}")
+        results = {k: v for k, v in prev["results"].items() if k in ALL_METHODS}
+        if results and (res_dir / "era5_maps.npz").is_file():
+            with np.load(res_dir / "era5_maps.npz") as z:
+                for key in z.files:
+                    n, kind = key.split("__")
+                    if n in results:
+                        maps.setdefault(n, {})[kind] = z[key]
+        info["resumed_from"] = {**prev["run"], "methods": sorted(results)}
+        print(f"[era5] resuming: already scored {sorted(results)}", flush=True)
 
     def record(name: str, pred: AnyPred, extra: dict[str, Any]) -> None:
         sc = field_scores(pred, yte, lat=lat, clim=clim_te, leads=leads, seed=args.seed)
@@ -448,6 +469,9 @@ def _maps_png(path: Path, maps: dict[str, dict[str, np.ndarray]], field: Any,
     plt.close(fig)
 
 
+_RESUME_FREE = ("methods", "resume", "note", "no_progress", "threads", "retrain", "out",
+                "model_dir")
+
 _COLS = ("rmse_lat", "acc", "pit_w1", "pit_w1_scaled", "width", "coverage", "crps", "mean_std")
 
 
@@ -465,7 +489,7 @@ def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, field:
            maps: dict[str, dict[str, np.ndarray]], leads: tuple[int, ...], in_ch: int,
            final: bool = False) -> None:
     cfg = {k: v for k, v in vars(args).items() if not k.startswith("_")
-           and isinstance(v, (int, float, str, bool, type(None)))}
+           and (isinstance(v, (int, float, str, bool, type(None))) or k == "note")}
     payload = {
         "run": info, "config": cfg, "complete": final,
         "data": {"file": str(field.path), "variable": field.variable,
@@ -496,6 +520,9 @@ def _markdown(p: dict[str, Any]) -> str:
         f"* command: `{r['command']}`",
         f"* date: {r['date']}",
         f"* machine: {r['machine']}",
+        *([f"* methods {', '.join(r['resumed_from']['methods'])} scored earlier by "
+           f"`{r['resumed_from']['command']}` ({r['resumed_from']['date']}), same config"]
+          if r.get("resumed_from", {}).get("methods") else []),
         f"* data: `{Path(d['file']).name}` ({d['variable']}, grid {d['grid']}); consecutive "
         "day blocks " + ", ".join(f"{k} {v[0]}..{v[1]} ({d['examples'][k]} issue times)"
                                   for k, v in d["days"].items())
@@ -553,6 +580,9 @@ def _markdown(p: dict[str, Any]) -> str:
                     beaten = [k for k in sc if k != sa and sc[k]["crps"] < sc[sa]["crps"]]
                     lines.append(f"* {sa} CRPS beaten by: {', '.join(beaten) or 'none'}.")
             lines.append("")
+    notes = c.get("note") or []
+    if notes:
+        lines += ["Notes:", *[f"* {n}" for n in notes], ""]
     lines += ["Maps of mean error and predicted spread: `era5/era5_maps.png`; raw numbers: "
               "`era5/era5_results.json`.", "", "![maps](era5/era5_maps.png)", ""]
     return "\n".join(lines)

@@ -293,6 +293,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--note", action="append", default=None, metavar="TEXT",
+                   help="provenance note printed in the markdown (e.g. how the backbone was "
+                        "trained in an earlier invocation); repeatable")
     p.add_argument("--merge", action="append", default=None, metavar="JSON",
                    help="also take the methods scored in another ett_results.json written with "
                         "the same config (parallel runs); repeatable")
@@ -453,7 +456,8 @@ def run(args: argparse.Namespace) -> Path:
         member_dir=res_dir / "members",
     )
     S = args.n_samples
-    fan_idx = [0, H] if args.test_stride == 1 else [0]
+    # two consecutive 96-h forecasts (a week with the context shown) when the stride allows
+    fan_idx = [0, H // args.test_stride] if H % args.test_stride == 0 else [0]
     fan_idx = [i for i in fan_idx if i < len(xte)]
     results: dict[str, Any] = {}
     fans: dict[str, Any] = {}
@@ -469,12 +473,21 @@ def run(args: argparse.Namespace) -> Path:
                              f"{same} vs {now}")
         got = {k: v for k, v in prev["results"].items()
                if k not in ("frozen", "seasonal-naive-point")}
+        w = prev.get("fan_chart", {}).get("window_index")
+        if got and w is not None:
+            if fans and list(w) != list(fan_idx):
+                raise ValueError(f"--resume/--merge: {src} has fan-chart windows {w}, "
+                                 f"others {fan_idx}")
+            fan_idx = list(w)  # the stored fan-chart quantiles are for these windows
         results.update(got)
         fans.update({k: v for k, v in prev.get("fan_chart", {}).items()
                      if k in got})
+        earlier = prev["run"].get("merged_runs", [])
+        by_earlier = {m for r in earlier for m in r.get("methods", [])}
+        own = sorted(k for k in got if k in ALL_METHODS and k not in by_earlier)
+        run_prev = {k: v for k, v in prev["run"].items() if k != "merged_runs"}
         info.setdefault("merged_runs", []).extend(
-            [{**prev["run"], "file": str(src), "methods": sorted(
-                k for k in got if k in ALL_METHODS)}, *prev["run"].get("merged_runs", [])])
+            [{**run_prev, "file": str(src), "methods": own}, *earlier])
         print(f"[ett] from {src}: already scored {sorted(got)}", flush=True)
 
     def record(names: Sequence[str], predict_fn: Callable[[torch.Tensor], dict[str, AnyPred]],
@@ -649,8 +662,9 @@ def _fan_plot(path: Path, fans: dict[str, Any], xte: torch.Tensor, yte: torch.Te
         ax.axis("off")
     axes.flat[0].legend(fontsize=7, loc="upper left")
     start = str(data.dates[data.borders["test"][0] + data.context])[:16]
-    fig.suptitle(f"OT (standardised), forecasts issued at the test border ({start}) and "
-                 f"{H} h later; {hist} h of context shown", fontsize=9)
+    issued = f"at the test border ({start})" + (f" and {H} h later" if len(fan_idx) > 1 else "")
+    fig.suptitle(f"{data.columns[ot]} (standardised), forecasts issued {issued}; {hist} h of "
+                 "context shown", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -658,7 +672,7 @@ def _fan_plot(path: Path, fans: dict[str, Any], xte: torch.Tensor, yte: torch.Te
 
 _RUN_ORDER = ("sa-paper", "sa-conformal", "conformal", "seasonal-naive", "sa-crps", "mc-dropout",
               "swag", "ensemble")
-_RESUME_FREE = ("methods", "resume", "merge", "no_progress", "threads", "retrain", "chunk",
+_RESUME_FREE = ("methods", "resume", "merge", "note", "no_progress", "threads", "retrain", "chunk",
                 "out", "model_dir")
 
 _COLS = ("mse", "mae", "coverage", "width", "pit_w1", "crps", "mean_std")
@@ -670,7 +684,7 @@ def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, data: 
            yte: torch.Tensor, fan_idx: Sequence[int], ot: int, n_test_all: int,
            final: bool = False) -> None:
     cfg = {k: v for k, v in vars(args).items() if not k.startswith("_") and
-           isinstance(v, (int, float, str, bool, type(None)))}
+           (isinstance(v, (int, float, str, bool, type(None))) or k in ("note", "merge"))}
     payload = {
         "run": info, "config": cfg, "complete": final,
         "data": {"file": str(data.path), "split_rule": data.split_rule,
@@ -770,6 +784,9 @@ def _markdown(p: dict[str, Any], res_dir: Path) -> str:
             if sa in scored:
                 beaten = [k for k in scored if k != sa and scored[k]["crps"] < scored[sa]["crps"]]
                 lines.append(f"* {sa} CRPS is beaten by: {', '.join(beaten) or 'none'}.")
+    notes = c.get("note") or []
+    if notes:
+        lines += ["", "Notes:", *[f"* {n}" for n in notes]]
     lines += ["", "Fan chart of OT: `ett/ett_fan_ot.png`; raw numbers: `ett/ett_results.json`.",
               "", "![fan chart](ett/ett_fan_ot.png)", ""]
     return "\n".join(lines)

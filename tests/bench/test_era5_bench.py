@@ -1,0 +1,103 @@
+"""``attnuq bench era5`` end to end on a tiny synthetic NetCDF field, and its field scores."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+xr = pytest.importorskip("xarray")
+pytest.importorskip("scipy")
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from attnuq.bench.era5 import field_scores  # noqa: E402
+from attnuq.predictive import GaussianPredictive, Predictive  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():  # type: ignore[no-untyped-def]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_field_scores_match_metrics() -> None:
+    from attnuq import metrics
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(7, 2, 4, 5, generator=g, dtype=torch.float64)
+    s = y + torch.randn(16, 7, 2, 4, 5, generator=g, dtype=torch.float64)
+    clim = torch.zeros_like(y) + 0.1
+    lat = torch.tensor([60.0, 50.0, 40.0, 30.0], dtype=torch.float64)
+    sc = field_scores(Predictive(samples=s), y, lat=lat, clim=clim, leads=(6, 24))
+    m = s.mean(0)
+    for i, key in enumerate(("+6h", "+24h")):
+        assert sc[key]["rmse_lat"] == pytest.approx(
+            float(metrics.lat_weighted_rmse(m[:, i], y[:, i], lat)))
+        assert sc[key]["acc"] == pytest.approx(
+            float(metrics.lat_weighted_acc(m[:, i], y[:, i], clim[:, i], lat)))
+        assert sc[key]["crps"] == pytest.approx(float(metrics.crps_samples(s[:, :, i], y[:, i])))
+    # a Gaussian whose spread is 3x too small: the scaled W1 removes the global factor
+    yy = torch.randn(4000, 1, 2, 2, generator=g, dtype=torch.float64)
+    gp = GaussianPredictive(mean=torch.zeros_like(yy), std=torch.full_like(yy, 1 / 3))
+    r = field_scores(gp, yy, lat=torch.tensor([10.0, 20.0], dtype=torch.float64),
+                     clim=torch.zeros_like(yy) + 0.5, leads=(6,))["+6h"]
+    # PIT of 16000 exact-N(0,1) draws: W1 of the empirical PIT has sd ~ 0.003; 0.02 is > 5 sd
+    assert r["pit_w1_scaled"] < 0.02 < r["pit_w1"]
+    with pytest.raises(ValueError, match="clim must have"):
+        field_scores(gp, yy, lat=torch.tensor([10.0, 20.0]), clim=clim, leads=(6,))
+
+
+def _tiny_nc(path: Path, days: int = 10) -> Path:
+    n = 24 * days
+    t = np.arange("2019-03-01", n, dtype="datetime64[h]").astype("datetime64[ns]")
+    lat, lon = np.linspace(58, 50, 6), np.linspace(-10, 2, 8)
+    rng = np.random.default_rng(0)
+    hour = np.arange(n) % 24
+    # degC-like magnitudes: a 1-epoch tiny model's SA spread is far below float32's resolution
+    # at ~280 K (ulp 3e-5), which would leave some elements with exactly zero spread
+    v = (5 + 3 * np.sin(2 * np.pi * hour / 24)[:, None, None]
+         + 0.5 * lat[None, :, None] / 58 + 0.3 * rng.normal(size=(n, 6, 8)))
+    xr.Dataset({"t2m": (("time", "latitude", "longitude"), v)},
+               coords={"time": t, "latitude": lat, "longitude": lon}).to_netcdf(
+        path, engine="scipy")
+    return path
+
+
+def test_bench_era5_end_to_end(tmp_path: Path) -> None:
+    from attnuq import metrics
+    from attnuq.cli import main
+    from attnuq.data.era5 import day_blocks, load_field, make_examples
+
+    nc = _tiny_nc(tmp_path / "tiny.nc")
+    out = tmp_path / "res"
+    argv = ["bench", "era5", "--file", str(nc), "--out", str(out), "--split", "4,2,2,-1",
+            "--patch", "2", "--hidden", "8", "--layers", "1", "--heads", "2", "--mlp", "8",
+            "--epochs", "1", "--ensemble", "2", "--n-samples", "3", "--n-passes", "2",
+            "--nu-max", "16", "--no-progress"]
+    assert main(argv) == 0
+    js = json.loads((out / "era5" / "era5_results.json").read_text())
+    assert js["complete"] is True
+    res = js["results"]
+    for name in ("sa-paper", "sa-crps", "sa-conformal", "mc-dropout", "ensemble",
+                 "persistence", "climatology"):
+        for lead in ("+6h", "+24h"):
+            r = res[name]["per_lead"][lead]
+            for k in ("rmse_lat", "pit_w1", "width", "coverage", "crps"):
+                assert np.isfinite(r[k]), (name, lead, k)
+    # the persistence row is the one computed directly from the loader
+    f = load_field(nc)
+    b = day_blocks(f.times, [("train", 4), ("val", 2), ("cal", 2), ("test", -1)])
+    ex = make_examples(f, b["test"], history=6, leads=(6, 24))
+    lat = torch.from_numpy(np.array(f.lat))
+    want = float(metrics.lat_weighted_rmse(ex.inputs[:, 0].double(), ex.targets[:, 1].double(),
+                                           lat))
+    assert res["persistence-point"]["per_lead"]["+24h"]["rmse_lat"] == pytest.approx(want)
+    md = (out / "era5.md").read_text()
+    assert "attnuq bench era5" in md and "## Lead +24h" in md and "| sa-paper |" in md
+    assert (out / "era5" / "era5_maps.png").stat().st_size > 1000

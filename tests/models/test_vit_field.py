@@ -1,0 +1,83 @@
+"""ViT field forecaster: shapes, persistence start, save/load, HF attention routing, training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from attnuq.models.patchtst import train_forecaster
+from attnuq.models.vit_field import ViTFieldForecaster, load_vit_field, save_vit_field
+
+KW = dict(in_channels=2, out_channels=2, patch_size=2, hidden_size=16, num_layers=1,
+          num_heads=2, mlp_size=16, mean=280.0, std=3.0)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():  # type: ignore[no-untyped-def]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_starts_at_persistence_and_roundtrip(tmp_path: Path) -> None:
+    m = ViTFieldForecaster((5, 7), **KW).eval()
+    x = 280 + 3 * torch.randn(4, 2, 5, 7)
+    with torch.no_grad():
+        y = m(x)
+    assert y.shape == (4, 2, 5, 7)
+    # zero-initialised head: the untrained model is exactly persistence for every lead
+    torch.testing.assert_close(y, x[:, :1].expand(-1, 2, -1, -1), rtol=0, atol=0)
+    with torch.no_grad():
+        m.head.bias.fill_(0.1)
+    save_vit_field(m, tmp_path / "v")
+    back = load_vit_field(tmp_path / "v")
+    assert not back.training and not any(p.requires_grad for p in back.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), m(x), rtol=0, atol=0)
+        # 0.1 * std; float32 near 280 K resolves ~3e-5
+        torch.testing.assert_close(back(x) - x[:, :1], torch.full_like(y, 0.3), rtol=0, atol=1e-4)
+
+
+def test_stochastic_attention_reaches_vit() -> None:
+    import attnuq
+
+    m = ViTFieldForecaster((5, 7), **KW).eval()
+    with torch.no_grad():
+        torch.nn.init.normal_(m.head.weight, std=0.5)
+    sites = attnuq.find_attention(m)
+    assert len(sites) == 1 and sites[0].backend == "hf"
+    x = 280 + 3 * torch.randn(3, 2, 5, 7)
+    with torch.no_grad():
+        f = m(x)
+        with attnuq.stochastic(m, nu=1, seed=0):
+            a, b = m(x), m(x)
+        assert not torch.equal(a, b)  # nu = 1: two passes differ
+        torch.testing.assert_close(m(x), f, rtol=0, atol=0)  # restored after the block
+
+
+def test_learns_a_shift() -> None:
+    """Target = current field + 2 K: a few epochs must take the MSE well below persistence's 4."""
+    g = torch.Generator().manual_seed(0)
+    x = 280 + 3 * torch.randn(96, 2, 5, 7, generator=g)
+    y = x[:, :1].expand(-1, 2, -1, -1) + 2.0
+    m = ViTFieldForecaster((5, 7), **KW)
+    rep = train_forecaster(m, (x[:64], y[:64]), (x[64:], y[64:]), epochs=4, batch_size=16,
+                           lr=1e-2, progress=False)
+    assert rep.best_val < 1.0, rep.val_loss
+
+
+def test_errors(tmp_path: Path) -> None:
+    m = ViTFieldForecaster((5, 7), **KW)
+    with pytest.raises(ValueError, match=r"x must be \(B, 2, 5, 7\)"):
+        m(torch.randn(2, 3, 5, 7))
+    with pytest.raises(ValueError, match="hidden_size must be divisible"):
+        ViTFieldForecaster((5, 7), **{**KW, "num_heads": 3})
+    with pytest.raises(ValueError, match="std"):
+        ViTFieldForecaster((5, 7), **{**KW, "std": 0.0})
+    with pytest.raises(FileNotFoundError, match=r"model\.pt"):
+        load_vit_field(tmp_path)
