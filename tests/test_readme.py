@@ -41,3 +41,14 @@ def test_api_reference_is_current() -> None:
     proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_readme_results_block_is_current() -> None:
+    """The README's results block is what the generated results pages say today."""
+    import subprocess
+    import sys
+
+    script = README.parent / "scripts" / "update_readme_results.py"
+    proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
