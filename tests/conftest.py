@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -11,11 +12,19 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 import pytest
 import torch
 
-# one thread per pytest-xdist worker (scripts/test.sh runs two workers on two cores)
-_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
-
 
 @pytest.fixture(autouse=True)
-def _seed() -> None:
+def _seed_and_one_thread() -> Iterator[None]:
+    """Every test starts from torch seed 0 and runs single-threaded.
+
+    The tests' tensors are tiny: several intra-op threads spend most of their time waiting for
+    each other, badly so on a loaded machine (gradcheck ran ~8x slower). scripts/test.sh runs
+    two pytest-xdist workers, which keeps both cores busy. The thread count is restored after.
+    """
     torch.manual_seed(0)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

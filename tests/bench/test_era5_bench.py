@@ -18,14 +18,6 @@ from attnuq.bench.era5 import field_scores  # noqa: E402
 from attnuq.predictive import GaussianPredictive, Predictive  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_field_scores_match_metrics() -> None:
     from attnuq import metrics
 

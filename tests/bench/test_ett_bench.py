@@ -18,14 +18,6 @@ from attnuq.data.ett import ETT_CHANNELS
 from attnuq.predictive import GaussianPredictive, Predictive
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_residual_quantiles_conformal_coverage() -> None:
     """Per-element split conformal: coverage of f +- q_conf is exactly 38/40 = 0.95 here.
 

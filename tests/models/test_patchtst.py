@@ -17,16 +17,6 @@ from attnuq.models.patchtst import (
     train_forecaster,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    """2 intra-op threads on 2 shared cores run ~20x slower than 1 here; use 1 in this module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 KW = dict(context_length=32, prediction_length=8, d_model=16, num_layers=1, num_heads=2,
           ffn_dim=16, patch_length=8, patch_stride=4)
 

@@ -16,14 +16,6 @@ KW = dict(in_channels=2, out_channels=2, patch_size=2, hidden_size=16, num_layer
           num_heads=2, mlp_size=16, mean=280.0, std=3.0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_starts_at_persistence_and_roundtrip(tmp_path: Path) -> None:
     m = ViTFieldForecaster((5, 7), **KW).eval()
     x = 280 + 3 * torch.randn(4, 2, 5, 7)

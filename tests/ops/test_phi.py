@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -15,16 +14,6 @@ from attnuq.ops.phi import poisson_phi_derivative
 
 F64 = torch.float64
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Run these (tiny-tensor) tests single-threaded: on an oversubscribed 2-core machine every
-    multi-threaded kernel launch (BLAS, the fused SDPA kernel) waits for a descheduled worker,
-    which made gradcheck ~8x slower. The thread count is restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 # log-spaced grid over the required range plus every branch edge (1 and 32) and its neighbours
 _GRID = np.unique(
