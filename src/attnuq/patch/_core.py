@@ -289,6 +289,16 @@ def sampled_sdpa(
 Undo: TypeAlias = Callable[[], None]
 
 
+def chain(undos: list[Undo]) -> Undo:
+    """One undo that runs ``undos`` in reverse order (the backends' ``apply`` returns it)."""
+
+    def undo() -> None:
+        for u in reversed(undos):
+            u()
+
+    return undo
+
+
 class Backend(Protocol):
     """What a backend module provides (see the module docstring)."""
 

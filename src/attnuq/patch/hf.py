@@ -42,6 +42,7 @@ from attnuq.patch._core import (
     AttentionSite,
     SiteState,
     Undo,
+    chain,
     check_no_dropout,
     forward_names,
     sampled_sdpa,
@@ -195,15 +196,9 @@ class _HFBackend:
             for m, st in sites:
                 undos.append(_set_state(m, st))
         except BaseException:
-            for u in reversed(undos):
-                u()
+            chain(undos)()
             raise
-
-        def undo() -> None:
-            for u in reversed(undos):
-                u()
-
-        return undo
+        return chain(undos)
 
 
 def _set_state(module: nn.Module, state: SiteState) -> Undo:

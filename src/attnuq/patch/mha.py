@@ -39,6 +39,7 @@ from attnuq.patch._core import (
     AttentionSite,
     SiteState,
     Undo,
+    chain,
     check_no_dropout,
     sampled_sdpa,
     set_attr,
@@ -224,15 +225,9 @@ class _MHABackend:
                 ):
                     undos.append(set_attr(enc, "use_nested_tensor", False))
         except BaseException:
-            for u in reversed(undos):
-                u()
+            chain(undos)()
             raise
-
-        def undo() -> None:
-            for u in reversed(undos):
-                u()
-
-        return undo
+        return chain(undos)
 
 
 BACKEND = _MHABackend()

@@ -34,6 +34,7 @@ from attnuq.patch._core import (
     AttentionSite,
     SiteState,
     Undo,
+    chain,
     check_no_dropout,
     forward_names,
     sampled_sdpa,
@@ -198,15 +199,9 @@ class _SDPABackend:
             for m, st in active:
                 undos.append(_hooks(m, st))
         except BaseException:
-            for u in reversed(undos):
-                u()
+            chain(undos)()
             raise
-
-        def undo() -> None:
-            for u in reversed(undos):
-                u()
-
-        return undo
+        return chain(undos)
 
 
 BACKEND = _SDPABackend()

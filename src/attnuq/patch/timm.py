@@ -30,6 +30,7 @@ from attnuq.patch._core import (
     AttentionSite,
     SiteState,
     Undo,
+    chain,
     check_no_dropout,
     sampled_sdpa,
     swap_forward,
@@ -132,12 +133,7 @@ class _TimmBackend:
 
     def apply(self, model: nn.Module, sites: list[tuple[nn.Module, SiteState]]) -> Undo:
         undos = [swap_forward(m, _make_forward(st)) for m, st in sites if st.nu is not None]
-
-        def undo() -> None:
-            for u in reversed(undos):
-                u()
-
-        return undo
+        return chain(undos)
 
 
 BACKEND = _TimmBackend()
