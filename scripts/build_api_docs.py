@@ -6,12 +6,13 @@ Usage: ``.venv/bin/python scripts/build_api_docs.py [--check]``. With ``--check`
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import inspect
 import re
 import sys
 from pathlib import Path
+
+from _generated import write_or_check
 
 MODULES = [
     "attnuq",
@@ -91,18 +92,7 @@ def build() -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--check", action="store_true", help="fail if docs/api.md is out of date")
-    a = ap.parse_args()
-    text = build()
-    if a.check:
-        if not OUT.is_file() or OUT.read_text() != text:
-            print(f"{OUT} is out of date: run python scripts/build_api_docs.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT}")
-    return 0
+    return write_or_check(OUT, lambda _old: build(), "build_api_docs.py", __doc__ or "")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ tests run it that way, so a new remark cannot be forgotten in the docs).
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
+
+from _generated import replace_block, write_or_check
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "methods.md"
@@ -50,29 +51,11 @@ def collect() -> list[str]:
 
 
 def render(doc: str) -> str:
-    if START not in doc or END not in doc:
-        raise SystemExit(f"{DOC} lacks the markers {START} / {END}")
-    head, rest = doc.split(START, 1)
-    _, tail = rest.split(END, 1)
-    body = "\n".join(collect())
-    return f"{head}{START}\n{body}\n{END}{tail}"
+    return replace_block(doc, START, END, "\n".join(collect()), DOC)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--check", action="store_true", help="fail if docs/methods.md is stale")
-    a = ap.parse_args()
-    doc = DOC.read_text()
-    new = render(doc)
-    if a.check:
-        if new != doc:
-            print("docs/methods.md is stale: run python scripts/collect_paper_notes.py",
-                  file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(new)
-    print(f"wrote {DOC}")
-    return 0
+    return write_or_check(DOC, render, "collect_paper_notes.py", __doc__ or "")
 
 
 if __name__ == "__main__":

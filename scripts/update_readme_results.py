@@ -8,9 +8,10 @@ title, date and its headline lines (or headline table), with a link. Nothing is 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+
+from _generated import replace_block, write_or_check
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -65,31 +66,14 @@ def summarise(suite: str) -> list[str]:
 
 
 def render(text: str) -> str:
-    if START not in text or END not in text:
-        raise SystemExit(f"README.md lacks the markers {START} / {END}")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
     body: list[str] = []
     for suite in SUITES:
         body += summarise(suite)
-    return f"{head}{START}\n" + "\n".join(body).rstrip() + f"\n{END}{tail}"
+    return replace_block(text, START, END, "\n".join(body), README)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--check", action="store_true", help="fail if README.md is stale")
-    a = ap.parse_args()
-    text = README.read_text()
-    new = render(text)
-    if a.check:
-        if new != text:
-            print("README.md results block is stale: run python scripts/update_readme_results.py",
-                  file=sys.stderr)
-            return 1
-        return 0
-    README.write_text(new)
-    print(f"wrote {README}")
-    return 0
+    return write_or_check(README, render, "update_readme_results.py", __doc__ or "")
 
 
 if __name__ == "__main__":
