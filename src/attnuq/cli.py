@@ -36,7 +36,21 @@ def _add_common(p: argparse.ArgumentParser, *, data_dir: bool = True) -> None:
             help="data root (default: $ATTNUQ_DATA_DIR, else ../shared/data)",
         )
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    p.add_argument(
+        "--device", default="cpu", help="torch device: cpu, cuda, cuda:N or auto (default: cpu)"
+    )
+
+
+def _add_missing_common(p: argparse.ArgumentParser) -> None:
+    """Give a bench suite ``--seed`` and ``--device`` when it does not define them itself."""
+    have = {opt for action in p._actions for opt in action.option_strings}
+    if "--seed" not in have:
+        p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    if "--device" not in have:
+        p.add_argument(
+            "--device", default="cpu",
+            help="torch device: cpu, cuda, cuda:N or auto (default: cpu)",
+        )
 
 
 def build_parser(load_suite: str | None = None) -> argparse.ArgumentParser:
@@ -88,6 +102,7 @@ def build_parser(load_suite: str | None = None) -> argparse.ArgumentParser:
             continue
         p = bench_sub.add_parser(name, help=suite.help, description=suite.help)
         suite.add_arguments(p)
+        _add_missing_common(p)
         p.set_defaults(_run=suite.run)
 
     cal = sub.add_parser(
@@ -170,6 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(load)
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "device", None) is not None:
+            from attnuq._device import resolve_device
+
+            args.device = str(resolve_device(args.device))
         if args.command == "demo":
             return _cmd_demo(args)
         if args.command == "calibrate":
