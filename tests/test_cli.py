@@ -174,3 +174,56 @@ def test_unknown_bench_suite_is_an_argparse_error() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", "nope"])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("suite", ["uci", "ett", "era5", "physionet", "calibration"])
+def test_every_bench_suite_takes_seed_and_device(
+    suite: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", suite, "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "--seed" in text and "--device" in text, text
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [("tpu:7", "unknown device 'tpu:7'"), ("cuda:99", "cuda:99")],
+)
+def test_bad_device_gives_one_line_and_exit_2(
+    device: str, message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    rc, _, err = _run(
+        ["bench", "calibration", "--device", device, "--out", str(tmp_path / "c")], capsys
+    )
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnuq: error: ") and message in lines[0]
+
+
+def test_resolve_device() -> None:
+    from attnuq._device import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected and resolve_device(None).type == expected
+    with pytest.raises(ValueError, match="unknown device 'gpu0'"):
+        resolve_device("gpu0")
+
+
+def test_calibration_suite_seed_and_device(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--seed`` shifts the calibration seeds (and the model's seed); ``--device cpu`` runs."""
+    pytest.importorskip("matplotlib")
+    args = ["bench", "calibration", "--models", "uniform-mha", "--criteria", "scale",
+            "--seeds", "1", "--nu-max", "16", "--grid-size", "3", "--max-evals", "2",
+            "--threads", "1", "--device", "cpu", "--seed", "5",
+            "--out", str(tmp_path / "cal")]
+    rc, out, _ = _run(args, capsys)
+    assert rc == 0, out
+    res = json.loads((tmp_path / "cal" / "results.json").read_text())
+    assert [r["seed"] for r in res["rows"]] == [5]
+    assert res["settings"]["seed"] == 5 and res["settings"]["device"] == "cpu"
+    assert "seeds 5..5" in (tmp_path / "cal.md").read_text()

@@ -53,7 +53,10 @@ Data = list[tuple[Any, torch.Tensor]]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--criteria", nargs="+", default=list(CRITERIA), choices=CRITERIA)
-    p.add_argument("--seeds", type=int, default=3, help="calibration seeds 0..N-1 (default 3)")
+    p.add_argument(
+        "--seeds", type=int, default=3,
+        help="number of calibration seeds: SEED..SEED+N-1 (default 3)",
+    )
     p.add_argument("--n-passes", type=int, default=10, help="M passes per evaluation")
     p.add_argument("--nu-max", type=int, default=1024, help="nu_range = (1, NU_MAX)")
     p.add_argument("--grid-size", type=int, default=21, help="log-spaced grid points")
@@ -164,16 +167,30 @@ def _ft_concrete(
     return model, [(x, y)], {"n_cal": len(y), "cal_rmse": rmse, "note": "val+cal parts"}
 
 
-def build_model(name: str, data_dir: str | None = None) -> tuple[nn.Module, Data, dict[str, Any]]:
-    """Build (and train) the benchmark model ``name``; returns model, calibration data, info."""
+def build_model(
+    name: str, data_dir: str | None = None, seed: int = 0
+) -> tuple[nn.Module, Data, dict[str, Any]]:
+    """Build (and train) the benchmark model ``name``; returns model, calibration data, info.
+
+    ``seed`` seeds the model's data (``uniform-mha``) or its training (the trained models); 0 is
+    the seed of the committed results.
+    """
     builders: dict[str, Callable[[], tuple[nn.Module, Data, dict[str, Any]]]] = {
-        "uniform-mha": _uniform_mha,
-        "encoder": _encoder,
-        "ft-concrete": lambda: _ft_concrete(data_dir=data_dir),
+        "uniform-mha": lambda: _uniform_mha(seed),
+        "encoder": lambda: _encoder(seed),
+        "ft-concrete": lambda: _ft_concrete(seed, data_dir=data_dir),
     }
     if name not in builders:
         raise ValueError(f"unknown benchmark model {name=}; known: {list(builders)}")
     return builders[name]()
+
+
+def _to_device(
+    model: nn.Module, data: Data, device: torch.device
+) -> tuple[nn.Module, Data]:
+    """Move the model and every tensor of the calibration batches to ``device``."""
+    moved = [tuple(t.to(device) for t in batch) for batch in data]
+    return model.to(device), moved  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,10 +229,13 @@ def run(args: argparse.Namespace) -> Path:
     import matplotlib.pyplot as plt
     from tqdm.auto import tqdm
 
+    from attnuq._device import resolve_device
     from attnuq._runinfo import run_info
     from attnuq.calibrate import calibrate
 
     torch.set_num_threads(args.threads)
+    device = resolve_device(getattr(args, "device", "cpu"))
+    seed0 = int(getattr(args, "seed", 0))
     out = Path(args.out)
     (out / "reports").mkdir(parents=True, exist_ok=True)
     info = run_info()
@@ -225,7 +245,8 @@ def run(args: argparse.Namespace) -> Path:
     for name in args.models:
         t0 = time.perf_counter()
         try:
-            model, data, minfo = build_model(name, args.data_dir)
+            model, data, minfo = build_model(name, args.data_dir, seed=seed0)
+            model, data = _to_device(model, data, device)
         except (ImportError, FileNotFoundError) as exc:
             print(f"skipping {name}: {exc}")
             model_info[name] = {"skipped": str(exc)}
@@ -234,7 +255,8 @@ def run(args: argparse.Namespace) -> Path:
         model_info[name] = minfo
         for crit in args.criteria:
             fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-            for seed in tqdm(range(args.seeds), desc=f"{name}/{crit}", leave=False):
+            seeds = range(seed0, seed0 + args.seeds)
+            for seed in tqdm(seeds, desc=f"{name}/{crit}", leave=False):
                 grid = calibrate(model, data, criterion=crit, search="grid", seed=seed,
                                  grid_size=args.grid_size, **kw)
                 bo = calibrate(model, data, criterion=crit, search="bo", seed=seed,
@@ -246,7 +268,7 @@ def run(args: argparse.Namespace) -> Path:
                 print(f"{name:12s} {crit:9s} seed {seed}: grid nu={grid.nu} band={grid.noise_band} "
                       f"| bo nu={bo.nu} evals={row['bo_evaluated']} in_band={row['in_band']} "
                       f"passes {bo.forward_passes}/{grid.forward_passes}")
-                if seed == 0:
+                if seed == seed0:
                     grid.plot(ax=axes[0], show_surrogate=False)
                     bo.plot(ax=axes[1])
             fig.suptitle(f"{name}: {crit}")
@@ -275,6 +297,7 @@ def write_table(results: dict[str, Any], path: Path, out: Path) -> Path:
     r = results["run"]
     s = results["settings"]
     rows = results["rows"]
+    s0 = int(s.get("seed", 0))
     lines = [
         "# Calibration of nu: Bayesian optimisation vs grid",
         "",
@@ -283,7 +306,7 @@ def write_table(results: dict[str, Any], path: Path, out: Path) -> Path:
         f"* machine: {r['machine']}",
         f"* attnuq {r['attnuq']}; nu_range = (1, {s['nu_max']}), grid of {s['grid_size']} "
         f"log-spaced points, M = {s['n_passes']} passes per evaluation, BO budget "
-        f"{s['max_evals']} evaluations, seeds 0..{s['seeds'] - 1}",
+        f"{s['max_evals']} evaluations, seeds {s0}..{s0 + s['seeds'] - 1}",
         "",
         "Grid band: grid nu within 2 paired standard errors of the grid minimum (range and "
         "count). *In band*: BO's nu equals the grid's choice or its measured objective exceeds "
