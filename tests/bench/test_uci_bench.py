@@ -91,3 +91,39 @@ def test_bad_split_count_is_refused(tmp_path: Path, bad: list[str]) -> None:
     argv = ["bench", "uci", "--datasets", "concrete", "--data-dir", "bundled", "--methods",
             "gaussian", "--out", str(tmp_path / "o"), "--no-progress", *bad]
     assert main(argv) == 2
+
+
+def test_seed_offsets_every_seed_and_never_mixes_with_seed0(tmp_path: Path) -> None:
+    from attnuq.bench.uci import aggregate
+    from attnuq.cli import main as cli_main
+
+    out = tmp_path / "uci"
+    base = ["bench", "uci", "--datasets", "concrete", "--splits", "1", "--data-dir", "bundled",
+            "--methods", "gaussian", "--out", str(out), "--n-blocks", "1", "--max-epochs", "1",
+            "--patience", "1", "--no-progress", "--device", "cpu"]
+    assert cli_main(base) == 0
+    assert cli_main([*base, "--seed", "1"]) == 0
+    r0 = json.loads((out / "runs/concrete/split0/gaussian.json").read_text())
+    r1 = json.loads((out / "runs/concrete/split0/seed1/gaussian.json").read_text())
+    assert (r0["seed"], r1["seed"]) == (0, 1) and r1["device"] == "cpu"
+    # a different seed trains a different backbone (own model cache folder)
+    assert r0["metrics"]["rmse"] != r1["metrics"]["rmse"]
+    assert (out / "_models/concrete/split0/seed1/backbone.pt").is_file()
+    assert [r["seed"] for r in aggregate(out, 0)] == [0]
+    assert [r["seed"] for r in aggregate(out, 1)] == [1]
+    # the table of seed 1 is built from seed-1 runs only
+    assert "seed 1" in (tmp_path / "uci.md").read_text()
+
+
+def test_bad_device_gives_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from attnuq.cli import main as cli_main
+
+    argv = ["bench", "uci", "--datasets", "concrete", "--splits", "1", "--data-dir", "bundled",
+            "--methods", "gaussian", "--out", str(tmp_path / "o"), "--no-progress",
+            "--device", "bogus"]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bogus" in err[0] and err[0].startswith("attnuq: error:")
+    assert not (tmp_path / "o").exists()

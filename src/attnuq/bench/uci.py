@@ -7,6 +7,14 @@ post-hoc method uses that same frozen model, retraining methods use ``make_model
 same recipe. Each (data set, split, method) run writes ``runs/<set>/split<K>/<method>.json``;
 existing files are skipped, so an interrupted run resumes.
 
+``--seed S`` offsets every seed (backbone and member initialisation and batch order, each
+method's own ``seed``, the scoring generators) by ``100000 * S``; ``S = 0`` keeps the original
+seeds. Runs with ``S != 0`` are written to ``runs/<set>/split<K>/seed<S>/<method>.json`` (models
+to ``_models/<set>/split<K>/seed<S>``), so seeds never mix; the table aggregates the runs of
+``--seed`` only. ``--device`` moves the data and every model there (scoring runs on the CPU).
+Data sets may get their own ``--batch-size``/``--max-epochs`` by separate invocations; each run
+JSON records its budget and the page lists the budget per data set.
+
 Metrics on the test part (targets in original units for RMSE, width, CRPS and NLL):
 
 * ``rmse``: of the point prediction (the frozen/deterministic output where the method has one,
@@ -93,6 +101,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only rebuild the table and plots from existing JSON")
 
 
+#: seed offset per unit of ``--seed``
+_SEED_STRIDE = 100_000
+
+
+def _seed(args: argparse.Namespace) -> int:
+    return int(getattr(args, "seed", 0) or 0)
+
+
+def _run_dir(out: Path, name: str, split: int, seed: int) -> Path:
+    """Folder of the run JSONs of (data set, split, seed); seed 0 keeps the original layout."""
+    d = out / "runs" / name / f"split{split}"
+    return d if seed == 0 else d / f"seed{seed}"
+
+
 def _method_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     progress = not args.no_progress
@@ -123,10 +145,12 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
     from attnuq.models.ft import make_ft_transformer, train_regressor
 
     progress = not args.no_progress
-    seed_base = 100 * data.split
+    seed_base = 100 * data.split + _SEED_STRIDE * _seed(args)
+    device = torch.device(getattr(args, "device", None) or "cpu")
 
     def make_model(seed: int) -> torch.nn.Module:
-        return make_ft_transformer(data.n_features, n_blocks=args.n_blocks, seed=seed_base + seed)
+        model = make_ft_transformer(data.n_features, n_blocks=args.n_blocks, seed=seed_base + seed)
+        return model.to(device)
 
     def train_fn(model: torch.nn.Module, train: Any, val: Any, seed: int) -> Any:
         return train_regressor(
@@ -139,7 +163,7 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
     model = make_model(0)
     wpath, ipath = cache / "backbone.pt", cache / "backbone.json"
     if wpath.is_file() and ipath.is_file():
-        model.load_state_dict(torch.load(wpath, map_location="cpu", weights_only=True))
+        model.load_state_dict(torch.load(wpath, map_location=device, weights_only=True))
         info = json.loads(ipath.read_text())
     else:
         res = train_fn(model, (data.x_fit, data.y_fit), (data.x_val, data.y_val), 0)
@@ -198,12 +222,16 @@ def run_one(method_name: str, task: Any, data: Any, args: argparse.Namespace) ->
     from attnuq import metrics
     from attnuq.baselines import coverage_scale, make_method
 
-    torch.manual_seed(1234 + data.split)
+    off = _SEED_STRIDE * _seed(args)
+    torch.manual_seed(1234 + data.split + off)
     method = make_method(method_name, **_method_kwargs(method_name, args))
+    if off and hasattr(method, "seed"):
+        method.seed = int(method.seed) + off
     method.fit(task)
-    pred_cal = method.predict(data.x_cal)
-    pred = method.predict(data.x_test)
-    gen = torch.Generator().manual_seed(4321 + data.split)
+    pred_cal = _cpu(method.predict(data.x_cal))
+    pred = _cpu(method.predict(data.x_test))
+    data = _split_to(data, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(4321 + data.split + off)
     sc = _scores(pred, data.y_test, data.y_std, gen)
     point = getattr(pred, "frozen", None)
     point = pred.mean if point is None else point
@@ -215,6 +243,8 @@ def run_one(method_name: str, task: Any, data: Any, args: argparse.Namespace) ->
         "dataset": data.name,
         "split": data.split,
         "method": method_name,
+        "seed": _seed(args),
+        "device": str(getattr(args, "device", None) or "cpu"),
         "metrics": {
             "rmse": float(metrics.rmse(point.double(), y64)) * data.y_std,
             **sc,
@@ -230,12 +260,35 @@ def run_one(method_name: str, task: Any, data: Any, args: argparse.Namespace) ->
     }
 
 
+def _cpu(pred: Any) -> Any:
+    """The predictive with its tensors on the CPU (scoring uses CPU generators)."""
+    from attnuq.predictive import GaussianPredictive, Predictive
+
+    if isinstance(pred, GaussianPredictive):
+        return GaussianPredictive(mean=pred.mean.cpu(), std=pred.std.cpu())
+    if isinstance(pred, Predictive):
+        fz = None if pred.frozen is None else pred.frozen.cpu()
+        return Predictive(samples=pred.samples.cpu(), frozen=fz)
+    return pred
+
+
+def _split_to(data: Any, device: torch.device) -> Any:
+    """``data`` (a :class:`~attnuq.data.uci.UCISplit`) with its tensors on ``device``."""
+    import dataclasses
+
+    moved = {f.name: getattr(data, f.name).to(device) for f in dataclasses.fields(data)
+             if isinstance(getattr(data, f.name), torch.Tensor)}
+    return dataclasses.replace(data, **moved)
+
+
 def run(args: argparse.Namespace) -> Path:
     from attnuq._runinfo import run_info
     from attnuq.baselines import available_methods
     from attnuq.data.uci import load_uci, n_splits
 
     torch.set_num_threads(max(1, int(args.threads)))
+    seed = _seed(args)
+    device = torch.device(getattr(args, "device", None) or "cpu")
     out = Path(args.out)
     table = Path(args.table) if args.table else out.with_suffix(".md")
     known = available_methods()
@@ -258,15 +311,16 @@ def run(args: argparse.Namespace) -> Path:
         bar = _tqdm(total=len(jobs) * len(args.methods), desc="uci runs",
                     disable=args.no_progress)
         for name, k in jobs:
-            todo = [m for m in args.methods
-                    if not (out / "runs" / name / f"split{k}" / f"{m}.json").is_file()]
+            rdir = _run_dir(out, name, k, seed)
+            todo = [m for m in args.methods if not (rdir / f"{m}.json").is_file()]
             bar.update(len(args.methods) - len(todo))
             if not todo:
                 continue
-            data = load_uci(name, k, data_dir=args.data_dir)
-            task, backbone = _make_task(data, args, cache_root / name / f"split{k}")
+            data = _split_to(load_uci(name, k, data_dir=args.data_dir), device)
+            mdir = cache_root / name / f"split{k}"
+            task, backbone = _make_task(data, args, mdir if seed == 0 else mdir / f"seed{seed}")
             for m in todo:
-                path = out / "runs" / name / f"split{k}" / f"{m}.json"
+                path = rdir / f"{m}.json"
                 err = path.with_suffix(".err.txt")
                 bar.set_postfix_str(f"{name}/{k}/{m}")
                 t0 = time.perf_counter()
@@ -287,7 +341,7 @@ def run(args: argparse.Namespace) -> Path:
                     err.unlink()
                 bar.update(1)
         bar.close()
-    rows = aggregate(out)
+    rows = aggregate(out, seed)
     plot_pits(out, rows)
     write_table(table, out, rows, info, args)
     return out
@@ -299,9 +353,15 @@ def _tqdm(**kw: Any) -> Any:
     return tqdm(**kw)
 
 
-def aggregate(out: Path) -> list[dict[str, Any]]:
-    """Every run JSON under ``out/runs`` (sorted by data set, method, split)."""
-    rows = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*/split*/*.json"))]
+def aggregate(out: Path, seed: int = 0) -> list[dict[str, Any]]:
+    """Every run JSON of ``seed`` under ``out/runs`` (sorted by data set, method, split).
+
+    Seed 0 runs live in ``runs/<set>/split<K>/`` (files without a ``seed`` entry are seed 0),
+    others in ``runs/<set>/split<K>/seed<S>/``.
+    """
+    pattern = "*/split*/*.json" if seed == 0 else f"*/split*/seed{seed}/*.json"
+    rows = [json.loads(p.read_text()) for p in sorted((out / "runs").glob(pattern))]
+    rows = [r for r in rows if int(r.get("seed", 0)) == seed]
     return sorted(rows, key=lambda r: (r["dataset"], r["method"], r["split"]))
 
 
@@ -381,7 +441,7 @@ def write_table(
         f"* table written by: `{info['command']}`",
         f"* date: {info['date']}",
         f"* machine: {info['machine']}",
-        f"* budget: {json.dumps(_budget(args))}",
+        f"* budget of this command: {json.dumps(_budget(args))}; seed {_seed(args)}",
     ]
     runs_by = sorted({(r.get("run_info") or {}).get("command", "?") for r in rows})
     dates = sorted((r.get("run_info") or {}).get("date", "?") for r in rows)
@@ -391,13 +451,18 @@ def write_table(
         lines += [f"* runs produced by: {', '.join(f'`{c}`' for c in runs_by)}",
                   f"* run dates: {dates[0]} to {dates[-1]}; machines: {'; '.join(machines)}",
                   f"* run budgets: {'; '.join(budgets)}"]
-    b = _budget(args)
-    if b["n_blocks"] != 3 or b["max_epochs"] < 100:
+    run_b = [json.loads(b) for b in budgets if b != "null"] or [_budget(args)]
+    low = [b for b in run_b if b["n_blocks"] != 3 or b["max_epochs"] < 100 or b["patience"] < 16]
+    if low:
+        desc = "; ".join(
+            f"{b['n_blocks']} block(s), at most {b['max_epochs']} epochs, patience "
+            f"{b['patience']}, batch {b['batch_size']}" for b in low
+        )
         lines.append(
             f"* NOTE: the backbone budget is below the default recipe (rtdl default config "
-            f"for {b['n_blocks']} block(s), at most {b['max_epochs']} epochs, patience "
-            f"{b['patience']}; default: 3 blocks, 100 epochs, patience 16) to fit the CPU time "
-            f"of this session. Every method gets the same budget."
+            f"for {desc}; default: 3 blocks, 100 epochs, patience 16) to fit the CPU time "
+            f"of this session. Within a data set every method gets the same budget; the budget "
+            f"of each data set is listed under 'What this covers'."
         )
     lines.append("")
     datasets = sorted({r["dataset"] for r in rows})
@@ -405,7 +470,16 @@ def write_table(
     for ds in datasets:
         sp = sorted({r["split"] for r in rows if r["dataset"] == ds})
         ms = _order(sorted({r["method"] for r in rows if r["dataset"] == ds}))
-        coverage_lines.append(f"* {ds}: splits {sp}; methods {ms}")
+        ds_b = sorted({json.dumps((r.get("config") or {}).get("budget"))
+                       for r in rows if r["dataset"] == ds})
+        coverage_lines.append(f"* {ds}: splits {sp}; methods {ms}; budget {'; '.join(ds_b)}")
+        hi = {r["split"]: (r.get("info") or {}).get("hess_init") for r in rows
+              if r["dataset"] == ds and r["method"] == "ivon"}
+        if hi:
+            chosen = ", ".join(f"split {k}: {v:g}" if isinstance(v, (int, float)) else
+                               f"split {k}: fixed (old run)" for k, v in sorted(hi.items()))
+            coverage_lines.append(f"  * ivon hess_init chosen per split by validation NLL: "
+                                  f"{chosen}")
     from attnuq.data.uci import UCI_DATASETS
 
     missing = [d for d in UCI_DATASETS if d not in datasets]
