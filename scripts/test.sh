@@ -6,4 +6,9 @@ bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MPLBACKEND=Agg HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/mypy
+# the tests; then (for a full run, no arguments) every docstring example of the package
 .venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-2}" --durations=15 "$@"
+if [ "$#" -eq 0 ]; then
+    .venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-2}" --doctest-modules src/attnuq \
+        -p no:cacheprovider
+fi

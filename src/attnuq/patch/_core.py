@@ -299,6 +299,58 @@ def chain(undos: list[Undo]) -> Undo:
     return undo
 
 
+class SharedInstall:
+    """Global state installed once for any number of holders and undone when the last leaves.
+
+    ``acquire(key, install)`` runs ``install()`` (which returns its exact undo) only when nobody
+    holds ``key`` yet, and returns a release function (idempotent: a second call does nothing).
+    The undo runs when the last holder of ``key`` releases. Thread-safe. Used for process-wide
+    hooks (``F.scaled_dot_product_attention``, a module's imported name, the Hugging Face
+    attention registries) that several patched models may need at the same time.
+
+    Examples
+    --------
+    >>> log = []
+    >>> shared = SharedInstall()
+    >>> install = lambda: (log.append("on"), lambda: log.append("off"))[1]
+    >>> r1, r2 = shared.acquire("k", install), shared.acquire("k", install)
+    >>> r1(); r1(); log
+    ['on']
+    >>> r2(); log
+    ['on', 'off']
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._count: dict[object, int] = {}
+        self._undo: dict[object, Undo] = {}
+
+    def acquire(self, key: object, install: Callable[[], Undo]) -> Undo:
+        with self._lock:
+            if self._count.get(key, 0) == 0:
+                self._undo[key] = install()  # raises before anything is counted
+            self._count[key] = self._count.get(key, 0) + 1
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            with self._lock:
+                if done:
+                    return
+                done = True
+                self._count[key] -= 1
+                if self._count[key] == 0:
+                    del self._count[key]
+                    self._undo.pop(key)()
+
+        return release
+
+    def holders(self, key: object) -> int:
+        """How many holders ``key`` has now."""
+        with self._lock:
+            return self._count.get(key, 0)
+
+
 class Backend(Protocol):
     """What a backend module provides (see the module docstring)."""
 

@@ -31,7 +31,6 @@ reported by :func:`attnuq.find_attention` as unpatchable.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any
 
@@ -40,6 +39,7 @@ from torch import nn
 
 from attnuq.patch._core import (
     AttentionSite,
+    SharedInstall,
     SiteState,
     Undo,
     chain,
@@ -55,9 +55,7 @@ __all__ = ["BACKEND", "IMPLEMENTATION", "sampled_attention_forward"]
 IMPLEMENTATION = "attnuq_sampled"
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, SiteState] = weakref.WeakKeyDictionary()
-_REFCOUNT = 0
-_SAVED: dict[str, tuple[bool, Any]] = {}
-_LOCK = threading.RLock()
+_SHARED = SharedInstall()
 
 # kwargs with which an HF kernel would change the attention in ways the operator cannot express
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "cu_seq_lens_q", "cu_seq_lens_k")
@@ -211,41 +209,36 @@ def _set_state(module: nn.Module, state: SiteState) -> Undo:
     return undo
 
 
-def _register() -> Undo:
-    """Add ``"attnuq_sampled"`` to both HF registries (refcounted); return the undo."""
+def _register_implementation() -> Undo:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
 
-    global _REFCOUNT
-    with _LOCK:
-        if _REFCOUNT == 0:
-            for key, iface, fn in (
-                ("attn", AttentionInterface, sampled_attention_forward),
-                ("mask", AttentionMaskInterface, sdpa_mask),
-            ):
-                g = iface._global_mapping
-                _SAVED[key] = (IMPLEMENTATION in g, g.get(IMPLEMENTATION))
-                iface.register(IMPLEMENTATION, fn)
-        _REFCOUNT += 1
-    done = False
+    undos: list[Undo] = []
+    try:
+        for iface, fn in (
+            (AttentionInterface, sampled_attention_forward),
+            (AttentionMaskInterface, sdpa_mask),
+        ):
+            g = iface._global_mapping
+            had, old = IMPLEMENTATION in g, g.get(IMPLEMENTATION)
 
-    def undo() -> None:
-        global _REFCOUNT
-        nonlocal done
-        if done:
-            return
-        done = True
-        with _LOCK:
-            _REFCOUNT -= 1
-            if _REFCOUNT == 0:
-                for key, iface in (("attn", AttentionInterface), ("mask", AttentionMaskInterface)):
-                    had, old = _SAVED.pop(key)
-                    if had:
-                        iface._global_mapping[IMPLEMENTATION] = old
-                    else:
-                        iface._global_mapping.pop(IMPLEMENTATION, None)
+            def undo(g: Any = g, had: bool = had, old: Any = old) -> None:
+                if had:
+                    g[IMPLEMENTATION] = old
+                else:
+                    g.pop(IMPLEMENTATION, None)
 
-    return undo
+            undos.append(undo)
+            iface.register(IMPLEMENTATION, fn)
+    except BaseException:
+        chain(undos)()
+        raise
+    return chain(undos)
+
+
+def _register() -> Undo:
+    """Add ``"attnuq_sampled"`` to both HF registries while any handle needs it; the undo."""
+    return _SHARED.acquire(IMPLEMENTATION, _register_implementation)
 
 
 BACKEND = _HFBackend()

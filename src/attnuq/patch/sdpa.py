@@ -32,6 +32,7 @@ from torch import nn
 from attnuq.patch._core import (
     ORIGINAL_SDPA,
     AttentionSite,
+    SharedInstall,
     SiteState,
     Undo,
     chain,
@@ -45,11 +46,7 @@ __all__ = ["BACKEND", "scoped_sdpa"]
 
 _NAME = "scaled_dot_product_attention"
 _TLS = threading.local()
-_REFCOUNT = 0
-_GLOBAL_UNDO: list[Undo] = []
-_MODULE_REFS: dict[str, int] = {}
-_MODULE_UNDO: dict[str, Undo] = {}
-_LOCK = threading.RLock()
+_SHARED = SharedInstall()
 
 
 def _stack() -> list[SiteState | None]:
@@ -102,53 +99,25 @@ def _module_binds_name(cls: type) -> str | None:
     return None
 
 
+def _replace_global() -> Undo:
+    if F.scaled_dot_product_attention is not ORIGINAL_SDPA:
+        raise RuntimeError(
+            "torch.nn.functional.scaled_dot_product_attention has been replaced by "
+            f"someone else ({F.scaled_dot_product_attention!r}); refusing to stack on it"
+        )
+    return set_attr(F, _NAME, scoped_sdpa)
+
+
 def _install_global() -> Undo:
-    global _REFCOUNT
-    with _LOCK:
-        if _REFCOUNT == 0:
-            if F.scaled_dot_product_attention is not ORIGINAL_SDPA:
-                raise RuntimeError(
-                    "torch.nn.functional.scaled_dot_product_attention has been replaced by "
-                    f"someone else ({F.scaled_dot_product_attention!r}); refusing to stack on it"
-                )
-            _GLOBAL_UNDO.append(set_attr(F, _NAME, scoped_sdpa))
-        _REFCOUNT += 1
-    done = False
-
-    def undo() -> None:
-        global _REFCOUNT
-        nonlocal done
-        if done:
-            return
-        done = True
-        with _LOCK:
-            _REFCOUNT -= 1
-            if _REFCOUNT == 0:
-                while _GLOBAL_UNDO:
-                    _GLOBAL_UNDO.pop()()
-
-    return undo
+    """``F.scaled_dot_product_attention`` -> :func:`scoped_sdpa` while any handle needs it."""
+    return _SHARED.acquire(F, _replace_global)
 
 
 def _install_module(modname: str) -> Undo:
-    with _LOCK:
-        if _MODULE_REFS.get(modname, 0) == 0:
-            _MODULE_UNDO[modname] = set_attr(sys.modules[modname], _NAME, scoped_sdpa)
-        _MODULE_REFS[modname] = _MODULE_REFS.get(modname, 0) + 1
-    done = False
-
-    def undo() -> None:
-        nonlocal done
-        if done:
-            return
-        done = True
-        with _LOCK:
-            _MODULE_REFS[modname] -= 1
-            if _MODULE_REFS[modname] == 0:
-                del _MODULE_REFS[modname]
-                _MODULE_UNDO.pop(modname)()
-
-    return undo
+    """The module-level name ``scaled_dot_product_attention`` of ``modname``, likewise."""
+    return _SHARED.acquire(
+        modname, lambda: set_attr(sys.modules[modname], _NAME, scoped_sdpa)
+    )
 
 
 def _hooks(module: nn.Module, state: SiteState) -> Undo:
