@@ -93,3 +93,53 @@ def test_bench_era5_end_to_end(tmp_path: Path) -> None:
     md = (out / "era5.md").read_text()
     assert "attnuq bench era5" in md and "## Lead +24h" in md and "| sa-paper |" in md
     assert (out / "era5" / "era5_maps.png").stat().st_size > 1000
+
+
+def _tiny_argv(nc: Path, out: Path) -> list[str]:
+    return ["bench", "era5", "--file", str(nc), "--out", str(out), "--split", "4,2,2,-1",
+            "--patch", "2", "--hidden", "8", "--layers", "1", "--heads", "2", "--mlp", "8",
+            "--epochs", "2", "--ensemble", "3", "--n-samples", "3", "--n-passes", "2",
+            "--nu-max", "16", "--no-progress", "--device", "cpu", "--seed", "3"]
+
+
+def test_bench_era5_member_jobs_match_serial_training(tmp_path: Path) -> None:
+    """Members trained in 2 spawned workers are bit-identical to the serial ones (1 thread)."""
+    from attnuq.cli import main
+
+    nc = _tiny_nc(tmp_path / "tiny.nc", days=10)
+    serial, par = tmp_path / "serial", tmp_path / "par"
+    assert main([*_tiny_argv(nc, serial), "--methods", "ensemble,persistence"]) == 0
+    assert main([*_tiny_argv(nc, par), "--methods", "ensemble", "--member-jobs", "2"]) == 0
+    for k in (1, 2):
+        a = torch.load(serial / "era5" / "members" / f"member{k}.pt", weights_only=True)
+        b = torch.load(par / "era5" / "members" / f"member{k}.pt", weights_only=True)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), (k, name)
+    # members differ from each other and from the backbone (seeds 3 + k)
+    m1 = torch.load(serial / "era5" / "members" / "member1.pt", weights_only=True)
+    m2 = torch.load(serial / "era5" / "members" / "member2.pt", weights_only=True)
+    assert not torch.equal(m1["head.weight"], m2["head.weight"])
+    js_s = json.loads((serial / "era5" / "era5_results.json").read_text())
+    js_p = json.loads((par / "era5" / "era5_results.json").read_text())
+    assert js_s["results"]["ensemble"]["per_lead"] == js_p["results"]["ensemble"]["per_lead"]
+    assert js_p["results"]["ensemble"]["member_jobs"] == 2
+    assert js_s["results"]["ensemble"]["member_seeds"] == [3, 4, 5]
+    assert "in 2 parallel worker processes" in (par / "era5.md").read_text()
+
+    # --resume --rerun ensemble: persistence kept and credited to the first invocation,
+    # the ensemble scored again here (its members come from the cache: same numbers)
+    assert main([*_tiny_argv(nc, serial), "--resume", "--rerun", "ensemble", "--methods",
+                 "ensemble,persistence"]) == 0
+    js = json.loads((serial / "era5" / "era5_results.json").read_text())
+    runs = js["run"]["resumed_runs"]
+    assert [r["methods"] for r in runs] == [["persistence"]]
+    assert runs[0]["date"] == js_s["run"]["date"]
+    assert js["results"]["persistence"] == js_s["results"]["persistence"]
+    assert js["results"]["ensemble"]["per_lead"] == js_s["results"]["ensemble"]["per_lead"]
+    # a second resume keeps crediting the first invocation, not the resuming one
+    assert main([*_tiny_argv(nc, serial), "--resume", "--methods", "persistence"]) == 0
+    js2 = json.loads((serial / "era5" / "era5_results.json").read_text())
+    assert [(r["methods"], r["date"]) for r in js2["run"]["resumed_runs"]] == [
+        (["ensemble"], js["run"]["date"]), (["persistence"], runs[0]["date"])]
+    assert main([*_tiny_argv(nc, serial), "--member-jobs", "0", "--methods", "persistence"]) == 2

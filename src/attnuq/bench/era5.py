@@ -183,17 +183,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ensemble", type=int, default=5)
+    p.add_argument("--member-jobs", type=int, default=1,
+                   help="train the ensemble members in this many worker processes (spawn, one "
+                        "thread each; same recipe, seeds and weights as 1 = one after the other)")
     p.add_argument("--n-samples", type=int, default=30)
     p.add_argument("--n-passes", type=int, default=10)
     p.add_argument("--nu-max", type=int, default=1024, help="upper end of SA's nu search")
     p.add_argument("--methods", default=",".join(ALL_METHODS),
                    help=f"comma-separated subset of {','.join(ALL_METHODS)}")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the backbone; ensemble member k uses seed + k")
+    p.add_argument("--device", default="cpu",
+                   help="torch device: cpu, cuda, cuda:N or auto (default: cpu)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--resume", action="store_true",
                    help="keep the methods already scored in <out>/era5/era5_results.json (and "
                         "their maps) when written with the same config; run only the rest")
+    p.add_argument("--rerun", default="", metavar="METHODS",
+                   help="comma-separated methods to score again even when --resume holds them")
     p.add_argument("--note", action="append", default=None, metavar="TEXT",
                    help="provenance note printed in the markdown; repeatable")
 
@@ -228,11 +236,76 @@ class _Inputs:
         return torch.cat([fields, self.valid_clim(hours)], dim=1)
 
 
+@dataclass
+class _MemberRecipe:
+    """The backbone's recipe (picklable, for :func:`attnuq.bench._members.train_members`).
+
+    Member ``k`` (``k = 0`` is the backbone) is initialised and trained with seed ``seed + k``.
+    Holds the training and validation tensors on the CPU; ``make`` and ``train`` put the model
+    and the data on ``device``.
+    """
+
+    grid: tuple[int, int]
+    in_channels: int
+    out_channels: int
+    patch: int
+    hidden: int
+    layers: int
+    heads: int
+    mlp: int
+    dropout: float
+    mean: float
+    std: float
+    epochs: int
+    lr: float
+    batch_size: int
+    patience: int
+    seed: int
+    progress: bool
+    device: str
+    train_xy: tuple[torch.Tensor, torch.Tensor]
+    val_xy: tuple[torch.Tensor, torch.Tensor]
+
+    def make(self, index: int) -> Any:
+        from attnuq.models.vit_field import ViTFieldForecaster
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + index)
+            m = ViTFieldForecaster(
+                self.grid, in_channels=self.in_channels, out_channels=self.out_channels,
+                patch_size=self.patch, hidden_size=self.hidden, num_layers=self.layers,
+                num_heads=self.heads, mlp_size=self.mlp, dropout=self.dropout,
+                attention_dropout=self.dropout, mean=self.mean, std=self.std,
+            )
+        return m.to(self.device)
+
+    def train(self, model: Any, _train: Any, _val: Any, index: int) -> Any:
+        from attnuq.models.patchtst import train_forecaster
+
+        dev = torch.device(self.device)
+        return train_forecaster(
+            model, tuple(t.to(dev) for t in self.train_xy),  # type: ignore[arg-type]
+            tuple(t.to(dev) for t in self.val_xy),  # type: ignore[arg-type]
+            epochs=self.epochs, lr=self.lr, batch_size=self.batch_size,
+            patience=self.patience, seed=self.seed + index, progress=self.progress,
+            desc=f"member{index}",
+        )
+
+
+def _to_cpu(pred: AnyPred) -> AnyPred:
+    if isinstance(pred, GaussianPredictive):
+        return GaussianPredictive(mean=pred.mean.cpu(), std=pred.std.cpu())
+    return Predictive(samples=pred.samples.cpu(),
+                      frozen=None if pred.frozen is None else pred.frozen.cpu())
+
+
 def run(args: argparse.Namespace) -> Path:
     """Run the ERA5 suite; returns ``<out>/era5``."""
     import attnuq
+    from attnuq._device import resolve_device
     from attnuq._runinfo import run_info
     from attnuq.baselines import Task, coverage_scale, make_method
+    from attnuq.bench._members import check_member_jobs, train_members
     from attnuq.data.era5 import (
         day_blocks,
         hourly_climatology,
@@ -240,16 +313,22 @@ def run(args: argparse.Namespace) -> Path:
         make_examples,
         resolve_era5_path,
     )
-    from attnuq.models.patchtst import predict_batched, train_forecaster
-    from attnuq.models.vit_field import ViTFieldForecaster, load_vit_field, save_vit_field
+    from attnuq.models.patchtst import predict_batched
+    from attnuq.models.vit_field import load_vit_field, save_vit_field
 
     torch.set_num_threads(check_positive_int(args.threads, "threads"))
+    device = resolve_device(getattr(args, "device", "cpu"))
+    member_jobs = check_member_jobs(getattr(args, "member_jobs", 1))
     progress = not args.no_progress
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in ALL_METHODS]
+    rerun = [m.strip() for m in (getattr(args, "rerun", "") or "").split(",") if m.strip()]
+    bad = [m for m in methods + rerun if m not in ALL_METHODS]
     if bad or not methods:
-        raise ValueError(f"unknown methods {bad} in --methods={args.methods!r}; "
-                         f"known: {list(ALL_METHODS)}")
+        raise ValueError(f"unknown methods {bad} in --methods={args.methods!r} / "
+                         f"--rerun={getattr(args, 'rerun', '')!r}; known: {list(ALL_METHODS)}")
+    if any(m not in methods for m in rerun):
+        raise ValueError(f"--rerun={args.rerun!r} names methods missing from "
+                         f"--methods={args.methods!r}")
     for name in ("history", "n_samples", "n_passes", "ensemble", "epochs", "patience",
                  "batch_size"):
         check_positive_int(getattr(args, name), name)
@@ -271,7 +350,9 @@ def run(args: argparse.Namespace) -> Path:
           for k, b in blocks.items()}
     clim = hourly_climatology(field, blocks["train"])  # (24, H, W)
     build = _Inputs(clim=clim, leads=leads, use_clim=not args.no_clim_features)
-    X = {k: build(e.inputs, e.hours) for k, e in ex.items()}
+    X_cpu = {k: build(e.inputs, e.hours) for k, e in ex.items()}
+    # models and their inputs live on `device`; scores are computed on the CPU
+    X = {k: v.to(device) for k, v in X_cpu.items()}
     Y = {k: e.targets for k, e in ex.items()}
     lat = torch.from_numpy(np.array(field.lat, dtype=np.float64))
     tr_vals = field.values[blocks["train"]].double()
@@ -285,39 +366,32 @@ def run(args: argparse.Namespace) -> Path:
     grid = (int(field.values.shape[1]), int(field.values.shape[2]))
     in_ch = X["train"].shape[1]
 
-    def make_model(seed: int) -> ViTFieldForecaster:
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            return ViTFieldForecaster(
-                grid, in_channels=in_ch, out_channels=len(leads), patch_size=args.patch,
-                hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                mlp_size=args.mlp, dropout=args.dropout, attention_dropout=args.dropout,
-                mean=mean, std=std,
-            )
-
-    def train_fn(model: Any, _train: Any, _val: Any, seed: int) -> Any:
-        return train_forecaster(
-            model, (X["train"], Y["train"]), (X["val"], Y["val"]), epochs=args.epochs,
-            lr=args.lr, batch_size=args.batch_size, patience=args.patience, seed=seed,
-            progress=progress, desc=f"member{seed}",
-        )
+    recipe = _MemberRecipe(
+        grid=grid, in_channels=in_ch, out_channels=len(leads), patch=args.patch,
+        hidden=args.hidden, layers=args.layers, heads=args.heads, mlp=args.mlp,
+        dropout=args.dropout, mean=mean, std=std, epochs=args.epochs, lr=args.lr,
+        batch_size=args.batch_size, patience=args.patience, seed=args.seed, progress=progress,
+        device=str(device), train_xy=(X_cpu["train"], Y["train"]),
+        val_xy=(X_cpu["val"], Y["val"]),
+    )
 
     model_dir = Path(args.model_dir) if args.model_dir else res_dir / "backbone"
     if (model_dir / "config.json").is_file() and not args.retrain:
         train_report = json.loads((model_dir / "train_report.json").read_text())
         train_report["reused"] = True
     else:
-        net = make_model(args.seed)
-        rep = train_fn(net, None, None, args.seed)
-        save_vit_field(net, model_dir)
+        net = recipe.make(0)  # member 0 = the backbone, seed --seed
+        rep = recipe.train(net, None, None, 0)
+        save_vit_field(net.cpu(), model_dir)
         train_report = rep.to_dict()
         (model_dir / "train_report.json").write_text(json.dumps(train_report, indent=1))
         train_report["reused"] = False
-    frozen = load_vit_field(model_dir)
+    frozen = load_vit_field(model_dir).to(device)
     n_params = sum(p.numel() for p in frozen.parameters())
     sites = [s.name for s in attnuq.find_attention(frozen)]
-    task = Task(model=frozen, train=(X["train"], Y["train"]), val=(X["val"], Y["val"]),
-                cal=(X["cal"], Y["cal"]), make_model=make_model, train_fn=train_fn,
+    Yd = {k: v.to(device) for k, v in Y.items()}
+    task = Task(model=frozen, train=(X["train"], Yd["train"]), val=(X["val"], Yd["val"]),
+                cal=(X["cal"], Yd["cal"]), make_model=recipe.make, train_fn=recipe.train,
                 batch_size=args.batch_size * 4, member_dir=res_dir / "members")
     S = args.n_samples
     xte, yte = X["test"], Y["test"]
@@ -331,17 +405,19 @@ def run(args: argparse.Namespace) -> Path:
         now = {k: getattr(args, k, None) for k in same}
         if same != now:
             raise ValueError(f"--resume: {old} was written with another config: {same} vs {now}")
-        results = {k: v for k, v in prev["results"].items() if k in ALL_METHODS}
+        results = {k: v for k, v in prev["results"].items()
+                   if k in ALL_METHODS and k not in rerun}
         if results and (res_dir / "era5_maps.npz").is_file():
             with np.load(res_dir / "era5_maps.npz") as z:
                 for key in z.files:
                     n, kind = key.split("__")
                     if n in results:
                         maps.setdefault(n, {})[kind] = z[key]
-        info["resumed_from"] = {**prev["run"], "methods": sorted(results)}
+        info["resumed_runs"] = _resumed_runs(prev["run"], set(results))
         print(f"[era5] resuming: already scored {sorted(results)}", flush=True)
 
     def record(name: str, pred: AnyPred, extra: dict[str, Any]) -> None:
+        pred = _to_cpu(pred)
         sc = field_scores(pred, yte, lat=lat, clim=clim_te, leads=leads, seed=args.seed)
         results[name] = {"per_lead": sc, **extra}
         m = _mean(pred)
@@ -354,7 +430,7 @@ def run(args: argparse.Namespace) -> Path:
 
     # frozen deterministic forecast and point references
     with torch.no_grad():
-        f_te = predict_batched(frozen, xte, 64)
+        f_te = predict_batched(frozen, xte, 64).cpu()
     pers = ex["test"].inputs[:, :1].expand_as(yte)
     point = {"frozen": f_te, "persistence-point": pers, "climatology-point": clim_te}
     for name, fc in point.items():
@@ -386,7 +462,7 @@ def run(args: argparse.Namespace) -> Path:
             t_fit = time.perf_counter() - t0
             pc = base.predict(X["cal"])
             assert isinstance(pc, Predictive)
-            c = coverage_scale(pc, Y["cal"], level=0.95)
+            c = coverage_scale(pc, Yd["cal"], level=0.95)
             t_conf = time.perf_counter() - t0
             t1 = time.perf_counter()
             pred = base.predict(xte)
@@ -407,13 +483,18 @@ def run(args: argparse.Namespace) -> Path:
                                 "predict_seconds": time.perf_counter() - t1,
                                 "forward_per_input": S})
         elif name == "ensemble":
+            train_members(recipe, list(range(1, args.ensemble)), res_dir / "members",
+                          jobs=member_jobs)
             m = make_method(name, n_members=args.ensemble).fit(task)
             t1 = time.perf_counter()
             pred = m.predict(xte)
             record(name, pred, {"fit_seconds": m.cost.fit_seconds,
                                 "fit_forward": m.cost.fit_forward,
                                 "predict_seconds": time.perf_counter() - t1,
-                                "forward_per_input": args.ensemble})
+                                "forward_per_input": args.ensemble,
+                                "member_jobs": member_jobs,
+                                "member_seeds": [args.seed + k for k in range(args.ensemble)],
+                                "note": "fit s = sum of the members' training times"})
         elif name in ("persistence", "climatology"):
             fn = _persistence if name == "persistence" else build.for_examples
             rq = ResidualQuantiles.fit(Y["val"] - fn(ex["val"]), n_quantiles=50)
@@ -423,6 +504,30 @@ def run(args: argparse.Namespace) -> Path:
     _write(res_dir, info, args, field, day, {k: len(e) for k, e in ex.items()}, train_report,
            n_params, sites, results, maps, leads, in_ch, final=True)
     return res_dir
+
+
+def _resumed_runs(prev_run: dict[str, Any], kept: set[str]) -> list[dict[str, Any]]:
+    """Which earlier invocation scored each kept method, following a chain of resumes.
+
+    ``prev_run`` is the ``run`` record of the results file being resumed; methods that it had
+    itself resumed are credited to the invocations it names (``resumed_runs``, or the older
+    single ``resumed_from``), the rest to ``prev_run``. Runs left with no kept method are dropped.
+    """
+    earlier = list(prev_run.get("resumed_runs", []))
+    if "resumed_from" in prev_run:
+        earlier.append(prev_run["resumed_from"])
+    out: list[dict[str, Any]] = []
+    credited: set[str] = set()
+    for r in earlier:
+        ms = sorted(set(r.get("methods", [])) & kept - credited)
+        credited |= set(ms)
+        if ms:
+            out.append({**r, "methods": ms})
+    own = sorted(kept - credited)
+    if own:
+        base = {k: v for k, v in prev_run.items() if k not in ("resumed_runs", "resumed_from")}
+        out.insert(0, {**base, "methods": own})
+    return out
 
 
 def _persistence(e: Any) -> torch.Tensor:
@@ -470,9 +575,14 @@ def _maps_png(path: Path, maps: dict[str, dict[str, np.ndarray]], field: Any,
 
 
 _RESUME_FREE = ("methods", "resume", "note", "no_progress", "threads", "retrain", "out",
-                "model_dir")
+                "model_dir", "rerun", "member_jobs")
 
 _COLS = ("rmse_lat", "acc", "pit_w1", "pit_w1_scaled", "width", "coverage", "crps", "mean_std")
+
+
+def _jobs_text(jobs: int) -> str:
+    return ("one after the other" if jobs == 1
+            else f"in {jobs} parallel worker processes of one thread each")
 
 
 def _fmt(v: Any) -> str:
@@ -520,9 +630,10 @@ def _markdown(p: dict[str, Any]) -> str:
         f"* command: `{r['command']}`",
         f"* date: {r['date']}",
         f"* machine: {r['machine']}",
-        *([f"* methods {', '.join(r['resumed_from']['methods'])} scored earlier by "
-           f"`{r['resumed_from']['command']}` ({r['resumed_from']['date']}), same config"]
-          if r.get("resumed_from", {}).get("methods") else []),
+        *[f"* methods {', '.join(m['methods'])} scored earlier by `{m['command']}` "
+          f"({m['date']}), same config, kept with --resume"
+          for m in [*r.get("resumed_runs", []), *([r["resumed_from"]] if "resumed_from" in r
+                                                    else [])] if m.get("methods")],
         f"* data: `{Path(d['file']).name}` ({d['variable']}, grid {d['grid']}); consecutive "
         "day blocks " + ", ".join(f"{k} {v[0]}..{v[1]} ({d['examples'][k]} issue times)"
                                   for k, v in d["days"].items())
@@ -538,8 +649,10 @@ def _markdown(p: dict[str, Any]) -> str:
         f"{', reused from disk' if tr.get('reused') else ''}), frozen",
         f"* Monte Carlo samples {c['n_samples']}; calibration passes per nu {c['n_passes']}, "
         f"nu searched in [1, {c.get('nu_max', 1024)}] (BO); "
-        f"deep ensemble {c['ensemble']} members (member 0 = backbone, others retrained with "
-        "the same recipe and other seeds)",
+        f"deep ensemble {c['ensemble']} members (member 0 = the backbone, members 1.."
+        f"{c['ensemble'] - 1} retrained by this suite with the backbone's recipe and seeds "
+        f"{c['seed']}+k, "
+        f"{_jobs_text(res.get('ensemble', {}).get('member_jobs', c.get('member_jobs', 1)))})",
         "* RMSE and ACC are latitude-weighted (ACC: anomalies against the hour-of-day mean of "
         "the training days, pooled WeatherBench/ClimaX definition); PIT, W1, coverage, width "
         "and CRPS are plain means over grid points and issue times; units K",
