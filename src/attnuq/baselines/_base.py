@@ -66,6 +66,14 @@ class Cost:
     ``fit_forward`` counts example-forwards during fitting (a training step on ``b`` rows counts
     ``b``); ``predict_forward_per_input`` is the number of forward passes of the network per
     predicted input (``S`` for a Monte Carlo method, 1 for a deterministic one).
+
+    Examples
+    --------
+    >>> c = Cost(fit_seconds=2.5, fit_forward=640, predict_forward_per_input=50)
+    >>> c.fit_forward, c.predict_seconds
+    (640, 0.0)
+    >>> sorted(c.to_dict())
+    ['fit_forward', 'fit_seconds', 'predict_forward_per_input', 'predict_seconds']
     """
 
     fit_seconds: float = 0.0
@@ -99,6 +107,23 @@ class Task:
     member_dir
         Optional folder where retrained members are cached as ``member<seed>.pt`` (+ cost JSON),
         so interrupted benchmarks resume without retraining.
+
+    Examples
+    --------
+    A 2-feature regressor with outputs ``(B,)``; ``(X, Y)`` tensors are cut into batches:
+
+    >>> import torch
+    >>> from torch import nn
+    >>> _ = torch.manual_seed(0)
+    >>> net = nn.Sequential(nn.Linear(2, 1), nn.Flatten(0)).eval()  # (B, 2) -> (B,)
+    >>> x, y = torch.randn(40, 2), torch.randn(40)
+    >>> task = Task(model=net, train=(x, y), val=(x, y), cal=(x, y), batch_size=16)
+    >>> task.n_train, [len(t) for _, t in task.val]
+    (40, [16, 16, 8])
+    >>> task.forward(net, x[:4]).shape
+    torch.Size([4])
+    >>> task.member(0)[0] is net  # seed 0 is the frozen model itself
+    True
     """
 
     model: nn.Module
@@ -175,7 +200,21 @@ def collect(
     batches: Batches,
     forward_fn: Callable[[nn.Module, Any], torch.Tensor] = default_forward,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic predictions and targets over all batches, concatenated on dim 0."""
+    """Deterministic predictions and targets over all batches, concatenated on dim 0.
+
+    The model runs in ``eval()`` mode without gradients (its previous mode is restored);
+    returns ``(predictions, targets)``, both ``(N, ...)`` with ``N`` the total number of rows.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(2, 1), nn.Flatten(0))
+    >>> x, y = torch.randn(10, 2), torch.randn(10)
+    >>> pred, targets = collect(net, [(x[:6], y[:6]), (x[6:], y[6:])])
+    >>> pred.shape, bool(torch.equal(targets, y)), net.training
+    (torch.Size([10]), True, True)
+    """
     preds, ys = [], []
     was = model.training
     model.eval()
@@ -195,7 +234,32 @@ def collect(
 
 
 class Method(ABC):
-    """Base class: ``fit(task)`` then ``predict(inputs)``; keeps :attr:`cost` up to date."""
+    """Base class: ``fit(task)`` then ``predict(inputs)``; keeps :attr:`cost` up to date.
+
+    A subclass implements ``_fit(task)`` (fit its own parameters; may return the :class:`Cost`
+    of cached members) and ``_predict(task, inputs)`` (return the predictive distribution and
+    the forward passes per input); :meth:`fit` and :meth:`predict` time them into :attr:`cost`.
+
+    Examples
+    --------
+    The smallest possible method, ``N(f(x), 1)``:
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from attnuq.predictive import GaussianPredictive
+    >>> class UnitNoise(Method):
+    ...     def _fit(self, task):
+    ...         return None
+    ...     def _predict(self, task, inputs):
+    ...         with torch.no_grad():
+    ...             mean = task.forward(task.model, inputs)  # (B,)
+    ...         return GaussianPredictive(mean=mean, std=torch.ones_like(mean)), 1
+    >>> net = nn.Sequential(nn.Linear(2, 1), nn.Flatten(0)).eval()
+    >>> x, y = torch.randn(8, 2), torch.randn(8)
+    >>> method = UnitNoise().fit(Task(model=net, train=(x, y), val=(x, y), cal=(x, y)))
+    >>> method.predict(x).std.shape, method.cost.predict_forward_per_input
+    (torch.Size([8]), 1)
+    """
 
     #: registry name, set by :func:`register_method`
     name: str = "method"
@@ -254,18 +318,49 @@ _METHODS: dict[str, tuple[type[Method], dict[str, Any]]] = {}
 
 
 def register_method(name: str, cls: type[Method], **defaults: Any) -> None:
-    """Register ``cls`` under ``name`` with default constructor keywords."""
+    """Register ``cls`` under ``name`` with default constructor keywords.
+
+    Registering a name again replaces its entry. :mod:`attnuq.baselines` registers every
+    built-in method on import; :func:`make_method` looks the name up.
+
+    Examples
+    --------
+    The call :mod:`attnuq.baselines` makes for ``"sa-crps"`` (registering it again is harmless):
+
+    >>> from attnuq.baselines import StochasticAttention
+    >>> register_method("sa-crps", StochasticAttention, criterion="crps")
+    >>> make_method("sa-crps").criterion
+    'crps'
+    """
     _METHODS[name] = (cls, defaults)
 
 
 def available_methods() -> list[str]:
-    """Names accepted by :func:`make_method`."""
+    """Names accepted by :func:`make_method`, in registration order.
+
+    Examples
+    --------
+    >>> names = available_methods()
+    >>> names[:3], {"gaussian", "conformal", "laplace", "swag"} <= set(names)
+    (['sa-paper', 'sa-scale', 'sa-crps'], True)
+    """
     _load_all()
     return list(_METHODS)
 
 
 def make_method(name: str, **kwargs: Any) -> Method:
-    """Build the method registered as ``name``; ``kwargs`` override its defaults."""
+    """Build the method registered as ``name``; ``kwargs`` override its defaults.
+
+    Examples
+    --------
+    >>> m = make_method("mc-dropout", n_samples=20)
+    >>> m.name, m.n_samples
+    ('mc-dropout', 20)
+    >>> make_method("gp")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown method name='gp'; known: [...]
+    """
     _load_all()
     if name not in _METHODS:
         raise ValueError(f"unknown method {name=!r}; known: {sorted(_METHODS)}")
