@@ -36,14 +36,21 @@ def test_bench_physionet_end_to_end(tmp_path: Path) -> None:
               "--d", "8", "--max-epochs", "1", "--sub-stays", "2", "--mc-passes", "2",
               "--sampler-draws", "4", "--ensemble-members", "2", "--gp-train-stays", "4",
               "--gp-iters", "2", "--plots", "1", "--out", str(out),
-              "--cache-dir", str(tmp_path / "cache")]
-    assert main([*common, "--only-seed", "0"]) == 0
-    seed0 = json.loads((out / "seed_0.json").read_text())
+              "--cache-dir", str(tmp_path / "cache"), "--seed", "1", "--device", "cpu"]
+    assert main([*common, "--only-seed", "1"]) == 0
+    seed1 = json.loads((out / "seed_1.json").read_text())
     assert main([*common, "--reuse"]) == 0
     res = json.loads((out / "physionet.json").read_text())
-    assert res["per_seed"][0] == seed0  # the parallel-run record is reused as is
+    assert res["per_seed"][0] == seed1  # the parallel-run record is reused as is
+    assert seed1["seed"] == 1 and res["ensemble"]["seeds"] == [1, 2]  # --seed honoured
+    assert res["args"]["device"] == "cpu"
+    cal = seed1["calibration"]
+    assert cal["alpha_trained"] == pytest.approx(1.0, rel=1e-5)  # MSE gives alpha no gradient
+    assert cal["alpha"] > 0 and np.isfinite(cal["T"])
+    assert seed1["train_levy"]["stopped_by"] == "max_epochs"
     summ = res["summary"]
-    for meth in ("levy", "levy_nophi", "levy_sub", "levy_sampler", "softmax_mcdropout"):
+    for meth in ("levy", "levy_alpha_trained", "levy_nophi", "levy_sub", "levy_sampler",
+                 "softmax_mcdropout"):
         for key in ("mse", "mae", "nll", "crps", "T", "cov90", "ccov90", "width95", "cwidth95"):
             assert np.isfinite(summ[meth][key][0]), (meth, key)
     assert summ["levy"]["mse"] == summ["levy_nophi"]["mse"]  # same pass, different spread
@@ -52,4 +59,17 @@ def test_bench_physionet_end_to_end(tmp_path: Path) -> None:
     assert res["data"]["n_stays"] == 15 and res["data"]["channels"] == ["Age", "HR", "Temp"]
     md = (tmp_path / "res" / "physionet.md").read_text()
     assert "MSE within 5.6 %" in md and "machine:" in md and "command:" in md
+    assert "(matched: both models" in md and "alpha trained -> fitted" in md
+    assert "absent from this copy of the data: Gender, Height, ICUType" in md
     assert res["plots"] and (out / res["plots"][0]).is_file()
+    info = res["plot_info"][0]
+    assert info["channel"] in ("HR", "Temp") and info["gap_ratio"] >= 1
+    assert f"stay {info['record_id']}" in md
+
+
+def test_bench_physionet_rejects_unavailable_device(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "physionet", "--data-dir", str(tmp_path), "--device", "cuda:99"]) == 2
+    assert "cuda:99" in capsys.readouterr().err
+    assert not (tmp_path / "physionet.json").exists()

@@ -166,3 +166,29 @@ def test_bad_arguments(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_physionet2012(folder, cache_dir=tmp_path / "c")  # clean data: no warning
+
+
+def test_all_41_parameters_load_when_present(tmp_path: Path) -> None:
+    """A copy with every documented parameter (ICUType included) gives 41 channels, ICUType's
+    descriptor an observation at t = 0, and ``to_device`` keeps the batch intact."""
+    from attnuq.data.physionet import KNOWN_PARAMETERS
+
+    root = tmp_path / "all"
+    root.mkdir()
+    for i in range(4):
+        rid = 150000 + i
+        lines = ["Time,Parameter,Value", f"00:00,RecordID,{rid}", "00:00,Age,61",
+                 "00:00,Gender,1", "00:00,Height,175", f"00:00,ICUType,{1 + i % 4}",
+                 "00:00,Weight,70"]
+        for k, p in enumerate(KNOWN_PARAMETERS[6:]):
+            lines.append(f"{(k % 47):02d}:{(7 * k) % 60:02d},{p},{k + i + 0.5}")
+        (root / f"{rid}.txt").write_text("\n".join(lines) + "\n")
+    ds = load_physionet2012(root, cache_dir=tmp_path / "c")
+    assert ds.n_channels == 41 and ds.channels == list(KNOWN_PARAMETERS[1:])
+    icu = ds.channels.index("ICUType")
+    t, c, _ = ds.stay(2)
+    assert list(t[c == icu]) == [0.0]
+    assert ds.summary()["n_channels"] == 41
+    b = ds.batch([0, 1])
+    b2 = b.to_device("cpu")
+    assert b2 is b and torch.equal(b2.query_channels, b.query_channels)

@@ -227,3 +227,71 @@ def test_gp_fit_and_batch_prediction() -> None:
     torch.testing.assert_close(mean[0, 0], mu0[0, 0])
     torch.testing.assert_close(std[0, 0], var0[0, 0].sqrt())
     assert float(std[0, 2]) == 1.0  # padded query
+
+
+def test_alpha_gets_no_gradient_from_mse_but_one_from_nll() -> None:
+    """mu = sum p v with p = w / Lambda does not depend on alpha; sigma does (through phi)."""
+    m = _model(alpha=1.5)
+    x = _inputs()
+    out = m(*x)
+    (g_mse,) = torch.autograd.grad(out.mean.square().sum(), m.raw_alpha, retain_graph=True,
+                                   allow_unused=True)
+    (g_sig,) = torch.autograd.grad(out.sigma.sum(), m.raw_alpha)
+    assert g_mse is None or abs(float(g_mse)) < 1e-10  # None: alpha is not even in mu's graph
+    assert abs(float(g_sig)) > 1e-4
+    mean0 = out.mean.detach()
+    m.set_alpha(20.0)
+    out2 = m(*x)
+    assert abs(float(m.layer_params()["alpha"]) - 20.0) < 1e-9
+    torch.testing.assert_close(out2.mean, mean0)
+    assert bool((out2.evidence > out.evidence).all()) and bool((out2.sigma < out.sigma).all())
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="alpha must be"):
+            m.set_alpha(bad)
+
+
+def test_fit_alpha_temperature_recovers_alpha_and_minimises_nll() -> None:
+    from attnuq.models.levy_forecaster import fit_alpha_temperature
+    from attnuq.ops.phi import poisson_phi
+
+    g = torch.Generator().manual_seed(3)
+    n = 20000
+    S = torch.rand(n, generator=g, dtype=torch.float64) * 10 + 0.05
+    var = torch.rand(n, generator=g, dtype=torch.float64) * 0.02 + 0.01
+    mu = torch.randn(n, generator=g, dtype=torch.float64)
+    sd = 1.7 * (var * poisson_phi(0.4 * S)).sqrt()
+    y = mu + sd * torch.randn(n, generator=g, dtype=torch.float64)
+    a, T = fit_alpha_temperature(mu, var, S, y)
+    assert 0.3 < a < 0.55 and 1.6 < T < 1.8
+
+    def nll(alpha: float) -> float:
+        s = (var * poisson_phi(alpha * S)).sqrt()
+        t = fit_temperature(mu, s, y)
+        return float((torch.log(t * s) + (y - mu) ** 2 / (2 * (t * s) ** 2)).mean())
+
+    best = nll(a)
+    for other in (a * 0.8, a * 1.25, 1e-4, 1.0, 1e3):
+        assert best <= nll(other) + 1e-12
+    with pytest.raises(ValueError, match="one length"):
+        fit_alpha_temperature(mu, var[:5], S, y)
+    with pytest.raises(ValueError, match=">= 0"):
+        fit_alpha_temperature(mu, -var, S, y)
+    with pytest.raises(ValueError, match="log_range"):
+        fit_alpha_temperature(mu, var, S, y, log_range=(1.0, 1.0))
+
+
+def test_fit_reports_why_it_stopped() -> None:
+    batches = []
+    for s in range(2):
+        x = _inputs(B=4, L=6, Q=3, seed=s, dtype=torch.float32)
+        batches.append(_B(x, x[2][:, :3].clone(), torch.ones(4, 3, dtype=torch.bool)))
+    torch.manual_seed(0)
+    m = SoftmaxForecaster(C, d=8, encoder_layers=0, dropout=0.0)
+    rep = fit(m, lambda e: batches[:1], lambda: batches[1:], max_epochs=3, patience=5,
+              max_seconds=0.0)
+    assert rep.stopped_by == "max_seconds" and len(rep.val_mse) == 1
+    rep = fit(m, lambda e: batches[:1], lambda: batches[1:], max_epochs=2, patience=5)
+    assert rep.stopped_by == "max_epochs" and len(rep.val_mse) == 2
+    rep = fit(m, lambda e: batches[:1], lambda: batches[1:], max_epochs=50, patience=1,
+              lr=0.5)
+    assert rep.stopped_by == "patience" and len(rep.val_mse) < 50

@@ -265,6 +265,15 @@ class ForecastBatch:
             self.targets.to(dtype), self.query_mask, self.index,
         )
 
+    def to_device(self, device: torch.device | str) -> ForecastBatch:
+        """The same batch with every tensor on ``device`` (``self`` if already there)."""
+        dev = torch.device(device)
+        if self.obs_times.device == dev:
+            return self
+        return ForecastBatch(*(getattr(self, f).to(dev) for f in (
+            "obs_times", "obs_channels", "obs_values", "obs_mask", "query_times",
+            "query_channels", "targets", "query_mask", "index")))
+
 
 @dataclass
 class PhysioNet2012:

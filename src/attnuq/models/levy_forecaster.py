@@ -27,6 +27,14 @@ early stopping on validation MSE. :func:`fit_temperature` fits the one temperatu
 ``N(mu, (T sigma)^2)`` on validation in closed form, ``T^2 = mean((y - mu)^2 / sigma^2)``, which is
 the exact minimiser of the Gaussian NLL over ``T``.
 
+``alpha`` and the MSE loss: ``p_qi = w_qi / Lambda_q`` and ``w_qi`` is proportional to ``alpha``,
+so ``mu`` does not depend on ``alpha`` and MSE-only training leaves it at its initial value
+(zero gradient). ``alpha`` only enters ``sigma`` through ``phi(Lambda_q)``, ``Lambda_q = alpha
+S_q`` with ``S_q = sum_i exp(beta (cos - 1))``. Two ways to fit it: a training NLL term
+(``nll_weight > 0``), or the two-stage fit :func:`fit_alpha_temperature` (``alpha`` and ``T``
+jointly by validation NLL after MSE training, the same way ``T`` alone is fitted), applied to a
+model with :meth:`LevyForecaster.set_alpha`.
+
 Examples
 --------
 >>> import torch
@@ -63,6 +71,7 @@ __all__ = [
     "LevyForecaster",
     "SoftmaxForecaster",
     "fit",
+    "fit_alpha_temperature",
     "fit_temperature",
     "masked_mse",
 ]
@@ -268,6 +277,17 @@ class LevyForecaster(nn.Module):
             "h": F.softplus(self.raw_h), "omega": self.omega, "phase": self.phase, "D": self.D,
         }
 
+    @torch.no_grad()
+    def set_alpha(self, alpha: float) -> None:
+        """Set ``alpha`` (e.g. the value of :func:`fit_alpha_temperature`); ``mu`` is unchanged.
+
+        Raises ``ValueError`` unless ``alpha`` is a finite float > 0.
+        """
+        if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"alpha must be a finite float > 0, got alpha={alpha!r}")
+        raw = alpha + math.log(-math.expm1(-alpha))  # inverse softplus, stable for any alpha
+        self.raw_alpha.fill_(raw)
+
     def _qka(
         self, obs_times, obs_channels, obs_values, obs_mask, query_times, query_channels
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -427,6 +447,8 @@ class FitReport:
     best_epoch: int = -1
     best_val_mse: float = float("inf")
     seconds: float = 0.0
+    #: why training ended: ``"max_epochs"``, ``"patience"`` or ``"max_seconds"``
+    stopped_by: str = "max_epochs"
 
 
 @torch.no_grad()
@@ -513,8 +535,11 @@ def fit(
         else:
             bad += 1
         if bad >= patience:
+            rep.stopped_by = "patience"
             break
-        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+        if (max_seconds is not None and time.perf_counter() - t0 > max_seconds
+                and epoch + 1 < max_epochs):
+            rep.stopped_by = "max_seconds"
             break
     model.load_state_dict(best_state)
     model.eval()
@@ -556,3 +581,98 @@ def fit_temperature(
         raise ValueError("sigma must be >= 0")
     t2 = float((((y - mu) / sd.clamp_min(floor)) ** 2).mean())
     return math.sqrt(max(t2, 1e-300))
+
+
+def fit_alpha_temperature(
+    mean: torch.Tensor | np.ndarray,
+    var: torch.Tensor | np.ndarray,
+    strength: torch.Tensor | np.ndarray,
+    targets: torch.Tensor | np.ndarray,
+    *,
+    floor: float = 1e-6,
+    log_range: tuple[float, float] = (-12.0, 12.0),
+    grid: int = 97,
+) -> tuple[float, float]:
+    r"""Two-stage calibration: ``alpha`` and ``T`` of ``N(mu, T^2 Sigma_V phi(alpha S))`` by NLL.
+
+    With ``s_i(alpha) = max(sqrt(var_i phi(alpha S_i)), floor)`` the Gaussian NLL, minimised over
+    ``T`` in closed form (``T^2 = mean(r_i^2 / s_i^2)``, :func:`fit_temperature`), is the profile
+
+    .. math:: \ell(\alpha) = \tfrac12 \log \overline{r^2 / s(\alpha)^2}
+              + \overline{\log s(\alpha)} + \text{const},
+
+    minimised over ``log alpha`` in ``log_range`` on a grid of ``grid`` points, then refined by
+    golden-section search between the grid neighbours of the best point. ``alpha -> 0`` gives
+    ``phi -> 1`` (no evidence term); ``alpha -> inf`` gives ``s^2 ~ var / (alpha S)``.
+    ``S_q = Lambda_q / alpha_model`` is the evidence per unit ``alpha`` (``mu`` does not depend
+    on ``alpha``, so this is exact).
+
+    Parameters
+    ----------
+    mean, var, strength, targets
+        ``(n,)`` each: ``mu``, ``Sigma_V,cc`` (``sigma_nophi ** 2``), ``S``, ``y``.
+
+    Returns
+    -------
+    (alpha, T)
+
+    Examples
+    --------
+    >>> import torch
+    >>> from attnuq.ops.phi import poisson_phi
+    >>> g = torch.Generator().manual_seed(0)
+    >>> S = torch.rand(4000, generator=g, dtype=torch.float64) * 20 + 0.1
+    >>> sd = (0.04 * poisson_phi(2.0 * S)).sqrt()
+    >>> y = sd * torch.randn(4000, generator=g, dtype=torch.float64)
+    >>> a, T = fit_alpha_temperature(torch.zeros(4000), torch.full((4000,), 0.04), S, y)
+    >>> 1.5 < a < 2.7 and 0.9 < T < 1.1
+    True
+    """
+    from attnuq.ops.phi import poisson_phi
+
+    cols = [torch.as_tensor(x, dtype=torch.float64).reshape(-1)
+            for x in (mean, var, strength, targets)]
+    mu, v, S, y = cols
+    if not (mu.shape == v.shape == S.shape == y.shape) or mu.numel() == 0:
+        raise ValueError(
+            "mean, var, strength, targets must be non-empty and of one length, got "
+            f"{[c.numel() for c in cols]}"
+        )
+    for t, n in zip(cols, ("mean", "var", "strength", "targets"), strict=True):
+        check_finite(t, n)
+    if bool((v < 0).any()) or bool((S < 0).any()):
+        raise ValueError("var and strength must be >= 0")
+    lo, hi = log_range
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise ValueError(f"log_range must be finite with lo < hi, got {log_range=}")
+    check_positive_int(grid, "grid")
+    if grid < 3:
+        raise ValueError(f"grid must be >= 3, got {grid=}")
+    r2 = (y - mu) ** 2
+
+    def profile(la: float) -> float:
+        s = (v * poisson_phi(math.exp(la) * S)).sqrt().clamp_min(floor)
+        return float(0.5 * torch.log((r2 / s**2).mean().clamp_min(1e-300)) + torch.log(s).mean())
+
+    xs = np.linspace(lo, hi, grid)
+    fs = [profile(float(x)) for x in xs]
+    k = int(np.argmin(fs))
+    a, b = float(xs[max(k - 1, 0)]), float(xs[min(k + 1, grid - 1)])
+    gr = (math.sqrt(5) - 1) / 2
+    c, d = b - gr * (b - a), a + gr * (b - a)
+    fc, fd = profile(c), profile(d)
+    for _ in range(40):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - gr * (b - a)
+            fc = profile(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + gr * (b - a)
+            fd = profile(d)
+    la = c if fc <= fd else d
+    if fs[k] < min(fc, fd):
+        la = float(xs[k])
+    alpha = math.exp(la)
+    sd = (v * poisson_phi(alpha * S)).sqrt()
+    return alpha, fit_temperature(mu, sd, y, floor=floor)
