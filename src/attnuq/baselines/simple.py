@@ -41,7 +41,26 @@ __all__ = ["HomoscedasticGaussian", "MCDropout", "SplitConformal", "dropout_acti
 
 
 class HomoscedasticGaussian(Method):
-    """``N(f(x), sigma^2)``, one ``sigma`` from validation residuals (RMS)."""
+    """``N(f(x), sigma^2)``, one ``sigma`` from validation residuals (RMS).
+
+    ``sigma^2 = mean_val (y - f(x))^2`` over every output element; :meth:`predict` returns a
+    :class:`~attnuq.predictive.GaussianPredictive` with ``mean = f(x)`` and ``std = sigma``,
+    both shaped like the model output ``(B, ...)`` (one forward pass per input).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from attnuq.baselines import Task
+    >>> _ = torch.manual_seed(0)
+    >>> net = nn.Sequential(nn.Linear(2, 1), nn.Flatten(0)).eval()
+    >>> x = torch.randn(64, 2)
+    >>> with torch.no_grad():
+    ...     y = net(x) + 0.5 * torch.randn(64)  # noise sd 0.5
+    >>> g = HomoscedasticGaussian().fit(Task(model=net, train=(x, y), val=(x, y), cal=(x, y)))
+    >>> round(g.sigma, 2), g.predict(x[:3]).std.shape
+    (0.44, torch.Size([3]))
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -66,7 +85,31 @@ class HomoscedasticGaussian(Method):
 
 
 class SplitConformal(Method):
-    """Split conformal on absolute residuals of the frozen model (see module docstring)."""
+    """Split conformal on absolute residuals of the frozen model (see module docstring).
+
+    ``q`` is the ``ceil((n + 1)(1 - alpha))``-th smallest ``|y - f(x)|`` on the ``n``
+    calibration elements; :meth:`predict` returns a :class:`~attnuq.predictive.Predictive` with
+    samples ``(S, B, ...)``: ``f(x)`` plus the ``S`` rescaled validation residuals, whose central
+    ``1 - alpha`` interval is ``f(x) +- q``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from attnuq.baselines import Task
+    >>> _ = torch.manual_seed(0)
+    >>> net = nn.Sequential(nn.Linear(2, 1), nn.Flatten(0)).eval()
+    >>> x = torch.randn(64, 2)
+    >>> with torch.no_grad():
+    ...     y = net(x) + 0.5 * torch.randn(64)
+    >>> cp = SplitConformal(alpha=0.1).fit(Task(model=net, train=(x, y), val=(x, y), cal=(x, y)))
+    >>> pred = cp.predict(x[:3])
+    >>> pred.samples.shape  # 64 validation residuals, 3 inputs
+    torch.Size([64, 3])
+    >>> lo, hi = pred.interval(0.9)
+    >>> round(cp.q, 2), bool(torch.allclose((hi - lo) / 2, torch.tensor(cp.q)))
+    (0.7, True)
+    """
 
     def __init__(self, alpha: float = 0.05) -> None:
         super().__init__()
@@ -110,7 +153,18 @@ def dropout_active(model: nn.Module) -> Iterator[int]:
     """Switch only the dropout modules of ``model`` to training mode; yields how many there are.
 
     Everything else stays in eval mode (LayerNorm/BatchNorm statistics untouched); the previous
-    modes are restored on exit, exceptions included.
+    modes are restored on exit, exceptions included. Dropout modules with ``p = 0`` are not
+    counted.
+
+    Examples
+    --------
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(2, 4), nn.Dropout(0.5), nn.LayerNorm(4)).eval()
+    >>> with dropout_active(net) as n:
+    ...     print(n, net[1].training, net[2].training)
+    1 True False
+    >>> net[1].training
+    False
     """
     drops = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)
              and m.p > 0]
@@ -125,7 +179,29 @@ def dropout_active(model: nn.Module) -> Iterator[int]:
 
 
 class MCDropout(Method):
-    """MC dropout on the frozen model: dropout active at test time only, ``n_samples`` passes."""
+    """MC dropout on the frozen model: dropout active at test time only, ``n_samples`` passes.
+
+    :meth:`predict` returns a :class:`~attnuq.predictive.Predictive` with samples
+    ``(n_samples, B, ...)`` and the deterministic (eval-mode) output as ``frozen``; the draws are
+    seeded with ``seed`` (torch's global random state is restored afterwards), so repeated calls
+    give the same samples. ``fit`` only checks that the model has dropout with ``p > 0``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from attnuq.baselines import Task
+    >>> _ = torch.manual_seed(0)
+    >>> net = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1),
+    ...                     nn.Flatten(0)).eval()
+    >>> x, y = torch.randn(32, 2), torch.randn(32)
+    >>> mc = MCDropout(n_samples=8).fit(Task(model=net, train=(x, y), val=(x, y), cal=(x, y)))
+    >>> pred = mc.predict(x[:4])
+    >>> pred.samples.shape, bool(torch.equal(pred.frozen, net(x[:4])))
+    (torch.Size([8, 4]), True)
+    >>> bool(torch.equal(mc.predict(x[:4]).samples, pred.samples)), net[2].training
+    (True, False)
+    """
 
     def __init__(self, n_samples: int = 100, seed: int = 0) -> None:
         super().__init__()
