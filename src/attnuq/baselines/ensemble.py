@@ -32,7 +32,39 @@ __all__ = ["DeepEnsemble"]
 
 
 class DeepEnsemble(Method):
-    """``n_members`` backbones (seeds ``0 .. n_members - 1``); Gaussian over member outputs."""
+    """``n_members`` backbones (seeds ``0 .. n_members - 1``); Gaussian over member outputs.
+
+    With member outputs ``f_m(x)`` (``m = 0 .. M-1``; member 0 is the task's frozen model),
+    :meth:`predict` returns ``N(mean_m f_m(x), var_m f_m(x))`` (unbiased variance) as a
+    :class:`~attnuq.predictive.GaussianPredictive` shaped like the output ``(B, ...)``, at ``M``
+    forward passes per input. ``fit`` needs the task's ``make_model`` and ``train_fn``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from attnuq.baselines import Task
+    >>> def make_model(seed):
+    ...     torch.manual_seed(seed)
+    ...     return nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1), nn.Flatten(0))
+    >>> def train_fn(model, train, val, seed):  # a few SGD steps stand in for the recipe
+    ...     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ...     for _ in range(10):
+    ...         for xb, yb in train:
+    ...             opt.zero_grad()
+    ...             nn.functional.mse_loss(model(xb), yb).backward()
+    ...             opt.step()
+    >>> x = torch.randn(32, 2, generator=torch.Generator().manual_seed(0))
+    >>> y = x.sum(1)
+    >>> net = make_model(0)
+    >>> task = Task(model=net, train=(x, y), val=(x, y), cal=(x, y), batch_size=16,
+    ...             make_model=make_model, train_fn=train_fn)
+    >>> train_fn(net, task.train, task.val, 0)  # the frozen model (member 0)
+    >>> ens = DeepEnsemble(n_members=3).fit(task)
+    >>> pred = ens.predict(x[:4])
+    >>> pred.mean.shape, bool((pred.std > 0).all()), ens.cost.predict_forward_per_input
+    (torch.Size([4]), True, 3)
+    """
 
     def __init__(self, n_members: int = 5) -> None:
         super().__init__()

@@ -63,6 +63,21 @@ class SWAGCollector:
         ``K``, the number of most recent deviation columns kept.
     var_clamp
         Lower bound on the diagonal variance.
+
+    Examples
+    --------
+    >>> import torch
+    >>> c = SWAGCollector(n_params=2, max_rank=2)
+    >>> for w in ([0.0, 0.0], [2.0, 0.0], [4.0, 3.0]):
+    ...     c.collect(torch.tensor(w, dtype=torch.float64))
+    >>> c.n, c.mean
+    (3, tensor([2., 1.], dtype=torch.float64))
+    >>> c.variance  # sq_mean - mean^2
+    tensor([2.6667, 2.0000], dtype=torch.float64)
+    >>> c.deviation_matrix.shape  # (P, K): only the last K = 2 deviations are kept
+    torch.Size([2, 2])
+    >>> c.sample(torch.Generator().manual_seed(0)).shape
+    torch.Size([2])
     """
 
     def __init__(self, n_params: int, max_rank: int = 20, var_clamp: float = 1e-30) -> None:
@@ -141,6 +156,26 @@ def fit_swag(
     """Continue training a copy of ``model`` at constant ``lr`` and collect SWAG moments.
 
     Returns ``(copy, collector, example_forwards)``; the copy holds the SWA mean afterwards.
+    ``model`` itself is not changed. Training minimises the MSE between
+    ``task.forward(copy, inputs)`` and the targets with AdamW; snapshots are taken
+    ``snapshots_per_epoch`` times per epoch, evenly spaced over the epoch's steps.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from torch.nn.utils import parameters_to_vector
+    >>> from attnuq.baselines import Task
+    >>> _ = torch.manual_seed(0)
+    >>> net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1), nn.Flatten(0)).eval()
+    >>> x, y = torch.randn(32, 2), torch.randn(32)
+    >>> task = Task(model=net, train=(x, y), val=(x, y), cal=(x, y), batch_size=16)
+    >>> swa, coll, n_fwd = fit_swag(net, task, epochs=2, snapshots_per_epoch=2, max_rank=3,
+    ...                             progress=False)
+    >>> coll.n, n_fwd, coll.deviation_matrix.shape  # 2 x 2 snapshots, 2 x 32 rows, (P, K)
+    (4, 64, torch.Size([33, 3]))
+    >>> bool(torch.allclose(parameters_to_vector(swa.parameters()).double(), coll.mean))
+    True
     """
     epochs = check_positive_int(epochs, "epochs")
     snapshots_per_epoch = check_positive_int(snapshots_per_epoch, "snapshots_per_epoch")
@@ -177,7 +212,24 @@ def fit_swag(
 class SWAG(Method):
     """SWAG around the frozen model (``n_members=1``) or MultiSWAG (``n_members > 1``).
 
-    Predicts with ``n_samples`` weight draws in total (split evenly over members).
+    Predicts with ``n_samples`` weight draws in total (split evenly over members): a
+    :class:`~attnuq.predictive.Predictive` with samples ``(n_samples, B, ...)``, one forward pass
+    per draw. Member 0 is the task's frozen model; more members need ``make_model`` and
+    ``train_fn``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from attnuq.baselines import Task
+    >>> _ = torch.manual_seed(0)
+    >>> net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1), nn.Flatten(0)).eval()
+    >>> x, y = torch.randn(32, 2), torch.randn(32)
+    >>> task = Task(model=net, train=(x, y), val=(x, y), cal=(x, y), batch_size=16)
+    >>> swag = SWAG(n_samples=6, epochs=2, max_rank=4, progress=False).fit(task)
+    >>> pred = swag.predict(x[:4])
+    >>> pred.samples.shape, swag.cost.fit_forward  # 2 epochs x 32 rows
+    (torch.Size([6, 4]), 64)
     """
 
     def __init__(
@@ -243,7 +295,37 @@ class SWAG(Method):
 
 
 class MultiSWAG(SWAG):
-    """MultiSWAG: SWAG on each of ``n_members`` (default 5) ensemble members, samples pooled."""
+    """MultiSWAG: SWAG on each of ``n_members`` (default 5) ensemble members, samples pooled.
+
+    Members are the deep-ensemble members of the task (:meth:`Task.member`, shared with
+    :class:`~attnuq.baselines.DeepEnsemble`); samples ``(n_samples, B, ...)``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from attnuq.baselines import Task
+    >>> def make_model(seed):
+    ...     torch.manual_seed(seed)
+    ...     return nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1), nn.Flatten(0))
+    >>> def train_fn(model, train, val, seed):  # a few SGD steps stand in for the recipe
+    ...     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ...     for _ in range(10):
+    ...         for xb, yb in train:
+    ...             opt.zero_grad()
+    ...             nn.functional.mse_loss(model(xb), yb).backward()
+    ...             opt.step()
+    >>> x = torch.randn(32, 2, generator=torch.Generator().manual_seed(0))
+    >>> y = x.sum(1)
+    >>> net = make_model(0)
+    >>> task = Task(model=net, train=(x, y), val=(x, y), cal=(x, y), batch_size=16,
+    ...             make_model=make_model, train_fn=train_fn)
+    >>> train_fn(net, task.train, task.val, 0)  # the frozen model (member 0)
+    >>> ms = MultiSWAG(n_members=2, n_samples=6, epochs=2, max_rank=4, progress=False)
+    >>> pred = ms.fit(task).predict(x[:4])
+    >>> pred.samples.shape, ms.cost.fit_forward  # SWAG steps: 2 members x 2 epochs x 32 rows
+    (torch.Size([6, 4]), 128)
+    """
 
     def __init__(self, n_members: int = 5, **kwargs: Any) -> None:
         super().__init__(n_members=n_members, **kwargs)
