@@ -55,7 +55,21 @@ __all__ = ["LastLayerLaplace", "find_last_linear", "laplace_log_marglik"]
 
 
 def find_last_linear(model: nn.Module, name: str | None = None) -> tuple[str, nn.Linear]:
-    """The ``nn.Linear`` called ``name``, or the last one in ``model.named_modules()`` order."""
+    """The ``nn.Linear`` called ``name``, or the last one in ``model.named_modules()`` order.
+
+    Returns ``(qualified_name, layer)``; raises ``ValueError`` if ``model`` has no linear layer
+    or none called ``name`` (the message lists the linear layers).
+
+    Examples
+    --------
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+    >>> name, layer = find_last_linear(net)
+    >>> name, layer.in_features
+    ('2', 8)
+    >>> find_last_linear(net, "0")[1].out_features
+    8
+    """
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not linears:
         raise ValueError(f"{type(model).__name__} has no nn.Linear layer for last-layer Laplace")
@@ -73,7 +87,23 @@ def laplace_log_marglik(
 ) -> torch.Tensor:
     """Laplace log marginal likelihood of the last layer for each prior precision in ``alpha``.
 
-    ``eig``: eigenvalues ``(d~,)`` of ``Phi~^T Phi~``; ``alpha``: ``(G,)``; returns ``(G,)``.
+    ``eig``: eigenvalues ``(d~,)`` of ``Phi~^T Phi~``; ``alpha``: ``(G,)``; returns ``(G,)``::
+
+        log Z(alpha) = -n/2 log(2 pi s2) - rss/(2 s2) - alpha/2 theta_sq
+                       + P/2 log alpha - k/2 sum_i log(eig_i / s2 + alpha),   P = k d~,
+
+    with ``s2`` the noise variance, ``rss`` the residual sum of squares over the ``n`` output
+    elements, ``k`` the outputs of the last layer and ``theta_sq = |theta*|^2`` the squared norm
+    of its weights and bias (see the module docstring).
+
+    Examples
+    --------
+    >>> import torch
+    >>> eig = torch.tensor([10.0, 1.0, 0.1], dtype=torch.float64)
+    >>> alpha = torch.logspace(-3, 3, 7, dtype=torch.float64)
+    >>> lml = laplace_log_marglik(eig, alpha, s2=0.5, rss=12.0, n=50, k=1, theta_sq=2.0)
+    >>> lml.shape, float(alpha[lml.argmax()])
+    (torch.Size([7]), 1.0)
     """
     p = k * eig.numel()
     a = alpha.reshape(-1, 1)
@@ -95,7 +125,30 @@ class _Capture:
 
 
 class LastLayerLaplace(Method):
-    """Closed-form last-layer Laplace for Gaussian regression (see module docstring)."""
+    """Closed-form last-layer Laplace for Gaussian regression (see module docstring).
+
+    :meth:`predict` returns a :class:`~attnuq.predictive.GaussianPredictive` with mean ``f(x)``
+    and variance ``phi~(x)^T Sigma phi~(x) + s2`` shaped like the output ``(B, ...)``
+    (one forward pass per input).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from attnuq.baselines import Task
+    >>> _ = torch.manual_seed(0)
+    >>> net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1), nn.Flatten(0)).eval()
+    >>> x = torch.randn(50, 2)
+    >>> with torch.no_grad():
+    ...     y = net(x) + 0.3 * torch.randn(50)
+    >>> la = LastLayerLaplace(prior="marglik").fit(Task(model=net, train=(x, y), val=(x, y),
+    ...                                                  cal=(x, y)))
+    >>> la.info()["layer"], round(la.info()["prior_precision"], 2)
+    ('2', 8.91)
+    >>> pred = la.predict(x[:3])
+    >>> pred.std.shape, bool((pred.std**2 > la.s2).all())  # epistemic part + noise s2
+    (torch.Size([3]), True)
+    """
 
     def __init__(
         self,
