@@ -75,7 +75,25 @@ def _gumbel_forward(self: Any, x_q: torch.Tensor, x_kv: torch.Tensor) -> torch.T
 def gumbel_attention(model: nn.Module, tau: float = 1.0) -> Iterator[int]:
     """Replace every supported attention's softmax by a Gumbel-softmax sample; yields the count.
 
-    The per-instance ``forward`` overrides are removed on exit, exceptions included.
+    Inside the block each attention probability row is ``p = softmax((s + g) / tau)`` with
+    ``g_j ~ Gumbel(0, 1)`` i.i.d. (drawn from torch's global random state), differentiable in
+    the scores ``s`` (shape ``(B*H, Lq, Lk)``). The per-instance ``forward`` overrides are
+    removed on exit, exceptions included.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from attnuq.models.ft import make_ft_transformer
+    >>> _ = torch.manual_seed(0)
+    >>> model = make_ft_transformer(2, n_blocks=1, seed=0).eval()
+    >>> x = torch.randn(3, 2)
+    >>> with torch.no_grad(), gumbel_attention(model, tau=1.0) as n:
+    ...     a, b = model(x), model(x)
+    >>> n, bool(torch.equal(a, b))  # one attention module; two passes differ
+    (1, False)
+    >>> with torch.no_grad():
+    ...     bool(torch.equal(model(x), model(x)))  # restored: deterministic again
+    True
     """
     if not tau > 0:
         raise ValueError(f"tau must be positive, got {tau=}")
@@ -97,7 +115,31 @@ def gumbel_attention(model: nn.Module, tau: float = 1.0) -> Iterator[int]:
 
 
 class HSA(Method):
-    """Train a fresh backbone with Gumbel-softmax attention; predict with ``n_samples`` passes."""
+    """Train a fresh backbone with Gumbel-softmax attention; predict with ``n_samples`` passes.
+
+    ``fit`` builds ``make_model(seed)`` and trains it with the task's ``train_fn`` inside
+    :func:`gumbel_attention` (the frozen model is not used); :meth:`predict` returns a
+    :class:`~attnuq.predictive.Predictive` with samples ``(n_samples, B, ...)``, seeded with
+    ``seed`` (repeated calls give the same samples).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from attnuq.baselines import Task
+    >>> from attnuq.models.ft import make_ft_transformer, train_regressor
+    >>> def make_model(seed):
+    ...     return make_ft_transformer(2, n_blocks=1, seed=seed)
+    >>> def train_fn(model, train, val, seed):  # one epoch, to keep the example short
+    ...     return train_regressor(model, train, val, max_epochs=1, seed=seed, progress=False)
+    >>> _ = torch.manual_seed(0)
+    >>> x, y = torch.randn(32, 2), torch.randn(32)
+    >>> task = Task(model=make_model(0).eval(), train=(x, y), val=(x, y), cal=(x, y),
+    ...             make_model=make_model, train_fn=train_fn)
+    >>> hsa = HSA(tau=1.0, n_samples=4).fit(task)
+    >>> pred = hsa.predict(x[:3])
+    >>> pred.samples.shape, bool(torch.equal(hsa.predict(x[:3]).samples, pred.samples))
+    (torch.Size([4, 3]), True)
+    """
 
     def __init__(self, tau: float = 1.0, n_samples: int = 50, seed: int = 2000) -> None:
         super().__init__()
