@@ -50,7 +50,7 @@ def test_bench_physionet_end_to_end(tmp_path: Path) -> None:
     assert seed1["train_levy"]["stopped_by"] == "max_epochs"
     summ = res["summary"]
     for meth in ("levy", "levy_alpha_trained", "levy_nophi", "levy_sub", "levy_sampler",
-                 "softmax_mcdropout"):
+                 "levy_sub_alpha_trained", "levy_sampler_alpha_trained", "softmax_mcdropout"):
         for key in ("mse", "mae", "nll", "crps", "T", "cov90", "ccov90", "width95", "cwidth95"):
             assert np.isfinite(summ[meth][key][0]), (meth, key)
     assert summ["levy"]["mse"] == summ["levy_nophi"]["mse"]  # same pass, different spread
@@ -73,3 +73,25 @@ def test_bench_physionet_rejects_unavailable_device(
     assert main(["bench", "physionet", "--data-dir", str(tmp_path), "--device", "cuda:99"]) == 2
     assert "cuda:99" in capsys.readouterr().err
     assert not (tmp_path / "physionet.json").exists()
+
+
+def test_checkpoint_of_another_cap_config_is_reused_only_when_it_is_the_same_run() -> None:
+    from attnuq.bench.physionet import _same_run
+
+    base = {"d": 32, "patience": 2, "max_epochs": 10, "max_train_seconds": 1500.0, "lr": 2e-3}
+    capped = {"epochs": 5, "best_epoch": 4, "seconds": 1550.0, "val_mse_curve": [1.0] * 5}
+    full = {"epochs": 10, "best_epoch": 9, "seconds": 1100.0, "val_mse_curve": [1.0] * 10}
+    early = {"epochs": 4, "best_epoch": 1, "seconds": 400.0, "stopped_by": "patience"}
+    no_cap = dict(base, max_train_seconds=None)
+    # stopped by the time cap after 5 epochs: the run of --max-epochs 5, not of --max-epochs 10
+    assert _same_run(capped, base, dict(no_cap, max_epochs=5)) == "max_epochs"
+    assert _same_run(capped, base, no_cap) is None
+    # ended by the epoch cap well inside the time cap: the same as without a cap
+    assert _same_run(full, base, no_cap) == "max_epochs"
+    assert _same_run(full, base, dict(no_cap, max_epochs=12)) is None
+    assert _same_run(full, base, dict(base, max_train_seconds=600.0)) is None
+    # early stopping: the same for any epoch cap it did not reach
+    assert _same_run(early, base, dict(no_cap, max_epochs=30)) == "patience"
+    assert _same_run(early, base, dict(no_cap, max_epochs=3)) is None
+    # any other option differs: never reused
+    assert _same_run(full, base, dict(no_cap, lr=1e-3)) is None

@@ -15,7 +15,8 @@ calibrated on validation (:func:`attnuq.conformal.conformal_scale`, one pooled f
 * ``levy_alpha_trained``: the same pass with ``alpha`` as trained (no second stage; ablation);
 * ``levy_nophi``: the same pass with ``s = sqrt(Sigma_V,cc)`` (no evidence term; ablation);
 * ``levy_sampler``: 50 explicit Poisson draws of the same layer (mean and std of the non-empty
-  draws);
+  draws), at the fitted ``alpha`` and (``levy_sampler_alpha_trained``, against the closed form
+  ``levy_sub_alpha_trained``) at ``alpha`` as trained;
 * ``softmax_mcdropout``: the matched softmax control with dropout active, 20 passes;
 * ``softmax_ensemble``: 5 independently initialised controls (seeds ``0..M-1``; one ensemble,
   its metrics are not averaged over seeds);
@@ -273,30 +274,96 @@ _CONFIG_KEYS = ("d", "encoder_layers", "dropout", "batch_size", "max_epochs", "p
                 "nll_weight", "max_train_queries", "max_train_seconds", "max_stays", "split_seed")
 
 
+def _train_config(args: argparse.Namespace, ds: PhysioNet2012) -> dict[str, Any]:
+    cfg = {k: getattr(args, k, None) for k in _CONFIG_KEYS}
+    cfg["cache"] = Path(ds.cache_path or ds.source).name
+    return cfg
+
+
 def _ckpt_dir(args: argparse.Namespace, ds: PhysioNet2012) -> Path:
     """Checkpoint folder (in the cache, never the repository) keyed by data and config."""
     import hashlib
 
     from attnuq.data.physionet import default_cache_dir
 
-    cfg = {k: getattr(args, k, None) for k in _CONFIG_KEYS}
-    cfg["cache"] = Path(ds.cache_path or ds.source).name
+    cfg = _train_config(args, ds)
     key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
     base = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     return base / "physionet-runs" / key
 
 
+def _same_run(info: dict[str, Any], old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """Stop reason under ``new`` if a model trained under ``old`` is what ``new`` would train.
+
+    Training is deterministic and nothing in it depends on the epoch or time caps (constant
+    learning rate), so a run under ``old`` that ended after ``E`` epochs equals a run under
+    ``new`` (same other options) when ``new`` would also end after ``E`` epochs: by patience
+    (``E <= new max_epochs``), or by the epoch cap (``E == new max_epochs``), and without
+    reaching ``new``'s wall-clock cap (the old run's seconds, timing noise aside). Returns
+    ``None`` when the run is not reusable.
+    """
+    caps = ("max_epochs", "max_train_seconds")
+    if any(old.get(k) != new.get(k) for k in set(old) | set(new) if k not in caps):
+        return None
+    ns = argparse.Namespace(max_epochs=old["max_epochs"], patience=old["patience"])
+    why, e = _stopped_by(info, ns), int(info["epochs"])
+    cap = new.get("max_train_seconds")
+    if cap is not None and float(info["seconds"]) > float(cap):
+        return None
+    if why == "patience" and e <= int(new["max_epochs"]):
+        return "patience"
+    if e == int(new["max_epochs"]):
+        return "max_epochs"
+    return None
+
+
+def _find_ckpt(kind: str, seed: int, args: argparse.Namespace, ds: PhysioNet2012
+               ) -> tuple[Path, str | None] | None:
+    """This config's checkpoint, else one of another cap config that trained the same model."""
+    here = _ckpt_dir(args, ds)
+    ck = here / f"{kind}_{seed}.pt"
+    if ck.is_file():
+        return ck, None
+    new = _train_config(args, ds)
+    for cfg_file in sorted(here.parent.glob("*/config.json")):
+        other = cfg_file.parent / f"{kind}_{seed}.pt"
+        if cfg_file.parent == here or not other.is_file():
+            continue
+        old = json.loads(cfg_file.read_text())
+        info = torch.load(other, weights_only=False, map_location="cpu")["info"]
+        why = _same_run(info, old, new)
+        if why is not None:
+            return other, why
+    return None
+
+
 def _model(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[ForecastBatch],
            args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Load ``kind`` seed ``seed`` from the checkpoint folder, or train and save it."""
-    ck = _ckpt_dir(args, ds) / f"{kind}_{seed}.pt"
-    if ck.is_file():
+    """Load ``kind`` seed ``seed`` from the checkpoint cache, or train and save it.
+
+    A checkpoint of a configuration that differs only in ``--max-epochs`` /
+    ``--max-train-seconds`` is reused when it is the model this configuration would train
+    (:func:`_same_run`); its record then says so (``reused_from``).
+    """
+    here = _ckpt_dir(args, ds)
+    here.mkdir(parents=True, exist_ok=True)
+    cfg_file = here / "config.json"
+    if not cfg_file.is_file():
+        cfg_file.write_text(json.dumps(_train_config(args, ds), sort_keys=True))
+    found = _find_ckpt(kind, seed, args, ds)
+    if found is not None:
+        ck, why = found
         blob = torch.load(ck, weights_only=False, map_location=args.device)
         model = _new_model(kind, ds, args)
         model.load_state_dict(blob["state"])
         model.eval()
-        _log(f"loaded {kind} seed {seed} from {ck}")
-        return model, blob["info"]
+        info = dict(blob["info"])
+        if why is not None:
+            info.update(stopped_by=why, reused_from=ck.parent.name, max_epochs=args.max_epochs,
+                        max_train_seconds=args.max_train_seconds)
+        _log(f"loaded {kind} seed {seed} from {ck}" + (f" (same run: {why})" if why else ""))
+        return model, info
+    ck = here / f"{kind}_{seed}.pt"
     model, info = _train(kind, seed, ds, tr, val_b, args)
     ck.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"state": model.state_dict(), "info": info}, ck.with_suffix(".tmp"))
@@ -432,6 +499,19 @@ def _seed_block(seed: int, ctx: dict[str, Any], args: argparse.Namespace) -> dic
     m["levy_sampler"] = _scores(sm_test["mean"], sm_test["sigma"], ys_test,
                                 (sm_val["mean"], sm_val["sigma"], ys_val))
     m["levy_sampler"]["stays_per_s"] = n_sub / t_sm
+    # the same comparison at alpha as trained (a small fitted alpha leaves most draws empty)
+    levy.set_alpha(alpha0)  # type: ignore[operator]
+    sm0_val = _sampler(levy, sub_val_b, args.sampler_draws, seed)
+    sm0_test = _sampler(levy, sub_test_b, args.sampler_draws, seed + 1)
+    levy.set_alpha(alpha)  # type: ignore[operator]
+    m["levy_sampler_alpha_trained"] = _scores(sm0_test["mean"], sm0_test["sigma"], ys_test,
+                                              (sm0_val["mean"], sm0_val["sigma"], ys_val))
+
+    def sd_at_alpha0(o: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (o["sigma_nophi"] ** 2 * poisson_phi(o["evidence"] * (alpha0 / alpha))).sqrt()
+
+    m["levy_sub_alpha_trained"] = _scores(ls_test["mean"], sd_at_alpha0(ls_test), ys_test,
+                                          (ls_val["mean"], sd_at_alpha0(ls_val), ys_val))
     # evidence bins: quintiles of Lambda on the test points (full test; MC dropout on subset)
     lam = lv_test["evidence"]
     edges = torch.quantile(lam, torch.linspace(0, 1, 6, dtype=lam.dtype))
@@ -769,6 +849,10 @@ def _write_md(md: Path, out: Path, results: dict[str, Any], per_seed: list[dict[
                         ("levy_sub", "Levy (one pass)" + tag),
                         ("levy_sampler",
                          f"Levy, explicit Poisson sampler ({a_['sampler_draws']} draws){tag}"),
+                        ("levy_sub_alpha_trained", "Levy (one pass), alpha as trained" + tag),
+                        ("levy_sampler_alpha_trained",
+                         f"Levy, explicit Poisson sampler ({a_['sampler_draws']} draws), alpha "
+                         f"as trained{tag}"),
                         ("softmax_mcdropout",
                          f"softmax control, MC dropout ({a_['mc_passes']} passes){tag}")):
         if meth in summ:
@@ -980,10 +1064,14 @@ def _write_md(md: Path, out: Path, results: dict[str, Any], per_seed: list[dict[
         x_, y_ = summ["levy_sub"]["crps"][0], summ["softmax_mcdropout"]["crps"][0]
         lines.append(f"* CRPS better than MC dropout (same test subset): {x_:.5f} vs {y_:.5f} -> "
                      f"{'met' if x_ < y_ else 'NOT met'}.")
-    if "levy_sub" in summ and "levy_sampler" in summ:
-        x_, y_ = summ["levy_sub"]["crps"][0], summ["levy_sampler"]["crps"][0]
-        lines.append(f"* zero-sample CRPS vs the explicit sampler (same subset): {x_:.5f} vs "
-                     f"{y_:.5f} -> {'better' if x_ < y_ else 'NOT better'}.")
+    for cf, sm, what in (("levy_sub", "levy_sampler", "fitted alpha"),
+                         ("levy_sub_alpha_trained", "levy_sampler_alpha_trained",
+                          "alpha as trained")):
+        if cf in summ and sm in summ:
+            x_, y_ = summ[cf]["crps"][0], summ[sm]["crps"][0]
+            lines.append(f"* zero-sample CRPS vs the explicit sampler of the same layer (same "
+                         f"subset, {what}): {x_:.5f} vs {y_:.5f} -> "
+                         f"{'better' if x_ < y_ else 'NOT better'}.")
     if "levy" in summ:
         # NOTE: test points are correlated within a stay, so the tolerance is a fixed 1 point
         ok = [summ["levy"][f"ccov{int(lv*100)}"][0] >= lv - 0.01 for lv in LEVELS]
