@@ -39,7 +39,36 @@ _CRITERIA = ("paper", "scale", "crps", "coverage")
 
 
 class StochasticAttention(Method):
-    """SA with ``nu`` calibrated by ``criterion``; optionally conformalised on ``cal``."""
+    """SA with ``nu`` calibrated by ``criterion``; optionally conformalised on ``cal``.
+
+    ``fit`` runs :func:`attnuq.calibrate` on the task's ``val`` part (``calibrate_kwargs`` such
+    as ``nu_range`` or ``max_evals`` are passed on) and, with ``conformal=True``, fits the
+    spread factor on ``cal``. :meth:`predict` returns a :class:`~attnuq.predictive.Predictive`
+    with samples ``(n_samples, B, ...)`` and the frozen output ``(B, ...)``; each sample is one
+    forward pass with every attention made stochastic with ``nu`` draws.
+
+    Examples
+    --------
+    A one-layer transformer encoder with outputs ``(B, L, 4)`` (tiny budgets for speed):
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from attnuq.baselines import Task
+    >>> _ = torch.manual_seed(0)
+    >>> layer = nn.TransformerEncoderLayer(4, 1, 8, dropout=0.0, batch_first=True)
+    >>> net = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+    >>> x = torch.randn(16, 3, 4)
+    >>> with torch.no_grad():
+    ...     y = net(x) + 0.1 * torch.randn(16, 3, 4)
+    >>> sa = StochasticAttention(criterion="scale", conformal=True, alpha=0.1, n_samples=8,
+    ...                          n_passes=2, max_evals=2, nu_range=(1, 64), progress=False)
+    >>> sa = sa.fit(Task(model=net, train=(x, y), val=(x, y), cal=(x, y)))
+    >>> 1 <= sa.nu <= 64, sa.scale > 0
+    (True, True)
+    >>> pred = sa.predict(x[:2])
+    >>> pred.samples.shape, pred.frozen.shape
+    (torch.Size([8, 2, 3, 4]), torch.Size([2, 3, 4]))
+    """
 
     def __init__(
         self,
