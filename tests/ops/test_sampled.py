@@ -521,3 +521,73 @@ def test_degenerate_sizes():
     assert sampled_attention(q[:, :, :0], k, v, nu=2).shape == (1, 2, 0, 5)
     m, var = attention_moments(q[:, :, :0], k, v)
     assert m.shape == var.shape == (1, 2, 0, 5)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: no (G, M, nu) tensor without a gradient
+# ---------------------------------------------------------------------------------------------
+def _largest_allocation(fn) -> tuple[int, list[int]]:
+    """Run ``fn`` under the torch profiler with memory recording; return the largest single CPU
+    allocation in bytes and the sizes of all allocations (the profiler sees every allocation of
+    torch's CPU allocator, so this does not depend on timing or on the system allocator)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    sizes = [e.nbytes() for e in prof.profiler.kineto_results.events()
+             if e.name() == "[memory]" and e.nbytes() > 0]
+    assert sizes, "the profiler recorded no allocation: the memory check would be vacuous"
+    return max(sizes), sizes
+
+
+def test_blocked_path_never_holds_all_draws_without_gradient(monkeypatch):
+    """Without a gradient for ``v`` the key-blocked path allocates no tensor of ``G * M * nu``
+    elements (uniforms, indices or flags of all draws): every allocation stays below
+    ``G * M * nu`` bytes, so not even a boolean one exists. A small chunk budget forces several
+    query chunks per group; a positive control (``_sample_indices``, which does collect all
+    indices) shows that the check sees such a tensor. Deterministic: allocation sizes do not
+    depend on the data."""
+    from attnuq.ops import sampled as mod
+
+    monkeypatch.setattr(mod, "_BLOCKED_CHUNK_ELEMS", 64 * (32 + 64))  # 64 rows per chunk
+    g, m, lk, nu, dv = 2, 512, 128, 64, 4
+    q, k, v = _qkv(1, g, g, m, lk, 8, dv=dv, seed=28, dtype=torch.float32)
+    all_draws = g * m * nu  # 65536
+    gen = _gen(5)
+    kw = dict(nu=nu, block_size=32, is_causal=True)
+    big, sizes = _largest_allocation(lambda: sampled_attention(q, k, v, generator=gen, **kw))
+    assert big < all_draws, (big, all_draws)
+    assert g * m * dv * 4 in sizes  # the output itself (float32) was seen
+    big_ref, _ = _largest_allocation(lambda: _sample_indices(q, k, v, generator=gen, **kw))
+    assert big_ref >= all_draws * 4  # int32 or int64 indices of all draws
+    # and the chunked forward gives what the all-indices (autograd) path gives
+    y = sampled_attention(q, k, v, generator=_gen(6), **kw)
+    y_grad = sampled_attention(q, k, v.clone().requires_grad_(True), generator=_gen(6), **kw)
+    assert torch.equal(y, y_grad.detach())
+
+
+@pytest.mark.parametrize("block_size", [None, 32])
+def test_uniforms_are_drawn_chunk_by_chunk(monkeypatch, block_size):
+    """Neither path asks ``torch.rand`` for the uniforms of all ``G * M * nu`` draws at once:
+    with several query chunks per group every call covers one chunk (and, blocked, one key
+    block), and together they cover every draw (once per key block when blocked)."""
+    from attnuq.ops import sampled as mod
+
+    monkeypatch.setattr(mod, "_BLOCKED_CHUNK_ELEMS", 64 * (32 + 64))  # 64 rows per chunk
+    monkeypatch.setattr(mod, "_DENSE_CHUNK_ELEMS", 64 * 128)
+    monkeypatch.setattr(mod, "_DENSE_MIN_ROWS", 64)
+    g, m, lk, nu = 2, 512, 128, 64
+    q, k, v = _qkv(1, g, g, m, lk, 8, dv=4, seed=29, dtype=torch.float32)
+    calls: list[int] = []
+    rand = torch.rand
+
+    def counting_rand(*args, **kwargs):
+        out = rand(*args, **kwargs)
+        calls.append(out.numel())
+        return out
+
+    monkeypatch.setattr(torch, "rand", counting_rand)
+    sampled_attention(q, k, v, nu=nu, block_size=block_size, generator=_gen(0))
+    blocks = 1 if block_size is None else lk // block_size
+    assert sum(calls) == g * m * nu * blocks
+    assert max(calls) <= 64 * nu < g * m * nu, calls

@@ -21,10 +21,24 @@ Implementation (dense path, ``block_size=None``): query rows are processed in ch
 heads, or at least 128 queries of one head) whose scores against all keys sit in one reused
 buffer; scores are turned in place into an unnormalised CDF (``cumsum(exp2(s - max))``, the
 ``log2(e)`` factor rides on the GEMM's ``alpha``), and each draw is an inverse-CDF lookup
-(``searchsorted``) of a uniform from one ``torch.rand(generator=...)`` call. The value rows are
-then summed with ``embedding_bag`` (measured faster here than forming the count matrix ``W``
-and a GEMM ``W V``, even for ``nu >= Lk``). With ``is_causal`` each query chunk only scores the
-keys up to its last position. No tensor of ``B*H*Lq*Lk*nu`` (or ``B*H*Lq*Lk``) elements is formed.
+(``searchsorted``) of a uniform drawn for that chunk (``torch.rand(generator=...)``). The value
+rows of all draws are then summed with one ``embedding_bag`` (measured faster here than forming
+the count matrix ``W`` and a GEMM ``W V``, even for ``nu >= Lk``, and faster than one call per
+chunk), so the dense path holds the ``(B*H*Lq, nu)`` indices (int32) but never all uniforms.
+With ``is_causal`` each query chunk only scores the keys up to its last position. No tensor of
+``B*H*Lq*Lk*nu`` (or ``B*H*Lq*Lk``) elements is formed.
+
+Key-blocked path (``block_size`` given): chunks of query rows stream over key blocks, and without
+a gradient for ``v`` each chunk's value rows are summed with ``embedding_bag`` straight into the
+preallocated output, so no ``(B*H*Lq, nu)`` tensor exists: besides the output, the working
+memory is that of one chunk, ``O(rows * (block_size + nu))``. When ``v`` requires a gradient the
+backward of ``embedding_bag`` needs every drawn index, so both paths keep all of them.
+
+Uniforms are taken from the generator chunk by chunk (and, blocked, key block by key block), so
+which uniform serves which draw depends on the chunking. The chunking is a deterministic function
+of the shapes, ``nu``, ``is_causal`` and ``block_size``, so the same generator state gives the
+same draws. (On CPU the dense path's draws do not even depend on the chunking: consecutive
+``torch.rand`` calls continue one serial stream.)
 
 Inputs are checked for NaN/inf with one sum per tensor (a finite sum proves all entries finite;
 otherwise an exact count is made for the message).
@@ -32,6 +46,7 @@ otherwise an exact count is made for the message).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -82,23 +97,31 @@ def _exp2_cdf_(
     return s.cumsum_(-1)
 
 
+Chunk = tuple[int, int, int, int]  # (g0, g1, i0, i1): rows i0:i1 of groups g0:g1
+
+
+def _index_dtype(att: Attn) -> torch.dtype:
+    """int32 when every global value row ``g * Lk + j`` fits, else int64."""
+    return torch.int32 if att.groups * att.lk < 2**31 - 1 else torch.long
+
+
 @torch.no_grad()
 def _sample_dense(
-    att: Attn,
-    nu: int,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    att: Attn, nu: int, generator: torch.Generator | None, empty: torch.Tensor
+) -> Iterator[tuple[Chunk, torch.Tensor]]:
     """Dense inverse-CDF draws, query chunk by query chunk.
 
-    Returns ``idx`` ``(G, M, nu)`` (int32 when it fits, else int64) and ``empty`` ``(G, M)``.
+    Yields ``(chunk, idx)`` with ``idx`` ``(g, rows, nu)`` (local key indices, dtype
+    :func:`_index_dtype`, a fresh tensor the caller may modify) and writes the chunk's rows of
+    ``empty`` ``(G, M)``. The uniforms are drawn chunk by chunk (``(g, rows, nu)`` each), in the
+    group-major, row-minor order of :meth:`Attn.chunks`: no ``(G, M, nu)`` tensor of uniforms.
+    The chunking is a deterministic function of the shapes (and ``is_causal``); on CPU the
+    generator fills consecutive calls from one serial stream, so the draws equal those of a single
+    ``(G, M, nu)`` call whatever the chunking.
     """
     dev, dt = att.q.device, att.q.dtype
-    g_all, m_all, lk = att.groups, att.rows, att.lk
-    use_i32 = g_all * lk < 2**31 - 1
-    # One call for all uniforms: the draws do not depend on the chunking.
-    u = torch.rand((g_all, m_all, nu), generator=generator, device=dev, dtype=dt)
-    idx = torch.empty(g_all, m_all, nu, device=dev, dtype=torch.int32 if use_i32 else torch.long)
-    empty = torch.empty(g_all, m_all, dtype=torch.bool, device=dev)
+    lk = att.lk
+    use_i32 = _index_dtype(att) == torch.int32
     # Causal: query blocks of ~Lq/4 rows only look at the keys up to their last position.
     max_rows = max(_DENSE_MIN_ROWS, att.lq // 4) if att.causal else None
     chunks = att.chunks(lk, _DENSE_CHUNK_ELEMS, _DENSE_MIN_ROWS, max_rows)
@@ -118,20 +141,24 @@ def _sample_dense(
         att.scores(g0, g1, i0, i1, 0, nk, out=b)
         c = _exp2_cdf_(b, shift=shift)
         empty[g0:g1, i0:i1] = c[..., -1] == 0
+        u = torch.rand((g, rows, nu), generator=generator, device=dev, dtype=dt)
         # u < 1 is a float of the same precision as the total (a normal number: >= 1 with the
         # shift, >= 2^-64 without), so u * total < total after
         # rounding: no key past the last one of positive mass can be returned. The clamp only
         # guards rows of zero total mass (flagged empty).
-        ic = torch.searchsorted(c, u[g0:g1, i0:i1] * c[..., -1:], right=True, out_int32=use_i32)
-        idx[g0:g1, i0:i1] = ic.clamp_max_(nk - 1)
-    return idx, empty
+        ic = torch.searchsorted(c, u.mul_(c[..., -1:]), right=True, out_int32=use_i32)
+        yield (g0, g1, i0, i1), ic.clamp_max_(nk - 1)
 
 
 @torch.no_grad()
 def _sample_blocked(
-    att: Attn, nu: int, block_size: int, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw indices ``(G, M, nu)`` (int32 when it fits) streaming over key blocks.
+    att: Attn,
+    nu: int,
+    block_size: int,
+    generator: torch.Generator | None,
+    empty: torch.Tensor,
+) -> Iterator[tuple[Chunk, torch.Tensor]]:
+    """Draws streaming over key blocks; yields ``(chunk, idx)`` like :func:`_sample_dense`.
 
     Each draw keeps a running choice. With running log-mass ``L`` of the keys seen so far and
     block log-mass ``l_b``, the choice is replaced by a draw from the block (inverse CDF within it)
@@ -139,25 +166,29 @@ def _sample_blocked(
     induction the choice after block ``b`` is distributed as the softmax restricted to blocks
     ``1..b``, so after the last block it is an exact draw from the full softmax. One uniform ``u``
     per draw and block serves both the coin (``u < p_b``) and, given replacement, the position
-    within the block (``u / p_b`` is then uniform on ``[0, 1)``). Memory per chunk of ``rows``
-    queries: ``O(rows * (block_size + nu))``.
+    within the block (``u / p_b`` is then uniform on ``[0, 1)``).
+
+    Memory: one chunk of ``rows`` query rows at a time, ``rows * (block_size + nu)`` at most
+    :data:`_BLOCKED_CHUNK_ELEMS` (at least :data:`_BLOCKED_MIN_ROWS` rows): the block scores
+    ``(rows, block_size)`` and a few ``(rows, nu)`` tensors (uniforms, running choice). No
+    tensor of ``G * M * nu`` (or ``M * Lk``) elements is formed. The uniforms are drawn per chunk
+    and key block, so the draws depend on the chunking, which is a deterministic function of the
+    shapes, ``nu`` and ``block_size``: the same generator state gives the same draws.
     """
     dev, dt = att.q.device, att.q.dtype
     lk = att.lk
     # largest float below 1 in the compute dtype: keeps u / p_b < 1 after rounding, so that
     # (u / p_b) * total < total and a key of zero mass is never returned
     below_one = 1.0 - torch.finfo(dt).eps / 2
-    use_i32 = att.groups * lk < 2**31 - 1
-    idx = torch.zeros(att.groups, att.rows, nu, device=dev,
-                      dtype=torch.int32 if use_i32 else torch.long)
-    empty = torch.empty(att.groups, att.rows, dtype=torch.bool, device=dev)
+    idt = _index_dtype(att)
+    use_i32 = idt == torch.int32
     chunks = att.chunks(block_size + nu, _BLOCKED_CHUNK_ELEMS, _BLOCKED_MIN_ROWS)
     cap = max((g1 - g0) * (i1 - i0) for g0, g1, i0, i1 in chunks) * block_size
     buf = torch.empty(cap, dtype=dt, device=dev)
     for g0, g1, i0, i1 in chunks:
         g, rows = g1 - g0, i1 - i0
         run = torch.full((g, rows, 1), float("-inf"), dtype=dt, device=dev)  # log2-mass so far
-        choice = idx[g0:g1, i0:i1]
+        choice = torch.zeros(g, rows, nu, dtype=idt, device=dev)
         for j0 in range(0, lk, block_size):
             j1 = min(lk, j0 + block_size)
             b = buf[: g * rows * (j1 - j0)].view(g, rows, j1 - j0)
@@ -171,11 +202,43 @@ def _sample_blocked(
             run = new_run
             u = torch.rand((g, rows, nu), generator=generator, device=dev, dtype=dt)
             take = u < p  # (g, rows, nu)
-            x = (u / p).clamp_max_(below_one).mul_(c[..., -1:])
+            x = u.div_(p).clamp_max_(below_one).mul_(c[..., -1:])
             local = torch.searchsorted(c, x, right=True, out_int32=use_i32)
             local = local.clamp_max_(j1 - j0 - 1).add_(j0)
-            choice.copy_(torch.where(take, local, choice))
+            choice = torch.where(take, local, choice)
         empty[g0:g1, i0:i1] = (run == float("-inf")).squeeze(-1)
+        yield (g0, g1, i0, i1), choice
+
+
+def _draw_chunks(
+    att: Attn,
+    nu: int,
+    block_size: int | None,
+    generator: torch.Generator | None,
+    empty: torch.Tensor,
+) -> Iterator[tuple[Chunk, torch.Tensor]]:
+    """The dense or key-blocked draws (``att.lk >= 1``), chunk by chunk; fills ``empty``."""
+    if block_size is None or block_size >= att.lk:
+        return _sample_dense(att, nu, generator, empty)
+    return _sample_blocked(att, nu, block_size, generator, empty)
+
+
+def _draw(
+    att: Attn,
+    nu: int,
+    block_size: int | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All draws at once: ``idx`` ``(G, M, nu)`` (dtype :func:`_index_dtype`) and ``empty``
+    ``(G, M)``. For tests, :func:`_sample_indices` and the autograd path only; the forward
+    without gradient consumes :func:`_draw_chunks` chunk by chunk instead."""
+    dev = att.q.device
+    empty = torch.ones(att.groups, att.rows, dtype=torch.bool, device=dev)
+    if att.lk == 0:
+        return torch.zeros(att.groups, att.rows, nu, dtype=torch.long, device=dev), empty
+    idx = torch.empty(att.groups, att.rows, nu, dtype=_index_dtype(att), device=dev)
+    for (g0, g1, i0, i1), ic in _draw_chunks(att, nu, block_size, generator, empty):
+        idx[g0:g1, i0:i1] = ic
     return idx, empty
 
 
@@ -202,20 +265,6 @@ def _sample_indices(
     att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     idx, empty = _draw(att, nu, block_size, generator)
     return att.unfold(idx.long()), att.unfold(empty.unsqueeze(-1)).squeeze(-1)
-
-
-def _draw(
-    att: Attn,
-    nu: int,
-    block_size: int | None,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if att.lk == 0:
-        z = torch.zeros(att.groups, att.rows, nu, dtype=torch.long, device=att.q.device)
-        return z, torch.ones(att.groups, att.rows, dtype=torch.bool, device=att.q.device)
-    if block_size is None or block_size >= att.lk:
-        return _sample_dense(att, nu, generator)
-    return _sample_blocked(att, nu, block_size, generator)
 
 
 def sampled_attention(
@@ -269,10 +318,13 @@ def sampled_attention(
         head ``h // (Hq // Hk)``.
     block_size : int, optional
         Stream over key blocks of this size (a running categorical choice per draw, exact in
-        distribution), never holding an ``Lq x Lk`` matrix: extra memory
-        ``O(B * H * Lq * (nu + block_size))``. ``None`` (default) is the dense path, which holds
-        the scores of one chunk of queries (at least 128 rows, about 2 MiB) against all keys
-        and is faster.
+        distribution), never holding an ``Lq x Lk`` matrix: besides the output, the working
+        memory is that of one chunk of ``rows`` queries, ``O(rows * (nu + block_size))`` with
+        ``rows * (nu + block_size)`` about ``2**20`` elements, independent of ``Lk``. ``None``
+        (default) is the dense path, which holds the scores of one chunk of queries (at least
+        128 rows, about 2 MiB, more when ``128 * Lk`` exceeds that) against all keys and is
+        faster but also holds the ``(B, H, Lq, nu)`` drawn indices (int32); the blocked path
+        does not when ``v`` needs no gradient.
     generator : torch.Generator, optional
         Source of the uniforms; the same generator state (and the same arguments) gives the same
         draws.
@@ -312,18 +364,40 @@ def sampled_attention(
             raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
         return torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
     g, m, lk, dv = att.groups, att.rows, att.lk, att.dv
-    idx, empty = _draw(att, nu, block_size, generator)
-    has_empty = bool(empty.any())
-    if has_empty and empty_rows == "error":
-        raise empty_rows_error(att, empty)
-    offs = torch.arange(g, device=idx.device, dtype=idx.dtype).mul_(lk).view(g, 1, 1)
-    flat = idx.add_(offs).view(g * m, nu)  # global row of v, in place (idx is ours)
-    out = F.embedding_bag(flat, att.v.reshape(g * lk, dv), mode="sum")  # (G*M, Dv)
-    out = out.view(g, m, dv)
-    out = out * (1.0 / nu) if out.requires_grad else out.mul_(1.0 / nu)
-    if has_empty:
-        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-    return att.unfold(out).to(att.out_dtype)
+    w = att.v.reshape(g * lk, dv)  # value rows of all groups; row g * Lk + j
+    offs = torch.arange(g, device=q.device, dtype=_index_dtype(att)).mul_(lk).view(g, 1, 1)
+    dense = block_size is None or block_size >= lk
+    if dense or (torch.is_grad_enabled() and w.requires_grad):
+        # All indices (G, M, nu) at once, then one gather. With a gradient for v the backward of
+        # embedding_bag needs every index anyway (and one dense gradient for v beats one per
+        # chunk). On the dense path its chunks are small (~2 MiB of scores) and one gather per
+        # chunk measured ~5-10% slower at B, H, L, D = 8, 8, 512, 64, nu = 8 than this single
+        # call; its uniforms are still drawn per chunk.
+        idx, empty = _draw(att, nu, block_size, generator)
+        has_empty = bool(empty.any())
+        if has_empty and empty_rows == "error":
+            raise empty_rows_error(att, empty)
+        flat = idx.add_(offs).view(g * m, nu)  # global row of v, in place (idx is ours)
+        out = F.embedding_bag(flat, w, mode="sum").view(g, m, dv)  # (G, M, Dv)
+        out = out * (1.0 / nu) if out.requires_grad else out.mul_(1.0 / nu)
+        if has_empty:
+            out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+        return att.unfold(out).to(att.out_dtype)
+    # Key-blocked, no gradient: gather each chunk's value rows as soon as its indices are
+    # drawn, straight into the output; the extra memory is that of one chunk (no (G, M, nu)
+    # tensor).
+    out = torch.empty(g, m, dv, dtype=att.out_dtype, device=q.device)
+    empty = torch.empty(g, m, dtype=torch.bool, device=q.device)
+    with torch.no_grad():
+        for (g0, g1, i0, i1), ic in _draw_chunks(att, nu, block_size, generator, empty):
+            flat = ic.add_(offs[g0:g1]).view(-1, nu)  # (g * rows, nu) global rows of v
+            yc = F.embedding_bag(flat, w, mode="sum").mul_(1.0 / nu)  # (g * rows, Dv)
+            out[g0:g1, i0:i1] = yc.view(g1 - g0, i1 - i0, dv)  # cast to the output dtype
+    if bool(empty.any()):
+        if empty_rows == "error":
+            raise empty_rows_error(att, empty)
+        out.masked_fill_(empty.unsqueeze(-1), 0.0)
+    return att.unfold(out)
 
 
 def _moments(att: Attn, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
