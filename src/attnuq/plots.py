@@ -5,12 +5,16 @@ is made) and returns the ``Axes`` it drew on.
 
 Examples
 --------
+>>> import matplotlib
+>>> matplotlib.use("Agg")
+>>> import matplotlib.pyplot as plt
 >>> import torch
 >>> from attnuq.predictive import Predictive
 >>> pred = Predictive(samples=torch.randn(100, 50))
 >>> ax = reliability_diagram(pred, torch.randn(50))
 >>> ax.get_xlabel()
 'nominal coverage'
+>>> plt.close(ax.figure)
 """
 
 from __future__ import annotations
@@ -69,6 +73,21 @@ def pit_histogram(
         :func:`attnuq.metrics.pit_samples`.
     bins
         Number of equal-width bins.
+
+    The band is ``1 +- 2 sqrt(n p (1 - p)) / (n p)`` with ``p = 1 / bins`` and ``n`` PIT values:
+    two binomial standard deviations of a bin's density under ``U(0, 1)``.
+
+    Examples
+    --------
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> import matplotlib.pyplot as plt
+    >>> import torch
+    >>> pit = torch.rand(200, generator=torch.Generator().manual_seed(0))
+    >>> ax = pit_histogram(pit, bins=5)
+    >>> len(ax.containers[0]), ax.get_xlabel()  # 5 bars
+    (5, 'PIT')
+    >>> plt.close(ax.figure)
     """
     u = _np(pit, "pit").reshape(-1)
     if np.any((u < 0) | (u > 1)):
@@ -107,6 +126,21 @@ def reliability_diagram(
         ``(B, ...)``.
     levels
         Nominal central levels in ``(0, 1)``.
+
+    Examples
+    --------
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> import matplotlib.pyplot as plt
+    >>> import torch
+    >>> from attnuq.predictive import Predictive
+    >>> g = torch.Generator().manual_seed(0)
+    >>> pred = Predictive(samples=torch.randn(100, 50, generator=g))  # (S, B)
+    >>> ax = reliability_diagram(pred, torch.randn(50, generator=g), levels=(0.5, 0.9))
+    >>> curve = ax.lines[1]  # lines[0] is the diagonal
+    >>> [float(v) for v in curve.get_xdata()], [round(float(v), 2) for v in curve.get_ydata()]
+    ([0.5, 0.9], [0.4, 0.96])
+    >>> plt.close(ax.figure)
     """
     from attnuq.metrics import coverage
 
@@ -138,6 +172,23 @@ def calibration_curve(
     Marks the chosen ``nu``, shades the grid's noise band, and (``show_surrogate``) draws the
     log-linear surrogate of ``ln s(nu)`` with its 2-sd band and the target ``ln s_*`` on a
     second y axis.
+
+    Examples
+    --------
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> import matplotlib.pyplot as plt
+    >>> import torch
+    >>> from attnuq.calibrate import calibrate
+    >>> _ = torch.manual_seed(0)
+    >>> mha = torch.nn.MultiheadAttention(4, 1, batch_first=True).eval()
+    >>> x = torch.randn(8, 3, 4)  # self-attention: inputs (x, x, x), targets x
+    >>> report = calibrate(mha, [((x, x, x), x)], criterion="scale", n_passes=2, max_evals=3,
+    ...                    nu_range=(1, 64), output_fn=lambda out: out[0], progress=False)
+    >>> ax = calibration_curve(report)
+    >>> ax.get_xscale(), len(ax.figure.axes)  # objective axis + surrogate axis
+    ('log', 2)
+    >>> plt.close(ax.figure)
     """
     evs = sorted(report.evaluations, key=lambda e: e.nu)
     if not evs:
@@ -199,6 +250,20 @@ def fan_chart(
         Optional ``(L,)`` positions (default ``0..L-1``).
     levels
         Central levels of the bands, drawn widest first.
+
+    Examples
+    --------
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> import matplotlib.pyplot as plt
+    >>> import torch
+    >>> from attnuq.predictive import Predictive
+    >>> s = torch.randn(50, 2, 12, generator=torch.Generator().manual_seed(0)).cumsum(-1)
+    >>> pred = Predictive(samples=s, frozen=s.mean(0))  # (S=50, B=2, L=12)
+    >>> ax = fan_chart(pred, index=0, targets=s[0])
+    >>> len(ax.collections), [t.get_text() for t in ax.get_legend().get_texts()]
+    (3, ['95 %', '80 %', '50 %', 'median', 'frozen', 'target'])
+    >>> plt.close(ax.figure)
     """
     if not isinstance(pred, Predictive):
         raise TypeError(f"pred must be a Predictive, got {type(pred).__name__}")
@@ -254,6 +319,22 @@ def spread_map(
         ``(n_lat, n_lon)`` tensor, or a :class:`Predictive` with samples ``(S, B, n_lat, n_lon)``.
     lat, lon
         Optional coordinates in degrees (default: grid indices).
+
+    Examples
+    --------
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> import matplotlib.pyplot as plt
+    >>> import torch
+    >>> from attnuq.predictive import Predictive
+    >>> pred = Predictive(samples=torch.randn(10, 2, 4, 6))  # (S, B, n_lat, n_lon)
+    >>> ax = spread_map(pred, index=1, lat=torch.linspace(-45, 45, 4),
+    ...                 lon=torch.linspace(0, 300, 6))
+    >>> ax.collections[0].get_array().shape, len(ax.figure.axes)  # map + colour bar
+    ((4, 6), 2)
+    >>> ax.get_xlabel(), ax.get_title()
+    ('longitude', 'predictive spread')
+    >>> plt.close(ax.figure)
     """
     if isinstance(field, Predictive):
         if field.samples.dim() != 4:
