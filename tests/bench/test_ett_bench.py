@@ -131,3 +131,52 @@ def test_bench_ett_end_to_end(tmp_path: Path) -> None:
         from attnuq.bench.ett import _parse_methods
 
         _parse_methods("sa-paper,bogus")
+
+
+def _tiny_ett_argv(csv: Path, out: Path) -> list[str]:
+    return ["bench", "ett", "--file", str(csv), "--out", str(out), "--context", "48",
+            "--horizon", "12", "--d-model", "8", "--layers", "1", "--heads", "2", "--ffn", "8",
+            "--patch", "8", "--stride", "8", "--epochs", "2", "--ensemble", "3",
+            "--n-samples", "3", "--n-passes", "2", "--chunk", "64", "--val-stride", "1",
+            "--no-progress", "--device", "cpu", "--seed", "2"]
+
+
+def test_bench_ett_member_jobs_match_serial_and_rerun(tmp_path: Path) -> None:
+    """Members from 2 spawned workers equal the serial ones bit for bit; --rerun with --merge."""
+    from attnuq.cli import main
+
+    csv = _tiny_csv(tmp_path / "tiny.csv")
+    serial, par = tmp_path / "serial", tmp_path / "par"
+    assert main([*_tiny_ett_argv(csv, serial), "--methods", "ensemble,seasonal-naive",
+                 "--member-epochs", "1"]) == 0
+    assert main([*_tiny_ett_argv(csv, par), "--methods", "ensemble", "--member-epochs", "1",
+                 "--member-jobs", "2", "--model-dir", str(serial / "ett" / "backbone")]) == 0
+    for k in (1, 2):
+        a = torch.load(serial / "ett" / "members" / f"member{k}.pt", weights_only=True)
+        b = torch.load(par / "ett" / "members" / f"member{k}.pt", weights_only=True)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), (k, name)
+    js_s = json.loads((serial / "ett" / "ett_results.json").read_text())
+    js_p = json.loads((par / "ett" / "ett_results.json").read_text())
+    for key in ("mse", "crps", "coverage", "pit_w1"):
+        assert js_s["results"]["ensemble"][key] == js_p["results"]["ensemble"][key]
+    assert js_s["results"]["ensemble"]["member_seeds"] == [2, 3, 4]
+    md = (serial / "ett.md").read_text()
+    assert "members 1..2 had an epoch cap of 1" in md and "one after the other" in md
+
+    # merging a file written with another member recipe: refused unless the ensemble is rerun
+    part = serial / "ett" / "ett_results.json"
+    merged = tmp_path / "merged"
+    argv = [*_tiny_ett_argv(csv, merged), "--methods", "ensemble,seasonal-naive",
+            "--model-dir", str(serial / "ett" / "backbone"), "--merge", str(part)]
+    assert main(argv) == 2  # member_epochs differs and the ensemble would be taken over
+    assert main([*argv, "--rerun", "ensemble"]) == 0
+    js = json.loads((merged / "ett" / "ett_results.json").read_text())
+    assert [m["methods"] for m in js["run"]["merged_runs"]] == [["seasonal-naive"]]
+    assert js["results"]["seasonal-naive"] == js_s["results"]["seasonal-naive"]
+    assert js["results"]["ensemble"]["member_epochs"] == 2
+    # retrained here for 2 epochs (patience 2 cannot stop earlier) instead of 1
+    fwd = js_s["results"]["ensemble"]["fit_forward"]
+    assert js["results"]["ensemble"]["fit_forward"] == 2 * fwd
+    assert "had an epoch cap" not in (merged / "ett.md").read_text()

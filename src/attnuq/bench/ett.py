@@ -276,8 +276,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-steps-per-epoch", type=int, default=None)
     p.add_argument("--member-epochs", type=int, default=None,
-                   help="epoch cap for ensemble members (default: --epochs)")
+                   help="epoch cap for ensemble members (default: --epochs, the backbone's "
+                        "recipe; a smaller cap is stated on the page)")
     p.add_argument("--ensemble", type=int, default=5, help="deep-ensemble size")
+    p.add_argument("--member-jobs", type=int, default=1,
+                   help="train the ensemble members in this many worker processes (spawn, one "
+                        "thread each; same recipe, seeds and weights as 1 = one after the other)")
     p.add_argument("--swag-epochs", type=int, default=2)
     p.add_argument("--swag-snapshots", type=int, default=4, help="SWAG snapshots per epoch")
     p.add_argument("--n-samples", type=int, default=20, help="Monte Carlo passes per method")
@@ -290,7 +294,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=128, help="test windows per prediction call")
     p.add_argument("--methods", default=",".join(ALL_METHODS),
                    help=f"comma-separated subset of {','.join(ALL_METHODS)}")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the backbone and the methods; ensemble member k uses seed + k")
+    p.add_argument("--device", default="cpu",
+                   help="torch device: cpu, cuda, cuda:N or auto (default: cpu)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--note", action="append", default=None, metavar="TEXT",
@@ -302,6 +309,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="keep the methods already scored in <out>/ett/ett_results.json (same "
                         "config apart from --methods/--resume) and run only the missing ones")
+    p.add_argument("--rerun", default="", metavar="METHODS",
+                   help="comma-separated methods to score again even when --resume/--merge "
+                        "supply them")
 
 
 def _parse_methods(spec: str) -> list[str]:
@@ -350,8 +360,13 @@ def _evaluate(
     seed: int,
     desc: str,
     progress: bool,
+    device: torch.device | None = None,
 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, list[list[float]]]], float]:
-    """Score every named predictive that ``predict_fn`` returns per chunk (shared samples)."""
+    """Score every named predictive that ``predict_fn`` returns per chunk (shared samples).
+
+    ``x`` and ``y`` stay on the CPU; each chunk of inputs goes to ``device`` for the prediction
+    and the predictions come back to the CPU for scoring.
+    """
     from tqdm.auto import tqdm
 
     scores: dict[str, StreamScores] = {}
@@ -359,7 +374,8 @@ def _evaluate(
     t0 = time.perf_counter()
     for sl in tqdm(_chunks(x.shape[0], chunk), desc=desc, disable=not progress):
         with torch.no_grad():
-            preds = predict_fn(x[sl])
+            xs = x[sl] if device is None else x[sl].to(device)
+            preds = {k: _to_cpu(v) for k, v in predict_fn(xs).items()}
         rows = [i - sl.start for i in fan_idx if sl.start <= i < sl.stop]
         for name, pred in preds.items():
             scores.setdefault(name, StreamScores(seed=seed)).update(pred, y[sl])
@@ -370,24 +386,100 @@ def _evaluate(
     return {k: v.result() for k, v in scores.items()}, fans, time.perf_counter() - t0
 
 
+def _to_cpu(pred: AnyPred) -> AnyPred:
+    if isinstance(pred, GaussianPredictive):
+        return GaussianPredictive(mean=pred.mean.cpu(), std=pred.std.cpu())
+    return Predictive(samples=pred.samples.cpu(),
+                      frozen=None if pred.frozen is None else pred.frozen.cpu())
+
+
+@dataclass
+class _MemberRecipe:
+    """The backbone's recipe (picklable, for :func:`attnuq.bench._members.train_members`).
+
+    Member ``k`` (``k = 0`` is the backbone) is initialised and trained with seed ``seed + k``;
+    members ``k >= 1`` get at most ``member_epochs`` epochs (the backbone ``epochs``). Holds the
+    training and early-stopping windows on the CPU; ``make`` and ``train`` use ``device``.
+    """
+
+    n_channels: int
+    context: int
+    horizon: int
+    d_model: int
+    layers: int
+    heads: int
+    ffn: int
+    patch: int
+    stride: int
+    dropout: float
+    epochs: int
+    member_epochs: int
+    lr: float
+    batch_size: int
+    patience: int
+    max_steps_per_epoch: int | None
+    seed: int
+    progress: bool
+    device: str
+    train_xy: tuple[torch.Tensor, torch.Tensor]
+    val_xy: tuple[torch.Tensor, torch.Tensor]
+
+    def make(self, index: int) -> Any:
+        from attnuq.models.patchtst import PatchTSTForecaster, build_patchtst
+
+        return PatchTSTForecaster(build_patchtst(
+            num_channels=self.n_channels, context_length=self.context,
+            prediction_length=self.horizon, d_model=self.d_model, num_layers=self.layers,
+            num_heads=self.heads, ffn_dim=self.ffn, patch_length=self.patch,
+            patch_stride=self.stride, dropout=self.dropout, seed=self.seed + index,
+        )).to(self.device)
+
+    def train(self, model: Any, _train: Any, _val: Any, index: int) -> Any:
+        from attnuq.models.patchtst import train_forecaster
+
+        dev = torch.device(self.device)
+        # the Task's batches wrap exactly these tensors; train on the tensors directly
+        return train_forecaster(
+            model, (self.train_xy[0].to(dev), self.train_xy[1].to(dev)),
+            (self.val_xy[0].to(dev), self.val_xy[1].to(dev)),
+            epochs=self.epochs if index == 0 else self.member_epochs, lr=self.lr,
+            batch_size=self.batch_size, patience=self.patience,
+            max_steps_per_epoch=self.max_steps_per_epoch, seed=self.seed + index,
+            progress=self.progress, desc="backbone" if index == 0 else f"member{index}",
+        )
+
+
+#: config keys that change only these methods: a merged/resumed method is checked against the
+#: rest of the config plus the keys that concern it
+_METHOD_KEYS: dict[str, tuple[str, ...]] = {
+    "member_epochs": ("ensemble",),
+    "ensemble": ("ensemble",),
+    "swag_epochs": ("swag",),
+    "swag_snapshots": ("swag",),
+}
+
+
 def run(args: argparse.Namespace) -> Path:
     """Run the ETT suite; returns the results folder ``<out>/ett``."""
     import attnuq
+    from attnuq._device import resolve_device
     from attnuq._runinfo import run_info
     from attnuq.baselines import Task, coverage_scale, make_method
+    from attnuq.bench._members import check_member_jobs, train_members
     from attnuq.data.ett import load_ett, resolve_ett_path, seasonal_naive
-    from attnuq.models.patchtst import (
-        PatchTSTForecaster,
-        build_patchtst,
-        load_patchtst,
-        predict_batched,
-        save_patchtst,
-        train_forecaster,
-    )
+    from attnuq.models.patchtst import load_patchtst, predict_batched, save_patchtst
 
     torch.set_num_threads(check_positive_int(args.threads, "threads"))
+    device = resolve_device(getattr(args, "device", "cpu"))
+    member_jobs = check_member_jobs(getattr(args, "member_jobs", 1))
     progress = not args.no_progress
     methods = _parse_methods(args.methods)
+    rerun = _parse_methods(args.rerun) if getattr(args, "rerun", "") else []
+    if any(m not in methods for m in rerun):
+        raise ValueError(f"--rerun={args.rerun!r} names methods missing from "
+                         f"--methods={args.methods!r}")
+    if args.member_epochs is not None:
+        check_positive_int(args.member_epochs, "member_epochs")
     for name in ("context", "horizon", "n_samples", "n_passes", "test_stride", "val_stride",
                  "chunk", "ensemble", "epochs", "patience", "swag_epochs"):
         check_positive_int(getattr(args, name), name)
@@ -410,22 +502,15 @@ def run(args: argparse.Namespace) -> Path:
     print(f"[ett] {path.name}: train {len(xtr)}, val {len(xv)}, cal {len(xc)}, "
           f"test {len(xte)} of {n_test_all} windows", flush=True)
 
-    def make_model(seed: int) -> PatchTSTForecaster:
-        return PatchTSTForecaster(build_patchtst(
-            num_channels=data.n_channels, context_length=args.context, prediction_length=H,
-            d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
-            ffn_dim=args.ffn, patch_length=args.patch, patch_stride=args.stride,
-            dropout=args.dropout, seed=seed,
-        ))
-
-    def train_fn(model: Any, _train: Any, _val: Any, seed: int, epochs: int | None = None) -> Any:
-        # the Task's batches wrap exactly these tensors; train on the tensors directly
-        return train_forecaster(
-            model, (xtr, ytr), (xv, yv), epochs=epochs or args.member_epochs or args.epochs,
-            lr=args.lr, batch_size=args.batch_size, patience=args.patience,
-            max_steps_per_epoch=args.max_steps_per_epoch, seed=seed, progress=progress,
-            desc=f"member{seed}",
-        )
+    recipe = _MemberRecipe(
+        n_channels=data.n_channels, context=args.context, horizon=H, d_model=args.d_model,
+        layers=args.layers, heads=args.heads, ffn=args.ffn, patch=args.patch,
+        stride=args.stride, dropout=args.dropout, epochs=args.epochs,
+        member_epochs=args.member_epochs or args.epochs, lr=args.lr,
+        batch_size=args.batch_size, patience=args.patience,
+        max_steps_per_epoch=args.max_steps_per_epoch, seed=args.seed, progress=progress,
+        device=str(device), train_xy=(xtr, ytr), val_xy=(xv, yv),
+    )
 
     # ---- backbone: train + save_pretrained, then from_pretrained (the hub user's path) --------
     model_dir = Path(args.model_dir) if args.model_dir else res_dir / "backbone"
@@ -435,24 +520,21 @@ def run(args: argparse.Namespace) -> Path:
         train_report["reused"] = True
         print(f"[ett] reusing saved backbone {model_dir}", flush=True)
     else:
-        net = make_model(args.seed)
-        rep = train_forecaster(
-            net, (xtr, ytr), (xv, yv), epochs=args.epochs, lr=args.lr,
-            batch_size=args.batch_size, patience=args.patience,
-            max_steps_per_epoch=args.max_steps_per_epoch, seed=args.seed, progress=progress,
-            desc="backbone",
-        )
-        save_patchtst(net, model_dir)
+        net = recipe.make(0)  # member 0 = the backbone, seed --seed
+        rep = recipe.train(net, None, None, 0)
+        save_patchtst(net.cpu(), model_dir)
         train_report = rep.to_dict()
         (model_dir / "train_report.json").write_text(json.dumps(train_report, indent=1))
         train_report["reused"] = False
-    frozen = load_patchtst(model_dir)
+    frozen = load_patchtst(model_dir).to(device)
     n_params = sum(p.numel() for p in frozen.parameters())
     sites = [s.name for s in attnuq.find_attention(frozen)]
 
+    # the methods fit on `device`; the test windows stay on the CPU (moved chunk by chunk)
+    xtr_d, ytr_d, xv, yv, xc, yc = (t.to(device) for t in (xtr, ytr, xv, yv, xc, yc))
     task = Task(
-        model=frozen, train=(xtr, ytr), val=(xv, yv), cal=(xc, yc),
-        make_model=make_model, train_fn=train_fn, batch_size=args.chunk,
+        model=frozen, train=(xtr_d, ytr_d), val=(xv, yv), cal=(xc, yc),
+        make_model=recipe.make, train_fn=recipe.train, batch_size=args.chunk,
         member_dir=res_dir / "members",
     )
     S = args.n_samples
@@ -466,13 +548,16 @@ def run(args: argparse.Namespace) -> Path:
     sources += [Path(m) for m in (args.merge or [])]
     for src in sources:
         prev = json.loads(src.read_text())
-        same = {k: v for k, v in prev.get("config", {}).items() if k not in _RESUME_FREE}
-        now = {k: v for k, v in vars(args).items() if k in same}
+        got = {k: v for k, v in prev["results"].items()
+               if k not in ("frozen", "seasonal-naive-point") and k not in rerun}
+        # keys that only concern methods not taken from this file need not match
+        skip = {k for k, ms in _METHOD_KEYS.items() if not set(ms) & set(got)}
+        same = {k: v for k, v in prev.get("config", {}).items()
+                if k not in _RESUME_FREE and k not in skip}
+        now = {k: getattr(args, k, None) for k in same}
         if same != now:
             raise ValueError(f"--resume/--merge: {src} was written with another config: "
                              f"{same} vs {now}")
-        got = {k: v for k, v in prev["results"].items()
-               if k not in ("frozen", "seasonal-naive-point")}
         w = prev.get("fan_chart", {}).get("window_index")
         if got and w is not None:
             if fans and list(w) != list(fan_idx):
@@ -494,7 +579,7 @@ def run(args: argparse.Namespace) -> Path:
                extras: dict[str, dict[str, Any]]) -> None:
         scores, fan, sec = _evaluate(
             predict_fn, xte, yte, chunk=args.chunk, fan_idx=fan_idx, fan_channel=ot,
-            seed=args.seed, desc="+".join(names), progress=progress,
+            seed=args.seed, desc="+".join(names), progress=progress, device=device,
         )
         for name in names:
             results[name] = {**scores[name], "predict_seconds": sec, **extras[name]}
@@ -509,7 +594,8 @@ def run(args: argparse.Namespace) -> Path:
 
     # frozen point forecast (no uncertainty): MSE/MAE only, shared by the post-hoc methods
     with torch.no_grad():
-        f_test = predict_batched(frozen, xte, args.chunk)
+        f_test = torch.cat([predict_batched(frozen, xte[sl].to(device), args.chunk).cpu()
+                            for sl in _chunks(len(xte), args.chunk)])
     results["frozen"] = {
         "mse": float(((f_test - yte) ** 2).mean()),
         "mae": float((f_test - yte).abs().mean()),
@@ -539,9 +625,10 @@ def run(args: argparse.Namespace) -> Path:
                                seed=args.seed, progress=progress,
                                nu_range=(1, args.nu_max)).fit(task)
             t_fit = time.perf_counter() - t0
-            preds = [_as_samples(base.predict(xc[sl])) for sl in _chunks(len(xc), args.chunk)]
+            preds = [_as_samples(_to_cpu(base.predict(xc[sl])))
+                     for sl in _chunks(len(xc), args.chunk)]
             pc = Predictive(samples=torch.cat([p.samples for p in preds], dim=1))
-            c = coverage_scale(pc, yc, level=0.95)
+            c = coverage_scale(pc, yc.cpu(), level=0.95)
             t_conf = time.perf_counter() - t0
             both = _ScaledPair(base, c)
             record(["sa-paper", "sa-conformal"], both, {
@@ -556,13 +643,20 @@ def run(args: argparse.Namespace) -> Path:
             one(name, m.predict, {"fit_seconds": time.perf_counter() - t0,
                                      "forward_per_input": S, **_info(m)})
         elif name == "ensemble":
+            train_members(recipe, list(range(1, args.ensemble)), res_dir / "members",
+                          jobs=member_jobs)
             m = make_method(name, n_members=args.ensemble).fit(task)
             one(name, m.predict, {"fit_seconds": m.cost.fit_seconds,
-                                     "forward_per_input": args.ensemble,
-                                     "fit_forward": m.cost.fit_forward})
+                                  "forward_per_input": args.ensemble,
+                                  "fit_forward": m.cost.fit_forward,
+                                  "member_epochs": recipe.member_epochs,
+                                  "member_jobs": member_jobs,
+                                  "member_seeds": [args.seed + k for k in range(args.ensemble)],
+                                  "note": "fit s = sum of the members' training times"})
         elif name == "swag":
             # SWAG continues training a copy: give it the same weights with gradients on
-            swag_task = dataclasses.replace(task, model=load_patchtst(model_dir, freeze=False))
+            swag_task = dataclasses.replace(
+                task, model=load_patchtst(model_dir, freeze=False).to(device))
             m = make_method(name, n_samples=S, epochs=args.swag_epochs, lr=args.lr / 10,
                             snapshots_per_epoch=args.swag_snapshots, seed=args.seed,
                             progress=progress).fit(swag_task)
@@ -673,7 +767,7 @@ def _fan_plot(path: Path, fans: dict[str, Any], xte: torch.Tensor, yte: torch.Te
 _RUN_ORDER = ("sa-paper", "sa-conformal", "conformal", "seasonal-naive", "sa-crps", "mc-dropout",
               "swag", "ensemble")
 _RESUME_FREE = ("methods", "resume", "merge", "note", "no_progress", "threads", "retrain", "chunk",
-                "out", "model_dir")
+                "out", "model_dir", "rerun", "member_jobs")
 
 _COLS = ("mse", "mae", "coverage", "width", "pit_w1", "crps", "mean_std")
 
@@ -699,6 +793,23 @@ def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, data: 
         _fan_plot(res_dir / "ett_fan_ot.png", fans, xte, yte, fan_idx, ot, data)
     md = _markdown(payload, res_dir)
     (res_dir.parent / "ett.md").write_text(md)
+
+
+def _ensemble_text(c: dict[str, Any], res: dict[str, Any]) -> str:
+    """The deep-ensemble recipe line of the page, from the ensemble's own record if scored."""
+    e = res.get("ensemble", {})
+    m_ep = e.get("member_epochs", c.get("member_epochs") or c["epochs"])
+    jobs = e.get("member_jobs", c.get("member_jobs", 1))
+    k = c["ensemble"] - 1
+    text = (f"deep ensemble: {c['ensemble']} members (member 0 = the backbone; members 1..{k} "
+            f"retrained by this suite with seeds {c['seed']}+k, epoch cap {m_ep}, steps/epoch "
+            f"cap {c['max_steps_per_epoch']}, "
+            + ("one after the other" if jobs == 1
+               else f"in {jobs} parallel worker processes of one thread each") + ")")
+    if m_ep != c["epochs"]:
+        text += (f" -- **members 1..{k} had an epoch cap of {m_ep}, the backbone's recipe "
+                 f"{c['epochs']}: they are not trained like the backbone**")
+    return text
 
 
 def _fmt(v: Any) -> str:
@@ -743,10 +854,7 @@ def _markdown(p: dict[str, Any], res_dir: Path) -> str:
         f"{', reused from disk' if tr.get('reused') else ''}), `save_pretrained` then "
         "`from_pretrained` (frozen)",
         f"* Monte Carlo samples per method: {c['n_samples']}; calibration passes per nu: "
-        f"{c['n_passes']}, nu searched in [1, {c.get('nu_max')}] (BO); deep ensemble: "
-        f"{c['ensemble']} members (member 0 = the backbone; "
-        f"others retrained with the same recipe, epoch cap "
-        f"{c['member_epochs'] or c['epochs']}, steps/epoch cap {c['max_steps_per_epoch']}); "
+        f"{c['n_passes']}, nu searched in [1, {c.get('nu_max')}] (BO); {_ensemble_text(c, res)}; "
         f"SWAG: {c['swag_epochs']} epochs x {c.get('swag_snapshots')} snapshots at lr/10",
         "",
     ]
