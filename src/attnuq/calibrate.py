@@ -115,6 +115,17 @@ class Evaluation:
         ``scale_ratio`` (``s / s_0``).
     passes, model_calls, seconds
         Stochastic passes over the calibration set, model calls and wall time.
+
+    Examples
+    --------
+    Normally made by :func:`calibrate` (``report.evaluations``); by hand:
+
+    >>> e = Evaluation(nu=8, objective=0.12, se=0.01, scale=0.3, scale_se=0.02,
+    ...                target_scale=0.28, values={"l_sa": 0.12}, passes=10, model_calls=10,
+    ...                seconds=0.5)
+    >>> d = e.to_dict()  # JSON-ready, without the per-example influence
+    >>> d["nu"], d["values"], "influence" in d
+    (8, {'l_sa': 0.12}, False)
     """
 
     nu: int
@@ -164,6 +175,26 @@ class CalibrationReport:
         Passes over the calibration set: ``1`` frozen + ``n_passes`` per evaluation.
     model_calls, wall_time, n_examples
         Model calls (chunks), seconds, calibration examples.
+
+    Examples
+    --------
+    >>> import pathlib, tempfile
+    >>> import torch
+    >>> _ = torch.manual_seed(0)
+    >>> mha = torch.nn.MultiheadAttention(4, 1, batch_first=True).eval()
+    >>> x = torch.randn(8, 3, 4)
+    >>> with torch.no_grad():
+    ...     y = mha(x, x, x)[0] + 0.1 * torch.randn(8, 3, 4)
+    >>> report = calibrate(mha, [((x, x, x), y)], criterion="scale", n_passes=2, max_evals=3,
+    ...                    nu_range=(1, 64), output_fn=lambda out: out[0], progress=False)
+    >>> report.chosen.nu == report.nu, report.n_examples
+    (True, 8)
+    >>> report.forward_passes == 1 + report.n_passes * len(report.evaluations)
+    True
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     back = CalibrationReport.load(report.save(pathlib.Path(d) / "report.json"))
+    >>> back.to_dict() == report.to_dict()
+    True
     """
 
     nu: int
@@ -498,7 +529,18 @@ class _LogLinear:
 
 
 def log_grid(nu_range: tuple[int, int], size: int) -> list[int]:
-    """Unique integers of ``size`` log-spaced points over ``nu_range`` (both ends included)."""
+    """Unique integers of ``size`` log-spaced points over ``nu_range`` (both ends included).
+
+    For ``size >= 2`` the points are ``round(lo * (hi / lo)^(i / (size - 1)))``,
+    ``i = 0 .. size - 1``, sorted, duplicates dropped (so the list can be shorter than ``size``).
+
+    Examples
+    --------
+    >>> log_grid((1, 1024), 11)
+    [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    >>> log_grid((1, 4), 8)
+    [1, 2, 3, 4]
+    """
     lo, hi = nu_range
     return sorted({round(v) for v in np.geomspace(lo, hi, size)})
 
