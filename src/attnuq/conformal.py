@@ -144,6 +144,24 @@ class ConformalScale:
         Target miscoverage; intervals are central ``1 - alpha`` intervals.
     n
         Number of calibration scores per factor.
+
+    Examples
+    --------
+    Fitted by :func:`conformal_scale` on targets twice as spread as the predictive:
+
+    >>> import torch
+    >>> from attnuq.predictive import GaussianPredictive
+    >>> g = GaussianPredictive(mean=torch.zeros(99), std=torch.ones(99))
+    >>> y = 2 * torch.randn(99, generator=torch.Generator().manual_seed(0))
+    >>> cs = conformal_scale(g, y, alpha=0.1)
+    >>> cs.n, cs.alpha, round(float(cs.factor), 2)
+    (99, 0.1, 1.98)
+    >>> test = GaussianPredictive(mean=torch.zeros(2), std=torch.ones(2))
+    >>> cs.apply(test).std  # spread about the mean times the factor
+    tensor([1.9811, 1.9811])
+    >>> lo, hi = cs.interval(test)  # central 90 % interval: +- 1.645 * factor
+    >>> bool(torch.allclose(hi, 1.6449 * cs.factor, atol=1e-3)), bool(torch.equal(lo, -hi))
+    (True, True)
     """
 
     factor: torch.Tensor
