@@ -84,6 +84,18 @@ def test_table_says_where_sa_loses_and_bolds_the_narrowest(tmp_path: Path) -> No
     assert "SA has the narrowest calibrated PI-95 on 1 of 2 data sets" in text
     assert "**2.100 ± 0.141**" in text  # narrowest width on a, mean ± std over 2 splits
     assert "| conformal | 1 |" in text
+    assert "Below the full suite (>= 5 splits, every method on every split): a has 2 split(s); " \
+           "b has 1 split(s)." in text
+
+
+def test_table_names_methods_missing_a_split(tmp_path: Path) -> None:
+    rows = [_row("a", "sa-paper", k, 2.0, 1.0) for k in range(5)]
+    rows += [_row("a", "gaussian", k, 3.0, 1.0) for k in (0, 2, 3, 4)]
+    args = argparse.Namespace(n_blocks=1, max_epochs=1, patience=1, batch_size=32, n_samples=10,
+                              swag_epochs=1)
+    info = {"command": "attnuq bench uci", "date": "d", "machine": "m"}
+    text = write_table(tmp_path / "t.md", tmp_path, rows, info, args).read_text()
+    assert "every method on every split): a/gaussian lacks split(s) [1]." in text
 
 
 @pytest.mark.parametrize("bad", [["--splits", "0"]])

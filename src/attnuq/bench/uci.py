@@ -489,6 +489,18 @@ def write_table(
     if missing:
         lines += [f"Not covered by this table: {', '.join(missing)} (the full suite is 6 sets x "
                   ">= 5 splits; rerun the command with more --datasets/--splits, it resumes).", ""]
+    short = []
+    for ds in datasets:
+        all_sp = {int(r["split"]) for r in rows if r["dataset"] == ds}
+        if len(all_sp) < 5:
+            short.append(f"{ds} has {len(all_sp)} split(s)")
+        for m in _order(sorted({r["method"] for r in rows if r["dataset"] == ds})):
+            got = {int(r["split"]) for r in rows if r["dataset"] == ds and r["method"] == m}
+            if got != all_sp:
+                short.append(f"{ds}/{m} lacks split(s) {sorted(all_sp - got)}")
+    if short:
+        lines += [f"Below the full suite (>= 5 splits, every method on every split): "
+                  f"{'; '.join(short)}.", ""]
     errs = sorted(out.glob("runs/*/split*/*.err.txt"))
     if errs:
         lines += ["Runs that failed (no JSON written; re-running the command retries them):", ""]
