@@ -20,7 +20,20 @@ __all__ = ["GaussianPredictive", "Predictive", "check_level", "check_probability
 
 
 def check_probability(q: float | torch.Tensor, name: str = "q") -> torch.Tensor:
-    """Return ``q`` as a tensor after checking every entry lies strictly in (0, 1)."""
+    """Return ``q`` as a tensor after checking every entry lies strictly in (0, 1).
+
+    ``q`` is a float or a tensor of any shape; the result is a float64 tensor of that shape.
+    Empty, NaN, ``0`` or ``1`` entries raise ``ValueError`` naming ``name`` and the value.
+
+    Examples
+    --------
+    >>> check_probability([0.05, 0.5, 0.95])
+    tensor([0.0500, 0.5000, 0.9500], dtype=torch.float64)
+    >>> check_probability(1.0, name="level")
+    Traceback (most recent call last):
+    ...
+    ValueError: level must lie strictly in (0, 1), got level=1.0
+    """
     qt = torch.as_tensor(q, dtype=torch.float64)
     if qt.numel() == 0 or bool(((qt <= 0) | (qt >= 1) | torch.isnan(qt)).any()):
         raise ValueError(f"{name} must lie strictly in (0, 1), got {name}={q!r}")
@@ -28,7 +41,19 @@ def check_probability(q: float | torch.Tensor, name: str = "q") -> torch.Tensor:
 
 
 def check_level(level: float) -> float:
-    """Validate a central interval level in (0, 1)."""
+    """Validate a central interval level in (0, 1) and return it as a float.
+
+    Booleans, non-numbers and values outside the open interval raise ``ValueError``.
+
+    Examples
+    --------
+    >>> check_level(0.9)
+    0.9
+    >>> check_level(95)
+    Traceback (most recent call last):
+    ...
+    ValueError: level must be a float in (0, 1), got level=95
+    """
     if not isinstance(level, (int, float)) or isinstance(level, bool) or not 0 < level < 1:
         raise ValueError(f"level must be a float in (0, 1), got {level=!r}")
     return float(level)

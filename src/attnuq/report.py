@@ -14,10 +14,11 @@ mailed or opened anywhere.
 Examples
 --------
 >>> import json, pathlib, tempfile
->>> d = pathlib.Path(tempfile.mkdtemp())
->>> _ = (d / "results.json").write_text(json.dumps({"title": "t", "summary": {"nu": 4}}))
->>> render_report(d / "results.json").name
-'report.html'
+>>> with tempfile.TemporaryDirectory() as tmp:
+...     d = pathlib.Path(tmp)
+...     _ = (d / "results.json").write_text(json.dumps({"title": "t", "summary": {"nu": 4}}))
+...     print(render_report(d / "results.json").name)
+report.html
 """
 
 from __future__ import annotations
@@ -48,7 +49,26 @@ code{background:#f3f6f9;padding:0 .2em}
 
 
 def load_results(path: str | Path) -> dict[str, Any]:
-    """Read and validate a results file; raise ``ValueError`` naming the problem."""
+    """Read and validate a results file; raise ``ValueError`` naming the problem.
+
+    Returns the JSON object; a missing file raises ``FileNotFoundError``, invalid JSON or an
+    object without ``title`` raises ``ValueError``.
+
+    Examples
+    --------
+    >>> import json, pathlib, tempfile
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> path = pathlib.Path(tmp.name) / "results.json"
+    >>> _ = path.write_text(json.dumps({"title": "UCI", "summary": {"nu": 16}}))
+    >>> load_results(path)["summary"]
+    {'nu': 16}
+    >>> _ = path.write_text(json.dumps({"summary": {}}))
+    >>> load_results(path)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: ...results.json must hold a JSON object with a 'title' key
+    >>> tmp.cleanup()
+    """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"results file not found: {p}")
@@ -79,7 +99,25 @@ def _table(columns: list[str], rows: list[list[Any]]) -> str:
 
 
 def render_report(results: str | Path, out: str | Path | None = None) -> Path:
-    """Write an HTML page for ``results`` (a results.json path); return the page's path."""
+    """Write an HTML page for ``results`` (a results.json path); return the page's path.
+
+    The page goes to ``out`` (default: ``report.html`` beside ``results``); figures listed in
+    the file are embedded as base64 PNGs, so the page is self-contained.
+
+    Examples
+    --------
+    >>> import json, pathlib, tempfile
+    >>> results = {"title": "demo", "summary": {"nu": 16},
+    ...            "tables": [{"title": "CRPS", "columns": ["method", "crps"],
+    ...                        "rows": [["sa", 0.41], ["gaussian", 0.47]]}]}
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     path = pathlib.Path(tmp) / "results.json"
+    ...     _ = path.write_text(json.dumps(results))
+    ...     page = render_report(path, pathlib.Path(tmp) / "demo.html")
+    ...     text = page.read_text()
+    >>> page.name, "<h2>CRPS</h2>" in text, "<td>0.41</td>" in text
+    ('demo.html', True, True)
+    """
     results = Path(results)
     data = load_results(results)
     base = results.parent
