@@ -73,6 +73,24 @@ class AttentionSite:
         Number of query heads when the backend can tell (needed for per-head ``nu``).
     reason : str or None
         ``None`` if the site can be patched, otherwise why not.
+
+    Examples
+    --------
+    >>> import torch
+    >>> layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    >>> enc = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    >>> site = find_attention(enc)[0]
+    >>> site.name, site.backend, site.module_type, site.num_heads, site.patchable
+    ('layers.0.self_attn', 'mha', 'MultiheadAttention', 2, True)
+
+    A module that computes softmax attention inline is listed, with the reason:
+
+    >>> class MyAttention(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return torch.softmax(x @ x.transpose(-1, -2), -1) @ x
+    >>> site = find_attention(torch.nn.Sequential(MyAttention()))[0]
+    >>> site.backend, site.patchable, site.reason.startswith("no attnuq backend recognises")
+    ('none', False, True)
     """
 
     name: str
@@ -112,7 +130,23 @@ class _GeneratorPool:
 
 @dataclass
 class SiteState:
-    """What a patched site needs at call time: its ``nu`` and the handle's generators."""
+    """What a patched site needs at call time: its ``nu`` and the handle's generators.
+
+    :func:`patch` builds one per site (all sharing the handle's generator pool) and hands them
+    to the backend's ``apply``; the code a backend installs reads ``state.nu`` and draws with
+    ``state.generator(device)`` (``None`` when the handle has no seed: torch's global RNG).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from attnuq.patch._core import _GeneratorPool  # what patch(..., seed=0) creates
+    >>> state = SiteState(name="attn", backend="mha", nu=4, pool=_GeneratorPool(seed=0))
+    >>> g = state.generator(torch.device("cpu"))
+    >>> g.initial_seed(), state.generator(torch.device("cpu")) is g  # one per device
+    (0, True)
+    >>> state
+    SiteState(name='attn', backend='mha', nu=4)
+    """
 
     name: str
     backend: str
@@ -352,7 +386,26 @@ class SharedInstall:
 
 
 class Backend(Protocol):
-    """What a backend module provides (see the module docstring)."""
+    """What a backend module provides (see the module docstring).
+
+    ``detect(name, module)`` returns an :class:`AttentionSite` for a module the backend
+    recognises (with a ``reason`` when it cannot patch it) and ``None`` otherwise;
+    ``apply(model, sites)`` installs the stochastic attention for ``(module, SiteState)`` pairs
+    and returns a callable that undoes exactly that. Backends are tried in registration order
+    (:func:`register_backend`); the first claim wins.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from attnuq.patch.mha import BACKEND
+    >>> BACKEND.name
+    'mha'
+    >>> site = BACKEND.detect("attn", torch.nn.MultiheadAttention(8, 2))
+    >>> site.name, site.backend, site.num_heads, site.patchable
+    ('attn', 'mha', 2, True)
+    >>> BACKEND.detect("fc", torch.nn.Linear(8, 8)) is None
+    True
+    """
 
     name: str
 
@@ -605,6 +658,26 @@ class PatchHandle:
         Site name -> resolved ``nu`` (int, per-head tuple, or None for deterministic).
     seed : int or None
         Seed of the handle's generators (one per device).
+
+    Examples
+    --------
+    Only the first layer stochastic (a name pattern), then reseeded and removed:
+
+    >>> import torch
+    >>> layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    >>> enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    >>> x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    >>> frozen = enc(x)
+    >>> h = patch(enc, nu={"layers.0.*": 4}, seed=0)
+    >>> h.nus
+    {'layers.0.self_attn': 4, 'layers.1.self_attn': None}
+    >>> y1 = enc(x)
+    >>> y2 = h.manual_seed(0) and enc(x)  # same seed, same draws
+    >>> bool(torch.equal(y1, y2)), bool(torch.equal(y1, frozen))
+    (True, False)
+    >>> h.remove()
+    >>> h.active, bool(torch.equal(enc(x), frozen))
+    (False, True)
     """
 
     def __init__(
