@@ -72,6 +72,30 @@ def scoped_sdpa(
     Same signature and conventions as torch's function. Outside the forward of a selected
     site (see the module docstring) it calls torch's function unchanged; inside it returns the
     stochastic attention :func:`attnuq.patch._core.sampled_sdpa` with the site's ``nu``.
+    Shapes as in torch: ``query`` ``(B, H, Lq, D)``, ``key``/``value`` ``(B, Hkv, Lk, D)``
+    / ``(B, Hkv, Lk, Dv)``; returns ``(B, H, Lq, Dv)``.
+
+    Examples
+    --------
+    A module whose forward calls ``F.scaled_dot_product_attention`` is an SDPA site:
+
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> import attnuq
+    >>> class Attend(torch.nn.Module):
+    ...     def forward(self, q, k, v):
+    ...         return F.scaled_dot_product_attention(q, k, v)
+    >>> attend = Attend().eval()
+    >>> q = torch.randn(1, 2, 5, 4, generator=torch.Generator().manual_seed(0))  # (B, H, L, D)
+    >>> ref = F.scaled_dot_product_attention(q, q, q)
+    >>> with attnuq.stochastic(attend, nu=4, seed=0):
+    ...     swapped = F.scaled_dot_product_attention is scoped_sdpa
+    ...     inside = attend(q, q, q)  # inside the site: stochastic
+    ...     outside = F.scaled_dot_product_attention(q, q, q)  # elsewhere: torch's function
+    >>> swapped, bool(torch.equal(inside, ref)), bool(torch.equal(outside, ref))
+    (True, False, True)
+    >>> F.scaled_dot_product_attention is scoped_sdpa  # put back on exit
+    False
     """
     stack = _stack()
     state = stack[-1] if stack else None

@@ -47,7 +47,40 @@ def register_class(cls: type) -> None:
 
     ``cls`` must have ``qkv`` (``Linear(dim, 3 * H * head_dim)``), ``num_heads`` and ``proj``;
     ``head_dim``, ``scale``, ``q_norm``, ``k_norm``, ``attn_drop``, ``norm`` and ``proj_drop``
-    are used when present.
+    are used when present. Registration lasts for the process; registering twice is harmless.
+
+    Examples
+    --------
+    A copy of timm's ``Attention`` (as in ClimaX): without registration the generic SDPA
+    backend claims it (and cannot tell its heads); registered, the timm backend does:
+
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> from torch import nn
+    >>> import attnuq
+    >>> class MyAttention(nn.Module):
+    ...     def __init__(self, dim=8, num_heads=2):
+    ...         super().__init__()
+    ...         self.num_heads = num_heads
+    ...         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+    ...     def forward(self, x):
+    ...         B, N, C = x.shape
+    ...         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads)
+    ...         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # (B, H, N, head_dim) each
+    ...         y = F.scaled_dot_product_attention(q, k, v)
+    ...         return self.proj(y.transpose(1, 2).reshape(B, N, C))
+    >>> _ = torch.manual_seed(0)
+    >>> attn = MyAttention().eval()
+    >>> [(s.backend, s.num_heads) for s in attnuq.find_attention(attn)]
+    [('sdpa', None)]
+    >>> register_class(MyAttention)
+    >>> [(s.backend, s.num_heads) for s in attnuq.find_attention(attn)]
+    [('timm', 2)]
+    >>> x = torch.randn(2, 5, 8)
+    >>> with torch.no_grad(), attnuq.stochastic(attn, nu=4, seed=0):
+    ...     y = attn(x)
+    >>> y.shape, bool(torch.equal(y, attn(x)))
+    (torch.Size([2, 5, 8]), False)
     """
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
         raise TypeError(f"cls must be an nn.Module subclass, got {cls!r}")
