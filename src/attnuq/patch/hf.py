@@ -102,6 +102,28 @@ def sampled_attention_forward(
     tuple
         ``(out, None)`` with ``out`` of shape ``(B, Lq, H, Dv)`` (transposed, as HF expects); the
         attention weights are not returned (``None``, like HF's SDPA function).
+
+    Notes
+    -----
+    For a selected module each query row ``i`` draws ``W_i ~ Multinomial(nu, pi_i)`` from
+    ``pi_i = softmax(scaling * q_i k^T + mask_i)`` and returns ``(W_i / nu) V``
+    (:func:`attnuq.ops.sampled_attention`); any other module gets HF's
+    ``sdpa_attention_forward`` unchanged.
+
+    Examples
+    --------
+    The function is normally called by HF models inside :func:`attnuq.stochastic`; a module
+    that no handle selected gets HF's SDPA attention:
+
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> q, k, v = torch.randn(3, 1, 2, 5, 4, generator=torch.Generator().manual_seed(0))
+    >>> out, weights = sampled_attention_forward(torch.nn.Module(), q, k, v, None,
+    ...                                          is_causal=False)
+    >>> out.shape, weights  # (B, Lq, H, Dv)
+    (torch.Size([1, 5, 2, 4]), None)
+    >>> bool(torch.allclose(out, F.scaled_dot_product_attention(q, k, v).transpose(1, 2)))
+    True
     """
     state = _STATES.get(module)
     if state is None or state.nu is None:
