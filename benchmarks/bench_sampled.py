@@ -10,10 +10,16 @@ ratio <= 1.3), plus ``nu=8`` causal (against causal SDPA), ``nu=8`` key-blocked
 Memory (``B=1, H=8, Lq=Lk=16384, D=64, nu=16``): every variant runs once in a fresh subprocess;
 the peak extra resident memory of the call is ``VmHWM`` after the call minus ``VmRSS`` just
 before it, with the high-water mark reset (``/proc/self/clear_refs``) after the inputs are built
-(the method actually used is printed with the table). Variants: the dense path as shipped
+and after a warm-up call of the same variant on ``L=256`` followed by ``malloc_trim(0)`` (so that
+library code paged in and one-time initialisation by the first call are not counted, and no heap
+memory freed by the warm-up is left resident for the measured call to reuse; the method actually
+used is printed with the table). Variants: the dense path as shipped
 (query-chunked), the key-blocked path (``block_size=512``; target: <= 1/4 of dense), the dense
 path with query chunking disabled (one head's ``Lq x Lk`` matrix at a time, i.e. what a dense
-operator that materialises the probabilities costs) and SDPA for context.
+operator that materialises the probabilities costs) and SDPA for context. Each variant is
+reported twice: peak extra memory including the output, and working memory excluding the output
+(the same for every variant); the target verdict is stated for both definitions against
+both dense variants.
 
 Usage::
 
@@ -126,19 +132,34 @@ def _child(variant: str, threads: int) -> None:
     k = torch.randn(b, h, n, d)
     v = torch.randn(b, h, n, d)
     gen = torch.Generator().manual_seed(0)
-    fns: dict[str, Callable[[], Any]] = {
-        "dense": lambda: sampled_attention(q, k, v, nu=MEM_NU, generator=gen),
-        "blocked": lambda: sampled_attention(
-            q, k, v, nu=MEM_NU, generator=gen, block_size=MEM_BLOCK
-        ),
-        "dense-unchunked": lambda: sampled_attention(q, k, v, nu=MEM_NU, generator=gen),
-        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
-    }
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
+        if variant == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v)
+        bs = block if variant == "blocked" else None
+        return sampled_attention(q, k, v, nu=MEM_NU, generator=gen, block_size=bs)
+
     if variant == "dense-unchunked":
         # one whole head (Lq x Lk) per chunk instead of 128-query chunks
         _sampled._DENSE_MIN_ROWS = n
+    # Warm-up on a tiny input through the same code path (the blocked one with 4 key blocks),
+    # so that pages of library code and one-time initialisations touched by the first call are
+    # not counted; then hand freed heap memory back to the OS so that the measured call cannot
+    # reuse memory the warm-up made resident.
+    wq, wk, wv = (t[:, :, :256] for t in (q, k, v))
+    call(wq, wk, wv, 64)
+    del wq, wk, wv
     gc.collect()
-    method = "VmHWM reset via /proc/self/clear_refs"
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        warm = "after a warm-up call on L=256 and malloc_trim(0)"
+    except (OSError, AttributeError):
+        warm = "after a warm-up call on L=256 (malloc_trim unavailable)"
+    fns: dict[str, Callable[[], Any]] = {variant: lambda: call(q, k, v, MEM_BLOCK)}
+    gc.collect()
+    method = f"VmHWM reset via /proc/self/clear_refs {warm}"
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
@@ -209,35 +230,76 @@ def render(info: dict[str, Any], sp: list[dict[str, Any]], mem: list[dict[str, A
     verdict = "met" if nu8["ratio"] <= 1.3 else "NOT met"
     lines += ["", f"Target at nu=8 (<= 1.3): **{verdict}** (ratio {nu8['ratio']:.2f}).", ""]
     if mem:
-        lines += [
-            f"## Peak memory: B, H, L, D = {MEM_SHAPE}, nu = {MEM_NU}",
-            "",
-            f"One fresh subprocess per variant; method: {mem[0]['method']}. Peak extra = peak "
-            "resident memory during the call minus resident memory just before it (inputs "
-            f"excluded; the output itself is {mem[0]['output_mb']:.0f} MiB).",
-            "",
-            "| variant | peak extra MiB | seconds |",
-            "|---|---:|---:|",
-        ]
-        by = {m["variant"]: m for m in mem}
-        for m in mem:
-            lines.append(f"| {m['variant']} | {m['peak_extra_mb']:.0f} | {m['seconds']:.1f} |")
-        rd = by["blocked"]["peak_extra_mb"] / by["dense"]["peak_extra_mb"]
-        ru = by["blocked"]["peak_extra_mb"] / by["dense-unchunked"]["peak_extra_mb"]
-        lines += [
-            "",
-            f"* blocked / dense (as shipped, query-chunked): **{rd:.2f}** "
-            f"(target <= 0.25: {'met' if rd <= 0.25 else 'NOT met'})",
-            f"* blocked / dense with query chunking disabled (one head's Lq x Lk at a time): "
-            f"**{ru:.3f}** ({'<=' if ru <= 0.25 else '>'} 0.25)",
-            "",
-            "The shipped dense path already processes queries in chunks of at least 128 rows, "
-            "so it never holds more than `rows x Lk` scores; at this shape both paths' peaks are "
-            "dominated by the output, the uniforms and the drawn indices, not by the attention "
-            "matrix. The key-blocked path's advantage is the `Lk`-independent working set "
-            "`O(rows * (block_size + nu))`, which matters once `128 x Lk` itself is large.",
-        ]
+        lines += _render_memory(mem)
     return "\n".join(lines) + "\n"
+
+
+def _verdict(ratio: float) -> str:
+    return f"**{ratio:.3f}** (target <= 0.25: {'met' if ratio <= 0.25 else 'NOT met'})"
+
+
+def _render_memory(mem: list[dict[str, Any]]) -> list[str]:
+    """The memory section: both definitions of "peak memory" and the target verdict for each."""
+    by = {m["variant"]: m for m in mem}
+    out_mb = mem[0]["output_mb"]
+    b, h, n, _ = MEM_SHAPE
+    g, rows_all = b * h, n  # groups and query rows per group (no GQA)
+    # working-set components implied by the shapes and the module's chunking constants
+    dense_rows = max(min(rows_all, _sampled._DENSE_MIN_ROWS), _sampled._DENSE_CHUNK_ELEMS // n)
+    dense_buf_mb = dense_rows * n * 4 / 2**20
+    idx_mb = g * rows_all * MEM_NU * 4 / 2**20
+    blk_rows = max(min(rows_all, _sampled._BLOCKED_MIN_ROWS),
+                   _sampled._BLOCKED_CHUNK_ELEMS // (MEM_BLOCK + MEM_NU))
+    blk_buf_mb = blk_rows * MEM_BLOCK * 4 / 2**20
+    lines = [
+        f"## Peak memory: B, H, L, D = {MEM_SHAPE}, nu = {MEM_NU}",
+        "",
+        f"One fresh subprocess per variant; method: {mem[0]['method']}. *Peak extra* = peak "
+        "resident memory during the call minus resident memory just before it (inputs "
+        f"excluded, output included; the output itself is {out_mb:.0f} MiB for every variant). "
+        "*Working* = peak extra minus the output: the memory a variant needs besides the "
+        "unavoidable result. Variants: `dense` is the shipped dense path (query-chunked); "
+        f"`blocked` is `block_size={MEM_BLOCK}`; `dense-unchunked` is the dense path with one "
+        "whole head's `Lq x Lk` matrix per chunk (what a dense operator that materialises the "
+        "probabilities costs); `sdpa` is `F.scaled_dot_product_attention` for context.",
+        "",
+        "| variant | peak extra MiB (incl. output) | working MiB (excl. output) | seconds |",
+        "|---|---:|---:|---:|",
+    ]
+    for m in mem:
+        lines.append(
+            f"| {m['variant']} | {m['peak_extra_mb']:.1f} | {m['peak_extra_mb'] - out_mb:.1f} | "
+            f"{m['seconds']:.1f} |"
+        )
+
+    def ratio(a: str, ref: str, minus: float) -> float:
+        return (by[a]["peak_extra_mb"] - minus) / (by[ref]["peak_extra_mb"] - minus)
+
+    lines += [
+        "",
+        "Issue 2 target: the blocked version's peak memory at most 1/4 of the dense version's. "
+        "Blocked / dense under each definition (which definition and which dense version the "
+        "target means is the lead's call; nothing here is redefined to pass):",
+        "",
+        "| blocked / ... | peak extra (incl. output) | working (excl. output) |",
+        "|---|---|---|",
+        f"| dense as shipped (query-chunked) | {_verdict(ratio('blocked', 'dense', 0.0))} | "
+        f"{_verdict(ratio('blocked', 'dense', out_mb))} |",
+        f"| dense with query chunking disabled (materialising) | "
+        f"{_verdict(ratio('blocked', 'dense-unchunked', 0.0))} | "
+        f"{_verdict(ratio('blocked', 'dense-unchunked', out_mb))} |",
+        "",
+        "What the working sets hold (sizes computed from the shapes and the chunking constants "
+        "in `attnuq.ops.sampled`, not measured): the shipped dense path keeps one chunk of "
+        f"{dense_rows} query rows' scores against all {n} keys ({dense_buf_mb:.1f} MiB) and the "
+        f"int32 indices of all draws ({idx_mb:.1f} MiB, gathered by one `embedding_bag`; its "
+        "uniforms are drawn chunk by chunk). Without a gradient the blocked path gathers each "
+        f"chunk's value rows straight into the output, so it holds one chunk of {blk_rows} rows: "
+        f"block scores ({blk_buf_mb:.1f} MiB) and a few `(rows, nu)` tensors, independent of "
+        "`Lk` and of the number of queries. The materialising dense path holds a whole head's "
+        "`Lq x Lk` matrix.",
+    ]
+    return lines
 
 
 def plot(sp: list[dict[str, Any]], path: Path) -> None:
