@@ -44,14 +44,15 @@ def _fit(task: Task, grid: tuple[float, ...]) -> IVONMethod:
     return m.fit(task)  # type: ignore[return-value]
 
 
-def test_choice_is_the_smallest_validation_nll_and_ignores_cal() -> None:
+def test_choice_is_the_smallest_validation_rmse_and_ignores_cal() -> None:
     grid = (0.3, 10.0, 300.0)
     real = _fit(_task(_data(24, 2)), grid)
     nan_x = torch.full((24, 4), math.nan)
     blind = _fit(_task((nan_x, torch.full((24,), math.nan))), grid)
     info, info_b = real.info(), blind.info()
-    assert info["hess_init"] in grid and info["selection"] == "validation NLL"
-    nlls = [c["val_nll"] for c in info["candidates"]]
+    assert info["hess_init"] in grid
+    assert info["selection"] == "validation RMSE of the predictive mean"
+    nlls = [c["val_rmse_pred"] for c in info["candidates"]]
     assert [c["hess_init"] for c in info["candidates"]] == list(grid)
     assert all(math.isfinite(v) for v in nlls)
     assert info["hess_init"] == grid[nlls.index(min(nlls))]
