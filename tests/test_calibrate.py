@@ -173,3 +173,15 @@ def test_bench_suite_writes_table(tmp_path) -> None:  # type: ignore[no-untyped-
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert rows[0]["grid_passes"] == 1 + 10 * 7 and rows[0]["bo_passes"] <= 1 + 10 * 2
     assert (out / "uniform-mha_scale.png").exists()
+
+
+def test_log_grid_validates() -> None:
+    from attnuq.calibrate import log_grid
+
+    assert log_grid((2, 2048), 2) == [2, 2048]
+    with pytest.raises(ValueError, match="size must be an int >= 2"):
+        log_grid((1, 64), 1)
+    with pytest.raises(ValueError, match="nu_range must be two ints"):
+        log_grid((0, 64), 5)
+    with pytest.raises(ValueError, match="nu_range must be two ints"):
+        log_grid((8, 4), 5)

@@ -528,6 +528,17 @@ class _LogLinear:
         }
 
 
+def _check_nu_range(nu_range: object) -> tuple[int, int]:
+    if (
+        not isinstance(nu_range, (tuple, list))
+        or len(nu_range) != 2
+        or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in nu_range)
+        or not 1 <= nu_range[0] < nu_range[1]
+    ):
+        raise ValueError(f"nu_range must be two ints 1 <= lo < hi, got {nu_range=!r}")
+    return int(nu_range[0]), int(nu_range[1])
+
+
 def log_grid(nu_range: tuple[int, int], size: int) -> list[int]:
     """Unique integers of ``size`` log-spaced points over ``nu_range`` (both ends included).
 
@@ -541,7 +552,9 @@ def log_grid(nu_range: tuple[int, int], size: int) -> list[int]:
     >>> log_grid((1, 4), 8)
     [1, 2, 3, 4]
     """
-    lo, hi = nu_range
+    lo, hi = _check_nu_range(nu_range)
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 2:
+        raise ValueError(f"size must be an int >= 2, got {size=!r}")
     return sorted({round(v) for v in np.geomspace(lo, hi, size)})
 
 
@@ -645,17 +658,11 @@ def calibrate(
     m = check_positive_int(n_passes, "n_passes")
     if m < 2:
         raise ValueError(f"n_passes must be >= 2 (a spread needs two passes), got {n_passes=}")
-    if (
-        not isinstance(nu_range, (tuple, list))
-        or len(nu_range) != 2
-        or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in nu_range)
-        or not 1 <= nu_range[0] < nu_range[1]
-    ):
-        raise ValueError(f"nu_range must be two ints 1 <= lo < hi, got {nu_range=!r}")
-    lo, hi = int(nu_range[0]), int(nu_range[1])
+    lo, hi = _check_nu_range(nu_range)
     if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
         raise ValueError(f"level must be a float in (0, 1), got {level=!r}")
-    check_positive_int(grid_size, "grid_size")
+    if check_positive_int(grid_size, "grid_size") < 2:
+        raise ValueError(f"grid_size must be >= 2, got {grid_size=!r}")
     check_positive_int(max_evals, "max_evals")
     if not surrogate_noise >= 0:
         raise ValueError(f"surrogate_noise must be >= 0, got {surrogate_noise=}")
