@@ -249,7 +249,7 @@ def _render_memory(mem: list[dict[str, Any]]) -> list[str]:
     dense_buf_mb = dense_rows * n * 4 / 2**20
     idx_mb = g * rows_all * MEM_NU * 4 / 2**20
     blk_rows = max(min(rows_all, _sampled._BLOCKED_MIN_ROWS),
-                   _sampled._BLOCKED_CHUNK_ELEMS // (MEM_BLOCK + MEM_NU))
+                   _sampled._BLOCKED_SAMPLE_ELEMS // (MEM_BLOCK + MEM_NU))
     blk_buf_mb = blk_rows * MEM_BLOCK * 4 / 2**20
     lines = [
         f"## Peak memory: B, H, L, D = {MEM_SHAPE}, nu = {MEM_NU}",

@@ -549,7 +549,7 @@ def test_blocked_path_never_holds_all_draws_without_gradient(monkeypatch):
     depend on the data."""
     from attnuq.ops import sampled as mod
 
-    monkeypatch.setattr(mod, "_BLOCKED_CHUNK_ELEMS", 64 * (32 + 64))  # 64 rows per chunk
+    monkeypatch.setattr(mod, "_BLOCKED_SAMPLE_ELEMS", 64 * (32 + 64))  # 64 rows per chunk
     g, m, lk, nu, dv = 2, 512, 128, 64, 4
     q, k, v = _qkv(1, g, g, m, lk, 8, dv=dv, seed=28, dtype=torch.float32)
     all_draws = g * m * nu  # 65536
@@ -573,7 +573,7 @@ def test_uniforms_are_drawn_chunk_by_chunk(monkeypatch, block_size):
     block), and together they cover every draw (once per key block when blocked)."""
     from attnuq.ops import sampled as mod
 
-    monkeypatch.setattr(mod, "_BLOCKED_CHUNK_ELEMS", 64 * (32 + 64))  # 64 rows per chunk
+    monkeypatch.setattr(mod, "_BLOCKED_SAMPLE_ELEMS", 64 * (32 + 64))  # 64 rows per chunk
     monkeypatch.setattr(mod, "_DENSE_CHUNK_ELEMS", 64 * 128)
     monkeypatch.setattr(mod, "_DENSE_MIN_ROWS", 64)
     g, m, lk, nu = 2, 512, 128, 64
