@@ -444,7 +444,8 @@ def _seed_block(seed: int, ctx: dict[str, Any], args: argparse.Namespace) -> dic
     from attnuq.models.levy_forecaster import fit_alpha_temperature
     from attnuq.ops.phi import poisson_phi
 
-    rec: dict[str, Any] = {"seed": seed, "scoring_version": SCORING_VERSION}
+    rec: dict[str, Any] = {"seed": seed, "scoring_version": SCORING_VERSION,
+                           "train_config": _train_config(args, ds)}
     levy, rec["train_levy"] = _model("levy", seed, ds, tr, val_b, args)
     ctrl, rec["train_softmax"] = _model("softmax", seed, ds, tr, val_b, args)
     for key in ("train_levy", "train_softmax"):
@@ -660,6 +661,9 @@ def run(args: argparse.Namespace) -> Path:
         if old is not None and old.get("scoring_version") != SCORING_VERSION:
             _log(f"not reusing {f}: scoring version {old.get('scoring_version')} != "
                  f"{SCORING_VERSION}")
+            old = None
+        if old is not None and old.get("train_config") != _train_config(args, ds):
+            _log(f"not reusing {f}: trained under other options {old.get('train_config')}")
             old = None
         if old is not None:
             _log(f"reusing {f}")
