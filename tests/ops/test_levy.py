@@ -425,3 +425,38 @@ def test_float32_fused_path_near_its_beta_limit() -> None:
     for f in ("mean", "var", "sigma", "phi"):
         torch.testing.assert_close(getattr(r32, f).double(), getattr(r64, f), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(r32.evidence.double(), r64.evidence, atol=0, rtol=1e-4)
+
+
+@pytest.mark.parametrize("per_dim", [True, False])
+def test_inference_path_matches_autograd_path(per_dim: bool) -> None:
+    """The fused backend without autograd (log-sum-exp normaliser, one buffer for keys and
+    values) and with it (sentinel key) give the same numbers to rounding."""
+    args, kw = make_problem(B=3, H=2, Q=4, N=13, E=5, Dv=4, K=3)
+    kw.update(backend="sdpa", per_dim=per_dim)
+    with torch.no_grad():
+        r_inf = levy_attention(*args, **kw)
+    leaves = [t.clone().requires_grad_(True) for t in args[:4]]
+    r_grad = levy_attention(*leaves, args[4], **kw)
+    for f in FIELDS:
+        x, y = getattr(r_inf, f), getattr(r_grad, f)
+        if x is None:
+            assert y is None
+            continue
+        torch.testing.assert_close(x, y.detach(), atol=1e-12, rtol=1e-12, msg=f)
+
+
+def test_inference_path_float32_masked_garbage_is_bit_identical() -> None:
+    """float32, no autograd: masked rows holding large finite garbage (left as they are) and
+    NaN (zeroed) leave every output bit-identical."""
+    args, kw = make_problem(B=2, H=2, Q=3, N=9, dtype=torch.float32)
+    q, k, a, times, mask = args
+    kw = {key: v.float() for key, v in kw.items()}
+    kw["backend"] = "sdpa"
+    r = levy_attention(q, k, a, times, mask, **kw)
+    m4 = mask[:, None, :, None]
+    for fill in (1e4, math.nan):
+        k2 = torch.where(m4, k, torch.full_like(k, fill))
+        a2 = torch.where(m4, a, torch.full_like(a, fill))
+        r2 = levy_attention(q, k2, a2, times, mask, **kw)
+        for f in FIELDS:
+            assert torch.equal(getattr(r, f), getattr(r2, f)), (fill, f)

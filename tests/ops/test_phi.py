@@ -119,3 +119,15 @@ def test_gradcheck_float64() -> None:
 def test_bad_input(lam: torch.Tensor, exc: type[Exception], match: str) -> None:
     with pytest.raises(exc, match=match):
         poisson_phi(lam)
+
+
+def test_relative_error_at_dyadic_pieces_and_asymptotic_edge() -> None:
+    """Every Chebyshev piece [2^j, 2^{j+1}] up to 4096 and both sides of the asymptotic edge."""
+    pts = sorted({x * f for x in [2.0**j for j in range(13)] for f in (1 - 1e-12, 1.0, 1 + 1e-12)}
+                 | {1.5 * 2.0**j for j in range(12)} | {4096.5, 5000.0, 1e4})
+    lam = torch.tensor(pts, dtype=F64)
+    got, dgot = poisson_phi(lam).numpy(), poisson_phi_derivative(lam).numpy()
+    ref = np.array([ref_phi(x) for x in pts])
+    dref = np.array([ref_dphi(x) for x in pts])
+    assert (np.abs(got - ref) / ref).max() <= 1e-12
+    assert (np.abs(dgot - dref) / np.abs(dref)).max() <= 1e-10

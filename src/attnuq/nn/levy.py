@@ -386,7 +386,8 @@ class LevyAttention(nn.Module):
         else:
             pvar = res.var * res.phi[..., None]  # (B, H, Q, Dv) predictive variance per head
             if self.out_proj is None:
-                sigma_dim = _safe_sqrt(pvar).transpose(1, 2).reshape(B, Q, H * Dv)
+                assert res.sigma_dim is not None  # sqrt(var * phi), computed by the operator
+                sigma_dim = res.sigma_dim.transpose(1, 2).reshape(B, Q, H * Dv)
                 total = pvar.sum(dim=(1, 3))
             else:
                 tot_dim = pvar.sum(1)  # (B, Q, P)

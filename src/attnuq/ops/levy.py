@@ -56,21 +56,40 @@ Math (METHODS.md section 2), per batch element, head and query ``q``
 Implementation notes
 --------------------
 * Fast path (``backend="sdpa"``, chosen by ``"auto"`` when ``beta <= log(finfo.max) / 4``, i.e.
-  22 in float32 and 177 in float64): the sums ``sum_i e^{beta cos_qi} [1, v_i, v_i^2 + s_i]``
-  come from ONE fused ``F.scaled_dot_product_attention`` call per block. Softmax discards the
-  normaliser ``Z_q`` that the evidence needs, so a sentinel key with known score ``-beta`` and
-  value ``e_0`` is prepended: its output weight ``o_q`` gives ``Z_q e^{beta} = (1 - o_q) / o_q``
-  (every observed term is ``>= 1`` relative to the sentinel, so ``o_q <= 1/2`` and there is no
-  cancellation), and ``Lambda_q = alpha e^{-2 beta} (1 - o_q) / o_q``. Masked keys get score
-  ``-1e4`` (weight exactly 0).
+  22 in float32 and 177 in float64): the sums ``sum_i e^{beta cos_qi} [v_i, v_i^2 + s_i]`` and
+  the normaliser come from ONE fused attention call per block.
+
+  - Without autograd (inference) on CPU: the flash-attention kernel behind
+    ``F.scaled_dot_product_attention`` also returns ``lse_q = log sum_i e^{beta cos_qi}``, so
+    ``Lambda_q = alpha e^{lse_q - beta}`` needs no extra key or column. Values are
+    ``[v - ref, (v - ref)^2 + s]`` (width ``2 Dv``; ``Dv + 1`` for the trace), queries
+    ``[beta qn, 0]`` and keys ``[kn, *]`` padded to that width (the kernel needs equal
+    widths); keys and values are overlapping views of one ``[kn | v - ref | second moment]``
+    buffer, the keys' padding being met by the queries' zeros. Masked keys get an additive
+    ``-1e4`` (weight exactly 0).
+  - With autograd (the kernel's log-sum-exp output has no gradient): a sentinel key with known
+    score ``-beta`` and value ``e_0`` is prepended; its output weight ``o_q`` gives
+    ``Z_q e^{beta} = (1 - o_q) / o_q`` (every observed term is ``>= 1`` relative to the
+    sentinel, so ``o_q <= 1/2`` and there is no cancellation), and
+    ``Lambda_q = alpha e^{-2 beta} (1 - o_q) / o_q``. Masked keys get score ``-1e4``.
+
+  The two agree to rounding (tested at 1e-12 in float64).
 * Reference path (``backend="explicit"``, any ``beta``): scores, the exact max ``M_q`` over
   observed ``i``, ``exp(beta cos - M_q)`` and GEMMs; ``Lambda_q = alpha e^{M_q - beta} Z_q``.
   Tests check that both paths agree (values and gradients) to 1e-12 in float64.
-* Masked entries of ``k``, ``a``, ``times`` are replaced by zeros once (``torch.where``), so
-  whatever they held (NaN included) they contribute exact zeros. Every sum over observations
-  runs over fixed-size, zero-padded blocks of ``block_size`` accumulated in order, so the same
+* Within-atom variance without ``2 K^2`` products per observation: the summand of
+  ``s_ij = sum_{k,l} D_jk D_jl Cov(g)_kl`` is symmetric in ``(k, l)``, so it is one GEMM of the
+  ``K (K + 1)`` products ``c_k c_l``, ``s_k s_l`` with ``k <= l`` (off-diagonal weights doubled);
+  for the trace only (``per_dim=False``) the weights are summed over ``j`` before the GEMM
+  (see :func:`_field`).
+* Masked entries: ``times`` are zeroed; ``k`` and ``a`` are zeroed only where needed (some
+  non-finite entry in ``k``, or ``a`` not bounded by ``finfo.max ** (1/4)`` in norm, checked by
+  one reduction each); otherwise their masked rows stay finite through every step and get
+  weight exactly 0, contributing exact zeros. Every sum over observations runs over
+  fixed-size, zero-padded blocks of ``block_size`` accumulated in order, so the same
   numbers meet the same kernels whatever the padded length: appending masked observations
-  leaves every output bit-identical (tested with 3 and 300 extra entries).
+  leaves every output bit-identical (tested with 3 and 300 extra entries, NaN and finite
+  garbage, float64 and float32).
 * The second moment is accumulated about a per-series reference (the plain mean of ``vbar`` over
   observed ``i``), which removes most of the cancellation of ``E v^2 - (E v)^2`` in float32.
 * Empty series (no observed entry): ``evidence = 0``, ``p_empty = 1``, ``mean = 0``, ``var = 0``,
@@ -235,8 +254,17 @@ def _validate(
         if t.dtype != q.dtype:
             raise TypeError(f"{n} must have dtype {q.dtype} like q, got {n}.dtype={t.dtype}")
     _check_observed_finite(times, mask, "times")
-    _check_observed_finite(k, mask[:, None, :, None], "k")
-    _check_observed_finite(a, mask[:, None, :, None], "a")
+    m4 = mask[:, None, :, None]
+    # Masked rows may hold anything. Where k is finite and a bounded everywhere (the usual case,
+    # checked by one reduction each), the masked rows are left as they are: they stay finite
+    # through every later step and get weight exactly 0. Otherwise they are zeroed here.
+    if not _all_finite(k.detach()):
+        _check_observed_finite(k, m4, "k")
+        k = torch.where(m4, k, 0.0)
+    a_norm = torch.linalg.vector_norm(a.detach())
+    if not (bool(torch.isfinite(a_norm)) and float(a_norm) <= torch.finfo(a.dtype).max ** 0.25):
+        _check_observed_finite(a, m4, "a")
+        a = torch.where(m4, a, 0.0)
     if not _all_finite(q.detach()):
         raise ValueError(f"q contains non-finite values in a tensor of shape {tuple(q.shape)}")
     al = _head_param(alpha, "alpha", H, q, strict=True)
@@ -283,18 +311,16 @@ _SDPA_MIN_SIZE = 1 << 16  # B * H * Q * N from which backend="auto" uses the fus
 
 
 def _split_blocks(inp: _Inputs, block: int) -> list[_Inputs]:
-    """Zero masked entries, zero-pad the observation axis to a multiple of ``block``, cut it.
+    """Zero masked times, zero-pad the observation axis to a multiple of ``block``, cut it.
 
-    After this, masked rows of ``k``, ``a`` and ``times`` hold exact zeros (so anything derived
-    from them is finite); the operator then gives them weight exactly 0.
+    Masked rows of ``k`` and ``a`` are finite (and ``a`` bounded) after :func:`_validate`, so
+    anything derived from them is finite; the operator then gives them weight exactly 0.
     """
     n = inp.k.shape[2]
     nb = max(1, -(-n // block))
     pad = nb * block - n
     mask = inp.mask
-    m4 = mask[:, None, :, None]
-    k = torch.where(m4, inp.k, 0.0)
-    a = torch.where(m4, inp.a, 0.0)
+    k, a = inp.k, inp.a
     times = torch.where(mask, inp.times, 0.0)
     if nb == 1 and not pad:
         return [inp._replace(k=k, a=a, times=times)]
@@ -332,16 +358,17 @@ def _safe_sqrt(x: torch.Tensor) -> torch.Tensor:
     return torch.where(pos, root, torch.zeros_like(x))
 
 
-def _gcov_matrices(omega: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(M1, M2)`` each ``(H, K, K)``: ``Cov(g)_kl = M1_kl c_k c_l + M2_kl s_k s_l``.
+def _gcov_pairs(
+    wk: torch.Tensor, wl: torch.Tensor, h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(M1_kl, M2_kl)`` for frequency pairs ``wk``, ``wl`` ``(H, P)``, bandwidths ``h`` ``(H,)``:
+    ``Cov(g)_kl = M1_kl c_k c_l + M2_kl s_k s_l``.
 
     ``M1 = e (cosh u - 1)``, ``M2 = e sinh u`` with ``e_kl = exp(-(w_k^2 + w_l^2) h^2 / 2)`` and
     ``u_kl = w_k w_l h^2``. For ``|u| < 1`` they are formed from ``sinh`` (no cancellation), else
     from ``e cosh u = (e^{-(w_k - w_l)^2 h^2/2} + e^{-(w_k + w_l)^2 h^2/2}) / 2`` (no overflow).
     """
-    h2 = (h * h)[:, None, None]  # (H, 1, 1)
-    wk = omega[:, :, None]
-    wl = omega[:, None, :]
+    h2 = (h * h)[:, None]  # (H, 1)
     u = wk * wl * h2
     e = torch.exp(-(wk * wk + wl * wl) * h2 / 2)
     em = torch.exp(-((wk - wl) ** 2) * h2 / 2)
@@ -354,59 +381,115 @@ def _gcov_matrices(omega: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 class _Field(NamedTuple):
-    """Per-call constants of the value field: damping ``(H, K)``, ``D^T`` ``(H, K, Dv)`` and
-    the within-atom variance weights ``(2 K^2, H * Dv)``."""
+    """Per-call constants of the value field.
 
-    damp: torch.Tensor
-    dt: torch.Tensor
-    w: torch.Tensor
+    ``wm``: mean loading ``damp_k D_jk``; ``ws``: within-atom variance weights on the
+    ``2 P`` pair products (``P = K (K + 1) / 2``), per value dimension (``dw = Dv``) or summed
+    over it (``dw = 1``, trace only). Shared time features (``Hw = 1``): ``wm`` ``(K, H * Dv)``,
+    ``ws`` ``(2 P, H * dw)``; per-head features: ``(H, K, Dv)`` and ``(H, 2 P, dw)``.
+    """
+
+    wm: torch.Tensor
+    ws: torch.Tensor
 
 
-def _field(inp: _Inputs) -> _Field | None:
+_PAIR_CACHE: dict[tuple[int, torch.dtype, torch.device], tuple[torch.Tensor, ...]] = {}
+
+
+def _pair_index(
+    K: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pairs ``(k, l)``, ``k <= l``, ordered by diagonal ``d = l - k`` then ``k`` (the order in
+    which :func:`_pair_products` builds them), with multiplicity 1 on the diagonal, else 2:
+    ``(iu, ju, mult)`` tensors of length ``P = K (K + 1) / 2`` (built once per K, dtype, device).
+    """
+    key = (K, dtype, device)
+    if key not in _PAIR_CACHE:
+        iu = [k for d in range(K) for k in range(K - d)]
+        ju = [k + d for d in range(K) for k in range(K - d)]
+        mult = [1.0 if d == 0 else 2.0 for d in range(K) for _ in range(K - d)]
+        _PAIR_CACHE[key] = (torch.tensor(iu, device=device), torch.tensor(ju, device=device),
+                            torch.tensor(mult, dtype=dtype, device=device))
+    iu_t, ju_t, mu = _PAIR_CACHE[key]
+    return iu_t, ju_t, mu
+
+
+def _pair_products(c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``[c_k c_l, s_k s_l]`` for ``k <= l`` (order of :func:`_pair_index`): ``(..., K)`` ->
+    ``(..., 2 P)``, one product per diagonal of the symmetric ``K x K`` outer products."""
+    K = c.shape[-1]
+    x = torch.stack([c, s], dim=-2)  # (..., 2, K)
+    prods = torch.cat([x[..., : K - d] * x[..., d:] for d in range(K)], dim=-1)  # (..., 2, P)
+    return prods.flatten(-2)
+
+
+def _field(inp: _Inputs, per_dim: bool) -> _Field | None:
+    r"""Constants of the value field (``None`` without one).
+
+    Within-atom variance without the ``K^2`` products per observation: with ``c_k = cos z_k``,
+    ``s_k = sin z_k`` (``z_k = omega_k t_i + b_k``) and the symmetric ``M1``, ``M2`` of
+    :func:`_gcov_pairs`,
+
+    .. math::
+
+        s_{ij} = D_j \operatorname{Cov}(g) D_j^\top
+               = \sum_{k \le l} \mu_{kl} D_{jk} D_{jl} (M1_{kl} c_k c_l + M2_{kl} s_k s_l),
+        \qquad \mu_{kk} = 1,\ \mu_{k<l} = 2,
+
+    because the summand is symmetric in ``(k, l)``: ``2 P = K (K + 1)`` features (72 for
+    ``K = 8``) instead of ``2 K^2`` (128). For the trace only (``per_dim=False``) the weights are
+    summed over ``j`` first, ``tr s_i = sum_{k<=l} (sum_j mu D_jk D_jl M1_kl) c_k c_l + ...``,
+    so the per-observation cost is ``2 P H`` instead of ``2 P H Dv``.
+    """
     if inp.omega is None or inp.phase is None or inp.D is None:
         return None
-    H, Dv = inp.D.shape[:2]
+    H, _, K = inp.D.shape
+    hw = inp.omega.shape[0]
     om_h = inp.omega.expand(H, -1)
     damp = torch.exp(-(om_h**2) * (inp.h**2)[:, None] / 2)  # (H, K)
-    m1, m2 = _gcov_matrices(om_h, inp.h)  # (H, K, K) each
-    dd = inp.D[:, :, :, None] * inp.D[:, :, None, :]  # (H, Dv, K, K)
-    w1 = (dd * m1[:, None]).flatten(-2)  # (H, Dv, K*K)
-    w2 = (dd * m2[:, None]).flatten(-2)
-    w = torch.cat([w1, w2], dim=-1)  # (H, Dv, 2 K^2)
-    w = w.permute(2, 0, 1).reshape(-1, H * Dv)  # (2 K^2, H * Dv)
-    return _Field(damp=damp, dt=inp.D.transpose(-1, -2), w=w)
+    iu_t, ju_t, mu = _pair_index(K, inp.D.dtype, inp.D.device)
+    m1, m2 = _gcov_pairs(om_h[:, iu_t], om_h[:, ju_t], inp.h)  # (H, P) each
+    dd = inp.D[:, :, iu_t] * inp.D[:, :, ju_t] * mu  # (H, Dv, P)
+    w = torch.cat([dd * m1[:, None], dd * m2[:, None]], dim=-1)
+    if not per_dim:
+        w = w.sum(1, keepdim=True)  # (H, 1, 2P)
+    wm = damp[:, None, :] * inp.D  # (H, Dv, K)
+    if hw == 1:
+        return _Field(
+            wm=wm.permute(2, 0, 1).reshape(K, -1), ws=w.permute(2, 0, 1).reshape(w.shape[-1], -1)
+        )
+    return _Field(wm=wm.transpose(-1, -2), ws=w.transpose(-1, -2))
 
 
 def _value_moments(
     inp: _Inputs, fld: _Field | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``vbar`` ``(B, H, N, Dv)`` and within-atom variance ``s`` ``(B, H, N, Dv)`` (or None).
+    """``vbar`` ``(B, H, N, Dv)`` and within-atom variance ``s`` ``(B, H, N, dw)`` (or None).
 
-    ``s_ij = D_j Cov(g) D_j^T = sum_{k,l} D_jk D_jl (M1_kl c_k c_l + M2_kl s_k s_l)`` is one
-    GEMM of the ``2 K^2`` products of the time features with fixed weights. Rows of masked
-    entries are finite but meaningless (the callers weight them by exactly 0).
+    ``vbar = a + (damp * cos z) D^T`` and ``s`` (per dimension, ``dw = Dv``, or its sum over
+    dimensions, ``dw = 1``) are one GEMM each over the time features, shared by all heads when
+    the frequencies are (see :func:`_field`). Rows of masked entries are finite but meaningless
+    (the callers weight them by exactly 0).
     """
     a = inp.a
     if fld is None or inp.omega is None or inp.phase is None:
         return a, None
     B, H, N, Dv = a.shape
-    times = inp.times
-    z = times[:, None, :, None] * inp.omega[None, :, None, :] + inp.phase[None, :, None, :]
-    c = torch.cos(z)  # (B, Hw, N, K), Hw in {1, H}
-    sn = torch.sin(z)
-    vbar = a + (c * fld.damp[None, :, None, :]) @ fld.dt  # (B, H, N, Dv)
-    feats = torch.cat(
-        [(c[..., :, None] * c[..., None, :]).flatten(-2),
-         (sn[..., :, None] * sn[..., None, :]).flatten(-2)],
-        dim=-1,
-    )  # (B, Hw, N, 2 K^2)
-    hw = feats.shape[1]
-    if hw == 1:  # shared time features: one GEMM for all heads
-        s = (feats[:, 0] @ fld.w).view(B, N, H, Dv).transpose(1, 2)
-    else:
-        w = fld.w.view(-1, H, Dv).transpose(0, 1)  # (H, 2T, Dv)
-        s = feats @ w
-    return vbar, s
+    if inp.omega.shape[0] == 1:
+        # shared time features, one GEMM each for all heads. Features are built transposed,
+        # (K, B N) and (2P, B N), so that every product runs over B N contiguous numbers (a
+        # (B N, K) layout has inner loops of K - d elements and costs several times more)
+        K = inp.omega.shape[-1]
+        zt = inp.omega[0][:, None] * inp.times.reshape(1, B * N) + inp.phase[0][:, None]
+        ct, st = torch.cos(zt), torch.sin(zt)  # (K, B N)
+        feats_t = torch.cat([x[: K - d] * x[d:] for x in (ct, st) for d in range(K)])  # (2P, BN)
+        vbar = a + (ct.t() @ fld.wm).view(B, N, H, Dv).transpose(1, 2)
+        s = (feats_t.t() @ fld.ws).view(B, N, H, -1).transpose(1, 2)
+        return vbar, s
+    z = inp.times[:, None, :, None] * inp.omega[None, :, None, :] + inp.phase[None, :, None, :]
+    c = torch.cos(z)  # (B, H, N, K)
+    feats = _pair_products(c, torch.sin(z))  # (B, H, N, 2P)
+    return a + c @ fld.wm, feats @ fld.ws
 
 
 def _scores(inp: _Inputs) -> torch.Tensor:
@@ -551,27 +634,24 @@ def levy_attention(
     inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
     B, H = q.shape[:2]
     Dv = a.shape[-1]
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in inp)
     # Every per-observation quantity and every sum over observations is computed on fixed-size,
     # zero-padded blocks of `block_size` observations, so that the same numbers meet the same
     # kernels whatever the padded length N is (bit-identical under appended masked entries).
     # Masked observations have all-zero key and value rows, so they add exact zeros.
     blocks = _split_blocks(inp, block_size)
-    fld = _field(inp)
-    mom_b = [_value_moments(blk, fld) for blk in blocks]  # vbar, within: (B, H, bs, Dv)
-    count = mask.sum(-1).clamp_min(1).to(q.dtype)[:, None, None, None]
-    # reference: plain mean of vbar over observed entries
+    fld = _field(inp, per_dim)
+    # vbar (B, H, bs, Dv); within-atom variance (B, H, bs, Dv) or, per_dim=False, its trace (1)
+    mom_b = [_value_moments(blk, fld) for blk in blocks]
+    count = mask.sum(-1).clamp_min(1).to(q.dtype)[:, None, None]
+    # reference: plain mean of vbar over observed entries, one (1 x bs) @ (bs x H Dv) GEMM per
+    # series and block, in the (B, N, H, Dv) layout the embeddings come in
     ref = _ordered_sum(
-        [blk.mask.to(q.dtype)[:, None, None, :].expand(B, H, 1, -1) @ mb[0]
+        [blk.mask.to(q.dtype)[:, None, :] @ mb[0].transpose(1, 2).reshape(B, -1, H * Dv)
          for blk, mb in zip(blocks, mom_b, strict=True)]
-    ) / count  # (B, H, 1, Dv)
-    vals_b = []  # per block: v - ref (B, H, bs, Dv); (v - ref)^2 + s (Dv) or its sum (1)
-    for vbar, within in mom_b:
-        vc = vbar - ref  # masked rows: finite, weighted by exactly 0 below
-        sq = vc * vc if within is None else vc * vc + within
-        if not per_dim:
-            sq = sq.sum(-1, keepdim=True)
-        vals_b.append((vc, sq))
-    kn_b = [F.normalize(blk.k, dim=-1, eps=1e-12) for blk in blocks]  # (B, H, bs, E)
+    ) / count  # (B, 1, H * Dv)
+    ref = ref.view(B, 1, H, Dv).transpose(1, 2)  # (B, H, 1, Dv)
     qn = F.normalize(q, dim=-1, eps=1e-12)
     limit = 0.25 * math.log(torch.finfo(q.dtype).max)  # 22 in float32, 177 in float64
     if backend == "auto":
@@ -586,18 +666,24 @@ def levy_attention(
                 f"backend='sdpa' needs beta <= {limit:.1f} in {q.dtype}, got "
                 f"beta={inp.beta.detach().tolist()}"
             )
-        z, tsum = _accumulate_sdpa(qn, kn_b, vals_b, blocks, inp.beta)
-        log_scale = -2 * inp.beta[:, None]  # Lambda = alpha e^{-2 beta} z
+        if needs_grad or _FLASH is None or q.device.type != "cpu":
+            z, mom = _accumulate_sdpa(qn, blocks, mom_b, ref, inp.beta, per_dim)
+            log_scale = -2 * inp.beta[:, None]  # Lambda = alpha e^{-2 beta} z
+        else:
+            z, mom = _accumulate_lse(qn, blocks, mom_b, ref, inp.beta, per_dim)
+            log_scale = -inp.beta[:, None]  # Lambda = alpha e^{-beta} z
     else:
+        vals_b = [_centered_values(vbar, within, ref, per_dim) for vbar, within in mom_b]
+        kn_b = [F.normalize(blk.k, dim=-1, eps=1e-12) for blk in blocks]  # (B, H, bs, E)
         z, tsum, log_scale = _accumulate_explicit(qn, kn_b, vals_b, blocks, inp.beta)
+        mom = tsum / torch.where(z > 0, z, torch.ones_like(z))[..., None]
 
     nonempty = z > 0
-    zs = torch.where(nonempty, z, torch.ones_like(z))
-    mu_c = tsum[..., :Dv] / zs[..., None]
-    m2 = tsum[..., Dv:] / zs[..., None]
-    mean = torch.where(nonempty[..., None], mu_c + ref, torch.zeros_like(mu_c))
+    mu_c, m2 = mom[..., :Dv], mom[..., Dv:]
+    # mu_c = 0 where the series is empty, so this is where(nonempty, mu_c + ref, 0)
+    mean = torch.addcmul(mu_c, ref, nonempty[..., None].to(mu_c.dtype))
     if per_dim:
-        var: torch.Tensor | None = torch.clamp_min(m2 - mu_c * mu_c, 0.0)
+        var: torch.Tensor | None = torch.clamp_min(torch.addcmul(m2, mu_c, mu_c, value=-1), 0.0)
         assert var is not None
         trace = var.sum(-1)
     else:
@@ -606,49 +692,98 @@ def levy_attention(
     evidence = inp.alpha[:, None] * torch.exp(log_scale) * z  # (B, H, Q)
     phi = poisson_phi(evidence)
     p_empty = torch.exp(-evidence)
-    sigma = _safe_sqrt(trace * phi)
-    sigma_dim = None if var is None else _safe_sqrt(var * phi[..., None])
+    # same values; _safe_sqrt only changes the gradient at 0
+    root = _safe_sqrt if needs_grad else torch.sqrt
+    sigma = root(trace * phi)
+    sigma_dim = None if var is None else root(var * phi[..., None])
     return LevyResult(
         mean=mean, var=var, evidence=evidence, p_empty=p_empty, phi=phi, sigma=sigma,
         sigma_dim=sigma_dim,
     )
 
 
+# the CPU flash-attention kernel behind F.scaled_dot_product_attention; it also returns the
+# log-sum-exp of the scores (private ATen op: the inference path falls back to the sentinel
+# path if a torch build lacks it)
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _centered_values(
+    vbar: torch.Tensor,
+    within: torch.Tensor | None,
+    ref: torch.Tensor,
+    per_dim: bool,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``vc = vbar - ref`` and ``sq = vc^2 + s`` (per dimension) or ``|vc|^2 + tr s``.
+
+    With ``out`` the two results are written into the given views (no autograd); the values
+    are the same either way (same kernels, same order).
+    """
+    if out is None:
+        vc = vbar - ref  # masked rows: finite, weighted by exactly 0 later
+        if per_dim:
+            sq = vc * vc if within is None else torch.addcmul(within, vc, vc)
+        else:
+            sq = (vc * vc).sum(-1, keepdim=True)
+            sq = sq if within is None else sq + within
+        return vc, sq
+    vc, sq = out
+    torch.sub(vbar, ref, out=vc)
+    if per_dim:
+        if within is None:
+            torch.mul(vc, vc, out=sq)
+        else:
+            torch.addcmul(within, vc, vc, out=sq)
+    else:
+        torch.sum(vc * vc, dim=-1, keepdim=True, out=sq)
+        if within is not None:
+            sq.add_(within)
+    return vc, sq
+
+
 def _accumulate_sdpa(
     qn: torch.Tensor,
-    kn_b: list[torch.Tensor],
-    vals_b: list[tuple[torch.Tensor, torch.Tensor]],
     blocks: list[_Inputs],
+    mom_b: list[tuple[torch.Tensor, torch.Tensor | None]],
+    ref: torch.Tensor,
     beta: torch.Tensor,
+    per_dim: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``z = sum_i e^{beta (cos_i + 1)}`` ``(B, H, Q)`` and ``sum_i e^{beta (cos_i + 1)} v_i``.
 
-    One fused ``F.scaled_dot_product_attention`` per block. A *sentinel* key with score
+    Differentiable fused path. ``v_i = [vc_i, sq_i]`` from :func:`_centered_values`. One fused
+    ``F.scaled_dot_product_attention`` per block. A *sentinel* key with score
     ``-beta`` and value ``e_0`` is prepended: its output weight ``o = e^{-beta} / (e^{-beta} +
     sum_i e^{beta cos_i})`` gives the normaliser the softmax discards, ``z = (1 - o) / o``, and
     the other output columns times ``1 / o`` give the unnormalised sums. Every observed term
     is ``>= 1`` so ``o <= 1/2`` for a block with an observation (no cancellation). Masked keys get
     score ``-1e4`` (weight exactly 0); ``q``, ``k`` and ``v`` are zero-padded to one width ``Dp``
-    because the fused CPU kernel needs equal head dims.
+    because the fused CPU kernel needs equal head dims (a narrower ``v`` is refused by the
+    fused kernel). The buffers are laid out ``(B, N, H, Dp)`` in memory and passed as
+    ``(B, H, N, Dp)`` views, the layout of the module's projections.
     """
     B, H, Q, E = qn.shape
-    dv, ws = vals_b[0][0].shape[-1], vals_b[0][1].shape[-1]
+    dv = mom_b[0][0].shape[-1]
+    ws = dv if per_dim else 1
     w_cols = dv + ws
     dp = max(E + 1, w_cols + 1)
-    qa = qn.new_zeros(B, H, Q, dp)
+    qa = qn.new_empty(B, Q, H, dp).transpose(1, 2)
     qa[..., :E] = qn * beta[:, None, None]
     qa[..., E] = 1.0
+    qa[..., E + 1 :] = 0.0
     z_parts, t_parts = [], []
-    for blk, kn, (vc, sq) in zip(blocks, kn_b, vals_b, strict=True):
-        bs = kn.shape[2]
+    for blk, (vbar, within) in zip(blocks, mom_b, strict=True):
+        bs = blk.k.shape[2]
         # buffers written column by column (no zero-fill of what is overwritten anyway)
-        keys = kn.new_empty(B, H, bs + 1, dp)
+        keys = qn.new_empty(B, bs + 1, H, dp).transpose(1, 2)
         keys[:, :, 0, :] = 0.0
         keys[:, :, 0, E] = -beta
-        keys[:, :, 1:, :E] = kn
-        keys[:, :, 1:, E] = torch.where(blk.mask, 0.0, -1e4).to(kn.dtype)[:, None, :]
+        keys[:, :, 1:, :E] = F.normalize(blk.k, dim=-1, eps=1e-12)
+        keys[:, :, 1:, E] = torch.where(blk.mask, 0.0, -1e4).to(qn.dtype)[:, None, :]
         keys[:, :, 1:, E + 1 :] = 0.0
-        vals = vc.new_empty(B, H, bs + 1, dp)
+        vc, sq = _centered_values(vbar, within, ref, per_dim)
+        vals = qn.new_empty(B, bs + 1, H, dp).transpose(1, 2)
         vals[:, :, 0, :] = 0.0
         vals[:, :, 0, 0] = 1.0
         vals[:, :, 1:, 0] = 0.0
@@ -659,7 +794,60 @@ def _accumulate_sdpa(
         o = out[..., 0]
         z_parts.append((1 - o) / o)
         t_parts.append(out[..., 1 : 1 + w_cols] / o[..., None])
-    return _ordered_sum(z_parts), _ordered_sum(t_parts)
+    z = _ordered_sum(z_parts)
+    return z, _ordered_sum(t_parts) / torch.where(z > 0, z, torch.ones_like(z))[..., None]
+
+
+def _accumulate_lse(
+    qn: torch.Tensor,
+    blocks: list[_Inputs],
+    mom_b: list[tuple[torch.Tensor, torch.Tensor | None]],
+    ref: torch.Tensor,
+    beta: torch.Tensor,
+    per_dim: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z = sum_i e^{beta cos_i}`` ``(B, H, Q)`` and ``sum_i e^{beta cos_i} v_i`` (no autograd).
+
+    Inference path of the fused backend: the CPU flash-attention kernel also returns the
+    log-sum-exp of the scores, ``lse_q = log sum_i e^{beta cos_qi}``, so the normaliser needs
+    no sentinel key and no indicator column: ``z = e^{lse}`` and the unnormalised sums are
+    ``z * out`` (``Lambda = alpha e^{-beta} z``). Widths: values ``[vc, sq]`` (``2 Dv`` per
+    dimension, ``Dv + 1`` for the trace), queries ``[beta qn, 0]`` and keys padded to the same
+    width. Keys and values are two overlapping views of ONE buffer per block laid out
+    ``[kn | vc | sq]`` per observation: the keys' padding columns are the first value columns
+    (finite, and met by the queries' zeros), so nothing is zero-filled and each quantity is
+    computed straight into the buffer. Masked keys get an additive ``-1e4`` (weight exactly 0;
+    a block with no observation gives ``z = 0``).
+    """
+    B, H, Q, E = qn.shape
+    dv = mom_b[0][0].shape[-1]
+    ws = dv if per_dim else 1
+    w_cols = dv + ws
+    assert w_cols >= E, "queries and keys are padded up to the value width"
+    dt = qn.dtype
+    qa = qn.new_zeros(B, Q, H, w_cols).transpose(1, 2)
+    torch.mul(qn, beta[:, None, None], out=qa[..., :E])
+    z_parts, t_parts = [], []
+    for blk, (vbar, within) in zip(blocks, mom_b, strict=True):
+        bs = blk.k.shape[2]
+        buf = qn.new_empty(B, bs, H, E + w_cols).transpose(1, 2)  # [kn | vc | sq]
+        # F.normalize(k) = k / max(|k|, eps), computed into the buffer
+        nrm = torch.linalg.vector_norm(blk.k, dim=-1, keepdim=True).clamp_min_(1e-12)
+        torch.div(blk.k, nrm, out=buf[..., :E])
+        _centered_values(vbar, within, ref, per_dim,
+                         out=(buf[..., E : E + dv], buf[..., E + dv :]))
+        bias = torch.where(blk.mask, 0.0, -1e4).to(dt)[:, None, None, :]  # (B, 1, 1, bs)
+        assert _FLASH is not None
+        out, lse = _FLASH(qa, buf[..., :w_cols], buf[..., E:], 0.0, False, attn_mask=bias,
+                          scale=1.0)
+        z_parts.append(torch.exp(lse))  # (B, H, Q)
+        t_parts.append(out)
+    z = _ordered_sum(z_parts)
+    zs = torch.where(z > 0, z, torch.ones_like(z))
+    # block-weighted mean of the normalised outputs: with one block (or extra blocks holding
+    # only masked entries, z_b = 0) the weights are exactly 1 and 0
+    return z, _ordered_sum([(zb / zs)[..., None] * ob for zb, ob in zip(z_parts, t_parts,
+                                                                        strict=True)])
 
 
 def _accumulate_explicit(
