@@ -107,6 +107,7 @@ Implementation notes
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -708,6 +709,23 @@ def levy_attention(
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised buffer for the no-autograd path, reused by the next call in the same
+    thread with the same shape, dtype and device (one buffer kept per thread).
+
+    The fused kernel only reads it during the call that fills it, so reuse is safe; it saves
+    allocating (and, with glibc, page-faulting) several MB per call.
+    """
+    buf: torch.Tensor | None = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.shape != shape or buf.dtype != like.dtype or buf.device != like.device:
+        buf = like.new_empty(shape)
+        _SCRATCH.buf = buf
+    return buf
+
+
 def _centered_values(
     vbar: torch.Tensor,
     within: torch.Tensor | None,
@@ -725,7 +743,7 @@ def _centered_values(
         if per_dim:
             sq = vc * vc if within is None else torch.addcmul(within, vc, vc)
         else:
-            sq = (vc * vc).sum(-1, keepdim=True)
+            sq = torch.linalg.vecdot(vc, vc)[..., None]
             sq = sq if within is None else sq + within
         return vc, sq
     vc, sq = out
@@ -736,9 +754,8 @@ def _centered_values(
         else:
             torch.addcmul(within, vc, vc, out=sq)
     else:
-        torch.sum(vc * vc, dim=-1, keepdim=True, out=sq)
-        if within is not None:
-            sq.add_(within)
+        tr = torch.linalg.vecdot(vc, vc)[..., None]
+        sq.copy_(tr if within is None else tr + within)
     return vc, sq
 
 
@@ -828,18 +845,22 @@ def _accumulate_lse(
     qa = qn.new_zeros(B, Q, H, w_cols).transpose(1, 2)
     torch.mul(qn, beta[:, None, None], out=qa[..., :E])
     z_parts, t_parts = [], []
+    ref_p = ref.transpose(1, 2)  # (B, 1, H, Dv)
     for blk, (vbar, within) in zip(blocks, mom_b, strict=True):
         bs = blk.k.shape[2]
-        buf = qn.new_empty(B, bs, H, E + w_cols).transpose(1, 2)  # [kn | vc | sq]
+        # everything below is indexed (B, N, H, .), the memory order of the buffer and of the
+        # module's projections: operands with one common order run several times faster
+        buf = _scratch(qn, (B, bs, H, E + w_cols))  # [kn | vc | sq] per observation and head
+        kp = blk.k.transpose(1, 2)
         # F.normalize(k) = k / max(|k|, eps), computed into the buffer
-        nrm = torch.linalg.vector_norm(blk.k, dim=-1, keepdim=True).clamp_min_(1e-12)
-        torch.div(blk.k, nrm, out=buf[..., :E])
-        _centered_values(vbar, within, ref, per_dim,
-                         out=(buf[..., E : E + dv], buf[..., E + dv :]))
+        nrm = torch.linalg.vector_norm(kp, dim=-1, keepdim=True).clamp_min_(1e-12)
+        torch.div(kp, nrm, out=buf[..., :E])
+        _centered_values(vbar.transpose(1, 2), None if within is None else within.transpose(1, 2),
+                         ref_p, per_dim, out=(buf[..., E : E + dv], buf[..., E + dv :]))
         bias = torch.where(blk.mask, 0.0, -1e4).to(dt)[:, None, None, :]  # (B, 1, 1, bs)
         assert _FLASH is not None
-        out, lse = _FLASH(qa, buf[..., :w_cols], buf[..., E:], 0.0, False, attn_mask=bias,
-                          scale=1.0)
+        out, lse = _FLASH(qa, buf[..., :w_cols].transpose(1, 2), buf[..., E:].transpose(1, 2),
+                          0.0, False, attn_mask=bias, scale=1.0)
         z_parts.append(torch.exp(lse))  # (B, H, Q)
         t_parts.append(out)
     z = _ordered_sum(z_parts)
