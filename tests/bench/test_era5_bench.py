@@ -137,6 +137,9 @@ def test_bench_era5_member_jobs_match_serial_training(tmp_path: Path) -> None:
     assert runs[0]["date"] == js_s["run"]["date"]
     assert js["results"]["persistence"] == js_s["results"]["persistence"]
     assert js["results"]["ensemble"]["per_lead"] == js_s["results"]["ensemble"]["per_lead"]
+    assert js_s["results"]["ensemble"]["members_trained_here"] == [1, 2]
+    assert js["results"]["ensemble"]["members_from_cache"] == [1, 2]
+    assert "members 1, 2 loaded from the member cache" in (serial / "era5.md").read_text()
     # a second resume keeps crediting the first invocation, not the resuming one
     assert main([*_tiny_argv(nc, serial), "--resume", "--methods", "persistence"]) == 0
     js2 = json.loads((serial / "era5" / "era5_results.json").read_text())

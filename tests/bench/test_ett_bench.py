@@ -162,6 +162,8 @@ def test_bench_ett_member_jobs_match_serial_and_rerun(tmp_path: Path) -> None:
     for key in ("mse", "crps", "coverage", "pit_w1"):
         assert js_s["results"]["ensemble"][key] == js_p["results"]["ensemble"][key]
     assert js_s["results"]["ensemble"]["member_seeds"] == [2, 3, 4]
+    assert js_s["results"]["ensemble"]["members_trained_here"] == [1, 2]
+    assert js_p["results"]["ensemble"]["members_from_cache"] == []
     md = (serial / "ett.md").read_text()
     assert "members 1..2 had an epoch cap of 1" in md and "one after the other" in md
 

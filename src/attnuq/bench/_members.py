@@ -6,10 +6,13 @@ A suite describes its member recipe as a picklable object with two methods,
 same pair an :class:`attnuq.baselines.Task` takes as ``make_model`` / ``train_fn``.
 :func:`train_members` trains the members ``indices`` that are not yet in the task's member cache
 (``member<index>.pt`` + ``member<index>.json`` with the :class:`~attnuq.baselines.Cost`), either
-one after the other in this process (``jobs=1``, what :meth:`Task.member` does) or in ``jobs``
-spawned worker processes, each with one intra-op thread. Every member seeds its own
-initialisation and training (the recipes call ``torch.manual_seed`` themselves), so a member is
-bit-identical whichever process trains it, as long as both use one thread.
+one after the other in this process (``jobs=1``) or in ``jobs`` spawned worker processes, each
+with one intra-op thread; the ensemble then reads them from the cache and books their recorded
+training times once. (Leaving the training to :meth:`Task.member` inside ``Method.fit`` would
+count it twice: once in the fit's elapsed time, once as the members' recorded cost.) Every
+member seeds its own initialisation and training (the recipes call ``torch.manual_seed``
+themselves), so a member is bit-identical whichever process trains it, as long as both use one
+thread.
 
 Examples
 --------
@@ -53,12 +56,14 @@ def _paths(member_dir: Path, index: int) -> tuple[Path, Path]:
     return p, p.with_suffix(".json")
 
 
-def _train_one(recipe: MemberRecipe, index: int, member_dir: str) -> tuple[int, float]:
-    """Worker: train member ``index`` with one thread and write it to the member cache.
+def _train_one(recipe: MemberRecipe, index: int, member_dir: str,
+               single_thread: bool = True) -> tuple[int, float]:
+    """Train member ``index`` (one thread in a worker) and write it to the member cache.
 
     Mirrors the training branch of :meth:`attnuq.baselines.Task.member` (same timing, same files).
     """
-    torch.set_num_threads(1)
+    if single_thread:
+        torch.set_num_threads(1)
     model = recipe.make(index)
     t0 = time.perf_counter()
     out = recipe.train(model, None, None, index)
@@ -94,7 +99,8 @@ def train_members(
         (training cost) are written there, where :meth:`attnuq.baselines.Task.member` reads them.
     jobs
         Worker processes (``torch.multiprocessing`` spawn context, one thread each). With
-        ``jobs=1`` nothing is done here: the task trains its members itself, one after the other.
+        ``jobs=1`` the members are trained in this process, one after the other, with its
+        thread setting.
 
     Returns
     -------
@@ -102,18 +108,21 @@ def train_members(
 
     Examples
     --------
-    >>> train_members(object(), [1, 2], "/nonexistent", jobs=1)  # jobs=1: left to the Task
+    >>> train_members(object(), [], "/nonexistent")  # nothing asked for: nothing trained
     []
     """
     jobs = check_member_jobs(jobs)
     bad = [i for i in indices if not isinstance(i, int) or i < 1]
     if bad:
         raise ValueError(f"member indices must be ints >= 1 (0 is the backbone), got {bad}")
-    if jobs == 1:
-        return []
     todo = [i for i in indices if not all(p.is_file() for p in _paths(Path(member_dir), i))]
     if not todo:
         return []
+    if jobs == 1:
+        for i in todo:
+            _, sec = _train_one(recipe, i, str(member_dir), single_thread=False)
+            print(f"[members] member {i} trained in {sec:.1f} s", flush=True)
+        return todo
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=ctx) as pool:
         futures = [pool.submit(_train_one, recipe, i, str(member_dir)) for i in todo]

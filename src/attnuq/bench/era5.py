@@ -483,8 +483,9 @@ def run(args: argparse.Namespace) -> Path:
                                 "predict_seconds": time.perf_counter() - t1,
                                 "forward_per_input": S})
         elif name == "ensemble":
-            train_members(recipe, list(range(1, args.ensemble)), res_dir / "members",
-                          jobs=member_jobs)
+            # train (or find) the members first, so that the fit books their training once
+            trained = train_members(recipe, list(range(1, args.ensemble)), res_dir / "members",
+                                    jobs=member_jobs)
             m = make_method(name, n_members=args.ensemble).fit(task)
             t1 = time.perf_counter()
             pred = m.predict(xte)
@@ -493,6 +494,9 @@ def run(args: argparse.Namespace) -> Path:
                                 "predict_seconds": time.perf_counter() - t1,
                                 "forward_per_input": args.ensemble,
                                 "member_jobs": member_jobs,
+                                "members_trained_here": trained,
+                                "members_from_cache": [k for k in range(1, args.ensemble)
+                                                       if k not in trained],
                                 "member_seeds": [args.seed + k for k in range(args.ensemble)],
                                 "note": "fit s = sum of the members' training times"})
         elif name in ("persistence", "climatology"):
@@ -580,6 +584,15 @@ _RESUME_FREE = ("methods", "resume", "note", "no_progress", "threads", "retrain"
 _COLS = ("rmse_lat", "acc", "pit_w1", "pit_w1_scaled", "width", "coverage", "crps", "mean_std")
 
 
+def _cache_text(e: dict[str, Any], suite: str) -> str:
+    cached = e.get("members_from_cache") or []
+    if not cached:
+        return ""
+    return (f"; members {', '.join(map(str, cached))} loaded from the member cache "
+            f"`{suite}/members` written by an earlier invocation (their fit time is the "
+            "training time recorded then)")
+
+
 def _jobs_text(jobs: int) -> str:
     return ("one after the other" if jobs == 1
             else f"in {jobs} parallel worker processes of one thread each")
@@ -652,7 +665,8 @@ def _markdown(p: dict[str, Any]) -> str:
         f"deep ensemble {c['ensemble']} members (member 0 = the backbone, members 1.."
         f"{c['ensemble'] - 1} retrained by this suite with the backbone's recipe and seeds "
         f"{c['seed']}+k, "
-        f"{_jobs_text(res.get('ensemble', {}).get('member_jobs', c.get('member_jobs', 1)))})",
+        f"{_jobs_text(res.get('ensemble', {}).get('member_jobs', c.get('member_jobs', 1)))}"
+        f"{_cache_text(res.get('ensemble', {}), 'era5')})",
         "* RMSE and ACC are latitude-weighted (ACC: anomalies against the hour-of-day mean of "
         "the training days, pooled WeatherBench/ClimaX definition); PIT, W1, coverage, width "
         "and CRPS are plain means over grid points and issue times; units K",

@@ -643,14 +643,18 @@ def run(args: argparse.Namespace) -> Path:
             one(name, m.predict, {"fit_seconds": time.perf_counter() - t0,
                                      "forward_per_input": S, **_info(m)})
         elif name == "ensemble":
-            train_members(recipe, list(range(1, args.ensemble)), res_dir / "members",
-                          jobs=member_jobs)
+            # train (or find) the members first, so that the fit books their training once
+            trained = train_members(recipe, list(range(1, args.ensemble)), res_dir / "members",
+                                    jobs=member_jobs)
             m = make_method(name, n_members=args.ensemble).fit(task)
             one(name, m.predict, {"fit_seconds": m.cost.fit_seconds,
                                   "forward_per_input": args.ensemble,
                                   "fit_forward": m.cost.fit_forward,
                                   "member_epochs": recipe.member_epochs,
                                   "member_jobs": member_jobs,
+                                  "members_trained_here": trained,
+                                  "members_from_cache": [k for k in range(1, args.ensemble)
+                                                         if k not in trained],
                                   "member_seeds": [args.seed + k for k in range(args.ensemble)],
                                   "note": "fit s = sum of the members' training times"})
         elif name == "swag":
@@ -795,6 +799,15 @@ def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, data: 
     (res_dir.parent / "ett.md").write_text(md)
 
 
+def _cache_text(e: dict[str, Any], suite: str) -> str:
+    cached = e.get("members_from_cache") or []
+    if not cached:
+        return ""
+    return (f"; members {', '.join(map(str, cached))} loaded from the member cache "
+            f"`{suite}/members` written by an earlier invocation (their fit time is the "
+            "training time recorded then)")
+
+
 def _ensemble_text(c: dict[str, Any], res: dict[str, Any]) -> str:
     """The deep-ensemble recipe line of the page, from the ensemble's own record if scored."""
     e = res.get("ensemble", {})
@@ -806,6 +819,7 @@ def _ensemble_text(c: dict[str, Any], res: dict[str, Any]) -> str:
             f"cap {c['max_steps_per_epoch']}, "
             + ("one after the other" if jobs == 1
                else f"in {jobs} parallel worker processes of one thread each") + ")")
+    text += _cache_text(e, "ett")
     if m_ep != c["epochs"]:
         text += (f" -- **members 1..{k} had an epoch cap of {m_ep}, the backbone's recipe "
                  f"{c['epochs']}: they are not trained like the backbone**")
