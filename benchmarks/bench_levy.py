@@ -292,7 +292,8 @@ NOTES = """\
   log-sum-exp of the scores, which is ``log(Lambda / alpha) + beta``: mean, second moment and
   evidence come out of the same pass. Keys and values are two overlapping views of one buffer
   ``[k_i | v_i - ref | second moment]`` (the keys' zero-padding columns are met by zeros in the
-  queries), so nothing is zero-filled.
+  queries), so nothing is zero-filled; the buffer is kept per thread and reused by the next
+  call of the same shape.
 * The within-atom variance of the value field, ``s_ij = D_j Cov(g(t)) D_j^T``, is one GEMM of
   the ``K (K + 1)`` distinct products ``cos z_k cos z_l``, ``sin z_k sin z_l`` (``k <= l``;
   72 for ``K = 8``, half of the ``2 K^2`` products), built transposed so that every product
@@ -327,8 +328,9 @@ def floor_lines(rows: list[dict[str, Any]]) -> list[str]:
                 f"{extra:.2f} ms more, a floor of {floor:.2f}x on the module ratio against the "
                 f"{mr['ref_ms']:.2f} ms reference; the remaining {rest:.2f} ms of the "
                 f"{mr['levy_ms'] - mr['ref_ms']:.2f} ms difference is the work outside the kernel "
-                "(key normalisation and the value buffer, the value field's variance, "
-                "phi and the uncertainty outputs)."
+                "(key normalisation and the value buffer, the value field's within-atom "
+                "variance, phi and the uncertainty outputs; the `levy op` row times the "
+                "operator alone, with the defaults, against SDPA on the same tensors)."
             )
     out.append("")
     return out
