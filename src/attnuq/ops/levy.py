@@ -217,6 +217,57 @@ class _Inputs(NamedTuple):
     D: torch.Tensor | None
 
 
+def _fast_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    a: torch.Tensor,
+    times: torch.Tensor,
+    mask: torch.Tensor,
+    alpha: float | torch.Tensor,
+    beta: float | torch.Tensor,
+    h: float | torch.Tensor,
+    omega: torch.Tensor | None,
+    phase: torch.Tensor | None,
+    D: torch.Tensor | None,
+) -> _Inputs | None:
+    """The validated inputs when everything is in order, checked with one host sync; else None.
+
+    In order means: every entry of ``times``, ``k``, ``q``, ``omega``, ``phase``, ``D`` finite
+    (their sums are), ``|a| <= finfo.max ** (1/4)`` (so ``a`` is finite and its masked rows stay
+    finite through the operator), ``alpha, beta > 0``, ``h >= 0`` and consistent shapes. The
+    inputs are then used as given, exactly as :func:`_validate`'s detailed path would use them.
+    """
+    H, Dv = q.shape[1], a.shape[3]
+    pars = []
+    for x in (alpha, beta, h):
+        t = torch.as_tensor(x, dtype=q.dtype, device=q.device)
+        if t.dim() == 0:
+            t = t.expand(H)
+        if t.shape != (H,):
+            return None
+        pars.append(t)
+    om = ph = dd = None
+    if omega is not None or phase is not None or D is not None:
+        if omega is None or phase is None or D is None:
+            return None
+        om, ph, dd = omega.to(q.dtype), phase.to(q.dtype), D.to(q.dtype)
+        hw = 1 if (om.dim() == 1 and ph.dim() == 1) else H
+        om = om[None].expand(hw, -1) if om.dim() == 1 else om
+        ph = ph[None].expand(hw, -1) if ph.dim() == 1 else ph
+        dd = dd.expand(H, -1, -1) if dd.dim() == 2 else dd
+        K = om.shape[-1]
+        if om.shape != (hw, K) or ph.shape != (hw, K) or dd.shape != (H, Dv, K):
+            return None
+    sums = [t.detach().sum() for t in (times, k, q, om, ph, dd) if t is not None]
+    a_norm = torch.linalg.vector_norm(a.detach())
+    p = torch.stack(pars).detach()  # (3, H): alpha, beta, h
+    ok = (torch.isfinite(torch.stack(sums)).all() & torch.isfinite(p).all()
+          & (a_norm <= torch.finfo(a.dtype).max ** 0.25) & (p[:2] > 0).all() & (p[2] >= 0).all())
+    if not bool(ok):
+        return None
+    return _Inputs(q, k, a, times, mask, pars[0], pars[1], pars[2], om, ph, dd)
+
+
 def _validate(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -254,6 +305,11 @@ def _validate(
     for t, n in ((q, "q"), (k, "k"), (a, "a"), (times, "times")):
         if t.dtype != q.dtype:
             raise TypeError(f"{n} must have dtype {q.dtype} like q, got {n}.dtype={t.dtype}")
+    fast = _fast_inputs(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
+    if fast is not None:
+        return fast
+    # something is off (or merely unusual, e.g. a sum that overflows): the detailed checks
+    # below raise with a precise message or zero the masked non-finite entries
     _check_observed_finite(times, mask, "times")
     m4 = mask[:, None, :, None]
     # Masked rows may hold anything. Where k is finite and a bounded everywhere (the usual case,
@@ -655,19 +711,22 @@ def levy_attention(
     ref = ref.view(B, 1, H, Dv).transpose(1, 2)  # (B, H, 1, Dv)
     qn = F.normalize(q, dim=-1, eps=1e-12)
     limit = 0.25 * math.log(torch.finfo(q.dtype).max)  # 22 in float32, 177 in float64
+    beta_max = float(inp.beta.detach().max())
     if backend == "auto":
         # the fused kernel pays a thread fork per call: only worth it for non-tiny problems
         # (sized by observed entries, so that masked padding cannot change the choice)
         n_obs = int(mask.sum(-1).max()) if mask.numel() else 0
         big = q.shape[0] * q.shape[1] * q.shape[2] * n_obs >= _SDPA_MIN_SIZE
-        backend = "sdpa" if big and float(inp.beta.detach().max()) <= limit else "explicit"
+        backend = "sdpa" if big and beta_max <= limit else "explicit"
     if backend == "sdpa":
-        if float(inp.beta.detach().max()) > limit:
+        if beta_max > limit:
             raise ValueError(
                 f"backend='sdpa' needs beta <= {limit:.1f} in {q.dtype}, got "
                 f"beta={inp.beta.detach().tolist()}"
             )
-        if needs_grad or _FLASH is None or q.device.type != "cpu":
+        lse_ok = (_FLASH is not None and q.device.type == "cpu"
+                  and q.dtype in (torch.float32, torch.float64))
+        if needs_grad or not lse_ok:
             z, mom = _accumulate_sdpa(qn, blocks, mom_b, ref, inp.beta, per_dim)
             log_scale = -2 * inp.beta[:, None]  # Lambda = alpha e^{-2 beta} z
         else:
