@@ -174,3 +174,36 @@ def test_gumbel_attention_is_stochastic_and_restored(task: Task) -> None:
         nn.Sequential(nn.Linear(2, 2))
     ):
         pass
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_member_training_is_booked_once(monkeypatch, tmp_path, cached) -> None:  # type: ignore[no-untyped-def]
+    """A deep ensemble that trains its members inside ``fit`` books their training time once
+    (not as elapsed time *and* as the members' recorded cost); read from the member cache, the
+    recorded cost is booked instead. A fake clock that advances only while a member trains makes
+    the expected total exact: 2 retrained members x 10 s."""
+    import attnuq.baselines._base as base
+    from attnuq.baselines import DeepEnsemble, Task
+
+    clock = [0.0]
+    monkeypatch.setattr(base.time, "perf_counter", lambda: clock[0])
+
+    def make_model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(2, 1), nn.Flatten(0))
+
+    def train_fn(model, train, val, seed):  # type: ignore[no-untyped-def]
+        clock[0] += 10.0
+
+    x, y = torch.randn(16, 2), torch.randn(16)
+
+    def task() -> Task:
+        return Task(model=make_model(0).eval(), train=(x, y), val=(x, y), cal=(x, y),
+                    make_model=make_model, train_fn=train_fn, member_dir=tmp_path)
+
+    if cached:  # a first fit fills the cache
+        DeepEnsemble(n_members=3).fit(task())
+    clock_before = clock[0]
+    ens = DeepEnsemble(n_members=3).fit(task())
+    assert ens.cost.fit_seconds == pytest.approx(20.0)
+    assert clock[0] - clock_before == (0.0 if cached else 20.0)

@@ -137,6 +137,9 @@ class Task:
     batch_size: int = 256
     member_dir: Path | None = None
     _members: dict[int, tuple[nn.Module, Cost]] = field(default_factory=dict, repr=False)
+    #: seconds spent training members inside :meth:`member` (so a method's fit does not book
+    #: the same training twice: once as elapsed time, once as the member's recorded cost)
+    _member_train_seconds: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -186,6 +189,7 @@ class Task:
             out = train_fn(model, self.train, self.val, seed)
             n_fwd = int(getattr(out, "n_forward", 0))
             cost = Cost(fit_seconds=time.perf_counter() - t0, fit_forward=n_fwd)
+            self._member_train_seconds += cost.fit_seconds
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(model.state_dict(), path)
@@ -279,10 +283,12 @@ class Method(ABC):
         if not isinstance(task, Task):
             raise TypeError(f"task must be an attnuq.baselines.Task, got {type(task).__name__}")
         self._task = task
-        t0 = time.perf_counter()
+        t0, trained0 = time.perf_counter(), task._member_train_seconds
         extra = self._fit(task)
-        self.cost.fit_seconds += time.perf_counter() - t0
-        if extra is not None:  # cached members: add their training cost, not the cache lookup
+        # members trained during this fit are booked once, through ``extra`` below
+        in_fit = task._member_train_seconds - trained0
+        self.cost.fit_seconds += time.perf_counter() - t0 - in_fit
+        if extra is not None:  # members' training cost (trained now or read from the cache)
             self.cost.fit_seconds += extra.fit_seconds
             self.cost.fit_forward += extra.fit_forward
         return self
