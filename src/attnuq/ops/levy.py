@@ -541,7 +541,12 @@ def _value_moments(
         ct, st = torch.cos(zt), torch.sin(zt)  # (K, B N)
         feats_t = torch.cat([x[: K - d] * x[d:] for x in (ct, st) for d in range(K)])  # (2P, BN)
         vbar = a + (ct.t() @ fld.wm).view(B, N, H, Dv).transpose(1, 2)
-        s = (feats_t.t() @ fld.ws).view(B, N, H, -1).transpose(1, 2)
+        if fld.ws.shape[1] < 32:
+            # few outputs (the trace: one per head): (out x 2P) @ (2P x BN) is an order of
+            # magnitude faster than (BN x 2P) @ (2P x out) with the transposed feature matrix
+            s = (fld.ws.t() @ feats_t).t().view(B, N, H, -1).transpose(1, 2)
+        else:
+            s = (feats_t.t() @ fld.ws).view(B, N, H, -1).transpose(1, 2)
         return vbar, s
     z = inp.times[:, None, :, None] * inp.omega[None, :, None, :] + inp.phase[None, :, None, :]
     c = torch.cos(z)  # (B, H, N, K)
