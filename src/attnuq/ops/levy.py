@@ -831,7 +831,8 @@ def _accumulate_sdpa(
     beta: torch.Tensor,
     per_dim: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``z = sum_i e^{beta (cos_i + 1)}`` ``(B, H, Q)`` and ``sum_i e^{beta (cos_i + 1)} v_i``.
+    """``z = sum_i e^{beta (cos_i + 1)}`` ``(B, H, Q)`` and the moments ``sum_i p_i v_i``
+    ``(B, H, Q, W)`` (``p_i`` the normalised weights; 0 where ``z = 0``).
 
     Differentiable fused path. ``v_i = [vc_i, sq_i]`` from :func:`_centered_values`. One fused
     ``F.scaled_dot_product_attention`` per block. A *sentinel* key with score
@@ -887,12 +888,13 @@ def _accumulate_lse(
     beta: torch.Tensor,
     per_dim: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``z = sum_i e^{beta cos_i}`` ``(B, H, Q)`` and ``sum_i e^{beta cos_i} v_i`` (no autograd).
+    """``z = sum_i e^{beta cos_i}`` ``(B, H, Q)`` and the moments ``sum_i p_i v_i`` (no autograd;
+    ``p_i`` the normalised weights, 0 where ``z = 0``).
 
     Inference path of the fused backend: the CPU flash-attention kernel also returns the
     log-sum-exp of the scores, ``lse_q = log sum_i e^{beta cos_qi}``, so the normaliser needs
-    no sentinel key and no indicator column: ``z = e^{lse}`` and the unnormalised sums are
-    ``z * out`` (``Lambda = alpha e^{-beta} z``). Widths: values ``[vc, sq]`` (``2 Dv`` per
+    no sentinel key and no indicator column: ``z = e^{lse}`` (``Lambda = alpha e^{-beta} z``);
+    blocks are combined as ``sum_b (z_b / z) out_b``. Widths: values ``[vc, sq]`` (``2 Dv`` per
     dimension, ``Dv + 1`` for the trace), queries ``[beta qn, 0]`` and keys padded to the same
     width. Keys and values are two overlapping views of ONE buffer per block laid out
     ``[kn | vc | sq]`` per observation: the keys' padding columns are the first value columns
