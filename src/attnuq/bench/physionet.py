@@ -945,17 +945,27 @@ def _write_md(md: Path, out: Path, results: dict[str, Any], per_seed: list[dict[
         "softmax s | softmax best val MSE x1e-3 |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    def secs(info: dict[str, Any]) -> str:
+        return f"{info['seconds']:.0f}" + (" *" if info.get("reused_from") else "")
+
     for r in per_seed:
         tl, ts, cal = r["train_levy"], r["train_softmax"], r.get("calibration", {})
         lines.append(
             f"| {r['seed']} | {tl['epochs']} ({tl['best_epoch']}) | "
-            f"{_stopped_by(tl, argparse.Namespace(**a))} | {tl['seconds']:.0f} | "
+            f"{_stopped_by(tl, argparse.Namespace(**a))} | {secs(tl)} | "
             f"{tl['best_val_mse'] * 1e3:.3f} | {tl.get('alpha', float('nan')):.3g} -> "
             f"{cal.get('alpha', float('nan')):.3g} | "
             f"{tl.get('beta', float('nan')):.3g} | {tl.get('h', float('nan')):.3g} | "
             f"{ts['epochs']} ({ts['best_epoch']}) | {_stopped_by(ts, argparse.Namespace(**a))} | "
-            f"{ts['seconds']:.0f} | {ts['best_val_mse'] * 1e3:.3f} |"
+            f"{secs(ts)} | {ts['best_val_mse'] * 1e3:.3f} |"
         )
+    reused = sorted({r[k]["reused_from"] for r in per_seed for k in ("train_levy", "train_softmax")
+                     if r[k].get("reused_from")})
+    if reused:
+        lines += ["", "\\* checkpoint of an earlier run whose options differ only in the epoch / "
+                  "time caps and that ended the same way these options would end it "
+                  f"(cache folder {', '.join(reused)}; the model is the one these options train, "
+                  "its seconds were measured under that run's machine load)."]
     cals = [r.get("calibration") or {} for r in per_seed]
     if per_seed and all(cals):
         e0 = per_seed[0]["evidence_edges"]
