@@ -1039,8 +1039,9 @@ def _write_md(md: Path, out: Path, results: dict[str, Any], per_seed: list[dict[
                   f"{', '.join(f'{x:.3f}' for x in sp_n)} (negative: the spread grows where "
                   f"evidence is thin). The Levy spread grows clearly where evidence is thin "
                   f"(Spearman < -0.1) in {sum(x < -0.1 for x in sp_l)} of {len(sp_l)} seeds "
-                  f"(mean {np.mean(sp_l):.3f}); in the others thin evidence does not widen the "
-                  "bands."]
+                  f"(mean {np.mean(sp_l):.3f})"
+                  + ("; in the others thin evidence does not widen the bands."
+                     if sum(x < -0.1 for x in sp_l) < len(sp_l) else ".")]
         lines += ["", "## Sparsity sweep (keep a fraction of the observed points of val and test; "
                   "T refitted per variant; seed mean)", "",
                   "| keep | mean Lambda / alpha | Levy MSE x1e-3 | softmax MSE x1e-3 | "
