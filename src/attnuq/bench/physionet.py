@@ -813,7 +813,10 @@ def _plots(model: Any, ds: PhysioNet2012, te: np.ndarray, out: Path, n_plots: in
         plt.close(fig)
         files.append(f.name)
         w = g <= ds.observe_hours
+        # local density of this channel's inputs: count within +-2 h of each grid time
+        dens = (np.abs(t[obs][None, :] - g[w][:, None]) <= 2.0).sum(1)
         info.append({
+            "spearman_lambda_density": float(spearmanr(lam[w], dens)[0]),
             "file": f.name, "record_id": int(ds.record_ids[n]), "channel": names[ch],
             "gap_ratio": ratio,
             "spearman_sd_lambda_observed": float(spearmanr(sd[w], lam[w])[0]),
@@ -1118,7 +1121,13 @@ def _write_md(md: Path, out: Path, results: dict[str, Any], per_seed: list[dict[
                   "half-width, Lambda) on each plotted grid (negative = the band widens where "
                   "evidence is thin):", ""]
         for pi in results.get("plot_info", []):
-            rng_ = (f"; over the grid Lambda runs {pi['lambda_min']:.3g}-{pi['lambda_max']:.3g} "
+            if "spearman_lambda_density" in pi:
+                rng_0 = (f"; Spearman(Lambda, number of this channel's inputs within +-2 h) on "
+                         f"[0, 24] h {pi['spearman_lambda_density']:.3f}")
+            else:
+                rng_0 = ""
+            rng_ = (f"{rng_0}; over the grid Lambda runs "
+                    f"{pi['lambda_min']:.3g}-{pi['lambda_max']:.3g} "
                     f"and the half-width {pi['halfwidth_min']:.3g}-{pi['halfwidth_max']:.3g}"
                     if "halfwidth_min" in pi else "")
             lines.append(f"* stay {pi['record_id']}, {pi['channel']} (gap ratio "
