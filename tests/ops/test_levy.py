@@ -148,6 +148,15 @@ def test_sampler_empty_series_and_shapes() -> None:
     assert bool((smp.values[:, 1] == 0).all())
 
 
+def test_sampler_refuses_a_draw_larger_than_its_atom_budget() -> None:
+    """Huge evidence (alpha = 1e7) would need ~1e7 atoms in one draw: a clear error naming the
+    count and the budget instead of an attempt to allocate them."""
+    args, kw = make_problem(B=1, H=1, Q=2, N=4, Dv=2, K=0)
+    kw = {**kw, "alpha": torch.full_like(torch.as_tensor(kw["alpha"]), 1e7)}
+    with pytest.raises(ValueError, match=r"one draw holds \d+ atoms .*max_atoms_per_chunk=1000"):
+        levy_attention_sample(*args, **kw, num_samples=2, max_atoms_per_chunk=1000)
+
+
 # ------------------------------------------------------------------------ gradients
 
 

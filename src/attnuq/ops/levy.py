@@ -1056,6 +1056,15 @@ def levy_attention_sample(
     counts = counts.to(torch.long)  # (S, R)
     values = torch.zeros(S, R, Dv, dtype=dt, device=dev)
     per_draw = counts.sum(-1)  # (S,)
+    biggest = int(per_draw.max()) if S else 0
+    if biggest > chunk_atoms:
+        raise ValueError(
+            f"one draw holds {biggest} atoms (total evidence sum(Lambda) = "
+            f"{float(lam.sum()):.4g} over {R} query rows), more than "
+            f"max_atoms_per_chunk={chunk_atoms}: the explicit sampler costs O(Lambda) memory and "
+            "time per draw; raise max_atoms_per_chunk if that memory is available, or use the "
+            "closed form (levy_attention)"
+        )
     s0 = 0
     while s0 < S:
         # grow the chunk of draws until it holds about chunk_atoms atoms (at least one draw)
