@@ -8,8 +8,8 @@ same pair an :class:`attnuq.baselines.Task` takes as ``make_model`` / ``train_fn
 (``member<index>.pt`` + ``member<index>.json`` with the :class:`~attnuq.baselines.Cost`), either
 one after the other in this process (``jobs=1``) or in ``jobs`` spawned worker processes, each
 with one intra-op thread; the ensemble then reads them from the cache and books their recorded
-training times once. (Leaving the training to :meth:`Task.member` inside ``Method.fit`` would
-count it twice: once in the fit's elapsed time, once as the members' recorded cost.) Every
+training times once (:meth:`Task.member` would also train a missing member inside the
+ensemble's fit, serially; ``Method.fit`` books such time once as well). Every
 member seeds its own initialisation and training (the recipes call ``torch.manual_seed``
 themselves), so a member is bit-identical whichever process trains it, as long as both use one
 thread.
@@ -35,7 +35,7 @@ from torch import nn
 
 from attnuq._validation import check_positive_int
 
-__all__ = ["MemberRecipe", "check_member_jobs", "train_members"]
+__all__ = ["MemberRecipe", "check_member_jobs", "load_or_train_backbone", "train_members"]
 
 
 class MemberRecipe(Protocol):
@@ -130,3 +130,33 @@ def train_members(
             i, sec = f.result()
             print(f"[members] member {i} trained in {sec:.1f} s", flush=True)
     return todo
+
+
+def load_or_train_backbone(
+    recipe: MemberRecipe,
+    model_dir: Path,
+    *,
+    retrain: bool,
+    save: Any,
+    load: Any,
+    device: torch.device | str,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """The frozen backbone (member 0): read from ``model_dir``, else trained and saved there.
+
+    A folder with ``config.json`` is reused unless ``retrain``; otherwise ``recipe.make(0)`` is
+    trained with ``recipe.train`` and written with ``save(model, model_dir)`` plus its training
+    report (``train_report.json``). Either way the model is read back with ``load(model_dir)``
+    (the path a user's saved checkpoint takes) and moved to ``device``. Returns the model and the
+    training report, with ``"reused"`` telling which branch ran.
+    """
+    if (model_dir / "config.json").is_file() and not retrain:
+        report = json.loads((model_dir / "train_report.json").read_text())
+        report["reused"] = True
+    else:
+        net = recipe.make(0)  # member 0 = the backbone
+        rep = recipe.train(net, None, None, 0)
+        save(net.cpu(), model_dir)
+        report = rep.to_dict()
+        (model_dir / "train_report.json").write_text(json.dumps(report, indent=1))
+        report["reused"] = False
+    return load(model_dir).to(device), report

@@ -305,7 +305,11 @@ def run(args: argparse.Namespace) -> Path:
     from attnuq._device import resolve_device
     from attnuq._runinfo import run_info
     from attnuq.baselines import Task, coverage_scale, make_method
-    from attnuq.bench._members import check_member_jobs, train_members
+    from attnuq.bench._members import (
+        check_member_jobs,
+        load_or_train_backbone,
+        train_members,
+    )
     from attnuq.data.era5 import (
         day_blocks,
         hourly_climatology,
@@ -376,17 +380,10 @@ def run(args: argparse.Namespace) -> Path:
     )
 
     model_dir = Path(args.model_dir) if args.model_dir else res_dir / "backbone"
-    if (model_dir / "config.json").is_file() and not args.retrain:
-        train_report = json.loads((model_dir / "train_report.json").read_text())
-        train_report["reused"] = True
-    else:
-        net = recipe.make(0)  # member 0 = the backbone, seed --seed
-        rep = recipe.train(net, None, None, 0)
-        save_vit_field(net.cpu(), model_dir)
-        train_report = rep.to_dict()
-        (model_dir / "train_report.json").write_text(json.dumps(train_report, indent=1))
-        train_report["reused"] = False
-    frozen = load_vit_field(model_dir).to(device)
+    frozen, train_report = load_or_train_backbone(
+        recipe, model_dir, retrain=args.retrain, save=save_vit_field, load=load_vit_field,
+        device=device,
+    )
     n_params = sum(p.numel() for p in frozen.parameters())
     sites = [s.name for s in attnuq.find_attention(frozen)]
     Yd = {k: v.to(device) for k, v in Y.items()}

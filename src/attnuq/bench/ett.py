@@ -465,7 +465,11 @@ def run(args: argparse.Namespace) -> Path:
     from attnuq._device import resolve_device
     from attnuq._runinfo import run_info
     from attnuq.baselines import Task, coverage_scale, make_method
-    from attnuq.bench._members import check_member_jobs, train_members
+    from attnuq.bench._members import (
+        check_member_jobs,
+        load_or_train_backbone,
+        train_members,
+    )
     from attnuq.data.ett import load_ett, resolve_ett_path, seasonal_naive
     from attnuq.models.patchtst import load_patchtst, predict_batched, save_patchtst
 
@@ -514,19 +518,12 @@ def run(args: argparse.Namespace) -> Path:
 
     # ---- backbone: train + save_pretrained, then from_pretrained (the hub user's path) --------
     model_dir = Path(args.model_dir) if args.model_dir else res_dir / "backbone"
-    train_report: dict[str, Any]
-    if (model_dir / "config.json").is_file() and not args.retrain:
-        train_report = json.loads((model_dir / "train_report.json").read_text())
-        train_report["reused"] = True
+    frozen, train_report = load_or_train_backbone(
+        recipe, model_dir, retrain=args.retrain, save=save_patchtst, load=load_patchtst,
+        device=device,
+    )
+    if train_report["reused"]:
         print(f"[ett] reusing saved backbone {model_dir}", flush=True)
-    else:
-        net = recipe.make(0)  # member 0 = the backbone, seed --seed
-        rep = recipe.train(net, None, None, 0)
-        save_patchtst(net.cpu(), model_dir)
-        train_report = rep.to_dict()
-        (model_dir / "train_report.json").write_text(json.dumps(train_report, indent=1))
-        train_report["reused"] = False
-    frozen = load_patchtst(model_dir).to(device)
     n_params = sum(p.numel() for p in frozen.parameters())
     sites = [s.name for s in attnuq.find_attention(frozen)]
 
