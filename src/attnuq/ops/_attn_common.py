@@ -53,6 +53,8 @@ class Attn:
     lk: int
     dv: int
     out_dtype: torch.dtype
+    # max_i |q_i| * max_j |k_j| (None when the values were not checked): bounds every score
+    qk_norm: float | None = None
     _tri_cache: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = field(
         default_factory=dict, repr=False
     )
@@ -253,13 +255,25 @@ def prepare(
             )
     if scale is not None and (not _is_real(scale) or not math.isfinite(float(scale))):
         raise ValueError(f"scale must be None or a finite real number, got {scale=!r}")
+    cdt = compute_dtype(q.dtype)
+    qk_norm: float | None = None
     if check_values:
-        for t, name in ((q, "q"), (k, "k"), (v, "v")):
-            # A finite sum proves every entry finite (NaN and +-inf propagate); only when the
-            # sum is not finite (or overflows) run the exact, slower check that names the count.
-            if not bool(torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64
-                                              else torch.float32))):
+        # One reduction per tensor and one host sync: a finite sum (for q and k, a finite largest
+        # row norm, which the dense sampler needs anyway) proves every entry finite, since NaN
+        # and +-inf propagate. Only when a summary is not finite (or overflows) run the exact,
+        # slower check that names the count.
+        with torch.no_grad():
+            summaries = [
+                torch.linalg.vector_norm(t, dim=-1, dtype=cdt).amax() if t.numel() else
+                torch.zeros((), dtype=cdt, device=t.device)
+                for t in (q, k)
+            ]
+            summaries.append(v.sum(dtype=cdt))
+            both = torch.stack(summaries)
+        if not bool(torch.isfinite(both).all()):
+            for t, name in ((q, "q"), (k, "k"), (v, "v")):
                 check_finite(t, name)
+        qk_norm = float(both[0] * both[1])
 
     r = hq // hk if hk else 1
     lq, lk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
@@ -305,7 +319,6 @@ def prepare(
         m = m.reshape(n, hk, r, m.shape[-2], lk)
         mask5 = m
 
-    cdt = compute_dtype(q.dtype)
     sc = float(scale) if scale is not None else 1.0 / math.sqrt(d) if d > 0 else 1.0
     qg = q.to(cdt).reshape(n * hk, r * lq, d)
     kg = k.to(cdt).reshape(n * hk, lk, d)
@@ -326,6 +339,7 @@ def prepare(
         lk=lk,
         dv=dv,
         out_dtype=q.dtype,
+        qk_norm=qk_norm,
     )
 
 

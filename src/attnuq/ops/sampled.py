@@ -63,6 +63,9 @@ EmptyRows = Literal["error", "zero"]
 # while still in cache) and the fewest query rows per chunk (keeps the GEMM efficient for long Lk).
 _DENSE_CHUNK_ELEMS = 1 << 19
 _DENSE_MIN_ROWS = 128
+# Dense path: elements per sub-chunk of the CDF + inverse-CDF lookups (the binary searches read
+# rows the cumsum has just written, so they should still be in cache).
+_DENSE_SEARCH_ELEMS = 1 << 19
 # Blocked path: elements per chunk, ``rows * (block_size + nu)``.
 _BLOCKED_CHUNK_ELEMS = 1 << 20
 _BLOCKED_MIN_ROWS = 64
@@ -125,7 +128,8 @@ def _sample_dense(
     """
     dev, dt = att.q.device, att.q.dtype
     lk = att.lk
-    use_i32 = _index_dtype(att) == torch.int32
+    idt = _index_dtype(att)
+    use_i32 = idt == torch.int32
     # Causal: query blocks of ~Lq/4 rows only look at the keys up to their last position.
     max_rows = max(_DENSE_MIN_ROWS, att.lq // 4) if att.causal else None
     chunks = att.chunks(lk, _DENSE_CHUNK_ELEMS, _DENSE_MIN_ROWS, max_rows)
@@ -136,21 +140,30 @@ def _sample_dense(
     # subtracting the row maximum, which saves two passes over the scores.
     shift = True
     if att.mask is None or att.mask.dtype == torch.bool:
-        bound = att.q.norm(dim=-1).amax() * att.k.norm(dim=-1).amax() * abs(att.scale)
-        shift = not bool(bound <= 64.0)
+        qk = att.qk_norm
+        if qk is None:
+            qk = float(att.q.norm(dim=-1).amax() * att.k.norm(dim=-1).amax())
+        shift = not qk * abs(att.scale) <= 64.0
     for g0, g1, i0, i1 in chunks:
         g, rows = g1 - g0, i1 - i0
         nk = att.causal_keys(i0, i1)
         b = buf[: g * rows * nk].view(g, rows, nk)
         att.scores(g0, g1, i0, i1, 0, nk, out=b)
-        c = _exp2_cdf_(b, shift=shift)
-        empty[g0:g1, i0:i1] = c[..., -1] == 0
         u = torch.rand((g, rows, nu), generator=generator, device=dev, dtype=dt)
-        # u < 1 is a float of the same precision as the total (a normal number: >= 1 with the
-        # shift, >= 2^-64 without), so u * total < total after
-        # rounding: no key past the last one of positive mass can be returned. The clamp only
-        # guards rows of zero total mass (flagged empty).
-        ic = torch.searchsorted(c, u.mul_(c[..., -1:]), right=True, out_int32=use_i32)
+        ic = torch.empty(g, rows, nu, dtype=idt, device=dev)
+        # CDF and lookups in sub-chunks of rows small enough to stay in cache between the
+        # cumsum that writes a row and the binary searches that read it
+        flat, uf, icf = b.view(g * rows, nk), u.view(g * rows, nu), ic.view(g * rows, nu)
+        step = max(1, _DENSE_SEARCH_ELEMS // nk)
+        for r0 in range(0, g * rows, step):
+            c = _exp2_cdf_(flat[r0 : r0 + step], shift=shift)
+            # u < 1 is a float of the same precision as the total (a normal number: >= 1 with
+            # the shift, >= 2^-64 without), so u * total < total after rounding: no key past
+            # the last one of positive mass can be returned. The clamp only guards rows of zero
+            # total mass (flagged empty).
+            torch.searchsorted(c, uf[r0 : r0 + step].mul_(c[:, -1:]), right=True,
+                               out_int32=use_i32, out=icf[r0 : r0 + step])
+        empty[g0:g1, i0:i1] = b[..., -1] == 0
         yield (g0, g1, i0, i1), ic.clamp_max_(nk - 1)
 
 
