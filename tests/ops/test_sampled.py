@@ -621,3 +621,26 @@ def test_dense_search_subchunks_do_not_change_the_draws(monkeypatch, case, scale
         assert torch.equal(idx, ref_idx), elems
         assert torch.equal(empty, ref_empty)
         assert torch.equal(sampled_attention(q, k, v, generator=_gen(7), **kw), ref_y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finfo_min_additive_mask_is_an_ordinary_score_like_sdpa(dtype):
+    """Hugging Face masks with ``torch.finfo(dtype).min``: a key with that bias is an ordinary
+    (negligible) score, not an exclusion. A row masked this way everywhere gets uniform weights
+    in SDPA, so no row is empty here and the moments equal SDPA's output (in float32 the mask
+    times log2(e) would overflow to -inf if it were not kept finite)."""
+    q, k, v = _qkv(2, 2, 2, 6, 5, 4, seed=41, dtype=dtype)
+    big = torch.finfo(dtype).min
+    m = torch.zeros(2, 1, 6, 5, dtype=dtype)
+    m[:, :, :3] = big  # rows 0-2: every key at finfo.min -> uniform weights in SDPA
+    m[:, :, 3:, 1:] = big  # rows 3-5: only key 0 has a non-negligible weight
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m.float())
+    mean, _ = attention_moments(q, k, v, attn_mask=m)  # raises if any row were empty
+    torch.testing.assert_close(mean.float(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                               rtol=0)
+    idx, empty = _sample_indices(q, k, v, nu=400, attn_mask=m, generator=_gen(2))
+    assert not empty.any()
+    assert (idx[:, :, 3:] == 0).all()  # the finite-0 key takes all the mass
+    # uniform rows: each of the 5 keys drawn; P(a given key missing in 400 draws) = 0.8^400
+    for key in range(5):
+        assert (idx[:, :, :3] == key).any(-1).all(), key

@@ -58,6 +58,11 @@ class Attn:
     _tri_cache: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = field(
         default_factory=dict, repr=False
     )
+    # per-call additive mask biases: ("keys", dtype) -> (G, Lk); ("causal", j0, j1, ...) ->
+    # (M, nk) for chunks of whole groups
+    _bias_cache: dict[tuple[object, ...], torch.Tensor] = field(
+        default_factory=dict, repr=False
+    )
 
     @property
     def groups(self) -> int:
@@ -117,6 +122,59 @@ class Attn:
             last = (i1 - 1) % self.lq
         return max(1, min(self.lk, last + 1))
 
+    def _to_bias(self, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A mask slice as an additive bias in log2 units: boolean ``False`` and ``-inf`` give
+        ``-inf`` (the key is excluded); every finite bias stays finite (``finfo.min * log2(e)``
+        would overflow to ``-inf`` and exclude a key that SDPA weights as an ordinary score)."""
+        if m.dtype == torch.bool:
+            zero = torch.zeros((), dtype=dtype, device=m.device)
+            return torch.where(m, zero, float("-inf"))
+        b = m.to(dtype) * LOG2E
+        return torch.where(torch.isneginf(b) & torch.isfinite(m), torch.finfo(dtype).min, b)
+
+    def _mask_bias(
+        self, g0: int, g1: int, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """``attn_mask`` as an additive bias broadcastable to ``(g, rows, nk)`` (or None).
+
+        A mask that is the same for every query (key padding) becomes one ``(G, Lk)`` bias per
+        call, and each chunk uses a ``(g, 1, nk)`` view of it; other masks are gathered for the
+        chunk's rows."""
+        mk = self.mask
+        if mk is None:
+            return None
+        if mk.shape[2] == 1 and mk.shape[3] == 1:
+            key = ("keys", dtype)
+            kb = self._bias_cache.get(key)
+            if kb is None:
+                kb = self._to_bias(mk[:, :, 0, 0, :].reshape(self.groups, self.lk), dtype)
+                self._bias_cache[key] = kb
+            return kb[g0:g1, j0:j1].unsqueeze(1)
+        dev = mk.device
+        ri = torch.arange(i0, i1, device=dev)
+        gi = torch.arange(g0, g1, device=dev).unsqueeze(1)  # (g, 1)
+        r_sel = (ri // self.lq) if mk.shape[2] > 1 else torch.zeros_like(ri)
+        l_sel = (ri % self.lq) if mk.shape[3] > 1 else torch.zeros_like(ri)
+        m = mk[:, :, :, :, j0:j1][gi // self.hk, gi % self.hk, r_sel, l_sel]  # (g, rows, nk)
+        return self._to_bias(m, dtype)
+
+    def _causal_bias(
+        self, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """``(rows, nk)`` additive bias, ``-inf`` where key ``j`` is after the row's query
+        position. Cached when the rows are whole groups (the same for every chunk)."""
+        whole = i0 == 0 and i1 == self.rows
+        key = ("causal", j0, j1, dtype, device)
+        if whole and key in self._bias_cache:
+            return self._bias_cache[key]
+        lq_idx = torch.arange(i0, i1, device=device) % self.lq
+        future = torch.arange(j0, j1, device=device) > lq_idx.unsqueeze(-1)  # (rows, nk)
+        zero = torch.zeros((), dtype=dtype, device=device)
+        b = torch.where(future, float("-inf"), zero)
+        if whole:
+            self._bias_cache[key] = b
+        return b
+
     def scores(
         self,
         g0: int,
@@ -130,50 +188,40 @@ class Attn:
         """Masked scores (in log2 units) of rows ``i0:i1`` of groups ``g0:g1`` against keys
         ``j0:j1``: ``(g, i1 - i0, j1 - j0)``; masked entries are ``-inf``.
 
-        With ``out`` the result is written there and masks are applied in place (no autograd);
-        without it every step is out-of-place (safe under autograd).
+        Masks are additive biases: the ``attn_mask`` bias is the GEMM's ``C`` input (``beta =
+        1``), which costs about nothing, and the causal bias is added afterwards (on the last
+        ``rows x rows`` block only when the rows are consecutive positions of one head).
+        With ``out`` the result is written there in place (no autograd); without it every step
+        is out-of-place (safe under autograd).
         """
         kt = self.k[g0:g1, j0:j1].transpose(1, 2)
         qc = self.q[g0:g1, i0:i1]
+        dt = self.q.dtype
+        bias = self._mask_bias(g0, g1, i0, i1, j0, j1, dt)
         if out is None:
-            s = torch.bmm(qc * self.scale, kt)  # (g, rows, nk)
-        else:  # the scale rides on the GEMM (alpha) for free
+            s = torch.bmm(qc * self.scale, kt) if bias is None else torch.baddbmm(
+                bias, qc * self.scale, kt
+            )  # (g, rows, nk)
+        elif bias is None:  # the scale rides on the GEMM (alpha) for free
             s = torch.baddbmm(out, qc, kt, beta=0.0, alpha=self.scale, out=out)
-        if self.mask is None and not self.causal:
+        else:
+            s = torch.baddbmm(bias, qc, kt, alpha=self.scale, out=out)
+        if not self.causal:
             return s
         dev = s.device
-        ri = torch.arange(i0, i1, device=dev)
-        lq_idx = ri % self.lq  # query position of each row
-        if self.mask is not None:
-            mk = self.mask
-            gi = torch.arange(g0, g1, device=dev).unsqueeze(1)  # (g, 1)
-            r_sel = (ri // self.lq) if mk.shape[2] > 1 else torch.zeros_like(ri)
-            l_sel = lq_idx if mk.shape[3] > 1 else torch.zeros_like(ri)
-            m = mk[:, :, :, :, j0:j1][gi // self.hk, gi % self.hk, r_sel, l_sel]  # (g, rows, nk)
-            if m.dtype == torch.bool:
-                s = s.masked_fill_(~m, float("-inf")) if out is not None else s.masked_fill(
-                    ~m, float("-inf")
-                )
+        rows = i1 - i0
+        p0 = i0 % self.lq
+        if i0 // self.lq == (i1 - 1) // self.lq and j0 == 0 and j1 == p0 + rows:
+            # Rows are positions p0..p0+rows-1 and the keys end at the last of them: the
+            # future keys are the strict upper triangle of the last (rows x rows) block.
+            tri = self._tri(rows, s.dtype, dev)
+            if out is not None:
+                s[..., p0:j1].add_(tri)
             else:
-                m = m.to(s.dtype) * LOG2E
-                s = s.add_(m) if out is not None else s + m
-        if self.causal:
-            rows = i1 - i0
-            p0 = i0 % self.lq
-            if i0 // self.lq == (i1 - 1) // self.lq and j0 == 0 and j1 == p0 + rows:
-                # Rows are positions p0..p0+rows-1 and the keys end at the last of them: the
-                # future keys are the strict upper triangle of the last (rows x rows) block.
-                tri = self._tri(rows, s.dtype, dev)
-                if out is not None:
-                    s[..., p0:j1].add_(tri)
-                else:
-                    s = torch.cat([s[..., :p0], s[..., p0:j1] + tri], dim=-1)
-            else:
-                future = torch.arange(j0, j1, device=dev) > lq_idx.unsqueeze(-1)  # (rows, nk)
-                s = s.masked_fill_(future, float("-inf")) if out is not None else s.masked_fill(
-                    future, float("-inf")
-                )
-        return s
+                s = torch.cat([s[..., :p0], s[..., p0:j1] + tri], dim=-1)
+            return s
+        cb = self._causal_bias(i0, i1, j0, j1, s.dtype, dev)
+        return s.add_(cb) if out is not None else s + cb
 
 
 def _is_real(x: object) -> bool:

@@ -130,8 +130,12 @@ def _sample_dense(
     lk = att.lk
     idt = _index_dtype(att)
     use_i32 = idt == torch.int32
-    # Causal: query blocks of ~Lq/4 rows only look at the keys up to their last position.
-    max_rows = max(_DENSE_MIN_ROWS, att.lq // 4) if att.causal else None
+    # Causal: query blocks of ~Lq/4 rows only look at the keys up to their last position. For
+    # Lq <= _DENSE_MIN_ROWS a block would be a whole sequence anyway (no key saved), and chunks
+    # of whole groups save the per-chunk overhead.
+    max_rows = (
+        max(_DENSE_MIN_ROWS, att.lq // 4) if att.causal and att.lq > _DENSE_MIN_ROWS else None
+    )
     chunks = att.chunks(lk, _DENSE_CHUNK_ELEMS, _DENSE_MIN_ROWS, max_rows)
     cap = max((g1 - g0) * (i1 - i0) for g0, g1, i0, i1 in chunks) * lk
     buf = torch.empty(cap, dtype=dt, device=dev)
