@@ -644,3 +644,35 @@ def test_finfo_min_additive_mask_is_an_ordinary_score_like_sdpa(dtype):
     # uniform rows: each of the 5 keys drawn; P(a given key missing in 400 draws) = 0.8^400
     for key in range(5):
         assert (idx[:, :, :3] == key).any(-1).all(), key
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_mask_repeated_over_queries_gives_the_draws_of_the_key_mask(kind):
+    """A key-padding mask materialised per query (as Hugging Face passes it, ``(B, 1, Lq, Lk)``)
+    gives exactly the draws and moments of the same mask as ``(B, 1, 1, Lk)``; changing one
+    query's row still applies that row (the per-query path)."""
+    q, k, v = _qkv(2, 3, 3, 7, 9, 4, seed=43, dtype=torch.float32)
+    keep = torch.rand(2, 1, 1, 9, generator=_gen(4)) < 0.6
+    keep[..., 2] = True
+    key_mask = keep if kind == "bool" else torch.where(keep, 0.0, float("-inf")) + 0.5
+    full = key_mask.expand(2, 1, 7, 9).contiguous()
+    for fn in (_sample_indices, sampled_attention):
+        a = fn(q, k, v, nu=6, attn_mask=key_mask, generator=_gen(9))
+        b = fn(q, k, v, nu=6, attn_mask=full, generator=_gen(9))
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,),
+                        strict=True):
+            assert torch.equal(x, y)
+    m_a, v_a = attention_moments(q, k, v, attn_mask=key_mask)
+    m_b, v_b = attention_moments(q, k, v, attn_mask=full)
+    assert torch.equal(m_a, m_b) and torch.equal(v_a, v_b)
+    # one query row differs: only key 2 for query 3 -> its draws are all key 2
+    one = full.clone()
+    if kind == "bool":
+        one[:, :, 3] = False
+        one[:, :, 3, 2] = True
+    else:
+        one[:, :, 3] = float("-inf")
+        one[:, :, 3, 2] = 0.0
+    idx, _ = _sample_indices(q, k, v, nu=50, attn_mask=one, generator=_gen(1))
+    assert (idx[:, :, 3] == 2).all()
+    assert not (idx[:, :, [0, 1, 2, 4, 5, 6]] == 2).all()  # the other rows are not restricted

@@ -25,6 +25,8 @@ from attnuq._validation import check_finite
 __all__ = ["LOG2E", "Attn", "compute_dtype", "empty_rows_error", "prepare"]
 
 LOG2E = 1.0 / math.log(2.0)
+# masks up to this many elements are checked for being the same for every query (one pass)
+_MASK_DEDUP_ELEMS = 1 << 24
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -357,6 +359,15 @@ def prepare(
                     f"entries (use -inf or a boolean mask to exclude keys)"
                 )
         m = attn_mask
+        if m.dim() >= 2 and m.shape[-2] > 1 and m.stride(-2) != 0 and (
+            m.numel() <= _MASK_DEDUP_ELEMS
+        ):
+            # A mask that is the same for every query (e.g. a key-padding mask that Hugging Face
+            # materialised as (B, 1, Lq, Lk)) keeps one row: it is then one additive bias per
+            # key for the whole call instead of a gather per chunk. Exact: equal rows.
+            first = m[..., :1, :]
+            if bool((m == first).all()):
+                m = first
         while m.dim() < len(full):
             m = m.unsqueeze(0)
         # Keep the Lq and R dims broadcast (size 1) where the user's mask is; expand the rest.
