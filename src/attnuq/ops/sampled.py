@@ -26,7 +26,10 @@ rows of all draws are then summed with one ``embedding_bag`` (measured faster he
 the count matrix ``W`` and a GEMM ``W V``, even for ``nu >= Lk``, and faster than one call per
 chunk), so the dense path holds the ``(B*H*Lq, nu)`` indices (int32) but never all uniforms.
 With ``is_causal`` each query chunk only scores the keys up to its last position. No tensor of
-``B*H*Lq*Lk*nu`` (or ``B*H*Lq*Lk``) elements is formed.
+``B*H*Lq*Lk*nu`` (or ``B*H*Lq*Lk``) elements is formed. Masks enter as additive biases in log2
+units: the ``attn_mask`` bias is the ``C`` input of the scores GEMM (``beta = 1``), and a mask
+that is the same for every query (key padding, also when materialised as ``(B, 1, Lq, Lk)``)
+is one ``(G, Lk)`` bias for the whole call.
 
 Key-blocked path (``block_size`` given): chunks of query rows stream over key blocks, and without
 a gradient for ``v`` each chunk's value rows are summed with ``embedding_bag`` straight into the
