@@ -676,3 +676,40 @@ def test_mask_repeated_over_queries_gives_the_draws_of_the_key_mask(kind):
     idx, _ = _sample_indices(q, k, v, nu=50, attn_mask=one, generator=_gen(1))
     assert (idx[:, :, 3] == 2).all()
     assert not (idx[:, :, [0, 1, 2, 4, 5, 6]] == 2).all()  # the other rows are not restricted
+
+
+def _layouts(v: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The same values ``(B, H, L, Dv)`` in other memory layouts."""
+    b, h, lk, dv = v.shape
+    wide = torch.zeros(b, h, lk, 2 * dv + 1, dtype=v.dtype)
+    wide[..., 1 : dv + 1] = v
+    odd = torch.zeros(b, h, lk, dv + 1, dtype=v.dtype)
+    odd[..., :dv] = v
+    return {
+        "hf transposed": v.transpose(1, 2).contiguous().transpose(1, 2),  # (B, L, H, Dv) memory
+        "gaps": torch.cat([v, torch.zeros_like(v)], -1)[..., :dv],  # row stride 2 Dv
+        "offset, odd stride": wide[..., 1 : dv + 1],  # stride 2 Dv + 1: not a multiple of Dv
+        "odd stride": odd[..., :dv],
+    }
+
+
+@pytest.mark.parametrize("block_size", [None, 4])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_value_layout_does_not_change_the_output(block_size, gqa):
+    """Values are gathered straight from v's memory when every row is contiguous at a multiple
+    of Dv (HF's transposed layout: no copy); any layout gives exactly the output of a
+    contiguous v."""
+    from attnuq.ops._attn_common import prepare
+
+    q, k, v = _qkv(2, 4, 2 if gqa else 4, 6, 9, 5, dv=3, seed=47, dtype=torch.float32)
+    kw = {"nu": 7, "block_size": block_size, "enable_gqa": gqa}
+    ref = sampled_attention(q, k, v, generator=_gen(5), **kw)
+    for name, vl in _layouts(v).items():
+        assert torch.equal(vl, v)
+        out = sampled_attention(q, k, vl, generator=_gen(5), **kw)
+        assert torch.equal(out, ref), name
+        w, _, step = prepare(q, k, vl, None, False, None, gqa).value_rows()
+        strided = name in ("hf transposed", "gaps")  # rows at multiples of Dv: gathered in place
+        assert (step != 1) == strided, (name, step)
+        if strided:
+            assert w.untyped_storage().data_ptr() == vl.untyped_storage().data_ptr()

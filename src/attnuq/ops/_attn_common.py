@@ -42,7 +42,7 @@ class Attn:
 
     q: torch.Tensor
     k: torch.Tensor
-    v: torch.Tensor
+    v_src: torch.Tensor  # v in the compute dtype, as given (*batch, Hk, Lk, Dv): not copied
     scale: float
     mask: torch.Tensor | None  # (N, Hk, R|1, Lq|1, Lk), a broadcast view of the user's mask
     causal: bool
@@ -65,6 +65,46 @@ class Attn:
     _bias_cache: dict[tuple[object, ...], torch.Tensor] = field(
         default_factory=dict, repr=False
     )
+
+    @property
+    def v(self) -> torch.Tensor:
+        """``(G, Lk, Dv)`` values (a copy, made once, when ``v`` is not laid out that way)."""
+        vg = self._bias_cache.get(("v",))
+        if vg is None:
+            vg = self.v_src.reshape(self.groups, self.lk, self.dv)
+            self._bias_cache[("v",)] = vg
+        return vg
+
+    def value_rows(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Every value row as a row of one 2-D tensor, without copying ``v`` when its layout
+        allows: ``(w, offs, step)`` with value ``j`` of group ``g`` at row
+        ``offs[g] + j * step`` of ``w`` ``(rows, Dv)``; ``offs`` is ``(G, 1, 1)`` in the index
+        dtype of the draws.
+
+        ``v`` laid out as ``(B, Lk, H, Dv)`` and transposed (what Hugging Face passes) has every
+        row contiguous at a multiple of ``Dv`` elements: ``w`` is then a view of its memory
+        (``as_strided``) and no copy is made. Otherwise (or when ``v`` needs a gradient) ``w``
+        is the grouped copy :attr:`v` with ``offs[g] = g * Lk`` and ``step = 1``.
+        """
+        g, lk, dv = self.groups, self.lk, self.dv
+        idt = torch.int32 if g * lk < 2**31 - 1 else torch.long
+        dev = self.v_src.device
+        src = self.v_src
+        need_grad = torch.is_grad_enabled() and src.requires_grad
+        v4 = src.view(self.n, self.hk, lk, dv) if _viewable(src, (self.n, self.hk, lk, dv)) \
+            else None
+        if v4 is not None and not need_grad and dv > 0 and v4.stride(-1) == 1 and all(
+            st % dv == 0 for st in v4.stride()[:3]
+        ):
+            sn, sh, sl = (st // dv for st in v4.stride()[:3])
+            last = (self.n - 1) * sn + (self.hk - 1) * sh + (lk - 1) * sl
+            if last < 2**31 - 1 or idt == torch.long:
+                w = torch.as_strided(v4, (last + 1, dv), (dv, 1), v4.storage_offset())
+                ng = torch.arange(self.n, device=dev, dtype=idt).view(-1, 1) * sn
+                hg = torch.arange(self.hk, device=dev, dtype=idt).view(1, -1) * sh
+                return w, (ng + hg).view(g, 1, 1), sl
+        offs = torch.arange(g, device=dev, dtype=idt).mul_(lk).view(g, 1, 1)
+        return self.v.reshape(g * lk, dv), offs, 1
 
     @property
     def groups(self) -> int:
@@ -226,6 +266,15 @@ class Attn:
         return s.add_(cb) if out is not None else s + cb
 
 
+def _viewable(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether ``t.view(shape)`` works (no copy needed)."""
+    try:
+        t.view(shape)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _is_real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
@@ -381,11 +430,10 @@ def prepare(
     sc = float(scale) if scale is not None else 1.0 / math.sqrt(d) if d > 0 else 1.0
     qg = q.to(cdt).reshape(n * hk, r * lq, d)
     kg = k.to(cdt).reshape(n * hk, lk, d)
-    vg = v.to(cdt).reshape(n * hk, lk, dv)
     return Attn(
         q=qg,
         k=kg,
-        v=vg,
+        v_src=v.to(cdt),
         scale=sc * LOG2E,
         mask=mask5,
         causal=is_causal,

@@ -388,8 +388,8 @@ def sampled_attention(
             raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
         return torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
     g, m, lk, dv = att.groups, att.rows, att.lk, att.dv
-    w = att.v.reshape(g * lk, dv)  # value rows of all groups; row g * Lk + j
-    offs = torch.arange(g, device=q.device, dtype=_index_dtype(att)).mul_(lk).view(g, 1, 1)
+    # value j of group g is row offs[g] + j * step of w (a view of v's memory when possible)
+    w, offs, step = att.value_rows()
     dense = block_size is None or block_size >= lk
     if dense or (torch.is_grad_enabled() and w.requires_grad):
         # All indices (G, M, nu) at once, then one gather. With a gradient for v the backward of
@@ -401,6 +401,8 @@ def sampled_attention(
         has_empty = bool(empty.any())
         if has_empty and empty_rows == "error":
             raise empty_rows_error(att, empty)
+        if step != 1:
+            idx.mul_(step)
         flat = idx.add_(offs).view(g * m, nu)  # global row of v, in place (idx is ours)
         out = F.embedding_bag(flat, w, mode="sum").view(g, m, dv)  # (G, M, Dv)
         out = out * (1.0 / nu) if out.requires_grad else out.mul_(1.0 / nu)
@@ -414,6 +416,8 @@ def sampled_attention(
     empty = torch.empty(g, m, dtype=torch.bool, device=q.device)
     with torch.no_grad():
         for (g0, g1, i0, i1), ic in _draw_chunks(att, nu, block_size, generator, empty):
+            if step != 1:
+                ic.mul_(step)
             flat = ic.add_(offs[g0:g1]).view(-1, nu)  # (g * rows, nu) global rows of v
             yc = F.embedding_bag(flat, w, mode="sum").mul_(1.0 / nu)  # (g * rows, Dv)
             out[g0:g1, i0:i1] = yc.view(g1 - g0, i1 - i0, dv)  # cast to the output dtype
