@@ -593,36 +593,6 @@ def test_uniforms_are_drawn_chunk_by_chunk(monkeypatch, block_size):
     assert max(calls) <= 64 * nu < g * m * nu, calls
 
 
-@pytest.mark.parametrize(
-    ("case", "scale"), [("plain", 1.0), ("causal", 1.0), ("mask", 1.0), ("plain", 30.0)]
-)
-def test_dense_search_subchunks_do_not_change_the_draws(monkeypatch, case, scale):
-    """The dense path builds the CDF and searches it in sub-chunks of rows (for cache reuse);
-    any sub-chunk size gives exactly the draws of one sub-chunk per chunk -- with a causal mask,
-    a boolean padding mask, and with scores large enough to need the row-maximum shift."""
-    from attnuq.ops import sampled as mod
-
-    q, k, v = _qkv(2, 2, 2, 96, 80, 8, seed=31, dtype=torch.float32, scale=scale)
-    kw: dict = {"nu": 5}
-    if case == "causal":
-        kw["is_causal"] = True
-    if case == "mask":
-        keep = torch.rand(2, 1, 1, 80, generator=_gen(3)) < 0.7
-        keep[..., 0] = True
-        kw["attn_mask"] = keep
-    monkeypatch.setattr(mod, "_DENSE_CHUNK_ELEMS", 64 * 80)
-    monkeypatch.setattr(mod, "_DENSE_MIN_ROWS", 32)
-    monkeypatch.setattr(mod, "_DENSE_SEARCH_ELEMS", 1 << 30)  # one sub-chunk per chunk
-    ref_idx, ref_empty = _sample_indices(q, k, v, generator=_gen(7), **kw)
-    ref_y = sampled_attention(q, k, v, generator=_gen(7), **kw)
-    for elems in (1, 7 * 80, 16 * 80):  # one row, an uneven split, an even split
-        monkeypatch.setattr(mod, "_DENSE_SEARCH_ELEMS", elems)
-        idx, empty = _sample_indices(q, k, v, generator=_gen(7), **kw)
-        assert torch.equal(idx, ref_idx), elems
-        assert torch.equal(empty, ref_empty)
-        assert torch.equal(sampled_attention(q, k, v, generator=_gen(7), **kw), ref_y)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_finfo_min_additive_mask_is_an_ordinary_score_like_sdpa(dtype):
     """Hugging Face masks with ``torch.finfo(dtype).min``: a key with that bias is an ordinary

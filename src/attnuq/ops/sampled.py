@@ -66,9 +66,6 @@ EmptyRows = Literal["error", "zero"]
 # while still in cache) and the fewest query rows per chunk (keeps the GEMM efficient for long Lk).
 _DENSE_CHUNK_ELEMS = 1 << 19
 _DENSE_MIN_ROWS = 128
-# Dense path: elements per sub-chunk of the CDF + inverse-CDF lookups (the binary searches read
-# rows the cumsum has just written, so they should still be in cache).
-_DENSE_SEARCH_ELEMS = 1 << 19
 # Blocked path: elements per chunk, ``rows * (block_size + nu)``.
 _BLOCKED_CHUNK_ELEMS = 1 << 20
 _BLOCKED_MIN_ROWS = 64
@@ -131,8 +128,7 @@ def _sample_dense(
     """
     dev, dt = att.q.device, att.q.dtype
     lk = att.lk
-    idt = _index_dtype(att)
-    use_i32 = idt == torch.int32
+    use_i32 = _index_dtype(att) == torch.int32
     # Causal: query blocks of ~Lq/4 rows only look at the keys up to their last position. For
     # Lq <= _DENSE_MIN_ROWS a block would be a whole sequence anyway (no key saved), and chunks
     # of whole groups save the per-chunk overhead.
@@ -157,20 +153,13 @@ def _sample_dense(
         b = buf[: g * rows * nk].view(g, rows, nk)
         att.scores(g0, g1, i0, i1, 0, nk, out=b)
         u = torch.rand((g, rows, nu), generator=generator, device=dev, dtype=dt)
-        ic = torch.empty(g, rows, nu, dtype=idt, device=dev)
-        # CDF and lookups in sub-chunks of rows small enough to stay in cache between the
-        # cumsum that writes a row and the binary searches that read it
-        flat, uf, icf = b.view(g * rows, nk), u.view(g * rows, nu), ic.view(g * rows, nu)
-        step = max(1, _DENSE_SEARCH_ELEMS // nk)
-        for r0 in range(0, g * rows, step):
-            c = _exp2_cdf_(flat[r0 : r0 + step], shift=shift)
-            # u < 1 is a float of the same precision as the total (a normal number: >= 1 with
-            # the shift, >= 2^-64 without), so u * total < total after rounding: no key past
-            # the last one of positive mass can be returned. The clamp only guards rows of zero
-            # total mass (flagged empty).
-            torch.searchsorted(c, uf[r0 : r0 + step].mul_(c[:, -1:]), right=True,
-                               out_int32=use_i32, out=icf[r0 : r0 + step])
-        empty[g0:g1, i0:i1] = b[..., -1] == 0
+        c = _exp2_cdf_(b, shift=shift)
+        empty[g0:g1, i0:i1] = c[..., -1] == 0
+        # u < 1 is a float of the same precision as the total (a normal number: >= 1 with the
+        # shift, >= 2^-64 without), so u * total < total after rounding: no key past the last
+        # one of positive mass can be returned. The clamp only guards rows of zero total mass
+        # (flagged empty).
+        ic = torch.searchsorted(c, u.mul_(c[..., -1:]), right=True, out_int32=use_i32)
         yield (g0, g1, i0, i1), ic.clamp_max_(nk - 1)
 
 
