@@ -25,6 +25,7 @@ from tests.ops._reference_sampled import (
 
 from attnuq.nn.sampled import SampledAttention
 from attnuq.ops import attention_moments, sampled_attention
+from attnuq.ops._attn_common import LOG2E
 from attnuq.ops.sampled import _sample_indices
 
 Z = 5.0  # two-sided normal tail at 5 sigma: 5.7e-7 per compared entry
@@ -486,10 +487,22 @@ def test_sampled_attention_module():
         SampledAttention(nu=1, empty_rows="x")  # type: ignore[arg-type]
 
 
-def test_dense_paths_with_and_without_max_shift_agree():
+@pytest.mark.parametrize("bound", ["cheap", "norms"])
+def test_dense_paths_with_and_without_max_shift_agree(bound):
     """Small scores skip the row-max shift (bound |q||k| scale <= 64 in log2 units); an additive
-    zero mask forces the shift. Same uniforms -> the same draws (up to CDF rounding)."""
-    q, k, v = _qkv(2, 2, 2, 16, 40, 8, seed=25)
+    zero mask forces the shift. Same uniforms -> the same draws (up to CDF rounding).
+    ``cheap``: D max|q| max|k| scale is already <= 64; ``norms``: that bound is ~170 (one large
+    entry per query) and only the row norms show that no shift is needed."""
+    if bound == "cheap":
+        q, k, v = _qkv(2, 2, 2, 16, 40, 8, seed=25)
+    else:
+        _, k, v = _qkv(2, 2, 2, 16, 40, 64, seed=25)
+        q = torch.zeros(2, 2, 16, 64, dtype=torch.float64)
+        q[..., 0] = 5.0
+        scale = LOG2E / 8.0
+        cheap = 64 * 5.0 * float(k.abs().max()) * scale
+        norms = 5.0 * float(k.norm(dim=-1).max()) * scale
+        assert cheap > 64 >= norms, (cheap, norms)
     a, _ = _sample_indices(q, k, v, nu=64, generator=_gen(1))
     b, _ = _sample_indices(q, k, v, nu=64, generator=_gen(1),
                            attn_mask=torch.zeros(40, dtype=torch.float64))

@@ -55,8 +55,8 @@ class Attn:
     lk: int
     dv: int
     out_dtype: torch.dtype
-    # max_i |q_i| * max_j |k_j| (None when the values were not checked): bounds every score
-    qk_norm: float | None = None
+    # D * max|q| * max|k| (None when the values were not checked): bounds every |q_i . k_j|
+    qk_bound: float | None = None
     _tri_cache: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = field(
         default_factory=dict, repr=False
     )
@@ -355,24 +355,26 @@ def prepare(
     if scale is not None and (not _is_real(scale) or not math.isfinite(float(scale))):
         raise ValueError(f"scale must be None or a finite real number, got {scale=!r}")
     cdt = compute_dtype(q.dtype)
-    qk_norm: float | None = None
+    qk_bound: float | None = None
     if check_values:
-        # One reduction per tensor and one host sync: a finite sum (for q and k, a finite largest
-        # row norm, which the dense sampler needs anyway) proves every entry finite, since NaN
-        # and +-inf propagate. Only when a summary is not finite (or overflows) run the exact,
-        # slower check that names the count.
+        # One cheap reduction per tensor and one host sync: a finite sum (for q and k, finite
+        # extremes) proves every entry finite, since NaN and +-inf propagate. Only when a summary
+        # is not finite (or overflows) run the exact, slower check that names the count.
         with torch.no_grad():
-            summaries = [
-                torch.linalg.vector_norm(t, dim=-1, dtype=cdt).amax() if t.numel() else
-                torch.zeros((), dtype=cdt, device=t.device)
-                for t in (q, k)
-            ]
+            summaries = []
+            for t in (q, k):
+                if t.numel():
+                    lo, hi = torch.aminmax(t)
+                    summaries.append(torch.maximum(hi, -lo).to(cdt))  # max |entry|
+                else:
+                    summaries.append(torch.zeros((), dtype=cdt, device=t.device))
             summaries.append(v.sum(dtype=cdt))
             both = torch.stack(summaries)
         if not bool(torch.isfinite(both).all()):
             for t, name in ((q, "q"), (k, "k"), (v, "v")):
                 check_finite(t, name)
-        qk_norm = float(both[0] * both[1])
+        # |q_i . k_j| <= |q_i|_2 |k_j|_2 <= D max|q| max|k|
+        qk_bound = float(both[0] * both[1]) * q.shape[-1]
 
     r = hq // hk if hk else 1
     lq, lk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
@@ -446,7 +448,7 @@ def prepare(
         lk=lk,
         dv=dv,
         out_dtype=q.dtype,
-        qk_norm=qk_norm,
+        qk_bound=qk_bound,
     )
 
 

@@ -140,11 +140,12 @@ def _sample_dense(
     buf = torch.empty(cap, dtype=dt, device=dev)
     # |s_ij| <= |q_i| |k_j| * scale (Cauchy-Schwarz, log2 units). When that bound is <= 64
     # everywhere and the mask is boolean (or absent), 2^s stays in the normal range without
-    # subtracting the row maximum, which saves two passes over the scores.
+    # subtracting the row maximum, which saves two passes over the scores. The cheap bound
+    # D max|q| max|k| from the input check is tried first, the row norms only when it fails.
     shift = True
     if att.mask is None or att.mask.dtype == torch.bool:
-        qk = att.qk_norm
-        if qk is None:
+        qk = att.qk_bound
+        if qk is None or not qk * abs(att.scale) <= 64.0:
             qk = float(att.q.norm(dim=-1).amax() * att.k.norm(dim=-1).amax())
         shift = not qk * abs(att.scale) <= 64.0
     for g0, g1, i0, i1 in chunks:
