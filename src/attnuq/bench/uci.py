@@ -512,6 +512,11 @@ def write_table(
             lines.append(f"* `{e.relative_to(out)}`: {first}")
         lines.append("")
     lines += [
+        "Parts: each standard training split is cut at random (fixed seed) into fit (80 %), "
+        "validation (10 %: early stopping and each method's own post-hoc fitting, e.g. SA's nu "
+        "and IVON's hess_init) and calibration (10 %) parts; the standard test split is only "
+        "scored.",
+        "",
         "Metrics: test part, mean ± std over splits. RMSE, PI-95 width and CRPS in target units; "
         "NLL of a Gaussian (fitted to the samples for sample-based methods). "
         "`cov (cal)` / `PI-95 width (cal)`: after unified coverage calibration, i.e. each "
