@@ -410,9 +410,9 @@ def prepare(
                     f"entries (use -inf or a boolean mask to exclude keys)"
                 )
         m = attn_mask
-        if m.dim() >= 2 and m.shape[-2] > 1 and m.stride(-2) != 0 and (
-            m.numel() <= _MASK_DEDUP_ELEMS
-        ):
+        if m.dim() >= 2 and m.shape[-2] > 1 and m.stride(-2) == 0:
+            m = m[..., :1, :]  # an expanded view: one row is the whole mask
+        if m.dim() >= 2 and m.shape[-2] > 1 and m.numel() <= _MASK_DEDUP_ELEMS:
             # A mask that is the same for every query (e.g. a key-padding mask that Hugging Face
             # materialised as (B, 1, Lq, Lk)) keeps one row: it is then one additive bias per
             # key for the whole call instead of a gather per chunk. Exact: equal rows.
