@@ -60,19 +60,19 @@ class Attn:
     _tri_cache: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = field(
         default_factory=dict, repr=False
     )
-    # per-call additive mask biases: ("keys", dtype) -> (G, Lk); ("causal", j0, j1, ...) ->
-    # (M, nk) for chunks of whole groups
-    _bias_cache: dict[tuple[object, ...], torch.Tensor] = field(
+    # per-call cache: additive mask biases ("keys", dtype) -> (G, Lk) and ("causal", j0, j1, ...)
+    # -> (M, nk) for chunks of whole groups; ("v",) -> the grouped values (G, Lk, Dv)
+    _cache: dict[tuple[object, ...], torch.Tensor] = field(
         default_factory=dict, repr=False
     )
 
     @property
     def v(self) -> torch.Tensor:
         """``(G, Lk, Dv)`` values (a copy, made once, when ``v`` is not laid out that way)."""
-        vg = self._bias_cache.get(("v",))
+        vg = self._cache.get(("v",))
         if vg is None:
             vg = self.v_src.reshape(self.groups, self.lk, self.dv)
-            self._bias_cache[("v",)] = vg
+            self._cache[("v",)] = vg
         return vg
 
     def value_rows(self) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -187,10 +187,10 @@ class Attn:
             return None
         if mk.shape[2] == 1 and mk.shape[3] == 1:
             key = ("keys", dtype)
-            kb = self._bias_cache.get(key)
+            kb = self._cache.get(key)
             if kb is None:
                 kb = self._to_bias(mk[:, :, 0, 0, :].reshape(self.groups, self.lk), dtype)
-                self._bias_cache[key] = kb
+                self._cache[key] = kb
             return kb[g0:g1, j0:j1].unsqueeze(1)
         dev = mk.device
         ri = torch.arange(i0, i1, device=dev)
@@ -207,14 +207,14 @@ class Attn:
         position. Cached when the rows are whole groups (the same for every chunk)."""
         whole = i0 == 0 and i1 == self.rows
         key = ("causal", j0, j1, dtype, device)
-        if whole and key in self._bias_cache:
-            return self._bias_cache[key]
+        if whole and key in self._cache:
+            return self._cache[key]
         lq_idx = torch.arange(i0, i1, device=device) % self.lq
         future = torch.arange(j0, j1, device=device) > lq_idx.unsqueeze(-1)  # (rows, nk)
         zero = torch.zeros((), dtype=dtype, device=device)
         b = torch.where(future, float("-inf"), zero)
         if whole:
-            self._bias_cache[key] = b
+            self._cache[key] = b
         return b
 
     def scores(
