@@ -35,7 +35,14 @@ from torch import nn
 
 from attnuq._validation import check_positive_int
 
-__all__ = ["MemberRecipe", "check_member_jobs", "load_or_train_backbone", "train_members"]
+__all__ = [
+    "MemberRecipe",
+    "cache_text",
+    "check_member_jobs",
+    "jobs_text",
+    "load_or_train_backbone",
+    "train_members",
+]
 
 
 class MemberRecipe(Protocol):
@@ -160,3 +167,27 @@ def load_or_train_backbone(
         (model_dir / "train_report.json").write_text(json.dumps(report, indent=1))
         report["reused"] = False
     return load(model_dir).to(device), report
+
+
+def jobs_text(jobs: int) -> str:
+    """How the members were trained, for a results page: serially or in ``jobs`` workers.
+
+    >>> jobs_text(1), jobs_text(3)
+    ('one after the other', 'in 3 parallel worker processes of one thread each')
+    """
+    return ("one after the other" if jobs == 1
+            else f"in {jobs} parallel worker processes of one thread each")
+
+
+def cache_text(record: dict[str, Any], suite: str) -> str:
+    """The page's note on members read from the member cache (``""`` when none was).
+
+    >>> cache_text({"members_from_cache": [1, 2]}, "ett")[:44]
+    '; members 1, 2 loaded from the member cache '
+    """
+    cached = record.get("members_from_cache") or []
+    if not cached:
+        return ""
+    return (f"; members {', '.join(map(str, cached))} loaded from the member cache "
+            f"`{suite}/members` written by an earlier invocation (their fit time is the "
+            "training time recorded then)")

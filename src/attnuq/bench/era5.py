@@ -44,6 +44,7 @@ import torch
 
 from attnuq._validation import check_positive_int
 from attnuq.bench import register
+from attnuq.bench._members import cache_text, jobs_text
 from attnuq.bench.ett import ResidualQuantiles, StreamScores
 from attnuq.predictive import GaussianPredictive, Predictive
 
@@ -581,20 +582,6 @@ _RESUME_FREE = ("methods", "resume", "note", "no_progress", "threads", "retrain"
 _COLS = ("rmse_lat", "acc", "pit_w1", "pit_w1_scaled", "width", "coverage", "crps", "mean_std")
 
 
-def _cache_text(e: dict[str, Any], suite: str) -> str:
-    cached = e.get("members_from_cache") or []
-    if not cached:
-        return ""
-    return (f"; members {', '.join(map(str, cached))} loaded from the member cache "
-            f"`{suite}/members` written by an earlier invocation (their fit time is the "
-            "training time recorded then)")
-
-
-def _jobs_text(jobs: int) -> str:
-    return ("one after the other" if jobs == 1
-            else f"in {jobs} parallel worker processes of one thread each")
-
-
 def _fmt(v: Any) -> str:
     if v is None:
         return "-"
@@ -662,8 +649,8 @@ def _markdown(p: dict[str, Any]) -> str:
         f"deep ensemble {c['ensemble']} members (member 0 = the backbone, members 1.."
         f"{c['ensemble'] - 1} retrained by this suite with the backbone's recipe and seeds "
         f"{c['seed']}+k, "
-        f"{_jobs_text(res.get('ensemble', {}).get('member_jobs', c.get('member_jobs', 1)))}"
-        f"{_cache_text(res.get('ensemble', {}), 'era5')})",
+        f"{jobs_text(res.get('ensemble', {}).get('member_jobs', c.get('member_jobs', 1)))}"
+        f"{cache_text(res.get('ensemble', {}), 'era5')})",
         "* RMSE and ACC are latitude-weighted (ACC: anomalies against the hour-of-day mean of "
         "the training days, pooled WeatherBench/ClimaX definition); PIT, W1, coverage, width "
         "and CRPS are plain means over grid points and issue times; units K",

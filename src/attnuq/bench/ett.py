@@ -44,6 +44,7 @@ import torch
 
 from attnuq._validation import check_finite, check_positive_int
 from attnuq.bench import register
+from attnuq.bench._members import cache_text, jobs_text
 from attnuq.predictive import GaussianPredictive, Predictive
 
 __all__ = [
@@ -796,15 +797,6 @@ def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, data: 
     (res_dir.parent / "ett.md").write_text(md)
 
 
-def _cache_text(e: dict[str, Any], suite: str) -> str:
-    cached = e.get("members_from_cache") or []
-    if not cached:
-        return ""
-    return (f"; members {', '.join(map(str, cached))} loaded from the member cache "
-            f"`{suite}/members` written by an earlier invocation (their fit time is the "
-            "training time recorded then)")
-
-
 def _ensemble_text(c: dict[str, Any], res: dict[str, Any]) -> str:
     """The deep-ensemble recipe line of the page, from the ensemble's own record if scored."""
     e = res.get("ensemble", {})
@@ -814,9 +806,8 @@ def _ensemble_text(c: dict[str, Any], res: dict[str, Any]) -> str:
     text = (f"deep ensemble: {c['ensemble']} members (member 0 = the backbone; members 1..{k} "
             f"retrained by this suite with seeds {c['seed']}+k, epoch cap {m_ep}, steps/epoch "
             f"cap {c['max_steps_per_epoch']}, "
-            + ("one after the other" if jobs == 1
-               else f"in {jobs} parallel worker processes of one thread each") + ")")
-    text += _cache_text(e, "ett")
+            + jobs_text(jobs) + ")")
+    text += cache_text(e, "ett")
     if m_ep != c["epochs"]:
         text += (f" -- **members 1..{k} had an epoch cap of {m_ep}, the backbone's recipe "
                  f"{c['epochs']}: they are not trained like the backbone**")
