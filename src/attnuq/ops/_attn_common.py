@@ -67,6 +67,12 @@ class Attn:
     )
 
     @property
+    def index_dtype(self) -> torch.dtype:
+        """Dtype of drawn key indices: int32 when every grouped value row ``g * Lk + j``
+        fits, else int64."""
+        return torch.int32 if self.groups * self.lk < 2**31 - 1 else torch.long
+
+    @property
     def v(self) -> torch.Tensor:
         """``(G, Lk, Dv)`` values (a copy, made once, when ``v`` is not laid out that way)."""
         vg = self._cache.get(("v",))
@@ -87,12 +93,11 @@ class Attn:
         is the grouped copy :attr:`v` with ``offs[g] = g * Lk`` and ``step = 1``.
         """
         g, lk, dv = self.groups, self.lk, self.dv
-        idt = torch.int32 if g * lk < 2**31 - 1 else torch.long
+        idt = self.index_dtype
         dev = self.v_src.device
         src = self.v_src
         need_grad = torch.is_grad_enabled() and src.requires_grad
-        v4 = src.view(self.n, self.hk, lk, dv) if _viewable(src, (self.n, self.hk, lk, dv)) \
-            else None
+        v4 = _view_or_none(src, (self.n, self.hk, lk, dv))
         if v4 is not None and not need_grad and dv > 0 and v4.stride(-1) == 1 and all(
             st % dv == 0 for st in v4.stride()[:3]
         ):
@@ -266,13 +271,12 @@ class Attn:
         return s.add_(cb) if out is not None else s + cb
 
 
-def _viewable(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
-    """Whether ``t.view(shape)`` works (no copy needed)."""
+def _view_or_none(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """``t.view(shape)``, or None when that needs a copy."""
     try:
-        t.view(shape)
+        return t.view(shape)
     except RuntimeError:
-        return False
-    return True
+        return None
 
 
 def _is_real(x: object) -> bool:

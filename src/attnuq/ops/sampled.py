@@ -107,11 +107,6 @@ def _exp2_cdf_(
 Chunk = tuple[int, int, int, int]  # (g0, g1, i0, i1): rows i0:i1 of groups g0:g1
 
 
-def _index_dtype(att: Attn) -> torch.dtype:
-    """int32 when every global value row ``g * Lk + j`` fits, else int64."""
-    return torch.int32 if att.groups * att.lk < 2**31 - 1 else torch.long
-
-
 @torch.no_grad()
 def _sample_dense(
     att: Attn, nu: int, generator: torch.Generator | None, empty: torch.Tensor
@@ -119,7 +114,7 @@ def _sample_dense(
     """Dense inverse-CDF draws, query chunk by query chunk.
 
     Yields ``(chunk, idx)`` with ``idx`` ``(g, rows, nu)`` (local key indices, dtype
-    :func:`_index_dtype`, a fresh tensor the caller may modify) and writes the chunk's rows of
+    :attr:`Attn.index_dtype`, a fresh tensor the caller may modify) and writes the chunk's rows of
     ``empty`` ``(G, M)``. The uniforms are drawn chunk by chunk (``(g, rows, nu)`` each), in the
     group-major, row-minor order of :meth:`Attn.chunks`: no ``(G, M, nu)`` tensor of uniforms.
     The chunking is a deterministic function of the shapes (and ``is_causal``); on CPU the
@@ -128,7 +123,7 @@ def _sample_dense(
     """
     dev, dt = att.q.device, att.q.dtype
     lk = att.lk
-    use_i32 = _index_dtype(att) == torch.int32
+    use_i32 = att.index_dtype == torch.int32
     # Causal: query blocks of ~Lq/4 rows only look at the keys up to their last position. For
     # Lq <= _DENSE_MIN_ROWS a block would be a whole sequence anyway (no key saved), and chunks
     # of whole groups save the per-chunk overhead.
@@ -194,7 +189,7 @@ def _sample_blocked(
     # largest float below 1 in the compute dtype: keeps u / p_b < 1 after rounding, so that
     # (u / p_b) * total < total and a key of zero mass is never returned
     below_one = 1.0 - torch.finfo(dt).eps / 2
-    idt = _index_dtype(att)
+    idt = att.index_dtype
     use_i32 = idt == torch.int32
     chunks = att.chunks(block_size + nu, _BLOCKED_SAMPLE_ELEMS, _BLOCKED_MIN_ROWS)
     cap = max((g1 - g0) * (i1 - i0) for g0, g1, i0, i1 in chunks) * block_size
@@ -243,14 +238,14 @@ def _draw(
     block_size: int | None,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All draws at once: ``idx`` ``(G, M, nu)`` (dtype :func:`_index_dtype`) and ``empty``
+    """All draws at once: ``idx`` ``(G, M, nu)`` (dtype :attr:`Attn.index_dtype`) and ``empty``
     ``(G, M)``. For tests, :func:`_sample_indices` and the autograd path only; the forward
     without gradient consumes :func:`_draw_chunks` chunk by chunk instead."""
     dev = att.q.device
     empty = torch.ones(att.groups, att.rows, dtype=torch.bool, device=dev)
     if att.lk == 0:
         return torch.zeros(att.groups, att.rows, nu, dtype=torch.long, device=dev), empty
-    idx = torch.empty(att.groups, att.rows, nu, dtype=_index_dtype(att), device=dev)
+    idx = torch.empty(att.groups, att.rows, nu, dtype=att.index_dtype, device=dev)
     for (g0, g1, i0, i1), ic in _draw_chunks(att, nu, block_size, generator, empty):
         idx[g0:g1, i0:i1] = ic
     return idx, empty
