@@ -19,9 +19,14 @@ an ``Lq x Lk`` probability matrix.
 
 Implementation (dense path, ``block_size=None``): query rows are processed in chunks (a few
 heads, or at least 128 queries of one head) whose scores against all keys sit in one reused
-buffer; scores are turned in place into an unnormalised CDF (``cumsum(exp2(s - max))``, the
-``log2(e)`` factor rides on the GEMM's ``alpha``), and each draw is an inverse-CDF lookup
-(``searchsorted``) of a uniform drawn for that chunk (``torch.rand(generator=...)``). The value
+buffer (the ``log2(e)`` factor rides on the GEMM's ``alpha``), and each draw is an inverse-CDF
+lookup of a uniform drawn for that chunk (``torch.rand(generator=...)``). On CPU a small C kernel
+(:mod:`attnuq.ops._native`, compiled on first use; ``ATTNUQ_NATIVE=0`` switches it off) does the
+row maximum, ``2^(s - max)``, a blocked CDF and the lookups in one pass per row; elsewhere, or
+without a C compiler, torch ops turn the scores in place into an unnormalised CDF
+(``cumsum(exp2(s - max))``) searched with ``searchsorted``. Both are exact inverse-CDF draws
+from the softmax; they order the keys differently along the CDF, so the same uniforms give
+different (equally distributed) draws on the two paths. The value
 rows of all draws are then summed with one ``embedding_bag`` (measured faster here than forming
 the count matrix ``W`` and a GEMM ``W V``, even for ``nu >= Lk``, and faster than one call per
 chunk), so the dense path holds the ``(B*H*Lq, nu)`` indices (int32) but never all uniforms.
@@ -56,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from attnuq._validation import check_nu, check_positive_int
+from attnuq.ops import _native
 from attnuq.ops._attn_common import Attn, empty_rows_error, prepare
 
 __all__ = ["EmptyRows", "attention_moments", "sampled_attention"]
@@ -111,7 +117,8 @@ Chunk = tuple[int, int, int, int]  # (g0, g1, i0, i1): rows i0:i1 of groups g0:g
 def _sample_dense(
     att: Attn, nu: int, generator: torch.Generator | None, empty: torch.Tensor
 ) -> Iterator[tuple[Chunk, torch.Tensor]]:
-    """Dense inverse-CDF draws, query chunk by query chunk.
+    """Dense inverse-CDF draws, query chunk by query chunk (the C kernel on CPU when available,
+    else ``cumsum`` + ``searchsorted``).
 
     Yields ``(chunk, idx)`` with ``idx`` ``(g, rows, nu)`` (local key indices, dtype
     :attr:`Attn.index_dtype`, a fresh tensor the caller may modify) and writes the chunk's rows of
@@ -133,6 +140,20 @@ def _sample_dense(
     chunks = att.chunks(lk, _DENSE_CHUNK_ELEMS, _DENSE_MIN_ROWS, max_rows)
     cap = max((g1 - g0) * (i1 - i0) for g0, g1, i0, i1 in chunks) * lk
     buf = torch.empty(cap, dtype=dt, device=dev)
+    if dev.type == "cpu" and _native.available():
+        # the compiled kernel: max, 2^(s - max), block CDF and the lookups in one pass per row
+        for g0, g1, i0, i1 in chunks:
+            g, rows = g1 - g0, i1 - i0
+            nk = att.causal_keys(i0, i1)
+            b = buf[: g * rows * nk].view(g, rows, nk)
+            att.scores(g0, g1, i0, i1, 0, nk, out=b)
+            u = torch.rand((g, rows, nu), generator=generator, device=dev, dtype=dt)
+            ic = torch.empty(g, rows, nu, dtype=att.index_dtype, device=dev)
+            em = torch.empty(g * rows, dtype=torch.bool, device=dev)
+            _native.sample_rows(b.view(g * rows, nk), u.view(g * rows, nu), ic.view(-1, nu), em)
+            empty[g0:g1, i0:i1] = em.view(g, rows)
+            yield (g0, g1, i0, i1), ic
+        return
     # |s_ij| <= |q_i| |k_j| * scale (Cauchy-Schwarz, log2 units). When that bound is <= 64
     # everywhere and the mask is boolean (or absent), 2^s stays in the normal range without
     # subtracting the row maximum, which saves two passes over the scores. The cheap bound

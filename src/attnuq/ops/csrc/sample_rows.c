@@ -1,0 +1,232 @@
+/*
+ * attnuq: inverse-CDF draws from softmax rows (CPU kernel of the dense sampler).
+ *
+ * Compiled on first use by attnuq/ops/_native.py with the system C compiler and called through
+ * ctypes; plain C99 plus GCC/Clang vector extensions and optional OpenMP, no Python or torch
+ * headers.
+ *
+ * For each row of scores s (log2 units, -inf = excluded key) and each of its nu uniforms
+ * u in [0, 1), return a key drawn from softmax(s ln 2) by inverse CDF: with the keys taken in a
+ * fixed order pi and C_i = sum_{i' <= i} 2^(s_pi(i') - max s), the key pi(i) with
+ * C_{i-1} <= u * C_L < C_i. Any fixed order gives exactly the softmax distribution; this one
+ * makes the CDF cheap to build with SIMD:
+ *
+ *   pad the row to Lp = 16 * nb keys (weight 0) and view it as 16 rows of nb keys; key
+ *   j = l * nb + b is entry l of block b. The in-block prefix P[l][b] = sum_{l' <= l} e[l'][b]
+ *   is 15 vector adds over contiguous rows; block b's total is P[15][b] and cum[b] the prefix of
+ *   the totals. A threshold t = u * cum[nb] lands in block b = max{b : cum[b] <= t} (counted
+ *   with vector compares up to 64 blocks, else a branch-free binary search) at entry
+ *   l = #{l : cum[b] + P[l][b] <= t} (16 branch-free compares).
+ *
+ * Keys of zero weight are never returned: their P equals the previous entry's, so they are
+ * never the first entry past t; a rounding miss (l = 16, or t rounded up to the total) falls
+ * back to the last key of positive weight at or before block b. Rows whose every score is -inf
+ * are flagged empty (indices 0).
+ *
+ * float32: 2^x by the Cephes exp2f polynomial on [-1/2, 1/2] (relative error below 2e-7),
+ * eight lanes at a time; weights below 2^-126 of the row maximum are 0 (they could not move a
+ * float32 sum that holds the maximum's 1 anyway). float64: libm exp2.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define BLK 16
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f ld8(const float *p) {
+    v8f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void st8(float *p, v8f x) { memcpy(p, &x, sizeof x); }
+
+static inline v8f splat8(float a) {
+    v8f x = {a, a, a, a, a, a, a, a};
+    return x;
+}
+
+/* lane-wise m ? a : b (m from a vector comparison: all ones or all zeros per lane) */
+static inline v8f sel8(v8i m, v8f a, v8f b) {
+    v8i ai, bi, ri;
+    v8f r;
+    memcpy(&ai, &a, sizeof a);
+    memcpy(&bi, &b, sizeof b);
+    ri = (m & ai) | (~m & bi);
+    memcpy(&r, &ri, sizeof r);
+    return r;
+}
+
+/* 2^x lane-wise for x <= 0 (x may be -inf); exactly 0 below -126. */
+static inline v8f exp2_nonpos8(v8f x) {
+    const v8f lo = splat8(-126.0f);
+    const v8f magic = splat8(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    v8i small = x < lo;
+    v8f xc = sel8(small, lo, x);
+    v8f fn = (xc + magic) - magic; /* nearest integer, |xc - fn| <= 1/2 */
+    v8f f = xc - fn;
+    v8f p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    v8i n = __builtin_convertvector(fn, v8i);
+    v8i bits = (n + 127) << 23; /* 2^n, n in [-126, 0]: a normal float */
+    v8f sc;
+    memcpy(&sc, &bits, sizeof sc);
+    return sel8(small, splat8(0.0f), p * sc);
+}
+
+/* Row maximum; fills e[0:Lp] with 2^(s - max) (zero padded past L). Returns the maximum. */
+static float weights_f32(const float *s, int64_t L, int64_t Lp, float *e) {
+    v8f mv = splat8(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= L; j += 8) {
+        v8f x = ld8(s + j);
+        mv = sel8(x > mv, x, mv);
+    }
+    float m = -INFINITY;
+    for (int l = 0; l < 8; l++) m = mv[l] > m ? mv[l] : m;
+    for (; j < L; j++) m = s[j] > m ? s[j] : m;
+    if (!(m > -INFINITY)) return m;
+    v8f mb = splat8(m);
+    for (j = 0; j + 8 <= L; j += 8) st8(e + j, exp2_nonpos8(ld8(s + j) - mb));
+    if (j < L) {
+        float tail[8];
+        for (int l = 0; l < 8; l++) tail[l] = j + l < L ? s[j + l] - m : -INFINITY;
+        st8(e + j, exp2_nonpos8(ld8(tail)));
+        j += 8;
+    }
+    for (; j < Lp; j++) e[j] = 0.0f;
+    return m;
+}
+
+static double weights_f64(const double *s, int64_t L, int64_t Lp, double *e) {
+    double m = -INFINITY;
+    for (int64_t j = 0; j < L; j++) m = s[j] > m ? s[j] : m;
+    if (!(m > -INFINITY)) return m;
+    for (int64_t j = 0; j < L; j++) e[j] = exp2(s[j] - m);
+    for (int64_t j = L; j < Lp; j++) e[j] = 0.0;
+    return m;
+}
+
+/* In place: e (16 rows of nb) -> in-block prefix P; cum[0..nb] the prefix of block totals. */
+#define DEFINE_CDF(T)                                                                           \
+    static T cdf_##T(T *restrict e, int64_t nb, T *restrict cum) {                              \
+        for (int64_t l = 1; l < BLK; l++) {                                                     \
+            T *restrict cur = e + l * nb;                                                       \
+            const T *restrict prev = e + (l - 1) * nb;                                          \
+            for (int64_t b = 0; b < nb; b++) cur[b] += prev[b];                                 \
+        }                                                                                       \
+        const T *last = e + (BLK - 1) * nb;                                                     \
+        cum[0] = 0;                                                                             \
+        for (int64_t b = 0; b < nb; b++) cum[b + 1] = cum[b] + last[b];                         \
+        return cum[nb];                                                                         \
+    }
+
+/* The key of threshold t (0 <= t, nominally < total) given P and cum (see the top). */
+#define DEFINE_FIND(T)                                                                          \
+    static int64_t find_##T(const T *P, const T *cum, int64_t nb, T t) {                        \
+        int64_t b = 0;                                                                          \
+        if (nb <= 64) { /* b = #{i >= 1 : cum[i] <= t}: compares the compiler vectorises */     \
+            for (int64_t i = 1; i < nb; i++) b += (cum[i] <= t);                                \
+        } else {                                                                                \
+            int64_t n = nb;                                                                     \
+            while (n > 1) { /* largest b with cum[b] <= t, branch-free */                       \
+                int64_t half = n >> 1;                                                          \
+                b += half & -(int64_t)(cum[b + half] <= t);                                     \
+                n -= half;                                                                      \
+            }                                                                                   \
+        }                                                                                       \
+        T base = cum[b];                                                                        \
+        int64_t l = 0;                                                                          \
+        for (int64_t i = 0; i < BLK; i++) l += (base + P[i * nb + b] <= t);                     \
+        if (l < BLK) return l * nb + b;                                                         \
+        for (int64_t bb = b; bb >= 0; bb--) /* rounding miss: last positive key */              \
+            for (int64_t i = BLK - 1; i >= 0; i--)                                              \
+                if (P[i * nb + bb] > (i ? P[(i - 1) * nb + bb] : 0)) return i * nb + bb;        \
+        return 0;                                                                               \
+    }
+
+DEFINE_CDF(float)
+DEFINE_CDF(double)
+DEFINE_FIND(float)
+DEFINE_FIND(double)
+
+/* 1 when compiled with OpenMP (rows are then split over the calling process's OpenMP threads,
+ * which for a torch process are torch's own intra-op threads). */
+int64_t attnuq_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/*
+ * s: rows x L scores (row r at s + r * s_stride); u: rows x nu uniforms (contiguous);
+ * out32 or out64 (the other NULL): rows x nu key indices; empty: rows flags (1 = no key);
+ * nthreads: OpenMP threads to split the rows over (ignored without OpenMP).
+ * Returns 0, or -1 when the scratch rows could not be allocated.
+ */
+#define DEFINE_SAMPLE(T, SUF)                                                                   \
+    static int64_t rows_##SUF(const T *s, int64_t r0, int64_t r1, int64_t L, int64_t s_stride,  \
+                              const T *u, int64_t nu, int32_t *out32, int64_t *out64,           \
+                              uint8_t *empty) {                                                 \
+        int64_t nb = (L + BLK - 1) / BLK, Lp = nb * BLK;                                        \
+        T *e = (T *)malloc((size_t)(Lp + 8) * sizeof(T));                                       \
+        T *cum = (T *)malloc((size_t)(nb + 1) * sizeof(T));                                     \
+        if (e == NULL || cum == NULL) {                                                         \
+            free(e);                                                                            \
+            free(cum);                                                                          \
+            return -1;                                                                          \
+        }                                                                                       \
+        for (int64_t r = r0; r < r1; r++) {                                                     \
+            const T *ur = u + r * nu;                                                           \
+            T m = weights_##SUF(s + r * s_stride, L, Lp, e);                                    \
+            int ok = m > -INFINITY;                                                             \
+            empty[r] = (uint8_t)!ok;                                                            \
+            T total = ok ? cdf_##T(e, nb, cum) : 0;                                     \
+            for (int64_t k = 0; k < nu; k++) {                                                  \
+                int64_t j = ok ? find_##T(e, cum, nb, ur[k] * total) : 0;                       \
+                if (out32 != NULL)                                                              \
+                    out32[r * nu + k] = (int32_t)j;                                             \
+                else                                                                            \
+                    out64[r * nu + k] = j;                                                      \
+            }                                                                                   \
+        }                                                                                       \
+        free(e);                                                                                \
+        free(cum);                                                                              \
+        return 0;                                                                               \
+    }                                                                                           \
+    int64_t attnuq_sample_rows_##SUF(const T *s, int64_t rows, int64_t L, int64_t s_stride,     \
+                                     const T *u, int64_t nu, int32_t *out32, int64_t *out64,    \
+                                     uint8_t *empty, int64_t nthreads) {                        \
+        int64_t err = 0;                                                                        \
+        (void)nthreads;                                                                         \
+        _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1) reduction(| : err)")       \
+        {                                                                                       \
+            int64_t tid = 0, nt = 1;                                                            \
+            PARALLEL_IDS(tid, nt);                                                              \
+            int64_t r0 = rows * tid / nt, r1 = rows * (tid + 1) / nt;                           \
+            err |= rows_##SUF(s, r0, r1, L, s_stride, u, nu, out32, out64, empty);              \
+        }                                                                                       \
+        return err;                                                                             \
+    }
+
+#ifdef _OPENMP
+#define PARALLEL_IDS(tid, nt) (tid = omp_get_thread_num(), nt = omp_get_num_threads())
+#else
+#define PARALLEL_IDS(tid, nt) ((void)0)
+#endif
+
+DEFINE_SAMPLE(float, f32)
+DEFINE_SAMPLE(double, f64)
