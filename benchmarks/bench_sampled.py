@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from attnuq._runinfo import run_info
-from attnuq.ops import attention_moments, sampled_attention
+from attnuq.ops import _native, attention_moments, sampled_attention
 from attnuq.ops import sampled as _sampled
 
 SPEED_SHAPE = (8, 8, 512, 64)
@@ -86,6 +86,19 @@ def speed(repeats: int) -> list[dict[str, Any]]:
         ("attention_moments (mean + var)", None, lambda: attention_moments(q, k, v), sdpa(),
          "SDPA"),
     ]
+    if _native.available():  # the pure-torch sampler, for comparison with the C kernel
+
+        def torch_path(nu: int) -> Callable[[], Any]:
+            def fn() -> Any:
+                with _native.disabled():
+                    return sampled_attention(q, k, v, nu=nu, generator=gen)
+
+            return fn
+
+        rows += [
+            (f"sampled_attention nu={nu}, pure-torch sampler", nu, torch_path(nu), sdpa(), "SDPA")
+            for nu in (1, 8, 64)
+        ]
     out = []
     for name, nu, fn, ref, ref_name in tqdm(rows, desc="speed", file=sys.stderr):
         fn()
@@ -212,6 +225,7 @@ def render(info: dict[str, Any], sp: list[dict[str, Any]], mem: list[dict[str, A
         f"* date: {info['date']}",
         f"* machine: {info['machine']}",
         f"* load: {info['load']}",
+        f"* sampler: {info.get('sampler', 'not recorded')}",
         "",
         f"## Speed: CPU float32, B, H, L, D = {SPEED_SHAPE}",
         "",
@@ -337,6 +351,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     torch.set_num_threads(args.threads)
     info = run_info([".venv/bin/python", "benchmarks/bench_sampled.py", *sys.argv[1:]])
+    st = _native.status()
+    info["sampler"] = (
+        f"C kernel ({st['reason']})" if st["available"] else f"pure torch ({st['reason']})"
+    )
     load0 = os.getloadavg()
     sp = speed(args.repeats)
     load1 = os.getloadavg()

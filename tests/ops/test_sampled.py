@@ -710,3 +710,47 @@ def test_value_layout_does_not_change_the_output(block_size, gqa):
         assert (step != 1) == strided, (name, step)
         if strided:
             assert w.untyped_storage().data_ptr() == vl.untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (runs wherever a CUDA device exists; these machines have none)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cuda_matches_the_closed_forms(dtype, sampler):
+    """On CUDA: moments equal SDPA; 20k draws per query match the closed-form mean (z = 5, 48
+    entries: false failure <= 48 * 5.7e-7); padded and future keys are never drawn; the same
+    CUDA generator state gives the same draws; the key-blocked path agrees in distribution."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine")
+    if sampler == "native":
+        pytest.skip("the C kernel is CPU-only; CUDA always takes the torch path")
+    dev = torch.device("cuda")
+    q, k, v = (t.to(dev) for t in _qkv(1, 2, 2, 4, 6, 8, seed=51, dtype=dtype))
+    pad = torch.tensor([True, True, False, True, True, True], device=dev)
+    mean, var = attention_moments(q, k, v, attn_mask=pad, is_causal=True)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                         attn_mask=pad & torch.ones(4, 6, dtype=torch.bool,
+                                                                    device=dev).tril())
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(mean.float(), ref, atol=tol, rtol=0)
+    # the draws run in float32 on inputs that are exact in float32: compare with float32 moments
+    mean32, var32 = attention_moments(q.float(), k.float(), v.float(), attn_mask=pad,
+                                      is_causal=True)
+    n, nu = 20_000, 4
+    for bs in (None, 2):
+        gen = torch.Generator(device=dev).manual_seed(3)
+        idx, empty = _sample_indices(q, k, v, nu=n * nu, attn_mask=pad, is_causal=True,
+                                     block_size=bs, generator=gen)
+        assert idx.device.type == "cuda" and not empty.any()
+        allowed = pad & torch.ones(4, 6, dtype=torch.bool, device=dev).tril()  # (Lq, Lk)
+        drawn = F.one_hot(idx, 6).sum(-2) > 0
+        assert not (drawn & ~allowed).any()
+        rows = torch.stack([v[0, h].float()[idx[0, h]] for h in range(2)])  # (H, Lq, n nu, D)
+        y = rows.view(2, 4, n, nu, -1).mean(3)
+        se = (var32[0] / nu / n).sqrt()
+        assert ((y.mean(2) - mean32[0]).abs() <= Z * se + 1e-6).all()
+        again, _ = _sample_indices(q, k, v, nu=n * nu, attn_mask=pad, is_causal=True,
+                                   block_size=bs, generator=torch.Generator(dev).manual_seed(3))
+        assert torch.equal(idx, again)
+    out = sampled_attention(q, k, v, nu=8, attn_mask=pad, is_causal=True)
+    assert out.device.type == "cuda" and out.dtype == dtype and out.shape == q.shape
