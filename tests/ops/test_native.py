@@ -160,3 +160,13 @@ def test_compiles_into_the_cache_dir(monkeypatch, tmp_path):
     built = list(tmp_path.glob("sample_rows-*.so"))
     assert len(built) == 1 and str(built[0]) in reason
     assert not list(tmp_path.glob("tmp*"))  # the atomic rename left no temporary file
+
+
+def test_an_unwritable_cache_dir_falls_back_with_a_reason(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("ATTNUQ_CACHE_DIR", str(blocker / "cache"))
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler: the compile step is never reached")
+    lib, reason = _native._load.__wrapped__()
+    assert lib is None and "cannot write to the cache directory" in reason

@@ -66,9 +66,12 @@ def _cpu_id() -> str:
 
 def _compile(cc: str, flags: list[str], out: Path) -> str | None:
     """Compile the kernel to ``out`` (atomically); an error message, or None on success."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+    except OSError as exc:
+        return f"cannot write to the cache directory {out.parent}: {exc} (set ATTNUQ_CACHE_DIR)"
     try:
         proc = subprocess.run(
             [cc, *flags, "-shared", "-fPIC", "-o", tmp, str(_SRC), "-lm"],
