@@ -754,3 +754,31 @@ def test_cuda_matches_the_closed_forms(dtype, sampler):
         assert torch.equal(idx, again)
     out = sampled_attention(q, k, v, nu=8, attn_mask=pad, is_causal=True)
     assert out.device.type == "cuda" and out.dtype == dtype and out.shape == q.shape
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 5, 9), (2, 4, 5, 9), (1, 4, 5, 9), (5, 9)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_per_query_mask_as_one_bias_equals_the_per_chunk_gather(monkeypatch, shape, kind):
+    """A per-query ``attn_mask`` (broadcast over batch, heads or both; GQA folds 2 query heads
+    per key head) is converted once to a ``(G, M, Lk)`` bias; with that disabled every chunk
+    gathers its own rows. Both must give the same draws and moments, bit for bit."""
+    from attnuq.ops import _attn_common
+
+    q, k, v = _qkv(2, 4, 2, 5, 9, 4, seed=61, dtype=torch.float32)
+    g = _gen(7)
+    keep = torch.rand(shape, generator=g) < 0.6
+    keep[..., 0] = True
+    m = keep if kind == "bool" else torch.where(keep, torch.randn(shape, generator=g),
+                                                float("-inf"))
+    kw = dict(nu=7, attn_mask=m, enable_gqa=True, is_causal=True)
+    a = _sample_indices(q, k, v, generator=_gen(3), **kw)
+    ma = attention_moments(q, k, v, attn_mask=m, enable_gqa=True, is_causal=True)
+    monkeypatch.setattr(_attn_common, "_FULL_BIAS_ELEMS", 0)
+    b = _sample_indices(q, k, v, generator=_gen(3), **kw)
+    mb = attention_moments(q, k, v, attn_mask=m, enable_gqa=True, is_causal=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(ma[0], mb[0]) and torch.equal(ma[1], mb[1])
+    # and the draws respect the mask (mask broadcast to (B, Hq, Lq, Lk), then causal)
+    allowed = keep.expand(2, 4, 5, 9) & torch.ones(5, 9, dtype=torch.bool).tril()
+    drawn = F.one_hot(a[0], 9).sum(-2) > 0
+    assert not (drawn & ~allowed).any()

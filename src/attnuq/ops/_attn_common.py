@@ -27,6 +27,8 @@ __all__ = ["LOG2E", "Attn", "compute_dtype", "empty_rows_error", "prepare"]
 LOG2E = 1.0 / math.log(2.0)
 # masks up to this many elements are checked for being the same for every query (one pass)
 _MASK_DEDUP_ELEMS = 1 << 24
+# a per-query mask is converted to one (G, M, Lk) bias per call up to this many elements
+_FULL_BIAS_ELEMS = 1 << 22
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -197,6 +199,9 @@ class Attn:
                 kb = self._to_bias(mk[:, :, 0, 0, :].reshape(self.groups, self.lk), dtype)
                 self._cache[key] = kb
             return kb[g0:g1, j0:j1].unsqueeze(1)
+        full = self._full_bias(dtype)
+        if full is not None:
+            return full[g0:g1, i0:i1, j0:j1]
         dev = mk.device
         ri = torch.arange(i0, i1, device=dev)
         gi = torch.arange(g0, g1, device=dev).unsqueeze(1)  # (g, 1)
@@ -204,6 +209,29 @@ class Attn:
         l_sel = (ri % self.lq) if mk.shape[3] > 1 else torch.zeros_like(ri)
         m = mk[:, :, :, :, j0:j1][gi // self.hk, gi % self.hk, r_sel, l_sel]  # (g, rows, nk)
         return self._to_bias(m, dtype)
+
+    def _full_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The whole ``(G, M, Lk)`` bias of a per-query ``attn_mask``, built once per call when
+        it has at most :data:`_FULL_BIAS_ELEMS` elements (else None: chunks gather their rows).
+
+        The conversion to a bias runs on the user's mask without its broadcast dims (e.g.
+        ``(B, 1, Lq, Lk)`` for every head), then one copy expands it; chunks take views. This is
+        the same number of elements the per-chunk gathers would produce, in two passes."""
+        key = ("full", dtype)
+        fb = self._cache.get(key)
+        if fb is not None:
+            return fb
+        mk = self.mask
+        if mk is None or self.groups * self.rows * self.lk > _FULL_BIAS_ELEMS:
+            return None
+        compact = mk[tuple(
+            slice(0, 1) if st == 0 and sz > 1 else slice(None)
+            for st, sz in zip(mk.stride(), mk.shape, strict=True)
+        )]
+        b = self._to_bias(compact, dtype).expand(self.n, self.hk, self.r, self.lq, self.lk)
+        fb = b.reshape(self.groups, self.rows, self.lk)
+        self._cache[key] = fb
+        return fb
 
     def _causal_bias(
         self, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype, device: torch.device
@@ -358,28 +386,6 @@ def prepare(
             )
     if scale is not None and (not _is_real(scale) or not math.isfinite(float(scale))):
         raise ValueError(f"scale must be None or a finite real number, got {scale=!r}")
-    cdt = compute_dtype(q.dtype)
-    qk_bound: float | None = None
-    if check_values:
-        # One cheap reduction per tensor and one host sync: a finite sum (for q and k, finite
-        # extremes) proves every entry finite, since NaN and +-inf propagate. Only when a summary
-        # is not finite (or overflows) run the exact, slower check that names the count.
-        with torch.no_grad():
-            summaries = []
-            for t in (q, k):
-                if t.numel():
-                    lo, hi = torch.aminmax(t)
-                    summaries.append(torch.maximum(hi, -lo).to(cdt))  # max |entry|
-                else:
-                    summaries.append(torch.zeros((), dtype=cdt, device=t.device))
-            summaries.append(v.sum(dtype=cdt))
-            both = torch.stack(summaries)
-        if not bool(torch.isfinite(both).all()):
-            for t, name in ((q, "q"), (k, "k"), (v, "v")):
-                check_finite(t, name)
-        # |q_i . k_j| <= |q_i|_2 |k_j|_2 <= D max|q| max|k|
-        qk_bound = float(both[0] * both[1]) * q.shape[-1]
-
     r = hq // hk if hk else 1
     lq, lk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     n = math.prod(batch_shape)
@@ -397,10 +403,10 @@ def prepare(
             raise ValueError(
                 f"attn_mask must be on q's device, got {attn_mask.device=}, {q.device=}"
             )
-        try:
-            ok = torch.broadcast_shapes(attn_mask.shape, full) == torch.Size(full)
-        except RuntimeError:
-            ok = False
+        ms = tuple(attn_mask.shape)
+        ok = len(ms) <= len(full) and all(
+            a in (1, b) for a, b in zip(ms[::-1], full[::-1], strict=False)
+        )
         if not ok:
             raise ValueError(
                 f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the "
@@ -434,8 +440,31 @@ def prepare(
         mask5 = m
 
     sc = float(scale) if scale is not None else 1.0 / math.sqrt(d) if d > 0 else 1.0
+    cdt = compute_dtype(q.dtype)
+    # grouped q and k (a copy only when the layout needs one, e.g. Hugging Face's transposed
+    # (B, L, H, D) memory); the value check below then reads contiguous memory
     qg = q.to(cdt).reshape(n * hk, r * lq, d)
     kg = k.to(cdt).reshape(n * hk, lk, d)
+    qk_bound: float | None = None
+    if check_values:
+        # One cheap reduction per tensor and one host sync: finite extremes of q and k and a
+        # finite sum of v prove every entry finite, since NaN and +-inf propagate. Only when a
+        # summary is not finite (or overflows) run the exact, slower check that names the count.
+        with torch.no_grad():
+            summaries = []
+            for t in (qg, kg):
+                if t.numel():
+                    lo, hi = torch.aminmax(t)
+                    summaries.append(torch.maximum(hi, -lo))  # max |entry|
+                else:
+                    summaries.append(torch.zeros((), dtype=cdt, device=t.device))
+            summaries.append(v.sum(dtype=cdt))
+            both = torch.stack(summaries)
+        if not bool(torch.isfinite(both).all()):
+            for t, name in ((q, "q"), (k, "k"), (v, "v")):
+                check_finite(t, name)
+        # |q_i . k_j| <= |q_i|_2 |k_j|_2 <= D max|q| max|k|
+        qk_bound = float(both[0] * both[1]) * d
     return Attn(
         q=qg,
         k=kg,
