@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnuq
+from attnuq.ops import _native
 
 Bench = tuple[str, str, str, Callable[[], tuple[nn.Module, Callable[[nn.Module], Any]]]]
 
@@ -290,11 +291,15 @@ def main(argv: list[str] | None = None) -> int:
                f"{os.cpu_count()} CPUs (torch threads {args.threads}), torch {torch.__version__}, "
                f"python {platform.python_version()}; load average at start "
                f"{load_start[0]:.1f}, at end {load[0]:.1f} (machine shared with other jobs)")
+    st = _native.status()
+    sampler = (f"C kernel ({st['reason']})" if st["available"]
+               else f"pure torch ({st['reason']})")
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmd = "python benchmarks/bench_patch_overhead.py " + " ".join(sys.argv[1:] if argv is None
                                                                   else argv)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"command": cmd, "date": date, "machine": machine,
+                                           "sampler": sampler,
                                            "nu": args.nu, "repeats": args.repeats,
                                            "rows": rows, "op_rows": op_rows}, indent=1))
     lines = [
@@ -303,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         f"* command: `{cmd.strip()}`",
         f"* date: {date}",
         f"* machine: {machine}",
+        f"* sampler (dense inverse-CDF step of `sampled_attention`): {sampler}",
         f"* nu = {args.nu}; {args.rounds} rounds over all models, each with {args.repeats} "
         f"alternating timed forwards (frozen, patched) after {args.warmup} warm-up pairs; "
         "medians pooled over rounds; `torch.inference_mode()`, random weights.",
