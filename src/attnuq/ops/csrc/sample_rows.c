@@ -11,15 +11,16 @@
  * C_{i-1} <= u * C_L < C_i. Any fixed order gives exactly the softmax distribution; this one
  * makes the CDF cheap to build with SIMD:
  *
- *   pad the row to Lp = 16 * nb keys (weight 0) and view it as 16 rows of nb keys; key
+ *   nb = 8 * ceil(L / 128) blocks (a multiple of the 8 SIMD lanes) of bl = ceil(L / nb) <= 16
+ *   entries; pad the row to Lp = nb * bl keys (weight 0) and view it as bl rows of nb keys: key
  *   j = l * nb + b is entry l of block b. The in-block prefix P[l][b] = sum_{l' <= l} e[l'][b]
- *   is 15 vector adds over contiguous rows; block b's total is P[15][b] and cum[b] the prefix of
- *   the totals. A threshold t = u * cum[nb] lands in block b = max{b : cum[b] <= t} (counted
- *   with vector compares up to 64 blocks, else a branch-free binary search) at entry
- *   l = #{l : cum[b] + P[l][b] <= t} (16 branch-free compares).
+ *   is bl - 1 vector adds over contiguous rows; block b's total is P[bl - 1][b] and cum[b] the
+ *   prefix of the totals. A threshold t = u * cum[nb] lands in block b = max{b : cum[b] <= t}
+ *   (counted with vector compares up to 64 blocks, else a branch-free binary search) at entry
+ *   l = #{l : cum[b] + P[l][b] <= t} (bl branch-free compares).
  *
  * Keys of zero weight are never returned: their P equals the previous entry's, so they are
- * never the first entry past t; a rounding miss (l = 16, or t rounded up to the total) falls
+ * never the first entry past t; a rounding miss (l = bl, or t rounded up to the total) falls
  * back to the last key of positive weight at or before block b. Rows whose every score is -inf
  * are flagged empty (indices 0).
  *
@@ -35,7 +36,16 @@
 #include <omp.h>
 #endif
 
-#define BLK 16
+#define LANES 8  /* blocks come in multiples of this */
+#define MAXBL 16 /* most entries per block */
+
+/* Blocks nb (a multiple of LANES) and entries per block bl <= MAXBL for a row of L keys. */
+static void layout(int64_t L, int64_t *nb, int64_t *bl) {
+    int64_t n = LANES * ((L + LANES * MAXBL - 1) / (LANES * MAXBL));
+    *nb = n < LANES ? LANES : n;
+    *bl = (L + *nb - 1) / *nb;
+    if (*bl < 1) *bl = 1;
+}
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -118,15 +128,15 @@ static double weights_f64(const double *s, int64_t L, int64_t Lp, double *e) {
     return m;
 }
 
-/* In place: e (16 rows of nb) -> in-block prefix P; cum[0..nb] the prefix of block totals. */
+/* In place: e (bl rows of nb) -> in-block prefix P; cum[0..nb] the prefix of block totals. */
 #define DEFINE_CDF(T)                                                                           \
-    static T cdf_##T(T *restrict e, int64_t nb, T *restrict cum) {                              \
-        for (int64_t l = 1; l < BLK; l++) {                                                     \
+    static T cdf_##T(T *restrict e, int64_t nb, int64_t bl, T *restrict cum) {                  \
+        for (int64_t l = 1; l < bl; l++) {                                                      \
             T *restrict cur = e + l * nb;                                                       \
             const T *restrict prev = e + (l - 1) * nb;                                          \
             for (int64_t b = 0; b < nb; b++) cur[b] += prev[b];                                 \
         }                                                                                       \
-        const T *last = e + (BLK - 1) * nb;                                                     \
+        const T *last = e + (bl - 1) * nb;                                                      \
         cum[0] = 0;                                                                             \
         for (int64_t b = 0; b < nb; b++) cum[b + 1] = cum[b] + last[b];                         \
         return cum[nb];                                                                         \
@@ -134,7 +144,7 @@ static double weights_f64(const double *s, int64_t L, int64_t Lp, double *e) {
 
 /* The key of threshold t (0 <= t, nominally < total) given P and cum (see the top). */
 #define DEFINE_FIND(T)                                                                          \
-    static int64_t find_##T(const T *P, const T *cum, int64_t nb, T t) {                        \
+    static int64_t find_##T(const T *P, const T *cum, int64_t nb, int64_t bl, T t) {            \
         int64_t b = 0;                                                                          \
         if (nb <= 64) { /* b = #{i >= 1 : cum[i] <= t}: compares the compiler vectorises */     \
             for (int64_t i = 1; i < nb; i++) b += (cum[i] <= t);                                \
@@ -148,10 +158,10 @@ static double weights_f64(const double *s, int64_t L, int64_t Lp, double *e) {
         }                                                                                       \
         T base = cum[b];                                                                        \
         int64_t l = 0;                                                                          \
-        for (int64_t i = 0; i < BLK; i++) l += (base + P[i * nb + b] <= t);                     \
-        if (l < BLK) return l * nb + b;                                                         \
+        for (int64_t i = 0; i < bl; i++) l += (base + P[i * nb + b] <= t);                      \
+        if (l < bl) return l * nb + b;                                                          \
         for (int64_t bb = b; bb >= 0; bb--) /* rounding miss: last positive key */              \
-            for (int64_t i = BLK - 1; i >= 0; i--)                                              \
+            for (int64_t i = bl - 1; i >= 0; i--)                                               \
                 if (P[i * nb + bb] > (i ? P[(i - 1) * nb + bb] : 0)) return i * nb + bb;        \
         return 0;                                                                               \
     }
@@ -181,7 +191,9 @@ int64_t attnuq_openmp(void) {
     static int64_t rows_##SUF(const T *s, int64_t r0, int64_t r1, int64_t L, int64_t s_stride,  \
                               const T *u, int64_t nu, int32_t *out32, int64_t *out64,           \
                               uint8_t *empty) {                                                 \
-        int64_t nb = (L + BLK - 1) / BLK, Lp = nb * BLK;                                        \
+        int64_t nb, bl;                                                                         \
+        layout(L, &nb, &bl);                                                                    \
+        int64_t Lp = nb * bl;                                                                   \
         T *e = (T *)malloc((size_t)(Lp + 8) * sizeof(T));                                       \
         T *cum = (T *)malloc((size_t)(nb + 1) * sizeof(T));                                     \
         if (e == NULL || cum == NULL) {                                                         \
@@ -194,9 +206,9 @@ int64_t attnuq_openmp(void) {
             T m = weights_##SUF(s + r * s_stride, L, Lp, e);                                    \
             int ok = m > -INFINITY;                                                             \
             empty[r] = (uint8_t)!ok;                                                            \
-            T total = ok ? cdf_##T(e, nb, cum) : 0;                                     \
+            T total = ok ? cdf_##T(e, nb, bl, cum) : 0;                                         \
             for (int64_t k = 0; k < nu; k++) {                                                  \
-                int64_t j = ok ? find_##T(e, cum, nb, ur[k] * total) : 0;                       \
+                int64_t j = ok ? find_##T(e, cum, nb, bl, ur[k] * total) : 0;                   \
                 if (out32 != NULL)                                                              \
                     out32[r * nu + k] = (int32_t)j;                                             \
                 else                                                                            \
