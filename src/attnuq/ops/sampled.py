@@ -140,26 +140,14 @@ def _sample_dense(
     chunks = att.chunks(lk, _DENSE_CHUNK_ELEMS, _DENSE_MIN_ROWS, max_rows)
     cap = max((g1 - g0) * (i1 - i0) for g0, g1, i0, i1 in chunks) * lk
     buf = torch.empty(cap, dtype=dt, device=dev)
-    if dev.type == "cpu" and _native.available():
-        # the compiled kernel: max, 2^(s - max), block CDF and the lookups in one pass per row
-        for g0, g1, i0, i1 in chunks:
-            g, rows = g1 - g0, i1 - i0
-            nk = att.causal_keys(i0, i1)
-            b = buf[: g * rows * nk].view(g, rows, nk)
-            att.scores(g0, g1, i0, i1, 0, nk, out=b)
-            u = torch.rand((g, rows, nu), generator=generator, device=dev, dtype=dt)
-            ic = torch.empty(g, rows, nu, dtype=att.index_dtype, device=dev)
-            em = torch.empty(g * rows, dtype=torch.bool, device=dev)
-            _native.sample_rows(b.view(g * rows, nk), u.view(g * rows, nu), ic.view(-1, nu), em)
-            empty[g0:g1, i0:i1] = em.view(g, rows)
-            yield (g0, g1, i0, i1), ic
-        return
-    # |s_ij| <= |q_i| |k_j| * scale (Cauchy-Schwarz, log2 units). When that bound is <= 64
-    # everywhere and the mask is boolean (or absent), 2^s stays in the normal range without
-    # subtracting the row maximum, which saves two passes over the scores. The cheap bound
-    # D max|q| max|k| from the input check is tried first, the row norms only when it fails.
+    # the compiled kernel (CPU): max, 2^(s - max), blocked CDF and lookups in one pass per row
+    native = dev.type == "cpu" and _native.available()
+    # Torch path: |s_ij| <= |q_i| |k_j| * scale (Cauchy-Schwarz, log2 units). When that bound is
+    # <= 64 everywhere and the mask is boolean (or absent), 2^s stays in the normal range
+    # without subtracting the row maximum, which saves two passes over the scores. The cheap
+    # bound D max|q| max|k| from the input check is tried first, the row norms only when it fails.
     shift = True
-    if att.mask is None or att.mask.dtype == torch.bool:
+    if not native and (att.mask is None or att.mask.dtype == torch.bool):
         qk = att.qk_bound
         if qk is None or not qk * abs(att.scale) <= 64.0:
             qk = float(att.q.norm(dim=-1).amax() * att.k.norm(dim=-1).amax())
@@ -170,6 +158,13 @@ def _sample_dense(
         b = buf[: g * rows * nk].view(g, rows, nk)
         att.scores(g0, g1, i0, i1, 0, nk, out=b)
         u = torch.rand((g, rows, nu), generator=generator, device=dev, dtype=dt)
+        if native:
+            ic = torch.empty(g, rows, nu, dtype=att.index_dtype, device=dev)
+            em = torch.empty(g * rows, dtype=torch.bool, device=dev)
+            _native.sample_rows(b.view(g * rows, nk), u.view(g * rows, nu), ic.view(-1, nu), em)
+            empty[g0:g1, i0:i1] = em.view(g, rows)
+            yield (g0, g1, i0, i1), ic
+            continue
         c = _exp2_cdf_(b, shift=shift)
         empty[g0:g1, i0:i1] = c[..., -1] == 0
         # u < 1 is a float of the same precision as the total (a normal number: >= 1 with the
