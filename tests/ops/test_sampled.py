@@ -782,3 +782,28 @@ def test_per_query_mask_as_one_bias_equals_the_per_chunk_gather(monkeypatch, sha
     allowed = keep.expand(2, 4, 5, 9) & torch.ones(5, 9, dtype=torch.bool).tril()
     drawn = F.one_hot(a[0], 9).sum(-2) > 0
     assert not (drawn & ~allowed).any()
+
+
+def test_causal_row_blocks_of_several_groups_follow_the_softmax():
+    """Causal with Lq > 128: each chunk is one block of query rows of several groups (batched
+    GEMM). Every draw is at or before its query and a few rows from different blocks and groups
+    follow the softmax (chi-square, false failure 1e-6 each)."""
+    from attnuq.ops import sampled as mod
+    from attnuq.ops._attn_common import prepare
+
+    lq = 160
+    q, k, v = _qkv(1, 2, 2, lq, lq, 8, seed=71, scale=0.5)
+    att = prepare(q, k, v, None, True, None, False)
+    chunks = att.chunks(lq, mod._DENSE_CHUNK_ELEMS, mod._DENSE_MIN_ROWS, 128, batch_groups=True)
+    assert any(g1 - g0 > 1 and i1 - i0 < lq for g0, g1, i0, i1 in chunks), chunks
+    nu = 8_000
+    idx, empty = _sample_indices(q, k, v, nu=nu, is_causal=True, generator=_gen(8))
+    assert not empty.any()
+    pos = torch.arange(lq).view(1, 1, lq, 1)
+    assert (idx <= pos).all()
+    p = ref_probs(q, k, is_causal=True).numpy()
+    for b, h, i in [(0, 0, 5), (0, 1, 100), (0, 0, 140), (0, 1, 159)]:
+        cnt = _counts(idx[b, h, i], lq)
+        assert (cnt[p[b, h, i] == 0] == 0).all()
+        pos_p = p[b, h, i] > 0
+        assert chi2_gof_pvalue(cnt[pos_p], p[b, h, i][pos_p]) > P_MIN

@@ -133,15 +133,24 @@ class Attn:
         return x.reshape(*self.batch_shape, *heads, self.lq, *tail)
 
     def chunks(
-        self, per_row: int, budget: int, min_rows: int, max_rows: int | None = None
+        self,
+        per_row: int,
+        budget: int,
+        min_rows: int,
+        max_rows: int | None = None,
+        batch_groups: bool = False,
     ) -> list[tuple[int, int, int, int]]:
         """Split the ``(G, M)`` query rows into chunks ``(g0, g1, i0, i1)``.
 
         A chunk holds about ``budget // per_row`` rows (at least ``min(M, min_rows)``; at most
-        ``max_rows`` when a group has more rows than that): several
-        whole groups when one group fits, else a block of rows of one group. Chunks come in
-        group-major, row-minor order: concatenating their ``(rows, ...)`` results gives
-        ``(G, M, ...)``.
+        ``max_rows`` rows of a group when a group has more rows than that): several whole groups
+        when one group fits, else a block of rows of one group. Chunks come in group-major,
+        row-minor order: concatenating their ``(rows, ...)`` results gives ``(G, M, ...)``.
+
+        With ``batch_groups`` a block of rows is taken from several groups at once (the same
+        rows ``i0:i1`` of groups ``g0:g1``, about ``budget`` elements in all): fewer, larger
+        batched GEMMs. Blocks of groups come in order, and within one the row blocks; the
+        concatenation property above then no longer holds.
         """
         m, g = self.rows, self.groups
         rows = max(min(m, min_rows), budget // max(1, per_row))
@@ -150,7 +159,12 @@ class Attn:
         if rows >= m:
             step = max(1, rows // max(1, m))
             return [(g0, min(g, g0 + step), 0, m) for g0 in range(0, g, step)]
-        return [(gi, gi + 1, i0, min(m, i0 + rows)) for gi in range(g) for i0 in range(0, m, rows)]
+        gb = max(1, budget // max(1, per_row * rows)) if batch_groups else 1
+        return [
+            (g0, min(g, g0 + gb), i0, min(m, i0 + rows))
+            for g0 in range(0, g, gb)
+            for i0 in range(0, m, rows)
+        ]
 
     def _tri(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``(n, n)`` additive mask: 0 on and below the diagonal, ``-inf`` above (cached)."""

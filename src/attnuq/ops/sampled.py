@@ -45,8 +45,10 @@ backward of ``embedding_bag`` needs every drawn index, so both paths keep all of
 Uniforms are taken from the generator chunk by chunk (and, blocked, key block by key block), so
 which uniform serves which draw depends on the chunking. The chunking is a deterministic function
 of the shapes, ``nu``, ``is_causal`` and ``block_size``, so the same generator state gives the
-same draws. (On CPU the dense path's draws do not even depend on the chunking: consecutive
-``torch.rand`` calls continue one serial stream.)
+same draws. (On CPU, without ``is_causal``, the dense path's draws do not even depend on the
+chunking: its chunks are whole groups or row blocks of one group in order, and consecutive
+``torch.rand`` calls continue one serial stream. With ``is_causal`` a chunk is the same row block
+of several groups, which changes the order.)
 
 Inputs are checked for NaN/inf with one sum per tensor (a finite sum proves all entries finite;
 otherwise an exact count is made for the message).
@@ -123,10 +125,13 @@ def _sample_dense(
     Yields ``(chunk, idx)`` with ``idx`` ``(g, rows, nu)`` (local key indices, dtype
     :attr:`Attn.index_dtype`, a fresh tensor the caller may modify) and writes the chunk's rows of
     ``empty`` ``(G, M)``. The uniforms are drawn chunk by chunk (``(g, rows, nu)`` each), in the
-    group-major, row-minor order of :meth:`Attn.chunks`: no ``(G, M, nu)`` tensor of uniforms.
-    The chunking is a deterministic function of the shapes (and ``is_causal``); on CPU the
-    generator fills consecutive calls from one serial stream, so the draws equal those of a single
-    ``(G, M, nu)`` call whatever the chunking.
+    order of :meth:`Attn.chunks`: no ``(G, M, nu)`` tensor of uniforms. The chunking is a
+    deterministic function of the shapes (and ``is_causal``). Without ``is_causal`` the chunks
+    come group-major, row-minor, and on CPU the generator fills consecutive calls from one serial
+    stream, so the draws equal those of a single ``(G, M, nu)`` call whatever the chunking. With
+    ``is_causal`` and ``Lq > 128`` a chunk is one block of query rows of several groups
+    (``batch_groups``: one batched GEMM instead of one per group), each seeing only the keys up
+    to its last position.
     """
     dev, dt = att.q.device, att.q.dtype
     lk = att.lk
@@ -137,7 +142,7 @@ def _sample_dense(
     max_rows = (
         max(_DENSE_MIN_ROWS, att.lq // 4) if att.causal and att.lq > _DENSE_MIN_ROWS else None
     )
-    chunks = att.chunks(lk, _DENSE_CHUNK_ELEMS, _DENSE_MIN_ROWS, max_rows)
+    chunks = att.chunks(lk, _DENSE_CHUNK_ELEMS, _DENSE_MIN_ROWS, max_rows, batch_groups=True)
     cap = max((g1 - g0) * (i1 - i0) for g0, g1, i0, i1 in chunks) * lk
     buf = torch.empty(cap, dtype=dt, device=dev)
     # the compiled kernel (CPU): max, 2^(s - max), blocked CDF and lookups in one pass per row
