@@ -174,3 +174,15 @@ def test_an_unwritable_cache_dir_falls_back_with_a_reason(monkeypatch, tmp_path)
         pytest.skip("no C compiler: the compile step is never reached")
     lib, reason = _native._load.__wrapped__()
     assert lib is None and "cannot write to the cache directory" in reason
+
+
+@needs_kernel
+def test_an_unwritable_user_cache_falls_back_to_a_temporary_dir(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.delenv("ATTNUQ_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # <blocker>/attnuq cannot be created
+    monkeypatch.setattr(_native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    lib, reason = _native._load.__wrapped__()
+    assert lib is not None, reason
+    assert str(tmp_path / "tmp") in reason

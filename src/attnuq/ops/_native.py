@@ -3,20 +3,22 @@
 The dense path of :func:`attnuq.ops.sampled_attention` turns each chunk of scores into draws:
 row maximum, ``2^(s - max)``, a CDF and one lookup per draw. In torch ops that is four passes
 over the scores plus ``searchsorted``; on CPU it costs more than the scores GEMM itself. The C
-kernel in ``csrc/sample_rows.c`` does it in one pass per row after the maximum (block prefix sums
-of 16 keys, a branch-free search over blocks, a scan of at most 16 keys per draw).
+kernel in ``csrc/sample_rows.c`` does it with SIMD in one pass per row after the maximum (blocks
+of at most 16 keys in an interleaved order, so that the in-block prefix sums are vector adds; a
+branch-free search over the blocks and at most 16 compares per draw; details in the source).
 
-The kernel is compiled on first use with the system C compiler (``$CC`` or ``cc``, ``-O3``,
-``-march=native`` when accepted) into a cache directory (``$ATTNUQ_CACHE_DIR``, else
-``$XDG_CACHE_HOME/attnuq``, else ``~/.cache/attnuq``), keyed by the source, the flags, the
-compiler's version and the CPU, and loaded with :mod:`ctypes` (which releases the GIL, so rows
-are split over ``torch.get_num_threads()`` Python threads). Without a compiler, or with
-``ATTNUQ_NATIVE=0``, the pure-torch path runs instead (same distribution, slower); :func:`status`
-says which and why.
+The kernel is compiled on first use with the system C compiler (``$CC`` or ``cc``; ``-O3``, with
+``-march=native`` and ``-fopenmp`` when accepted) into a cache directory (``$ATTNUQ_CACHE_DIR``;
+else ``$XDG_CACHE_HOME/attnuq`` or ``~/.cache/attnuq``, and a per-user temporary directory when
+that is not writable), keyed by the source, the flags, the compiler's version and the CPU, and
+loaded with :mod:`ctypes`. With OpenMP the rows of a call are split over the process's OpenMP
+threads (in a torch process the shared ``libgomp`` is torch's own pool); without it, over Python
+threads (ctypes releases the GIL). Without a compiler, or with ``ATTNUQ_NATIVE=0``, the
+pure-torch path runs instead (same distribution, slower); :func:`status` says which and why.
 
-Draws of the two paths agree except where a uniform falls within float rounding of a CDF step
-(the kernel sums the weights in a different order and its float32 ``2^x`` has relative error
-below ``2e-7``): the same generator state gives the same draws for a given path.
+The two paths walk the keys along the CDF in different orders, so the same uniforms give
+different (equally distributed) draws; the same generator state gives the same draws on a given
+path.
 """
 
 from __future__ import annotations
@@ -46,12 +48,18 @@ _enabled = True
 _lock = threading.Lock()
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """``$ATTNUQ_CACHE_DIR`` alone when set; else the user cache (``$XDG_CACHE_HOME/attnuq`` or
+    ``~/.cache/attnuq``) and, should it not be writable, a per-user temporary directory."""
     env = os.environ.get("ATTNUQ_CACHE_DIR")
     if env:
-        return Path(env)
+        return [Path(env)]
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "attnuq"
+    user = getattr(os, "getuid", lambda: "user")()
+    return [
+        (Path(xdg) if xdg else Path.home() / ".cache") / "attnuq",
+        Path(tempfile.gettempdir()) / f"attnuq-{user}",
+    ]
 
 
 def _cpu_id() -> str:
@@ -117,12 +125,18 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
                 [_SRC.read_text(), " ".join(flags), version, _cpu_id(), sys.platform]
             ).encode()
         ).hexdigest()[:16]
-        path = _cache_dir() / f"sample_rows-{key}.so"
-        if not path.is_file():
-            err = _compile(cc, flags, path)
-            if err is not None:
-                errors.append(err)
-                continue
+        path = None
+        for folder in _cache_dirs():
+            cand = folder / f"sample_rows-{key}.so"
+            err = None if cand.is_file() else _compile(cc, flags, cand)
+            if err is None:
+                path = cand
+                break
+            errors.append(err)
+            if not err.startswith("cannot write"):
+                break  # a compiler error: another folder would not help
+        if path is None:
+            continue
         try:
             lib = ctypes.CDLL(str(path))
         except OSError as exc:
