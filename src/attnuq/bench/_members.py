@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -144,8 +144,8 @@ def load_or_train_backbone(
     model_dir: Path,
     *,
     retrain: bool,
-    save: Any,
-    load: Any,
+    save: Callable[[Any, Path], Any],
+    load: Callable[[Path], nn.Module],
     device: torch.device | str,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """The frozen backbone (member 0): read from ``model_dir``, else trained and saved there.

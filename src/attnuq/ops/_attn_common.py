@@ -59,11 +59,9 @@ class Attn:
     out_dtype: torch.dtype
     # D * max|q| * max|k| (None when the values were not checked): bounds every |q_i . k_j|
     qk_bound: float | None = None
-    _tri_cache: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = field(
-        default_factory=dict, repr=False
-    )
-    # per-call cache: additive mask biases ("keys", dtype) -> (G, Lk) and ("causal", j0, j1, ...)
-    # -> (M, nk) for chunks of whole groups; ("v",) -> the grouped values (G, Lk, Dv)
+    # per-call cache: ("mask", dtype) -> the attn_mask bias table (G, 1 | M, Lk); ("causal",
+    # j0, j1, ...) -> (M, nk) for chunks of whole groups; ("tri", n, ...) -> (n, n) causal
+    # triangle; ("v",) -> the grouped values (G, Lk, Dv)
     _cache: dict[tuple[object, ...], torch.Tensor] = field(
         default_factory=dict, repr=False
     )
@@ -168,11 +166,11 @@ class Attn:
 
     def _tri(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``(n, n)`` additive mask: 0 on and below the diagonal, ``-inf`` above (cached)."""
-        key = (n, dtype, device)
-        t = self._tri_cache.get(key)
+        key = ("tri", n, dtype, device)
+        t = self._cache.get(key)
         if t is None:
             t = torch.full((n, n), float("-inf"), dtype=dtype, device=device).triu_(1)
-            self._tri_cache[key] = t
+            self._cache[key] = t
         return t
 
     def causal_keys(self, i0: int, i1: int) -> int:
@@ -198,24 +196,16 @@ class Attn:
     def _mask_bias(
         self, g0: int, g1: int, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype
     ) -> torch.Tensor | None:
-        """``attn_mask`` as an additive bias broadcastable to ``(g, rows, nk)`` (or None).
-
-        A mask that is the same for every query (key padding) becomes one ``(G, Lk)`` bias per
-        call, and each chunk uses a ``(g, 1, nk)`` view of it; other masks are gathered for the
-        chunk's rows."""
+        """``attn_mask`` as an additive bias broadcastable to ``(g, rows, nk)`` (or None):
+        a view of the per-call :meth:`_bias_table` when there is one, else the chunk's rows
+        gathered from the mask."""
         mk = self.mask
         if mk is None:
             return None
-        if mk.shape[2] == 1 and mk.shape[3] == 1:
-            key = ("keys", dtype)
-            kb = self._cache.get(key)
-            if kb is None:
-                kb = self._to_bias(mk[:, :, 0, 0, :].reshape(self.groups, self.lk), dtype)
-                self._cache[key] = kb
-            return kb[g0:g1, j0:j1].unsqueeze(1)
-        full = self._full_bias(dtype)
-        if full is not None:
-            return full[g0:g1, i0:i1, j0:j1]
+        table = self._bias_table(dtype)
+        if table is not None:  # (G, 1, Lk) or (G, M, Lk)
+            rows = slice(None) if table.shape[1] == 1 else slice(i0, i1)
+            return table[g0:g1, rows, j0:j1]
         dev = mk.device
         ri = torch.arange(i0, i1, device=dev)
         gi = torch.arange(g0, g1, device=dev).unsqueeze(1)  # (g, 1)
@@ -224,28 +214,31 @@ class Attn:
         m = mk[:, :, :, :, j0:j1][gi // self.hk, gi % self.hk, r_sel, l_sel]  # (g, rows, nk)
         return self._to_bias(m, dtype)
 
-    def _full_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The whole ``(G, M, Lk)`` bias of a per-query ``attn_mask``, built once per call when
-        it has at most :data:`_FULL_BIAS_ELEMS` elements (else None: chunks gather their rows).
+    def _bias_table(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The whole ``attn_mask`` as one additive bias per call: ``(G, 1, Lk)`` for a mask that
+        is the same for every query (key padding), else ``(G, M, Lk)`` when that has at most
+        :data:`_FULL_BIAS_ELEMS` elements; None otherwise (chunks then gather their rows).
 
         The conversion to a bias runs on the user's mask without its broadcast dims (e.g.
         ``(B, 1, Lq, Lk)`` for every head), then one copy expands it; chunks take views. This is
         the same number of elements the per-chunk gathers would produce, in two passes."""
-        key = ("full", dtype)
-        fb = self._cache.get(key)
-        if fb is not None:
-            return fb
+        key = ("mask", dtype)
+        if key in self._cache:
+            return self._cache[key]
         mk = self.mask
-        if mk is None or self.groups * self.rows * self.lk > _FULL_BIAS_ELEMS:
+        assert mk is not None
+        per_key = mk.shape[2] == 1 and mk.shape[3] == 1
+        rows = 1 if per_key else self.rows
+        if self.groups * rows * self.lk > _FULL_BIAS_ELEMS and not per_key:
             return None
         compact = mk[tuple(
             slice(0, 1) if st == 0 and sz > 1 else slice(None)
             for st, sz in zip(mk.stride(), mk.shape, strict=True)
         )]
-        b = self._to_bias(compact, dtype).expand(self.n, self.hk, self.r, self.lq, self.lk)
-        fb = b.reshape(self.groups, self.rows, self.lk)
-        self._cache[key] = fb
-        return fb
+        shape = mk.shape if per_key else (self.n, self.hk, self.r, self.lq, self.lk)
+        table = self._to_bias(compact, dtype).expand(shape).reshape(self.groups, rows, self.lk)
+        self._cache[key] = table
+        return table
 
     def _causal_bias(
         self, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype, device: torch.device

@@ -32,7 +32,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,7 +44,6 @@ _SRC = Path(__file__).with_name("csrc") / "sample_rows.c"
 # fewest score elements per thread before rows are split over threads
 _MIN_ELEMS_PER_THREAD = 1 << 15
 _enabled = True
-_lock = threading.Lock()
 
 
 def _cache_dirs() -> list[Path]:
@@ -184,8 +182,7 @@ def disabled() -> Iterator[None]:
     False
     """
     global _enabled
-    with _lock:
-        prev, _enabled = _enabled, False
+    prev, _enabled = _enabled, False
     try:
         yield
     finally:
@@ -239,7 +236,7 @@ def sample_rows(
         )
     fn = lib.attnuq_sample_rows_f32 if s.dtype == torch.float32 else lib.attnuq_sample_rows_f64
     i32 = out.dtype == torch.int32
-    ss, es, us, os_ = s.element_size(), 1, u.element_size(), out.element_size()
+    ss, us, os_ = s.element_size(), u.element_size(), out.element_size()
     sp, up, op, ep = s.data_ptr(), u.data_ptr(), out.data_ptr(), empty.data_ptr()
     stride = s.stride(0)
 
@@ -251,7 +248,7 @@ def sample_rows(
         return int(
             fn(
                 sp + r0 * stride * ss, r1 - r0, lk, stride, up + r0 * nu * us, nu,
-                o if i32 else None, None if i32 else o, ep + r0 * es, threads,
+                o if i32 else None, None if i32 else o, ep + r0, threads,  # bool: 1 byte
             )
         )
 
