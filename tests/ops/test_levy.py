@@ -10,10 +10,18 @@ import pytest
 import torch
 from tests.ops._reference_levy import ref_cosine_softmax, ref_levy, ref_phi
 
-from attnuq.ops import LevyResult, levy_attention, levy_attention_sample
+from attnuq.ops import LevyResult, _native, levy_attention, levy_attention_sample
 
 F64 = torch.float64
 FIELDS = ("mean", "var", "evidence", "p_empty", "phi", "sigma", "sigma_dim")
+
+
+@pytest.fixture(autouse=True)
+def _skip_native_without_kernel(request: pytest.FixtureRequest) -> None:
+    """Cases of backend="native" skip, with the reason, where the kernel cannot be built."""
+    cs = getattr(request.node, "callspec", None)
+    if cs is not None and cs.params.get("backend") == "native" and not _native.available():
+        pytest.skip(f"native kernels unavailable: {_native.status()['reason']}")
 
 
 def make_problem(
@@ -57,7 +65,7 @@ def assert_result_close(r: LevyResult, s: LevyResult, atol: float, rtol: float =
 # ------------------------------------------------------------------------ closed form
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "explicit"])
+@pytest.mark.parametrize("backend", ["native", "sdpa", "explicit"])
 @pytest.mark.parametrize("fourier", [True, False])
 def test_matches_loop_reference(fourier: bool, backend: str) -> None:
     args, kw = make_problem(fourier=fourier)
@@ -200,7 +208,7 @@ def test_gradients_finite_with_empty_series_and_large_beta() -> None:
 # ------------------------------------------------------------------------ invariances
 
 
-@pytest.mark.parametrize("backend", ["auto", "sdpa", "explicit"])
+@pytest.mark.parametrize("backend", ["auto", "native", "sdpa", "explicit"])
 @pytest.mark.parametrize("extra", [3, 300])
 def test_masked_padding_is_bit_identical(extra: int, backend: str) -> None:
     """Appending masked entries (holding NaN / garbage) leaves every output bit-identical.
@@ -230,8 +238,10 @@ def test_masked_padding_is_bit_identical(extra: int, backend: str) -> None:
         assert torch.equal(getattr(r, f), getattr(r3, f)), f
 
 
-def test_permutation_invariance() -> None:
+@pytest.mark.parametrize("backend", ["auto", "native"])
+def test_permutation_invariance(backend: str) -> None:
     args, kw = make_problem(B=2, H=2, Q=3, N=11)
+    kw["backend"] = backend
     q, k, a, times, mask = args
     r = levy_attention(q, k, a, times, mask, **kw)
     perm = torch.randperm(11, generator=torch.Generator().manual_seed(2))
@@ -239,7 +249,7 @@ def test_permutation_invariance() -> None:
     assert_result_close(r, r2, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "explicit"])
+@pytest.mark.parametrize("backend", ["native", "sdpa", "explicit"])
 def test_block_size_does_not_change_result(backend: str) -> None:
     args, kw = make_problem(N=10)
     kw["backend"] = backend
@@ -327,7 +337,7 @@ def test_negative_and_unsorted_times_are_allowed() -> None:
     np.testing.assert_allclose(r.mean.numpy(), ref["mean"], atol=1e-10)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "explicit"])
+@pytest.mark.parametrize("backend", ["native", "sdpa", "explicit"])
 def test_float32_close_to_float64(backend: str) -> None:
     args, kw = make_problem(N=40, seed=4)
     r64 = levy_attention(*args, **kw, backend="explicit")

@@ -160,7 +160,7 @@ def test_compiles_into_the_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNUQ_CACHE_DIR", str(tmp_path))
     lib, reason = _native._load.__wrapped__()
     assert lib is not None, reason
-    built = list(tmp_path.glob("sample_rows-*.so"))
+    built = list(tmp_path.glob("kernels-*.so"))
     assert len(built) == 1 and str(built[0]) in reason
     assert not list(tmp_path.glob("tmp*"))  # the atomic rename left no temporary file
 

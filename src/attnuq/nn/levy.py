@@ -381,22 +381,22 @@ class LevyAttention(nn.Module):
         else:
             mean = res.mean.sum(1) + self.out_proj.bias
         sigma_dim: torch.Tensor | None = None
-        if res.var is None:  # per_dim=False: heads' trace variances add
+        # sqrt with gradient 0 at 0 when differentiating; the same values either way
+        root = _safe_sqrt if torch.is_grad_enabled() else torch.sqrt
+        if res.var is None or self.out_proj is None:
+            # heads' predictive trace variances add: sum_h sigma_h^2 = sum_h tr Sigma_V,h phi_h
             total = (res.sigma**2).sum(1)
-        else:
-            pvar = res.var * res.phi[..., None]  # (B, H, Q, Dv) predictive variance per head
-            if self.out_proj is None:
-                assert res.sigma_dim is not None  # sqrt(var * phi), computed by the operator
+            if res.sigma_dim is not None:  # sqrt(var * phi) per head, from the operator
                 sigma_dim = res.sigma_dim.transpose(1, 2).reshape(B, Q, H * Dv)
-                total = pvar.sum(dim=(1, 3))
-            else:
-                tot_dim = pvar.sum(1)  # (B, Q, P)
-                sigma_dim = _safe_sqrt(tot_dim)
-                total = tot_dim.sum(-1)
+        else:
+            # folded output projection: heads add per output dimension
+            tot_dim = (res.var * res.phi[..., None]).sum(1)  # (B, Q, P)
+            sigma_dim = root(tot_dim)
+            total = tot_dim.sum(-1)
         return LevyAttentionOutput(
             mean=mean,
             sigma_dim=sigma_dim,
-            sigma=_safe_sqrt(total),
+            sigma=root(total),
             evidence=res.evidence.transpose(1, 2),
             p_empty=res.p_empty.transpose(1, 2),
             heads=res,

@@ -1,24 +1,31 @@
-"""Compiled CPU kernel for the dense sampler's inverse-CDF step (private, optional).
+"""Compiled CPU kernels (private, optional): the dense sampler's inverse-CDF step and the fused
+Levy-attention forward.
 
-The dense path of :func:`attnuq.ops.sampled_attention` turns each chunk of scores into draws:
-row maximum, ``2^(s - max)``, a CDF and one lookup per draw. In torch ops that is four passes
-over the scores plus ``searchsorted``; on CPU it costs more than the scores GEMM itself. The C
-kernel in ``csrc/sample_rows.c`` does it with SIMD in one pass per row after the maximum (blocks
-of at most 16 keys in an interleaved order, so that the in-block prefix sums are vector adds; a
-branch-free search over the blocks and at most 16 compares per draw; details in the source).
+Sampler. The dense path of :func:`attnuq.ops.sampled_attention` turns each chunk of scores
+into draws: row maximum, ``2^(s - max)``, a CDF and one lookup per draw. In torch ops that is
+four passes over the scores plus ``searchsorted``; on CPU it costs more than the scores GEMM
+itself. The C kernel in ``csrc/sample_rows.c`` does it with SIMD in one pass per row after the
+maximum (blocks of at most 16 keys in an interleaved order, so that the in-block prefix sums are
+vector adds; a branch-free search over the blocks and at most 16 compares per draw; details in
+the source). The two sampler paths walk the keys along the CDF in different orders, so the same
+uniforms give different (equally distributed) draws; the same generator state gives the same
+draws on a given path.
 
-The kernel is compiled on first use with the system C compiler (``$CC`` or ``cc``; ``-O3``, with
-``-march=native`` and ``-fopenmp`` when accepted) into a cache directory (``$ATTNUQ_CACHE_DIR``;
-else ``$XDG_CACHE_HOME/attnuq`` or ``~/.cache/attnuq``, and a per-user temporary directory when
-that is not writable), keyed by the source, the flags, the compiler's version and the CPU, and
-loaded with :mod:`ctypes`. With OpenMP the rows of a call are split over the process's OpenMP
-threads (in a torch process the shared ``libgomp`` is torch's own pool); without it, over Python
-threads (ctypes releases the GIL). Without a compiler, or with ``ATTNUQ_NATIVE=0``, the
-pure-torch path runs instead (same distribution, slower); :func:`status` says which and why.
+Levy attention. ``csrc/levy.c`` computes the whole inference forward of
+:func:`attnuq.ops.levy_attention` in one pass over each series' observed entries: key
+normalisation, the value field's mean and within-atom variance, scores, weights, the weighted
+value rows and second moments, ``phi(Lambda)`` and the outputs (see :func:`levy_forward` and
+the source). It gives the torch paths' numbers to rounding.
 
-The two paths walk the keys along the CDF in different orders, so the same uniforms give
-different (equally distributed) draws; the same generator state gives the same draws on a given
-path.
+Build. Both kernels are compiled into one library from ``csrc/*.c`` on first use with the
+system C compiler (``$CC`` or ``cc``; ``-O3 -fno-math-errno``, with ``-march=native`` and
+``-fopenmp`` when accepted) into a cache directory (``$ATTNUQ_CACHE_DIR``; else
+``$XDG_CACHE_HOME/attnuq`` or ``~/.cache/attnuq``, and a per-user temporary directory when that
+is not writable), keyed by the sources and headers, the flags, the compiler's version and the
+CPU, and loaded with :mod:`ctypes`. With OpenMP the work of a call is split over the process's
+OpenMP threads (in a torch process the shared ``libgomp`` is torch's own pool); without it,
+over Python threads (ctypes releases the GIL). Without a compiler, or with ``ATTNUQ_NATIVE=0``,
+the pure-torch paths run instead; :func:`status` says which and why.
 """
 
 from __future__ import annotations
@@ -27,20 +34,23 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import operator
 import os
 import platform
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["available", "disabled", "sample_rows", "status"]
+__all__ = ["available", "disabled", "levy_forward", "sample_rows", "status"]
 
-_SRC = Path(__file__).with_name("csrc") / "sample_rows.c"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = ("sample_rows.c", "levy.c")  # compiled together into one library
 # fewest score elements per thread before rows are split over threads
 _MIN_ELEMS_PER_THREAD = 1 << 15
 _enabled = True
@@ -80,7 +90,8 @@ def _compile(cc: str, flags: list[str], out: Path) -> str | None:
         return f"cannot write to the cache directory {out.parent}: {exc} (set ATTNUQ_CACHE_DIR)"
     try:
         proc = subprocess.run(
-            [cc, *flags, "-shared", "-fPIC", "-o", tmp, str(_SRC), "-lm"],
+            [cc, *flags, "-shared", "-fPIC", "-o", tmp, *(str(_CSRC / n) for n in _SOURCES),
+             "-lm"],
             capture_output=True,
             text=True,
             timeout=120,
@@ -97,13 +108,38 @@ def _compile(cc: str, flags: list[str], out: Path) -> str | None:
             os.unlink(tmp)
 
 
+class _LevyArgs(ctypes.Structure):
+    """``struct levy_args`` of ``csrc/levy.c`` (same field order and types)."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("a", ctypes.c_void_p),
+        ("qs", ctypes.c_int64 * 3), ("ks", ctypes.c_int64 * 3), ("as_", ctypes.c_int64 * 3),
+        ("ct", ctypes.c_void_p), ("st", ctypes.c_void_p), ("ldc", ctypes.c_int64),
+        ("hw", ctypes.c_int64),
+        ("mask", ctypes.c_void_p), ("dims", ctypes.c_int64 * 8),
+        ("alpha", ctypes.c_void_p), ("beta", ctypes.c_void_p), ("h", ctypes.c_void_p),
+        ("omega", ctypes.c_void_p), ("D", ctypes.c_void_p), ("phi_tab", ctypes.c_void_p),
+        ("mean", ctypes.c_void_p), ("var", ctypes.c_void_p), ("sigma_dim", ctypes.c_void_p),
+        ("evidence", ctypes.c_void_p), ("phi", ctypes.c_void_p), ("sigma", ctypes.c_void_p),
+        ("os", ctypes.c_int64 * 3), ("ss", ctypes.c_int64 * 3),
+    ]
+
+
+# return codes of attnuq_levy_* (or-ed over threads)
+_LEVY_NOMEM = 1
+_LEVY_NONFINITE = 2
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """``(library, reason)``: the loaded kernel, or None and why not (cached per process)."""
     if os.environ.get("ATTNUQ_NATIVE", "1").strip() == "0":
         return None, "disabled by ATTNUQ_NATIVE=0"
-    if not _SRC.is_file():
-        return None, f"kernel source missing: {_SRC}"
+    missing = [n for n in _SOURCES if not (_CSRC / n).is_file()]
+    if missing:
+        return None, f"kernel source missing: {', '.join(str(_CSRC / n) for n in missing)}"
+    # the key covers every source and header of csrc/
+    text = "\0".join(p.read_text() for p in sorted(_CSRC.glob("*.[ch]")))
     cc = os.environ.get("CC", "cc")
     try:
         version = subprocess.run(
@@ -112,20 +148,20 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"no C compiler ({cc!r}: {exc}); set CC or install one"
     errors = []
-    for flags in (
-        ["-O3", "-march=native", "-fopenmp"],
-        ["-O3", "-fopenmp"],
-        ["-O3", "-march=native"],
-        ["-O3"],
+    for flags in (  # -fno-math-errno: sqrt vectorises (the kernels never read errno)
+        ["-O3", "-fno-math-errno", "-march=native", "-fopenmp"],
+        ["-O3", "-fno-math-errno", "-fopenmp"],
+        ["-O3", "-fno-math-errno", "-march=native"],
+        ["-O3", "-fno-math-errno"],
     ):
         key = hashlib.sha256(
             "\0".join(
-                [_SRC.read_text(), " ".join(flags), version, _cpu_id(), sys.platform]
+                [text, " ".join(flags), version, _cpu_id(), sys.platform]
             ).encode()
         ).hexdigest()[:16]
         path = None
         for folder in _cache_dirs():
-            cand = folder / f"sample_rows-{key}.so"
+            cand = folder / f"kernels-{key}.so"
             err = None if cand.is_file() else _compile(cc, flags, cand)
             if err is None:
                 path = cand
@@ -148,6 +184,16 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         lib.attnuq_openmp.restype = ctypes.c_int64
         lib.attnuq_openmp.argtypes = []
+        for name in ("attnuq_levy_f32", "attnuq_levy_f64"):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int64
+            fn.argtypes = [ctypes.POINTER(_LevyArgs), ctypes.c_int64, ctypes.c_int64,
+                           ctypes.c_int64]
+        lib.attnuq_phi_tab_len.restype = ctypes.c_int64
+        lib.attnuq_phi_tab_len.argtypes = []
+        lib.attnuq_phi_f64.restype = None
+        lib.attnuq_phi_f64.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                       ctypes.c_void_p]
         return lib, f"compiled with {cc} {' '.join(flags)}: {path}"
     return None, "; ".join(errors)
 
@@ -257,10 +303,177 @@ def sample_rows(
         # (torch's own, which would otherwise spin idle beside Python threads)
         codes = [run(0, rows, workers)]
     else:
-        # the calling thread takes the first share; ctypes releases the GIL during each call
-        bounds = [rows * i // workers for i in range(workers + 1)]
-        pool = _pool(workers - 1)
-        futs = [pool.submit(run, bounds[i], bounds[i + 1], 1) for i in range(1, workers)]
-        codes = [run(bounds[0], bounds[1], 1)] + [f.result() for f in futs]
+        codes = _split_calls(rows, workers, lambda r0, r1: run(r0, r1, 1))
     if any(c != 0 for c in codes):
         raise MemoryError(f"native sampling kernel could not allocate scratch for Lk={lk}")
+
+
+def _split_calls(rows: int, workers: int, run: Callable[[int, int], int]) -> list[int]:
+    """``run(r0, r1)`` over ``workers`` contiguous shares of ``[0, rows)`` on as many Python
+    threads (the calling thread takes the first; ctypes releases the GIL during each call)."""
+    bounds = [rows * i // workers for i in range(workers + 1)]
+    pool = _pool(workers - 1)
+    futs = [pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, workers)]
+    return [run(bounds[0], bounds[1])] + [f.result() for f in futs]
+
+
+@functools.cache
+def _phi_table() -> torch.Tensor:
+    """The tables of :mod:`attnuq.ops.phi` in the layout of ``phi_eval`` in ``csrc/levy.c``."""
+    from attnuq.ops import phi as _phi
+
+    tab = torch.tensor(
+        [*_phi._TAYLOR, *(c for piece in _phi._MONO_VAL for c in piece),
+         *_phi._FACT[: _phi._N_ASYMPTOTIC + 1]],
+        dtype=torch.float64,
+    )
+    lib = _load()[0]
+    if lib is not None and tab.numel() != lib.attnuq_phi_tab_len():
+        raise RuntimeError(f"phi tables: {tab.numel()} numbers, the kernel expects "
+                           f"{lib.attnuq_phi_tab_len()} (csrc/levy.c out of sync)")
+    return tab
+
+
+def phi(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's ``phi`` (float64, for tests against :func:`attnuq.ops.poisson_phi`).
+
+    Example
+    -------
+    >>> import torch
+    >>> from attnuq.ops import _native
+    >>> if _native.available():
+    ...     print(round(float(_native.phi(torch.tensor([1.0], dtype=torch.float64))), 4))
+    ... else:
+    ...     print(0.767)
+    0.767
+    """
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(f"native kernels unavailable: {_load()[1]}")
+    x = x.detach().to(torch.float64).contiguous()
+    out = torch.empty_like(x)
+    tab = _phi_table()
+    lib.attnuq_phi_f64(x.data_ptr(), x.numel(), tab.data_ptr(), out.data_ptr())
+    return out
+
+
+def lanes(dtype: torch.dtype) -> int:
+    """Vector lanes of the kernels for ``dtype`` (32-byte vectors): 8 float32, 4 float64."""
+    return 32 // torch.empty((), dtype=dtype).element_size()
+
+
+class LevyKernelOutput(NamedTuple):
+    """Outputs of :func:`levy_forward`, ``(B, H, Q, ...)`` views of ``(B, Q, H, ...)`` memory."""
+
+    mean: torch.Tensor
+    var: torch.Tensor | None
+    evidence: torch.Tensor
+    phi: torch.Tensor
+    sigma: torch.Tensor
+    sigma_dim: torch.Tensor | None
+
+
+def levy_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    a: torch.Tensor,
+    mask: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    field: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    per_dim: bool,
+) -> LevyKernelOutput | None:
+    """Inference forward of Levy attention in the compiled kernel (CPU, needs :func:`available`).
+
+    ``q`` ``(B, H, Q, E)``, ``k`` ``(B, H, N, E)``, ``a`` ``(B, H, N, Dv)``: one float dtype
+    (float32 or float64), any strides with a unit last stride; ``mask`` ``(B, N)`` bool
+    (``True`` = observed; excluded rows are never read and may hold anything); ``alpha``,
+    ``beta`` ``(H,)``. ``field`` is ``None`` (no value field) or ``(ct, st, omega, D, h)``:
+    ``ct``, ``st`` ``(Hw, K, B N)`` the cosines and sines of ``omega_k t_i + phase_k`` (series
+    ``b`` at columns ``b N ..``; ``Hw = 1`` when the heads share the frequencies, else ``H``),
+    ``omega`` ``(Hw, K)``, ``D`` ``(H, Dv, K)``, ``h`` ``(H,)`` (the kernel derives the field
+    weights of :func:`attnuq.ops.levy._field_head_weights` from them).
+
+    Returns the outputs, shaped ``(B, H, Q, ...)`` as :class:`attnuq.ops.LevyResult` without
+    ``p_empty`` (``exp(-evidence)``, the caller's), as transposed views of ``(B, Q, H, ...)``
+    memory (the layout a module concatenating heads wants); ``var`` and ``sigma_dim`` are
+    ``None`` unless ``per_dim``. Returns ``None`` when an observed row of ``k`` or ``a``, or a
+    row of ``q``, is not finite (its sum of squares is NaN/inf): the caller decides.
+    """
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(f"native kernels unavailable: {_load()[1]}")
+    B, H, Q, E = q.shape
+    N, Dv = k.shape[2], a.shape[3]
+    dt = q.dtype
+    K = 0 if field is None else field[0].shape[-2]
+    hw = 1 if field is None else field[0].shape[0]
+    ok = (
+        q.device.type == "cpu" and dt in (torch.float32, torch.float64)
+        and k.dtype == dt and a.dtype == dt and k.shape == (B, H, N, E) and a.shape[:3] == (B, H, N)
+        and q.stride(3) == 1 and k.stride(3) == 1 and a.stride(3) == 1
+        and mask.shape == (B, N) and mask.dtype == torch.bool
+        and alpha.shape == (H,) and beta.shape == (H,) and alpha.dtype == dt and beta.dtype == dt
+    )
+    if field is not None:
+        ct, st, om, dd, hh = field
+        ok = (ok and hw in (1, H) and ct.shape == (hw, K, B * N) and st.shape == ct.shape
+              and om.shape == (hw, K) and dd.shape == (H, Dv, K) and hh.shape == (H,)
+              and all(t.dtype == dt for t in field))
+    if not ok:
+        raise ValueError(
+            "levy_forward needs CPU float32/float64 q (B, H, Q, E), k (B, H, N, E), "
+            "a (B, H, N, Dv) with unit last strides, a (B, N) bool mask, (H,) alpha and beta of "
+            f"the same dtype and a consistent field; got q {tuple(q.shape)} {q.dtype} {q.device}, "
+            f"k {tuple(k.shape)} {k.dtype}, a {tuple(a.shape)} {a.dtype}, "
+            f"mask {tuple(mask.shape)} {mask.dtype}, alpha {tuple(alpha.shape)} {alpha.dtype}, "
+            f"beta {tuple(beta.shape)} {beta.dtype}, field "
+            f"{None if field is None else [(tuple(t.shape), t.dtype) for t in field]}"
+        )
+    # every tensor the kernel reads stays referenced (by `keep`) until it returns
+    keep = [mask.contiguous(), alpha.contiguous(), beta.contiguous()]
+    args = _LevyArgs()
+    args.q, args.k, args.a = q.data_ptr(), k.data_ptr(), a.data_ptr()
+    args.qs[:], args.ks[:], args.as_[:] = q.stride()[:3], k.stride()[:3], a.stride()[:3]
+    if field is not None:
+        keep += [t.contiguous() for t in field]
+        ctc, stc, omc, ddc, hhc = keep[3:]
+        args.ct, args.st, args.ldc, args.hw = ctc.data_ptr(), stc.data_ptr(), ctc.stride(1), hw
+        args.omega, args.D, args.h = omc.data_ptr(), ddc.data_ptr(), hhc.data_ptr()
+    args.mask = keep[0].data_ptr()
+    args.dims[:] = (B, H, Q, N, E, Dv, K, int(per_dim))
+    args.alpha, args.beta = keep[1].data_ptr(), keep[2].data_ptr()
+    args.phi_tab = _phi_table().data_ptr()
+    mean = q.new_empty(B, Q, H, Dv)
+    var = q.new_empty(B, Q, H, Dv) if per_dim else None
+    sigma_dim = q.new_empty(B, Q, H, Dv) if per_dim else None
+    evidence, phi_, sigma = (q.new_empty(B, Q, H) for _ in range(3))
+    args.mean, args.evidence = mean.data_ptr(), evidence.data_ptr()
+    args.phi, args.sigma = phi_.data_ptr(), sigma.data_ptr()
+    if var is not None and sigma_dim is not None:
+        args.var, args.sigma_dim = var.data_ptr(), sigma_dim.data_ptr()
+    args.os[:] = (Q * H * Dv, Dv, H * Dv)  # (b, h, q) strides of (B, Q, H, Dv) memory
+    args.ss[:] = (Q * H, 1, H)
+    fn = lib.attnuq_levy_f32 if dt == torch.float32 else lib.attnuq_levy_f64
+    # batch elements are split over the threads (each takes all heads of its series)
+    work = H * Q * max(N, 1) * (E + 2 * Dv)
+    workers = max(1, min(torch.get_num_threads(), B, B * work // _MIN_ELEMS_PER_THREAD))
+    code = 0
+    if B:
+        ref = ctypes.byref(args)
+        if workers == 1 or _has_openmp(lib):
+            code = int(fn(ref, 0, B, workers))
+        else:
+            codes = _split_calls(B, workers, lambda b0, b1: int(fn(ref, b0, b1, 1)))
+            code = functools.reduce(operator.or_, codes, 0)
+    del keep
+    if code & _LEVY_NOMEM:
+        raise MemoryError(f"native Levy kernel could not allocate scratch for N={N}, H={H}")
+    if code & _LEVY_NONFINITE:
+        return None
+
+    def t(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.transpose(1, 2)
+
+    return LevyKernelOutput(mean.transpose(1, 2), t(var), evidence.transpose(1, 2),
+                            phi_.transpose(1, 2), sigma.transpose(1, 2), t(sigma_dim))

@@ -115,6 +115,7 @@ import torch
 import torch.nn.functional as F
 
 from attnuq._validation import check_positive_int
+from attnuq.ops import _native
 from attnuq.ops.phi import poisson_phi
 
 __all__ = [
@@ -229,6 +230,7 @@ def _fast_inputs(
     omega: torch.Tensor | None,
     phase: torch.Tensor | None,
     D: torch.Tensor | None,
+    light: bool = False,
 ) -> _Inputs | None:
     """The validated inputs when everything is in order, checked with one host sync; else None.
 
@@ -236,6 +238,8 @@ def _fast_inputs(
     (their sums are), ``|a| <= finfo.max ** (1/4)`` (so ``a`` is finite and its masked rows stay
     finite through the operator), ``alpha, beta > 0``, ``h >= 0`` and consistent shapes. The
     inputs are then used as given, exactly as :func:`_validate`'s detailed path would use them.
+    With ``light`` the checks of ``q``, ``k`` and ``a`` are left to the caller (the compiled
+    kernel checks the rows it reads, see :func:`_native_forward`).
     """
     H, Dv = q.shape[1], a.shape[3]
     pars = []
@@ -258,11 +262,13 @@ def _fast_inputs(
         K = om.shape[-1]
         if om.shape != (hw, K) or ph.shape != (hw, K) or dd.shape != (H, Dv, K):
             return None
-    sums = [t.detach().sum() for t in (times, k, q, om, ph, dd) if t is not None]
-    a_norm = torch.linalg.vector_norm(a.detach())
+    big = (times, om, ph, dd) if light else (times, k, q, om, ph, dd)
+    sums = [t.detach().sum() for t in big if t is not None]
     p = torch.stack(pars).detach()  # (3, H): alpha, beta, h
     ok = (torch.isfinite(torch.stack(sums)).all() & torch.isfinite(p).all()
-          & (a_norm <= torch.finfo(a.dtype).max ** 0.25) & (p[:2] > 0).all() & (p[2] >= 0).all())
+          & (p[:2] > 0).all() & (p[2] >= 0).all())
+    if not light:
+        ok = ok & (torch.linalg.vector_norm(a.detach()) <= torch.finfo(a.dtype).max ** 0.25)
     if not bool(ok):
         return None
     return _Inputs(q, k, a, times, mask, pars[0], pars[1], pars[2], om, ph, dd)
@@ -280,6 +286,7 @@ def _validate(
     omega: torch.Tensor | None,
     phase: torch.Tensor | None,
     D: torch.Tensor | None,
+    light: bool = False,
 ) -> _Inputs:
     for t, n in ((q, "q"), (k, "k"), (a, "a"), (times, "times")):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -305,7 +312,7 @@ def _validate(
     for t, n in ((q, "q"), (k, "k"), (a, "a"), (times, "times")):
         if t.dtype != q.dtype:
             raise TypeError(f"{n} must have dtype {q.dtype} like q, got {n}.dtype={t.dtype}")
-    fast = _fast_inputs(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
+    fast = _fast_inputs(q, k, a, times, mask, alpha, beta, h, omega, phase, D, light)
     if fast is not None:
         return fast
     # something is off (or merely unusual, e.g. a sum that overflows): the detailed checks
@@ -498,10 +505,28 @@ def _field(inp: _Inputs, per_dim: bool) -> _Field | None:
     summed over ``j`` first, ``tr s_i = sum_{k<=l} (sum_j mu D_jk D_jl M1_kl) c_k c_l + ...``,
     so the per-observation cost is ``2 P H`` instead of ``2 P H Dv``.
     """
+    hd = _field_head_weights(inp, per_dim)
+    if hd is None:
+        return None
+    wm, w = hd
+    K = wm.shape[-1]
+    if inp.omega is not None and inp.omega.shape[0] == 1:
+        return _Field(
+            wm=wm.permute(2, 0, 1).reshape(K, -1), ws=w.permute(2, 0, 1).reshape(w.shape[-1], -1)
+        )
+    return _Field(wm=wm.transpose(-1, -2), ws=w.transpose(-1, -2))
+
+
+def _field_head_weights(
+    inp: _Inputs, per_dim: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-head field weights (``None`` without a field): the mean loading ``damp_k D_jk``
+    ``(H, Dv, K)`` and the within-atom variance weights ``(H, dw, 2 P)`` on the pair products
+    (``dw = Dv``, or 1 summed over the value dimension when not ``per_dim``); see :func:`_field`.
+    """
     if inp.omega is None or inp.phase is None or inp.D is None:
         return None
     H, _, K = inp.D.shape
-    hw = inp.omega.shape[0]
     om_h = inp.omega.expand(H, -1)
     damp = torch.exp(-(om_h**2) * (inp.h**2)[:, None] / 2)  # (H, K)
     iu_t, ju_t, mu = _pair_index(K, inp.D.dtype, inp.D.device)
@@ -510,12 +535,7 @@ def _field(inp: _Inputs, per_dim: bool) -> _Field | None:
     w = torch.cat([dd * m1[:, None], dd * m2[:, None]], dim=-1)
     if not per_dim:
         w = w.sum(1, keepdim=True)  # (H, 1, 2P)
-    wm = damp[:, None, :] * inp.D  # (H, Dv, K)
-    if hw == 1:
-        return _Field(
-            wm=wm.permute(2, 0, 1).reshape(K, -1), ws=w.permute(2, 0, 1).reshape(w.shape[-1], -1)
-        )
-    return _Field(wm=wm.transpose(-1, -2), ws=w.transpose(-1, -2))
+    return damp[:, None, :] * inp.D, w
 
 
 def _value_moments(
@@ -689,15 +709,32 @@ def levy_attention(
     (torch.Size([2, 4, 3, 5]), torch.Size([2, 4, 3]), True)
     """
     block_size = check_positive_int(block_size, "block_size")
-    if backend not in ("auto", "sdpa", "explicit"):
-        raise ValueError(f"backend must be 'auto', 'sdpa' or 'explicit', got {backend=!r}")
+    if backend not in ("auto", "native", "sdpa", "explicit"):
+        raise ValueError(
+            f"backend must be 'auto', 'native', 'sdpa' or 'explicit', got {backend=!r}"
+        )
     if not isinstance(per_dim, bool):
         raise TypeError(f"per_dim must be a bool, got {per_dim=!r}")
-    inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad
+        for t in (q, k, a, times, alpha, beta, h, omega, phase, D))
+    want_native = backend == "native" or (backend == "auto" and q.dtype == torch.float32)
+    inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D,
+                    light=want_native and not needs_grad)
+    if want_native:
+        why_not = _native_unusable(inp, needs_grad)
+        if backend == "native" and why_not:
+            raise ValueError(f"backend='native' cannot run here: {why_not}")
+        if not why_not:
+            res = _native_forward(inp, per_dim)
+            if res is not None:
+                return res
+            # the kernel met a non-finite observed row (or squares that overflow): the detailed
+            # checks raise with a precise message; if they pass, the torch path below runs
+            inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
+        backend = "auto"
     B, H = q.shape[:2]
     Dv = a.shape[-1]
-    needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in inp)
     # Every per-observation quantity and every sum over observations is computed on fixed-size,
     # zero-padded blocks of `block_size` observations, so that the same numbers meet the same
     # kernels whatever the padded length N is (bit-identical under appended masked entries).
@@ -766,6 +803,44 @@ def levy_attention(
         sigma_dim=sigma_dim,
     )
 
+
+def _native_unusable(inp: _Inputs, needs_grad: bool) -> str:
+    """Why the compiled forward cannot run on these inputs ('' when it can)."""
+    if needs_grad:
+        return "autograd needs the differentiable torch path"
+    if inp.q.device.type != "cpu":
+        return f"the kernel is CPU-only, got device {inp.q.device}"
+    if inp.q.dtype not in (torch.float32, torch.float64):
+        return f"the kernel takes float32 or float64, got {inp.q.dtype}"
+    if not _native.available():
+        return f"native kernels unavailable ({_native.status()['reason']})"
+    return ""
+
+
+def _native_forward(inp: _Inputs, per_dim: bool) -> LevyResult | None:
+    """The whole inference forward in the compiled kernel (:func:`attnuq.ops._native.levy_forward`):
+    time features here (torch's vectorised ``cos``/``sin``), everything else in one pass over
+    each series. ``None`` when the kernel met a non-finite value in an observed row of ``k`` or
+    ``a`` or in ``q`` (their checks were left to it)."""
+    B, N = inp.times.shape
+    field = None
+    if inp.omega is not None and inp.phase is not None and inp.D is not None and inp.D.shape[-1]:
+        times = torch.where(inp.mask, inp.times, 0.0)
+        # (Hw, K, B N): omega_k t + phase_k, Hw = 1 when the heads share the frequencies
+        zt = torch.addcmul(inp.phase[:, :, None], inp.omega[:, :, None], times.reshape(1, 1, B * N))
+        field = (torch.cos(zt), torch.sin(zt), inp.omega, inp.D, inp.h)
+
+    def unit(t: torch.Tensor) -> torch.Tensor:
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    out = _native.levy_forward(
+        unit(inp.q), unit(inp.k), unit(inp.a), inp.mask, inp.alpha, inp.beta, field, per_dim
+    )
+    if out is None:
+        return None
+    return LevyResult(mean=out.mean, var=out.var, evidence=out.evidence,
+                      p_empty=torch.exp(-out.evidence), phi=out.phi, sigma=out.sigma,
+                      sigma_dim=out.sigma_dim)
 
 # the CPU flash-attention kernel behind F.scaled_dot_product_attention; it also returns the
 # log-sum-exp of the scores (private ATen op: the inference path falls back to the sentinel
