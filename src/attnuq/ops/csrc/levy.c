@@ -89,6 +89,21 @@ static inline int64_t round_down(int64_t x, int64_t m) { return x / m * m; }
 
 int64_t attnuq_phi_tab_len(void) { return PHI_TAB_LEN; }
 
+/* 2^e as a double for an integer -1022 <= e <= 1023 (exact). */
+static inline double pow2i(int64_t e) {
+    uint64_t bits = (uint64_t)(e + 1023) << 52;
+    double d;
+    memcpy(&d, &bits, sizeof d);
+    return d;
+}
+
+/* floor(log2 x) for a normal double x > 0 (its exponent field). */
+static inline int64_t ilog2(double x) {
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (int64_t)((bits >> 52) & 0x7ff) - 1023;
+}
+
 static double phi_eval(double x, const double *tab) {
     if (x <= 1.0) {
         double p = tab[PHI_TAYLOR - 1];
@@ -96,10 +111,9 @@ static double phi_eval(double x, const double *tab) {
         return p;
     }
     if (x <= 4096.0) {
-        int ex;
-        (void)frexp(x, &ex); /* x = f 2^ex, f in [1/2, 1): x in [2^(ex - 1), 2^ex) */
-        int piece = ex - 1 < 0 ? 0 : (ex - 1 > PHI_PIECES - 1 ? PHI_PIECES - 1 : ex - 1);
-        double lo = ldexp(1.0, piece);
+        int64_t piece = ilog2(x); /* x in [2^piece, 2^(piece + 1)) */
+        piece = piece > PHI_PIECES - 1 ? PHI_PIECES - 1 : piece;
+        const double lo = pow2i(piece);
         double t = (2.0 * x - 3.0 * lo) / lo;
         t = t < -1.0 ? -1.0 : (t > 1.0 ? 1.0 : t);
         const double *c = tab + PHI_TAYLOR + piece * PHI_DEG1;
@@ -113,6 +127,32 @@ static double phi_eval(double x, const double *tab) {
     f *= u;
     double em = exp(-x), log_term = log(x) + 0.57721566490153286060651209008240243;
     return (f - em * log_term) / -expm1(-x);
+}
+
+/* phi at x[0..4): when all four lie in the Chebyshev range (the usual case) the four Horner
+ * recurrences run interleaved, so that their latencies overlap; the same operations as
+ * phi_eval, so the same values. */
+static void phi_eval4(const double *x, const double *tab, double *out) {
+    int cheb = 1;
+    for (int l = 0; l < 4; l++) cheb &= x[l] > 1.0 && x[l] <= 4096.0;
+    if (!cheb) {
+        for (int l = 0; l < 4; l++) out[l] = phi_eval(x[l], tab);
+        return;
+    }
+    const double *c[4];
+    double t[4], p[4];
+    for (int l = 0; l < 4; l++) {
+        int64_t piece = ilog2(x[l]);
+        piece = piece > PHI_PIECES - 1 ? PHI_PIECES - 1 : piece;
+        const double lo = pow2i(piece);
+        t[l] = (2.0 * x[l] - 3.0 * lo) / lo;
+        t[l] = t[l] < -1.0 ? -1.0 : (t[l] > 1.0 ? 1.0 : t[l]);
+        c[l] = tab + PHI_TAYLOR + piece * PHI_DEG1;
+        p[l] = c[l][PHI_DEG1 - 1];
+    }
+    for (int j = PHI_DEG1 - 2; j >= 0; j--)
+        for (int l = 0; l < 4; l++) p[l] = p[l] * t[l] + c[l][j];
+    for (int l = 0; l < 4; l++) out[l] = p[l];
 }
 
 /* phi at n points (for tests of the kernel's phi against attnuq.ops.poisson_phi). */

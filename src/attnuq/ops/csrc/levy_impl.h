@@ -16,6 +16,15 @@
 
 #define FN(name) CAT(name, SFX)
 
+/* The sum of the lanes of x, pairwise (a fixed order, log2(LANES) dependent adds). */
+static inline T FN(hsum)(VT x) {
+    T t[LANES];
+    memcpy(t, &x, sizeof t);
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) t[l] += t[l + w];
+    return t[0];
+}
+
 /* sum_e x[e]^2 with LANES partial sums (a fixed order; a sequential sum is a chain of E
  * dependent adds). */
 static inline T FN(sumsq)(const T *x, int64_t E) {
@@ -25,8 +34,7 @@ static inline T FN(sumsq)(const T *x, int64_t E) {
         VT v = LD(x + e);
         acc += v * v;
     }
-    T ss = 0;
-    for (int l = 0; l < LANES; l++) ss += acc[l];
+    T ss = FN(hsum)(acc);
     for (; e < E; e++) ss += x[e] * x[e];
     return ss;
 }
@@ -121,9 +129,7 @@ static T FN(softmax_row)(T *s, int64_t np, T m) {
         ST(s + i, e);
         zv += e;
     }
-    T zs = 0;
-    for (int l = 0; l < LANES; l++) zs += zv[l];
-    return zs;
+    return FN(hsum)(zv);
 }
 
 /* O[r][c0 .. c0 + nv LANES) = sum_i e[r][i] v[i][c0 ..] for rows r and r + 1. */
@@ -174,7 +180,7 @@ static void FN(head)(const struct levy_args *A, int64_t b, int64_t h, int64_t no
                      int64_t qt,
                      const T *cs, const T *f, const T *wm, const T *ws, const T *kt, T *v,
                      const T *bias, T inv_cnt, T *ref, T *qs, T *S, T *O, T *mx, T *zz,
-                     int64_t *status) {
+                     double *lam, double *phv, int64_t *status) {
     const int64_t Q = A->dims[2];
     const int64_t E = A->dims[4], Dv = A->dims[5], K = A->dims[6], per_dim = A->dims[7];
     const int64_t dvp = round_up(Dv, LANES), dwp = per_dim ? dvp : LANES;
@@ -234,49 +240,43 @@ static void FN(head)(const struct levy_args *A, int64_t b, int64_t h, int64_t no
         FN(scores)(qs, E, nr4, kt, bias, np, S, mx);
         for (int64_t rr = 0; rr < nr4; rr++) zz[rr] = FN(softmax_row)(S + rr * np, np, mx[rr]);
         FN(pv)(S, nr4, np, v, wp, O);
+        /* Lambda = alpha sum_i e^{beta (cos_i - 1)} = alpha 2^(max - beta log2 e) z, then phi
+         * for four rows at a time (independent evaluations overlap) */
+        for (int64_t rr = 0; rr < nr4; rr++)
+            lam[rr] = mx[rr] > -INFINITY
+                          ? (double)alpha * exp2((double)mx[rr] - (double)bl2) * (double)zz[rr]
+                          : 0.0;
+        for (int64_t rr = 0; rr < nr4; rr += 4) phi_eval4(lam + rr, A->phi_tab, phv + rr);
         for (int64_t rr = 0; rr < nr; rr++) {
             const int64_t qi = q0 + rr;
             const T *orow = O + rr * wp;
             T *mo = mean + b * os[0] + h * os[1] + qi * os[2];
-            T *vo = var ? var + b * os[0] + h * os[1] + qi * os[2] : NULL;
-            T *so = sdim ? sdim + b * os[0] + h * os[1] + qi * os[2] : NULL;
             const int64_t o = b * ss3[0] + h * ss3[1] + qi * ss3[2];
-            if (!(mx[rr] > -INFINITY)) { /* no observation: the documented convention */
+            const int empty = !(mx[rr] > -INFINITY); /* no observation: the documented convention */
+            const T iz = empty ? (T)0 : (T)1 / zz[rr], ph = empty ? (T)1 : (T)phv[rr];
+            for (int64_t j = 0; j < Dv; j++) mo[j] = empty ? (T)0 : orow[j] * iz + ref[j];
+            T tr;
+            if (per_dim) {
+                T *restrict vo = var + b * os[0] + h * os[1] + qi * os[2];
+                T *restrict so = sdim + b * os[0] + h * os[1] + qi * os[2];
+                tr = 0;
                 for (int64_t j = 0; j < Dv; j++) {
-                    mo[j] = 0;
-                    if (vo) vo[j] = 0;
-                    if (so) so[j] = 0;
-                }
-                evid[o] = 0;
-                phi[o] = 1;
-                sig[o] = 0;
-                continue;
-            }
-            const T iz = (T)1 / zz[rr];
-            /* Lambda = alpha sum_i e^{beta (cos_i - 1)} = alpha 2^(max - beta log2 e) z */
-            const double lam = (double)alpha * exp2((double)mx[rr] - (double)bl2) * (double)zz[rr];
-            const double ph = phi_eval(lam, A->phi_tab);
-            T tr = 0, musq = 0;
-            for (int64_t j = 0; j < Dv; j++) {
-                T mu = orow[j] * iz;
-                mo[j] = mu + ref[j];
-                if (per_dim) {
+                    T mu = orow[j] * iz;
                     T vj = orow[dvp + j] * iz - mu * mu;
                     vj = vj > 0 ? vj : 0;
                     vo[j] = vj;
-                    so[j] = SQRT(vj * (T)ph);
+                    so[j] = SQRT(vj * ph);
                     tr += vj;
-                } else {
-                    musq += mu * mu;
                 }
-            }
-            if (!per_dim) {
+            } else {
+                T musq = 0;
+                for (int64_t j = 0; j < Dv; j++) musq += (orow[j] * iz) * (orow[j] * iz);
                 tr = orow[dvp] * iz - musq;
                 tr = tr > 0 ? tr : 0;
             }
-            evid[o] = (T)lam;
-            phi[o] = (T)ph;
-            sig[o] = SQRT(tr * (T)ph);
+            evid[o] = (T)lam[rr];
+            phi[o] = ph;
+            sig[o] = SQRT(tr * ph);
         }
     }
 }
@@ -390,9 +390,11 @@ static int64_t FN(levy_batches)(const struct levy_args *A, int64_t b0, int64_t b
                                 H * np * wp + np + dvp + qt * E + qt * np + qt * wp + 2 * qt);
     T *buf = (T *)malloc(n_scratch * sizeof(T));
     int64_t *idx = (int64_t *)malloc((size_t)(N > 0 ? N : 1) * sizeof(int64_t));
-    if (buf == NULL || idx == NULL) {
+    double *lam = (double *)malloc((size_t)(2 * qt) * sizeof(double)), *phv = lam + qt;
+    if (buf == NULL || idx == NULL || lam == NULL) {
         free(buf);
         free(idx);
+        free(lam);
         return LEVY_NOMEM;
     }
     T *wm_all = buf;                   /* (H, K, dvp) mean loadings */
@@ -440,12 +442,13 @@ static int64_t FN(levy_batches)(const struct levy_args *A, int64_t b0, int64_t b
                     const T inv = (T)1 / (nrm > (T)1e-12 ? nrm : (T)1e-12);
                     for (int64_t e = 0; e < E; e++) kt[e * nb + i] = kr[e] * inv;
                     /* vector copies: a plain loop here would become a memcpy call */
-                    T asum = 0;
+                    VT av = SPLAT(0);
                     for (; j + LANES <= Dv; j += LANES) {
                         VT x = LD(ai + j);
                         ST(vi + j, x);
-                        asum += FN(sumsq)(vi + j, LANES);
+                        av += x * x;
                     }
+                    T asum = FN(hsum)(av);
                     for (; j < Dv; j++) {
                         vi[j] = ai[j];
                         asum += ai[j] * ai[j];
@@ -462,11 +465,12 @@ static int64_t FN(levy_batches)(const struct levy_args *A, int64_t b0, int64_t b
             T *v = v_all + h * nb * wp;
             if (K > 0 && A->hw > 1) FN(features)(A, b, h, idx, no, nb, cs, f);
             FN(head)(A, b, h, no, nb, qt, cs, f, wm_all + h * K * dvp, ws_all + h * P2 * dwp, kt,
-                     v, bias, inv_cnt, ref, qs, S, O, mx, zz, &status);
+                     v, bias, inv_cnt, ref, qs, S, O, mx, zz, lam, phv, &status);
         }
     }
     free(buf);
     free(idx);
+    free(lam);
     return status;
 }
 
