@@ -7,10 +7,12 @@ unless stated.
 What each side computes
 -----------------------
 * ``levy module`` -- ``LevyAttention.forward``: input checks; query/key embeddings
-  ``W_q/W_k (tau(t) + E[c])``; value embeddings ``a_i``; the value field's mean
-  ``vbar_i = a_i + D m_i`` (Fourier time features of the observation times, ``K = n_fourier``);
-  then the Levy operator: mean ``mu``, evidence ``Lambda``, ``p_empty``, ``phi(Lambda)``, the
-  within-atom variance of the value field, ``sigma`` and (``per_dim=True``) ``sigma_dim``.
+  ``W_q/W_k (tau(t) + E[c])``; value embeddings ``a_i``; then the Levy operator
+  (``attnuq.ops.levy_attention``, which for float32 on CPU without autograd runs the compiled
+  kernel ``csrc/levy.c``): the value field's mean ``vbar_i = a_i + D m_i`` (Fourier time features
+  of the observation times, ``K = n_fourier``), its within-atom variance, mean ``mu``, evidence
+  ``Lambda``, ``p_empty``, ``phi(Lambda)``, ``sigma`` and (``per_dim=True``) ``var`` and
+  ``sigma_dim``.
 * ``softmax`` (the matched reference, :func:`softmax_reference`) -- the same module's input
   checks, the same query/key/value embeddings and the same value field evaluated at the
   observation times, ``v_i = a_i + D g(t_i)`` (the architecture with a softmax in place of the
@@ -21,18 +23,17 @@ What each side computes
 
 Other rows (informational unless a target is given):
 
-* ``attention kernel`` -- the fused CPU attention kernel alone at the widths each side needs:
-  ``Dv`` = 16 for softmax, ``2 Dv`` = 32 (mean and per-dimension second moment) or ``Dv + 1``
-  = 17 (mean and the trace of the second moment) for Levy. The difference is a floor on the
-  module ratio that no work outside the kernel can remove.
 * ``levy op`` -- the functional ``levy_attention(q, k, a, ...)`` against
   ``F.scaled_dot_product_attention(q, k, a)`` on the same precomputed tensors (the attention
   itself only, so the per-observation work of the value field and the uncertainty shows).
+* ``torch path`` -- the same module with the compiled kernel switched off
+  (``attnuq.ops._native.disabled()``, as without a C compiler or with ``ATTNUQ_NATIVE=0``): the
+  fused torch path of ``levy_attention``, which is what the kernel replaces.
 * ``50 draws`` -- the same variance estimated from 50 explicit draws of the Poisson random
   measure (``LevyAttention.sample(num_samples=50)`` then the variance over draws) against the
   closed form. Target: >= 20x slower than the closed form.
 * ``train step`` -- forward + backward of ``mean.sum() + sigma.sum()`` against the softmax
-  reference's ``mean.sum()`` (autograd path of the operator).
+  reference's ``mean.sum()`` (autograd path of the operator; the kernel is inference-only).
 * ``fresh allocator`` -- the first row, timed before the allocator warm-up below.
 
 Memory allocator: glibc returns freed heap memory to the OS until a large block has been freed
@@ -69,7 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from attnuq.nn import LevyAttention
-from attnuq.ops import levy_attention
+from attnuq.ops import _native, levy_attention
 
 B, N, Q, H, D_MODEL, C = 32, 256, 64, 4, 64, 41
 
@@ -170,7 +171,6 @@ def run(repeats: int, draws_repeats: int) -> list[dict[str, Any]]:
                      t, "(info)", None))
     _print(rows[-1])
     warm_allocator()
-    rows += run_kernels(repeats)
     for n_fourier in (8, 0):
         rows += run_config(n_fourier, x, repeats, draws_repeats)
     return rows
@@ -180,38 +180,6 @@ def _print(row: dict[str, Any]) -> None:
     print(f"{row['case']:74s} levy {row['levy_ms']:8.2f} ms  ref {row['ref_ms']:8.2f} ms"
           f"  ratio {row['ratio']:6.2f}  faults/call {row['levy_faults']:7.1f} /"
           f" {row['ref_faults']:7.1f}  target {row['target']}", flush=True)
-
-
-def run_kernels(repeats: int) -> list[dict[str, Any]]:
-    """The fused attention kernel alone at Levy's value widths against the softmax width."""
-    g = torch.Generator().manual_seed(1)
-    dv = D_MODEL // H
-    mask = make_data()["mask"][:, None, None, :]
-    bias = torch.where(mask, 0.0, -1e4)
-
-    def qkv(w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (torch.randn(B, H, Q, w, generator=g), torch.randn(B, H, N, w, generator=g),
-                torch.randn(B, H, N, w, generator=g))
-
-    q0, k0, v0 = qkv(dv)
-    rows = []
-    with torch.no_grad():
-        for w, what in ((2 * dv, "per-dim"), (dv + 1, "trace")):
-            qw, kw, vw = qkv(w)
-
-            def levy_kernel(qw: torch.Tensor = qw, kw: torch.Tensor = kw,
-                            vw: torch.Tensor = vw) -> torch.Tensor:
-                return F.scaled_dot_product_attention(qw, kw, vw, attn_mask=bias)
-
-            t = time_pair(
-                levy_kernel,
-                lambda: F.scaled_dot_product_attention(q0, k0, v0, attn_mask=mask),
-                repeats,
-            )
-            rows.append(_row(f"attention kernel: width {w} (Levy, {what}) vs {dv} (softmax)", t,
-                             "(info)", None))
-            _print(rows[-1])
-    return rows
 
 
 def run_config(
@@ -236,6 +204,10 @@ def run_config(
     layer.per_dim = True
     add(_row(f"levy module (mean, sigma; per_dim=False) vs softmax ({tag})", t, "<= 1.3",
              t[2] <= 1.3))
+    with torch.no_grad(), _native.disabled():
+        t = time_pair(lambda: layer(**x), lambda: softmax_reference(layer, x), repeats)
+    add(_row(f"levy module, torch path (kernel off; mean, sigma, per-dim var) vs softmax ({tag})",
+             t, "(info)", None))
 
     with torch.no_grad():
         times, channels, values, qc = layer._check(
@@ -278,62 +250,33 @@ def machine_line() -> str:
     return (f"{platform.platform()}, {platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} CPUs, torch {torch.__version__}, "
             f"{torch.get_num_threads()} torch thread(s), "
-            f"load average {os.getloadavg()[0]:.1f} at start")
+            f"load average {os.getloadavg()[0]:.1f} at start; Levy kernel: "
+            f"{str(_native.status()['reason']).split(': /')[0]}")
 
 
 NOTES = """\
 ## How the closed form is computed
 
-* Inference (no autograd), ``attnuq.ops.levy_attention`` with the fused backend: ONE call of
-  the CPU flash-attention kernel per block of 256 observations, with scores ``beta cos(q, k_i)``
-  (normalised queries and keys), values ``[v_i - ref, (v_i - ref)^2 + s_i]`` (per-dimension
-  second moment, width ``2 Dv``) or ``[v_i - ref, |v_i - ref|^2 + tr s_i]`` (trace only, width
-  ``Dv + 1``), and the key-padding mask as an additive ``-1e4``. The kernel also returns the
-  log-sum-exp of the scores, which is ``log(Lambda / alpha) + beta``: mean, second moment and
-  evidence come out of the same pass. Keys and values are two overlapping views of one buffer
-  ``[k_i | v_i - ref | second moment]`` (the keys' zero-padding columns are met by zeros in the
-  queries), so nothing is zero-filled; the buffer is kept per thread and reused by the next
-  call of the same shape.
-* The within-atom variance of the value field, ``s_ij = D_j Cov(g(t)) D_j^T``, is one GEMM of
-  the ``K (K + 1)`` distinct products ``cos z_k cos z_l``, ``sin z_k sin z_l`` (``k <= l``;
-  72 for ``K = 8``, half of the ``2 K^2`` products), built transposed so that every product
-  runs over ``B N`` contiguous numbers; with ``per_dim=False`` its weights are summed over the
-  output dimension first (a ``72 x H`` GEMM instead of ``72 x H Dv``).
-* ``phi(Lambda)``: one Clenshaw recurrence over dyadic Chebyshev pieces covering
-  ``(1, 4096]``.
-* Training (autograd) uses the differentiable form: a sentinel key of known score recovers
-  the normaliser the softmax drops, so the kernel's width is one column more.
+* Inference (no autograd) in float32 on CPU, ``attnuq.ops.levy_attention`` runs the compiled
+  kernel ``src/attnuq/ops/csrc/levy.c`` (built on first use with the system C compiler; see
+  ``attnuq.ops._native``). Per series it gathers the observed entries in order (masked ones cost
+  nothing), normalises the keys of every head, forms the value field's mean ``vbar_i`` and
+  within-atom variance ``s_i`` and keeps the rows ``[vbar_i - ref, (vbar_i - ref)^2 + s_i]`` in
+  cache; per head and tile of queries it computes the scores ``beta cos(q, k_i)``, the weights
+  ``2^(s - max)`` with their sum, the weighted rows (mean and second moment in one pass),
+  ``Lambda = alpha 2^(max - beta log2 e) z``, ``phi(Lambda)`` and the outputs, written in the
+  ``(B, Q, H, ...)`` layout the module concatenates for free.
+* The within-atom variance ``s_ij = D_j Cov(g(t)) D_j^T`` is a product with the ``K (K + 1)``
+  distinct pair features ``cos z_k cos z_l``, ``sin z_k sin z_l`` (``k <= l``; 72 for ``K = 8``)
+  per observation; with ``per_dim=False`` its weights are summed over the output dimension.
+* The only work the matched softmax layer does not do is the second moment (the weighted rows
+  are ``2 Dv`` wide instead of ``Dv``), the within-atom variance and ``phi``.
+* Without a C compiler (or with ``ATTNUQ_NATIVE=0``) the fused torch path runs: one CPU
+  flash-attention call with values ``[v_i - ref, (v_i - ref)^2 + s_i]`` whose log-sum-exp gives
+  ``Lambda``; the `torch path` rows time it.
+* Training (autograd) uses the differentiable torch path (a sentinel key of known score
+  recovers the normaliser the softmax drops).
 """
-
-
-def floor_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """Ratio floors implied by the kernel rows of the same run (see the module docstring)."""
-    by_case = {r["case"]: r for r in rows}
-    out = ["## What bounds the ratio (this run's numbers)", ""]
-    dv = D_MODEL // H
-    for what, w, label in (("per-dim", 2 * dv, "mean, sigma, per-dim var"),
-                           ("trace", dv + 1, "mean, sigma; per_dim=False")):
-        kr = by_case.get(f"attention kernel: width {w} (Levy, {what}) vs {dv} (softmax)")
-        if kr is None:
-            continue
-        extra = kr["levy_ms"] - kr["ref_ms"]
-        for tag in ("K=8", "K=0"):
-            mr = by_case.get(f"levy module ({label}) vs softmax ({tag})")
-            if mr is None:
-                continue
-            floor = 1.0 + extra / mr["ref_ms"]
-            rest = mr["levy_ms"] - mr["ref_ms"] - extra
-            out.append(
-                f"* {label}, {tag}: the attention kernel at width {w} instead of {dv} costs "
-                f"{extra:.2f} ms more, a floor of {floor:.2f}x on the module ratio against the "
-                f"{mr['ref_ms']:.2f} ms reference; the remaining {rest:.2f} ms of the "
-                f"{mr['levy_ms'] - mr['ref_ms']:.2f} ms difference is the work outside the kernel "
-                "(key normalisation and the value buffer, the value field's within-atom "
-                "variance, phi and the uncertainty outputs; the `levy op` row times the "
-                "operator alone, with the defaults, against SDPA on the same tensors)."
-            )
-    out.append("")
-    return out
 
 
 def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -366,7 +309,6 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "rows is the matched softmax layer (same embeddings, same value field, softmax attention; "
         "see the script's docstring). The first row ran before the allocator warm-up.",
         "",
-        *floor_lines(rows),
         NOTES,
     ]
     return "\n".join(lines)

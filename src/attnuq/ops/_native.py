@@ -108,23 +108,8 @@ def _compile(cc: str, flags: list[str], out: Path) -> str | None:
             os.unlink(tmp)
 
 
-class _LevyArgs(ctypes.Structure):
-    """``struct levy_args`` of ``csrc/levy.c`` (same field order and types)."""
-
-    _fields_ = [
-        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("a", ctypes.c_void_p),
-        ("qs", ctypes.c_int64 * 3), ("ks", ctypes.c_int64 * 3), ("as_", ctypes.c_int64 * 3),
-        ("ct", ctypes.c_void_p), ("st", ctypes.c_void_p), ("ldc", ctypes.c_int64),
-        ("hw", ctypes.c_int64),
-        ("mask", ctypes.c_void_p), ("dims", ctypes.c_int64 * 8),
-        ("alpha", ctypes.c_void_p), ("beta", ctypes.c_void_p), ("h", ctypes.c_void_p),
-        ("omega", ctypes.c_void_p), ("D", ctypes.c_void_p), ("phi_tab", ctypes.c_void_p),
-        ("mean", ctypes.c_void_p), ("var", ctypes.c_void_p), ("sigma_dim", ctypes.c_void_p),
-        ("evidence", ctypes.c_void_p), ("phi", ctypes.c_void_p), ("sigma", ctypes.c_void_p),
-        ("os", ctypes.c_int64 * 3), ("ss", ctypes.c_int64 * 3),
-    ]
-
-
+# words of struct levy_args (csrc/levy.c), passed as one int64 array in its field order
+_LEVY_ARGS_WORDS = 43
 # return codes of attnuq_levy_* (or-ed over threads)
 _LEVY_NOMEM = 1
 _LEVY_NONFINITE = 2
@@ -187,8 +172,13 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         for name in ("attnuq_levy_f32", "attnuq_levy_f64"):
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int64
-            fn.argtypes = [ctypes.POINTER(_LevyArgs), ctypes.c_int64, ctypes.c_int64,
-                           ctypes.c_int64]
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+        lib.attnuq_levy_args_words.restype = ctypes.c_int64
+        lib.attnuq_levy_args_words.argtypes = []
+        if lib.attnuq_levy_args_words() != _LEVY_ARGS_WORDS:
+            errors.append(f"{path}: struct levy_args has {lib.attnuq_levy_args_words()} words, "
+                          f"levy_forward passes {_LEVY_ARGS_WORDS} (sources out of sync)")
+            continue
         lib.attnuq_phi_tab_len.restype = ctypes.c_int64
         lib.attnuq_phi_tab_len.argtypes = []
         lib.attnuq_phi_f64.restype = None
@@ -432,35 +422,35 @@ def levy_forward(
         )
     # every tensor the kernel reads stays referenced (by `keep`) until it returns
     keep = [mask.contiguous(), alpha.contiguous(), beta.contiguous()]
-    args = _LevyArgs()
-    args.q, args.k, args.a = q.data_ptr(), k.data_ptr(), a.data_ptr()
-    args.qs[:], args.ks[:], args.as_[:] = q.stride()[:3], k.stride()[:3], a.stride()[:3]
     if field is not None:
         keep += [t.contiguous() for t in field]
-        ctc, stc, omc, ddc, hhc = keep[3:]
-        args.ct, args.st, args.ldc, args.hw = ctc.data_ptr(), stc.data_ptr(), ctc.stride(1), hw
-        args.omega, args.D, args.h = omc.data_ptr(), ddc.data_ptr(), hhc.data_ptr()
-    args.mask = keep[0].data_ptr()
-    args.dims[:] = (B, H, Q, N, E, Dv, K, int(per_dim))
-    args.alpha, args.beta = keep[1].data_ptr(), keep[2].data_ptr()
-    args.phi_tab = _phi_table().data_ptr()
     mean = q.new_empty(B, Q, H, Dv)
     var = q.new_empty(B, Q, H, Dv) if per_dim else None
     sigma_dim = q.new_empty(B, Q, H, Dv) if per_dim else None
     evidence, phi_, sigma = (q.new_empty(B, Q, H) for _ in range(3))
-    args.mean, args.evidence = mean.data_ptr(), evidence.data_ptr()
-    args.phi, args.sigma = phi_.data_ptr(), sigma.data_ptr()
-    if var is not None and sigma_dim is not None:
-        args.var, args.sigma_dim = var.data_ptr(), sigma_dim.data_ptr()
-    args.os[:] = (Q * H * Dv, Dv, H * Dv)  # (b, h, q) strides of (B, Q, H, Dv) memory
-    args.ss[:] = (Q * H, 1, H)
+    ct_, st_, om_, dd_, hh_ = keep[3:] if field is not None else (None,) * 5
+
+    def ptr(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.data_ptr()
+
+    words = [  # struct levy_args, field by field
+        q.data_ptr(), k.data_ptr(), a.data_ptr(), *q.stride()[:3], *k.stride()[:3],
+        *a.stride()[:3], ptr(ct_), ptr(st_), 0 if ct_ is None else ct_.stride(1), hw,
+        keep[0].data_ptr(), B, H, Q, N, E, Dv, K, int(per_dim),
+        keep[1].data_ptr(), keep[2].data_ptr(), ptr(hh_), ptr(om_), ptr(dd_),
+        _phi_table().data_ptr(), mean.data_ptr(), ptr(var), ptr(sigma_dim),
+        evidence.data_ptr(), phi_.data_ptr(), sigma.data_ptr(),
+        Q * H * Dv, Dv, H * Dv,  # (b, h, q) strides of (B, Q, H, Dv) memory
+        Q * H, 1, H,  # and of (B, Q, H)
+    ]
+    args = (ctypes.c_int64 * _LEVY_ARGS_WORDS)(*words)
     fn = lib.attnuq_levy_f32 if dt == torch.float32 else lib.attnuq_levy_f64
     # batch elements are split over the threads (each takes all heads of its series)
     work = H * Q * max(N, 1) * (E + 2 * Dv)
     workers = max(1, min(torch.get_num_threads(), B, B * work // _MIN_ELEMS_PER_THREAD))
     code = 0
     if B:
-        ref = ctypes.byref(args)
+        ref = ctypes.addressof(args)
         if workers == 1 or _has_openmp(lib):
             code = int(fn(ref, 0, B, workers))
         else:

@@ -55,9 +55,22 @@ Math (METHODS.md section 2), per batch element, head and query ``q``
 
 Implementation notes
 --------------------
-* Fast path (``backend="sdpa"``, chosen by ``"auto"`` when ``beta <= log(finfo.max) / 4``, i.e.
-  22 in float32 and 177 in float64): the sums ``sum_i e^{beta cos_qi} [v_i, v_i^2 + s_i]`` and
-  the normaliser come from ONE fused attention call per block.
+* Compiled path (``backend="native"``; what ``"auto"`` runs for float32 on CPU without autograd):
+  ``csrc/levy.c`` through :mod:`attnuq.ops._native`, everything after the time features
+  (torch's ``cos``/``sin``) in one pass per series: the observed entries are gathered in order,
+  keys normalised, ``vbar`` and the within-atom variance formed (field weights derived from
+  ``D``, ``omega``, ``h`` in double), the rows ``[vbar - ref, second moment]`` kept in cache, then
+  per head and tile of queries the scores, ``2^(s - max)``, the weighted rows, ``Lambda``,
+  ``phi`` (the tables of :mod:`attnuq.ops.phi`) and the outputs. float32 and float64; any
+  ``beta`` (max-shifted like the explicit path); sums over observations in index order, so
+  appended masked entries change no bit. It reads only observed rows of ``k`` and ``a`` and
+  checks them (and ``q``) itself: a non-finite value sends the call to the detailed checks of
+  the torch path, which raise (or, for finite values whose squares overflow, run the torch path).
+  Tested against the explicit path at 1e-12 in float64.
+* Fused torch path (``backend="sdpa"``, chosen by ``"auto"`` otherwise when
+  ``beta <= log(finfo.max) / 4``, i.e. 22 in float32 and 177 in float64): the sums
+  ``sum_i e^{beta cos_qi} [v_i, v_i^2 + s_i]`` and the normaliser come from ONE fused attention
+  call per block.
 
   - Without autograd (inference) on CPU: the flash-attention kernel behind
     ``F.scaled_dot_product_attention`` also returns ``lse_q = log sum_i e^{beta cos_qi}``, so
@@ -677,22 +690,28 @@ def levy_attention(
         ``(Dv, K)`` or ``(H, Dv, K)`` loading of ``g`` in the value field (None means ``D = 0``).
     per_dim : bool
         Compute ``var`` and ``sigma_dim`` per value dimension (default). ``False`` computes only
-        the trace (``sigma``), which halves the width of the fused attention call.
+        the trace (``sigma``), which halves the width of the weighted value rows.
     block_size : int
-        Observations per block in the sums over ``N`` (see module docstring).
-    backend : {"auto", "sdpa", "explicit"}
-        ``"sdpa"``: one fused ``F.scaled_dot_product_attention`` per block with a sentinel key
-        that recovers the normaliser (see :func:`_accumulate_sdpa`); needs
-        ``beta <= log(finfo.max) / 4`` (22 in float32, 177 in float64). ``"explicit"``: scores,
-        a max shift, ``exp`` and GEMMs (the reference; any ``beta``). ``"auto"`` picks
-        ``"sdpa"`` when ``beta`` allows and ``B * H * Q * N_obs >= 65536`` (``N_obs``: most observed
-        entries in a series; below that the fused
-        kernel's thread start-up costs more than it saves).
+        Observations per block in the sums over ``N`` of the torch paths (see module
+        docstring); the compiled path sums in index order and ignores it.
+    backend : {"auto", "native", "sdpa", "explicit"}
+        ``"native"``: the compiled CPU kernel (inference only; float32 or float64; see the
+        module docstring); raises ``ValueError`` where it cannot run (autograd, another device
+        or dtype, no C compiler / ``ATTNUQ_NATIVE=0``). ``"sdpa"``: one fused
+        ``F.scaled_dot_product_attention`` per block with a sentinel key that recovers the
+        normaliser (see :func:`_accumulate_sdpa`); needs ``beta <= log(finfo.max) / 4`` (22 in
+        float32, 177 in float64). ``"explicit"``: scores, a max shift, ``exp`` and GEMMs (the
+        reference; any ``beta``). ``"auto"``: ``"native"`` for float32 on CPU without autograd
+        when the kernel is available; otherwise ``"sdpa"`` when ``beta`` allows and
+        ``B * H * Q * N_obs >= 65536`` (``N_obs``: most observed entries in a series; below that
+        the fused kernel's thread start-up costs more than it saves), else ``"explicit"``.
 
     Returns
     -------
     LevyResult
-        ``mean``, ``var``, ``evidence``, ``p_empty``, ``phi``, ``sigma``, ``sigma_dim``.
+        ``mean``, ``var``, ``evidence``, ``p_empty``, ``phi``, ``sigma``, ``sigma_dim``, shaped
+        ``(B, H, Q, ...)`` (on the compiled path: transposed views of ``(B, Q, H, ...)`` memory,
+        so that concatenating the heads is free).
 
     Raises
     ------

@@ -52,7 +52,8 @@
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
-/* Arguments (mirrored by a ctypes.Structure in attnuq/ops/_native.py; keep in sync). */
+/* Arguments: LEVY_ARGS_WORDS 8-byte words (pointers and int64), passed from Python as one int64
+ * array in this order (attnuq/ops/_native.py, levy_forward; keep in sync). */
 struct levy_args {
     const void *q, *k, *a;       /* (B, H, Q, E), (B, H, N, E), (B, H, N, Dv): unit last stride */
     int64_t qs[3], ks[3], as[3]; /* element strides of b, h and the row */
@@ -69,6 +70,12 @@ struct levy_args {
     void *evidence, *phi, *sigma; /* (B, H, Q) at strides ss */
     int64_t os[3], ss[3];
 };
+
+#define LEVY_ARGS_WORDS 43
+_Static_assert(sizeof(struct levy_args) == LEVY_ARGS_WORDS * sizeof(int64_t),
+               "struct levy_args must be LEVY_ARGS_WORDS 8-byte words");
+
+int64_t attnuq_levy_args_words(void) { return LEVY_ARGS_WORDS; }
 
 /* return codes (or-ed over the threads) */
 #define LEVY_NOMEM 1

@@ -132,14 +132,18 @@ static T FN(softmax_row)(T *s, int64_t np, T m) {
     return FN(hsum)(zv);
 }
 
-/* O[r][c0 .. c0 + nv LANES) = sum_i e[r][i] v[i][c0 ..] for rows r and r + 1. */
+/* O[r][c0 .. c0 + nv LANES) (+)= sum_{i in [i0, i1)} e[r][i] v[i][c0 ..] for rows r, r + 1
+ * (acc = 0 starts from zero). */
 static inline __attribute__((always_inline)) void FN(pv2)(const T *e0, const T *e1,
-                                                          const T *v, int64_t np, int64_t wp,
-                                                          int64_t c0, T *o0, T *o1,
-                                                          const int nv) {
+                                                          const T *v, int64_t i0, int64_t i1,
+                                                          int64_t wp, int64_t c0, T *o0, T *o1,
+                                                          int acc, const int nv) {
     VT a0[4], a1[4];
-    for (int t = 0; t < nv; t++) a0[t] = a1[t] = SPLAT(0);
-    for (int64_t i = 0; i < np; i++) {
+    for (int t = 0; t < nv; t++) {
+        a0[t] = acc ? LD(o0 + c0 + t * LANES) : SPLAT(0);
+        a1[t] = acc ? LD(o1 + c0 + t * LANES) : SPLAT(0);
+    }
+    for (int64_t i = i0; i < i1; i++) {
         const T *vi = v + i * wp + c0;
         VT x0 = SPLAT(e0[i]), x1 = SPLAT(e1[i]);
         for (int t = 0; t < nv; t++) {
@@ -154,17 +158,27 @@ static inline __attribute__((always_inline)) void FN(pv2)(const T *e0, const T *
     }
 }
 
-/* O[r][0 .. wp) = sum_i e[r][i] v[i][0 .. wp) for rows r in [0, nr) (nr even). */
+#define PV_BLOCK 64 /* observations whose value rows stay in L1 while every row pair uses them */
+
+/*
+ * O[r][0 .. wp) = sum_i e[r][i] v[i][0 .. wp) for rows r in [0, nr) (nr even). The observations
+ * run in blocks of PV_BLOCK for all rows before the next block; each output still sums its terms
+ * in index order on one accumulator, so the blocking changes no bit.
+ */
 static void FN(pv)(const T *e, int64_t nr, int64_t np, const T *v, int64_t wp, T *O) {
-    for (int64_t r = 0; r < nr; r += 2) {
-        const T *e0 = e + r * np, *e1 = e0 + np;
-        T *o0 = O + r * wp, *o1 = o0 + wp;
-        for (int64_t c0 = 0; c0 < wp; c0 += 4 * LANES) {
-            switch ((wp - c0) / LANES) {
-            case 1: FN(pv2)(e0, e1, v, np, wp, c0, o0, o1, 1); break;
-            case 2: FN(pv2)(e0, e1, v, np, wp, c0, o0, o1, 2); break;
-            case 3: FN(pv2)(e0, e1, v, np, wp, c0, o0, o1, 3); break;
-            default: FN(pv2)(e0, e1, v, np, wp, c0, o0, o1, 4); break;
+    for (int64_t i0 = 0; i0 < np; i0 += PV_BLOCK) {
+        const int64_t i1 = i0 + PV_BLOCK < np ? i0 + PV_BLOCK : np;
+        const int acc = i0 > 0;
+        for (int64_t r = 0; r < nr; r += 2) {
+            const T *e0 = e + r * np, *e1 = e0 + np;
+            T *o0 = O + r * wp, *o1 = o0 + wp;
+            for (int64_t c0 = 0; c0 < wp; c0 += 4 * LANES) {
+                switch ((wp - c0) / LANES) {
+                case 1: FN(pv2)(e0, e1, v, i0, i1, wp, c0, o0, o1, acc, 1); break;
+                case 2: FN(pv2)(e0, e1, v, i0, i1, wp, c0, o0, o1, acc, 2); break;
+                case 3: FN(pv2)(e0, e1, v, i0, i1, wp, c0, o0, o1, acc, 3); break;
+                default: FN(pv2)(e0, e1, v, i0, i1, wp, c0, o0, o1, acc, 4); break;
+                }
             }
         }
     }
@@ -428,8 +442,15 @@ static int64_t FN(levy_batches)(const struct levy_args *A, int64_t b0, int64_t b
          * per observation: in the (B, N, H, E) layout of the module's projections that reads
          * memory in order. Rows past no are 0. */
         const T *kb = k + b * A->ks[0], *ab = a + b * A->as[0];
+        VT afin = SPLAT(0); /* squares of the observed a, summed: finite iff all are */
+        T afin_s = 0;
         for (int64_t i = 0; i < nb; i++) {
             const int64_t src = i < no ? idx[i] : -1;
+            if (i + 4 < no) /* the rows four observations ahead, every head */
+                for (int64_t h = 0; h < H; h++) {
+                    __builtin_prefetch(kb + h * A->ks[1] + idx[i + 4] * A->ks[2]);
+                    __builtin_prefetch(ab + h * A->as[1] + idx[i + 4] * A->as[2]);
+                }
             for (int64_t h = 0; h < H; h++) {
                 T *kt = kt_all + h * E * nb;
                 T *vi = v_all + (h * nb + i) * wp;
@@ -438,28 +459,27 @@ static int64_t FN(levy_batches)(const struct levy_args *A, int64_t b0, int64_t b
                     const T *kr = kb + h * A->ks[1] + src * A->ks[2];
                     const T *ai = ab + h * A->as[1] + src * A->as[2];
                     const T ssq = FN(sumsq)(kr, E);
+                    if (!isfinite(ssq)) status |= LEVY_NONFINITE;
                     const T nrm = SQRT(ssq);
                     const T inv = (T)1 / (nrm > (T)1e-12 ? nrm : (T)1e-12);
                     for (int64_t e = 0; e < E; e++) kt[e * nb + i] = kr[e] * inv;
                     /* vector copies: a plain loop here would become a memcpy call */
-                    VT av = SPLAT(0);
                     for (; j + LANES <= Dv; j += LANES) {
                         VT x = LD(ai + j);
                         ST(vi + j, x);
-                        av += x * x;
+                        afin += x * x;
                     }
-                    T asum = FN(hsum)(av);
                     for (; j < Dv; j++) {
                         vi[j] = ai[j];
-                        asum += ai[j] * ai[j];
+                        afin_s += ai[j] * ai[j];
                     }
-                    if (!isfinite(ssq) || !isfinite(asum)) status |= LEVY_NONFINITE;
                 } else {
                     for (int64_t e = 0; e < E; e++) kt[e * nb + i] = 0;
                 }
                 for (; j < dvp; j++) vi[j] = 0;
             }
         }
+        if (!isfinite(FN(hsum)(afin) + afin_s)) status |= LEVY_NONFINITE;
         for (int64_t h = 0; h < H; h++) {
             const T *kt = kt_all + h * E * nb;
             T *v = v_all + h * nb * wp;
@@ -474,8 +494,10 @@ static int64_t FN(levy_batches)(const struct levy_args *A, int64_t b0, int64_t b
     return status;
 }
 
-int64_t CAT(attnuq_levy_, SFX)(const struct levy_args *A, int64_t b0, int64_t b1,
-                               int64_t nthreads) {
+int64_t CAT(attnuq_levy_, SFX)(const int64_t *raw, int64_t b0, int64_t b1, int64_t nthreads) {
+    struct levy_args args;
+    const struct levy_args *A = &args;
+    memcpy(&args, raw, sizeof args);
     int64_t err = 0;
     (void)nthreads;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1) reduction(| : err)
