@@ -261,11 +261,12 @@ def test_block_size_does_not_change_result(backend: str) -> None:
 # ------------------------------------------------------------------------ limits
 
 
-def test_h_zero_no_fourier_is_cosine_softmax() -> None:
+@pytest.mark.parametrize("backend", ["auto", "native"])
+def test_h_zero_no_fourier_is_cosine_softmax(backend: str) -> None:
     args, _ = make_problem(fourier=False)
     q, k, a, times, mask = args
     for h in (0.0, 0.3):  # with D = 0 the bandwidth plays no role
-        r = levy_attention(q, k, a, times, mask, alpha=1.0, beta=2.5, h=h)
+        r = levy_attention(q, k, a, times, mask, alpha=1.0, beta=2.5, h=h, backend=backend)
         torch.testing.assert_close(
             r.mean, ref_cosine_softmax(q, k, a, mask, 2.5), atol=1e-13, rtol=0
         )
@@ -273,14 +274,16 @@ def test_h_zero_no_fourier_is_cosine_softmax() -> None:
     z = levy_attention(
         q, k, a, times, mask, alpha=1.0, beta=2.5, h=0.0,
         omega=torch.rand(4, dtype=F64), phase=torch.rand(4, dtype=F64),
-        D=torch.zeros(a.shape[-1], 4, dtype=F64),
+        D=torch.zeros(a.shape[-1], 4, dtype=F64), backend=backend,
     )
     torch.testing.assert_close(z.mean, ref_cosine_softmax(q, k, a, mask, 2.5), atol=1e-13, rtol=0)
 
 
-def test_h_to_zero_is_continuous_and_removes_within_atom_variance() -> None:
+@pytest.mark.parametrize("backend", ["auto", "native"])
+def test_h_to_zero_is_continuous_and_removes_within_atom_variance(backend: str) -> None:
     """At h = 0 each atom of observation i carries exactly a_i + D g(t_i)."""
     args, kw = make_problem()
+    kw["backend"] = backend
     q, k, a, times, mask = args
     kw0 = dict(kw, h=0.0)
     r0 = levy_attention(*args, **kw0)
@@ -288,12 +291,15 @@ def test_h_to_zero_is_continuous_and_removes_within_atom_variance() -> None:
     assert_result_close(r0, r_small, atol=1e-10)
     g = torch.cos(times[:, None, :, None] * kw["omega"][None, :, None] + kw["phase"][None, :, None])
     v = a + torch.einsum("bhnk,hjk->bhnj", g, kw["D"])
-    r_plain = levy_attention(q, k, v, times, mask, alpha=kw["alpha"], beta=kw["beta"], h=0.0)
+    r_plain = levy_attention(q, k, v, times, mask, alpha=kw["alpha"], beta=kw["beta"], h=0.0,
+                             backend=backend)
     assert_result_close(r0, r_plain, atol=1e-12)
 
 
-def test_alpha_to_infinity_drives_sigma_to_zero() -> None:
+@pytest.mark.parametrize("backend", ["auto", "native"])
+def test_alpha_to_infinity_drives_sigma_to_zero(backend: str) -> None:
     args, kw = make_problem()
+    kw["backend"] = backend
     sig, tr = [], []
     for alpha in (1.0, 1e2, 1e4, 1e6):
         r = levy_attention(*args, **dict(kw, alpha=alpha))
@@ -310,8 +316,10 @@ def test_alpha_to_infinity_drives_sigma_to_zero() -> None:
 # ------------------------------------------------------------------------ edge cases
 
 
-def test_empty_series_defined_output() -> None:
+@pytest.mark.parametrize("backend", ["auto", "native"])
+def test_empty_series_defined_output(backend: str) -> None:
     args, kw = make_problem(B=2)
+    kw["backend"] = backend
     q, k, a, times, mask = args
     mask = mask.clone()
     mask[0] = False
@@ -328,11 +336,12 @@ def test_empty_series_defined_output() -> None:
     )
 
 
-def test_negative_and_unsorted_times_are_allowed() -> None:
+@pytest.mark.parametrize("backend", ["auto", "native"])
+def test_negative_and_unsorted_times_are_allowed(backend: str) -> None:
     args, kw = make_problem()
     q, k, a, times, mask = args
     shifted = times - 100.0
-    r = levy_attention(q, k, a, shifted, mask, **kw)
+    r = levy_attention(q, k, a, shifted, mask, **kw, backend=backend)
     ref = ref_levy(q, k, a, shifted, mask, **kw)
     np.testing.assert_allclose(r.mean.numpy(), ref["mean"], atol=1e-10)
 
