@@ -11,33 +11,39 @@
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef double v4d __attribute__((vector_size(32)));
+typedef int64_t v4l __attribute__((vector_size(32)));
 
-static inline v8f ld8(const float *p) {
-    v8f x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
+/*
+ * For a vector type VT of scalars T (with VI the integer vector of a comparison): unaligned load
+ * LD, store ST, broadcast SPLAT, lane-wise SEL(m, a, b) = m ? a : b (m all ones or all zeros per
+ * lane, as from a vector comparison) and MAX(a, b) (no NaN expected).
+ */
+#define DEFINE_VEC_OPS(VT, VI, T, LD, ST, SPLAT, SEL, MAX)                                    \
+    static inline VT LD(const T *p) {                                                           \
+        VT x;                                                                                   \
+        memcpy(&x, p, sizeof x);                                                                \
+        return x;                                                                               \
+    }                                                                                           \
+    static inline void ST(T *p, VT x) { memcpy(p, &x, sizeof x); }                              \
+    static inline VT SPLAT(T a) {                                                               \
+        VT x;                                                                                   \
+        for (size_t l = 0; l < sizeof(VT) / sizeof(T); l++) x[l] = a;                           \
+        return x;                                                                               \
+    }                                                                                           \
+    static inline VT SEL(VI m, VT a, VT b) {                                                    \
+        VI ai, bi, ri;                                                                          \
+        VT r;                                                                                   \
+        memcpy(&ai, &a, sizeof a);                                                              \
+        memcpy(&bi, &b, sizeof b);                                                              \
+        ri = (m & ai) | (~m & bi);                                                              \
+        memcpy(&r, &ri, sizeof r);                                                              \
+        return r;                                                                               \
+    }                                                                                           \
+    static inline VT MAX(VT a, VT b) { return SEL(a > b, a, b); }
 
-static inline void st8(float *p, v8f x) { memcpy(p, &x, sizeof x); }
-
-static inline v8f splat8(float a) {
-    v8f x = {a, a, a, a, a, a, a, a};
-    return x;
-}
-
-/* lane-wise m ? a : b (m from a vector comparison: all ones or all zeros per lane) */
-static inline v8f sel8(v8i m, v8f a, v8f b) {
-    v8i ai, bi, ri;
-    v8f r;
-    memcpy(&ai, &a, sizeof a);
-    memcpy(&bi, &b, sizeof b);
-    ri = (m & ai) | (~m & bi);
-    memcpy(&r, &ri, sizeof r);
-    return r;
-}
-
-/* lane-wise max (no NaN expected) */
-static inline v8f max8(v8f a, v8f b) { return sel8(a > b, a, b); }
+DEFINE_VEC_OPS(v8f, v8i, float, ld8, st8, splat8, sel8, max8)
+DEFINE_VEC_OPS(v4d, v4l, double, ld4d, st4d, splat4d, sel4d, max4d)
 
 /* 2^x lane-wise for x <= 0 (x may be -inf); exactly 0 below -126. */
 static inline v8f exp2_nonpos8(v8f x) {
@@ -58,33 +64,6 @@ static inline v8f exp2_nonpos8(v8f x) {
     v8f sc;
     memcpy(&sc, &bits, sizeof sc);
     return sel8(small, splat8(0.0f), p * sc);
-}
-
-typedef double v4d __attribute__((vector_size(32)));
-typedef int64_t v4l __attribute__((vector_size(32)));
-
-static inline v4d ld4d(const double *p) {
-    v4d x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-static inline void st4d(double *p, v4d x) { memcpy(p, &x, sizeof x); }
-
-static inline v4d splat4d(double a) {
-    v4d x = {a, a, a, a};
-    return x;
-}
-
-/* lane-wise max (no NaN expected) */
-static inline v4d max4d(v4d a, v4d b) {
-    v4l m = a > b, ai, bi, ri;
-    v4d r;
-    memcpy(&ai, &a, sizeof a);
-    memcpy(&bi, &b, sizeof b);
-    ri = (m & ai) | (~m & bi);
-    memcpy(&r, &ri, sizeof r);
-    return r;
 }
 
 /* 2^x lane-wise for x <= 0 (x may be -inf), by libm's exp2 per lane. */
