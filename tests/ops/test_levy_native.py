@@ -68,9 +68,10 @@ def test_long_series_and_query_tiles() -> None:
     _close(r, levy_attention(*args, **kw, backend="explicit"), rtol=1e-11, atol=1e-12)
 
 
-def test_float32_module_layout_and_auto_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32 without autograd runs the kernel under backend="auto" and agrees with the torch
-    path; the outputs are (B, H, Q, ...) views of (B, Q, H, ...) memory."""
+def test_auto_choice_and_output_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 and float64 without autograd run the kernel under backend="auto" (float32 agrees
+    with the torch path to its rounding); the outputs are (B, H, Q, ...) views of (B, Q, H, ...)
+    memory; autograd and other dtypes keep the torch paths."""
     args, kw = make_problem(B=2, H=3, Q=6, N=50, E=8, Dv=4, K=3, dtype=torch.float32, seed=2)
     kw = {key: v.float() for key, v in _shared(kw).items()}
     calls = []
@@ -87,12 +88,17 @@ def test_float32_module_layout_and_auto_choice(monkeypatch: pytest.MonkeyPatch) 
     assert r.mean.shape == (2, 3, 6, 4) and r.mean.transpose(1, 2).is_contiguous()
     ref = levy_attention(*args, **kw, backend="explicit")
     _close(r, ref, rtol=2e-5, atol=2e-6)
-    # float64, or autograd, keep the torch paths
     calls.clear()
     args64 = tuple(x.double() if x.is_floating_point() else x for x in args)
     levy_attention(*args64, **{key: v.double() for key, v in kw.items()})
+    assert len(calls) == 1, "backend='auto' did not use the kernel for float64"
+    # autograd, and dtypes the kernel does not take, keep the torch paths
+    calls.clear()
     leaves = [x.clone().requires_grad_(True) for x in args[:3]]
     levy_attention(*leaves, *args[3:], **kw).sigma.sum().backward()
+    argsb = tuple(x.bfloat16() if x.is_floating_point() else x for x in args)
+    rb = levy_attention(*argsb, **{key: v.bfloat16() for key, v in kw.items()})
+    assert rb.mean.dtype == torch.bfloat16
     assert not calls
 
 

@@ -55,7 +55,7 @@ Math (METHODS.md section 2), per batch element, head and query ``q``
 
 Implementation notes
 --------------------
-* Compiled path (``backend="native"``; what ``"auto"`` runs for float32 on CPU without autograd):
+* Compiled path (``backend="native"``; what ``"auto"`` runs on CPU without autograd):
   ``csrc/levy.c`` through :mod:`attnuq.ops._native`, everything after the time features
   (torch's ``cos``/``sin``) in one pass per series: the observed entries are gathered in order,
   keys normalised, ``vbar`` and the within-atom variance formed (field weights derived from
@@ -701,8 +701,8 @@ def levy_attention(
         ``F.scaled_dot_product_attention`` per block with a sentinel key that recovers the
         normaliser (see :func:`_accumulate_sdpa`); needs ``beta <= log(finfo.max) / 4`` (22 in
         float32, 177 in float64). ``"explicit"``: scores, a max shift, ``exp`` and GEMMs (the
-        reference; any ``beta``). ``"auto"``: ``"native"`` for float32 on CPU without autograd
-        when the kernel is available; otherwise ``"sdpa"`` when ``beta`` allows and
+        reference; any ``beta``). ``"auto"``: ``"native"`` for float32 and float64 on CPU
+        without autograd when the kernel is available; otherwise ``"sdpa"`` when ``beta`` allows and
         ``B * H * Q * N_obs >= 65536`` (``N_obs``: most observed entries in a series; below that
         the fused kernel's thread start-up costs more than it saves), else ``"explicit"``.
 
@@ -741,7 +741,7 @@ def levy_attention(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad
         for t in (q, k, a, times, alpha, beta, h, omega, phase, D))
-    want_native = backend == "native" or (backend == "auto" and q.dtype == torch.float32)
+    want_native = backend in ("native", "auto")
     inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D,
                     light=want_native and not needs_grad)
     if want_native:
