@@ -228,3 +228,31 @@ def test_module_float32_matches_the_torch_path() -> None:
             assert (g is None) == (w is None), f
             if g is not None:
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f)
+
+
+def test_random_shapes_against_explicit() -> None:
+    """40 seeded random problems (B, H, Q, N, E, Dv, K, observed fraction, per-head or shared
+    frequencies, per_dim, beta up to 40): the kernel against the explicit path, float64."""
+    g = torch.Generator().manual_seed(123)
+
+    def draw(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    for case in range(40):
+        B, H, Q, N = draw(1, 4), draw(1, 5), draw(1, 19), draw(0, 70)
+        E, Dv, K = draw(1, 20), draw(1, 20), draw(0, 6)
+        p_obs = float(torch.rand(1, generator=g)) * 0.9 + 0.05
+        args, kw = make_problem(B=B, H=H, Q=Q, N=max(N, 1), E=E, Dv=Dv, K=max(K, 1),
+                                fourier=K > 0, seed=1000 + case, p_obs=p_obs)
+        q, k, a, times, mask = args
+        if N == 0:
+            k, a, times, mask = k[:, :, :0], a[:, :, :0], times[:, :0], mask[:, :0]
+        elif draw(0, 3) == 0:
+            mask = torch.zeros_like(mask)  # every series empty
+        if K > 0 and draw(0, 1):
+            kw = _shared(kw)
+        kw["beta"] = kw["beta"] * (1 + 12 * float(torch.rand(1, generator=g)))
+        kw["per_dim"] = bool(draw(0, 1))
+        r = levy_attention(q, k, a, times, mask, **kw, backend="native")
+        s = levy_attention(q, k, a, times, mask, **kw, backend="explicit")
+        _close(r, s, rtol=1e-11, atol=1e-12)
