@@ -1,4 +1,5 @@
-"""Tests of ``attnuq.ops._native``: the compiled CPU kernel of the dense sampler.
+"""Tests of ``attnuq.ops._native``: the build and loading of the compiled kernels, and the dense
+sampler's kernel (the Levy-attention kernel: ``tests/ops/test_levy_native.py``).
 
 Every draw is checked against the exact (float64) inverse CDF in the kernel's key order, so a
 wrong block, a wrong entry or an inaccurate ``2^x`` fails deterministically. The chi-square
