@@ -292,6 +292,7 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"d_model={D_MODEL}, {C} channels, float32. Times are medians over alternating runs; "
         "`ratio` is the median of per-pair ratios (levy / reference, or draws / closed form).",
         "",
+        *([f"![ratios of this run]({meta['png']})", ""] if meta.get("png") else []),
         "| case | Levy / closed form (ms) | reference (ms) | ratio | target | met "
         "| page faults per call (Levy / ref) |",
         "|---|---:|---:|---:|---|---|---:|",
@@ -314,6 +315,49 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Bar charts of one run's rows: time ratios against the matched softmax layer (target line
+    1.3) and the speed-up of the closed form over 50 explicit draws (target line 20)."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratio_rows = [r for r in rows if not r["case"].startswith("50 explicit")]
+    draw_rows = [r for r in rows if r["case"].startswith("50 explicit")]
+    fig, (ax1, ax2) = plt.subplots(
+        1, 2, figsize=(12, 0.42 * len(ratio_rows) + 1.6), width_ratios=[3, 1]
+    )
+    ys = list(range(len(ratio_rows)))[::-1]
+    colours = ["tab:green" if r["met"] else ("tab:red" if r["met"] is False else "tab:grey")
+               for r in ratio_rows]
+    ax1.barh(ys, [r["ratio"] for r in ratio_rows], color=colours)
+    ax1.set_yticks(ys, [r["case"] for r in ratio_rows], fontsize=7)
+    ax1.axvline(1.3, color="black", ls="--", lw=1, label="target 1.3 (green: met, grey: info)")
+    for y, r in zip(ys, ratio_rows, strict=True):
+        ax1.text(r["ratio"], y, f" {r['ratio']:.2f}", va="center", fontsize=7)
+    ax1.set_xlabel("time / reference (matched softmax layer, or SDPA for the op rows)")
+    ax1.legend(fontsize=7, loc="lower right")
+    yd = list(range(len(draw_rows)))[::-1]
+    ax2.barh(yd, [r["ratio"] for r in draw_rows],
+             color=["tab:green" if r["met"] else "tab:red" for r in draw_rows])
+    ax2.set_yticks(yd, [r["case"].replace("50 explicit draws vs closed form ", "")
+                        for r in draw_rows], fontsize=7)
+    ax2.set_xscale("log")
+    ax2.set_xlim(1, 4 * max([r["ratio"] for r in draw_rows] + [20]))
+    ax2.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    for y, r in zip(yd, draw_rows, strict=True):
+        ax2.text(r["ratio"], y, f" {r['ratio']:.0f}x", va="center", fontsize=7)
+    ax2.axvline(20, color="black", ls="--", lw=1, label="target 20")
+    ax2.set_xlabel("50 draws / closed form")
+    ax2.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=21)
@@ -321,13 +365,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/levy.md"))
     ap.add_argument("--json", type=Path, default=Path("docs/benchmarks/levy.json"))
+    ap.add_argument("--png", type=Path, default=None,
+                    help="bar charts of the run (default: --out with .png)")
     ap.add_argument("--render-only", action="store_true",
-                    help="re-render --out from the rows already stored in --json (no timing)")
+                    help="re-render --out and --png from the rows stored in --json (no timing)")
     args = ap.parse_args()
+    png = args.png if args.png is not None else args.out.with_suffix(".png")
     if args.render_only:
         data = json.loads(args.json.read_text())
-        args.out.write_text(render(data, data["rows"]))
-        print(f"re-rendered {args.out} from {args.json}")
+        args.out.write_text(render({**data, "png": png.name}, data["rows"]))
+        plot(data["rows"], png, _title(data))
+        print(f"re-rendered {args.out} and {png} from {args.json}")
         return
     torch.set_num_threads(args.threads)
     machine = machine_line()
@@ -337,9 +385,16 @@ def main() -> None:
     rows = run(args.repeats, args.draws_repeats)
     meta = {"command": cmd, "date": date, "machine": machine}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(meta, rows))
+    args.out.write_text(render({**meta, "png": png.name}, rows))
     args.json.write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    print(f"wrote {args.out} and {args.json}")
+    plot(rows, png, _title(meta))
+    print(f"wrote {args.out}, {args.json} and {png}")
+
+
+def _title(meta: dict[str, Any]) -> str:
+    threads = meta["machine"].split(" torch thread")[0].rsplit(", ", 1)[-1]
+    return (f"Levy attention cost, B={B}, N={N}, Q={Q}, H={H}, d={D_MODEL}, float32, CPU, "
+            f"{threads} thread(s), {meta['date']}")
 
 
 if __name__ == "__main__":
