@@ -288,23 +288,26 @@ def sample_rows(
             )
         )
 
-    if workers == 1 or _has_openmp(lib):
-        # one call; with OpenMP the kernel splits the rows over the process's OpenMP threads
-        # (torch's own, which would otherwise spin idle beside Python threads)
-        codes = [run(0, rows, workers)]
-    else:
-        codes = _split_calls(rows, workers, lambda r0, r1: run(r0, r1, 1))
-    if any(c != 0 for c in codes):
+    if any(_dispatch(lib, rows, workers, run)):
         raise MemoryError(f"native sampling kernel could not allocate scratch for Lk={lk}")
 
 
-def _split_calls(rows: int, workers: int, run: Callable[[int, int], int]) -> list[int]:
-    """``run(r0, r1)`` over ``workers`` contiguous shares of ``[0, rows)`` on as many Python
-    threads (the calling thread takes the first; ctypes releases the GIL during each call)."""
+def _dispatch(
+    lib: ctypes.CDLL, rows: int, workers: int, run: Callable[[int, int, int], int]
+) -> list[int]:
+    """The return codes of ``run(r0, r1, threads)`` over ``[0, rows)`` on ``workers`` threads.
+
+    With OpenMP one call, ``run(0, rows, workers)``: the kernel splits the rows over the
+    process's OpenMP threads (torch's own, which would otherwise spin idle beside Python
+    threads). Without it, contiguous shares on as many Python threads, one thread each (the
+    calling thread takes the first; ctypes releases the GIL during each call).
+    """
+    if workers == 1 or _has_openmp(lib):
+        return [run(0, rows, workers)]
     bounds = [rows * i // workers for i in range(workers + 1)]
     pool = _pool(workers - 1)
-    futs = [pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, workers)]
-    return [run(bounds[0], bounds[1])] + [f.result() for f in futs]
+    futs = [pool.submit(run, bounds[i], bounds[i + 1], 1) for i in range(1, workers)]
+    return [run(bounds[0], bounds[1], 1)] + [f.result() for f in futs]
 
 
 @functools.cache
@@ -345,19 +348,6 @@ def phi(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def lanes(dtype: torch.dtype) -> int:
-    """Vector lanes of the kernels for ``dtype`` (32-byte vectors): 8 float32, 4 float64.
-
-    Example
-    -------
-    >>> import torch
-    >>> from attnuq.ops import _native
-    >>> _native.lanes(torch.float32), _native.lanes(torch.float64)
-    (8, 4)
-    """
-    return 32 // torch.empty((), dtype=dtype).element_size()
-
-
 class LevyKernelOutput(NamedTuple):
     """Outputs of :func:`levy_forward`, ``(B, H, Q, ...)`` views of ``(B, Q, H, ...)`` memory."""
 
@@ -388,7 +378,7 @@ def levy_forward(
     ``ct``, ``st`` ``(Hw, K, B N)`` the cosines and sines of ``omega_k t_i + phase_k`` (series
     ``b`` at columns ``b N ..``; ``Hw = 1`` when the heads share the frequencies, else ``H``),
     ``omega`` ``(Hw, K)``, ``D`` ``(H, Dv, K)``, ``h`` ``(H,)`` (the kernel derives the field
-    weights of :func:`attnuq.ops.levy._field_head_weights` from them).
+    weights of :func:`attnuq.ops.levy._field` from them).
 
     Returns the outputs, shaped ``(B, H, Q, ...)`` as :class:`attnuq.ops.LevyResult` without
     ``p_empty`` (``exp(-evidence)``, the caller's), as transposed views of ``(B, Q, H, ...)``
@@ -469,15 +459,9 @@ def levy_forward(
     # batch elements are split over the threads (each takes all heads of its series)
     work = H * Q * max(N, 1) * (E + 2 * Dv)
     workers = max(1, min(torch.get_num_threads(), B, B * work // _MIN_ELEMS_PER_THREAD))
-    code = 0
-    if B:
-        ref = ctypes.addressof(args)
-        if workers == 1 or _has_openmp(lib):
-            code = int(fn(ref, 0, B, workers))
-        else:
-            codes = _split_calls(B, workers, lambda b0, b1: int(fn(ref, b0, b1, 1)))
-            code = functools.reduce(operator.or_, codes, 0)
-    del keep
+    ref = ctypes.addressof(args)
+    codes = _dispatch(lib, B, workers, lambda b0, b1, th: int(fn(ref, b0, b1, th))) if B else []
+    code = functools.reduce(operator.or_, codes, 0)
     if code & _LEVY_NOMEM:
         raise MemoryError(f"native Levy kernel could not allocate scratch for N={N}, H={H}")
     if code & _LEVY_NONFINITE:

@@ -283,10 +283,11 @@ def _fast_inputs(
     # one sum proves every entry finite (an inf or NaN entry makes it inf or NaN)
     big = (times, om, ph, dd) if light else (times, k, q, om, ph, dd)
     total = torch.cat([t.detach().reshape(-1) for t in big if t is not None]).sum()
-    if not light:
-        a_ok = torch.linalg.vector_norm(a.detach()) <= torch.finfo(a.dtype).max ** 0.25
-        total = torch.where(a_ok, total, torch.nan)
     if not math.isfinite(float(total)):
+        return None
+    # |a| <= finfo.max ** (1/4): a is finite and its masked rows stay finite through the operator
+    a_bound = torch.finfo(a.dtype).max ** 0.25
+    if not light and not float(torch.linalg.vector_norm(a.detach())) <= a_bound:
         return None
     return _Inputs(q, k, a, times, mask, pars[0], pars[1], pars[2], om, ph, dd)
 
@@ -522,28 +523,10 @@ def _field(inp: _Inputs, per_dim: bool) -> _Field | None:
     summed over ``j`` first, ``tr s_i = sum_{k<=l} (sum_j mu D_jk D_jl M1_kl) c_k c_l + ...``,
     so the per-observation cost is ``2 P H`` instead of ``2 P H Dv``.
     """
-    hd = _field_head_weights(inp, per_dim)
-    if hd is None:
-        return None
-    wm, w = hd
-    K = wm.shape[-1]
-    if inp.omega is not None and inp.omega.shape[0] == 1:
-        return _Field(
-            wm=wm.permute(2, 0, 1).reshape(K, -1), ws=w.permute(2, 0, 1).reshape(w.shape[-1], -1)
-        )
-    return _Field(wm=wm.transpose(-1, -2), ws=w.transpose(-1, -2))
-
-
-def _field_head_weights(
-    inp: _Inputs, per_dim: bool
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per-head field weights (``None`` without a field): the mean loading ``damp_k D_jk``
-    ``(H, Dv, K)`` and the within-atom variance weights ``(H, dw, 2 P)`` on the pair products
-    (``dw = Dv``, or 1 summed over the value dimension when not ``per_dim``); see :func:`_field`.
-    """
     if inp.omega is None or inp.phase is None or inp.D is None:
         return None
     H, _, K = inp.D.shape
+    hw = inp.omega.shape[0]
     om_h = inp.omega.expand(H, -1)
     damp = torch.exp(-(om_h**2) * (inp.h**2)[:, None] / 2)  # (H, K)
     iu_t, ju_t, mu = _pair_index(K, inp.D.dtype, inp.D.device)
@@ -552,7 +535,12 @@ def _field_head_weights(
     w = torch.cat([dd * m1[:, None], dd * m2[:, None]], dim=-1)
     if not per_dim:
         w = w.sum(1, keepdim=True)  # (H, 1, 2P)
-    return damp[:, None, :] * inp.D, w
+    wm = damp[:, None, :] * inp.D  # (H, Dv, K)
+    if hw == 1:
+        return _Field(
+            wm=wm.permute(2, 0, 1).reshape(K, -1), ws=w.permute(2, 0, 1).reshape(w.shape[-1], -1)
+        )
+    return _Field(wm=wm.transpose(-1, -2), ws=w.transpose(-1, -2))
 
 
 def _value_moments(
@@ -864,6 +852,7 @@ def _native_forward(inp: _Inputs, per_dim: bool) -> LevyResult | None:
     return LevyResult(mean=out.mean, var=out.var, evidence=out.evidence,
                       p_empty=torch.exp(-out.evidence), phi=out.phi, sigma=out.sigma,
                       sigma_dim=out.sigma_dim)
+
 
 # the CPU flash-attention kernel behind F.scaled_dot_product_attention; it also returns the
 # log-sum-exp of the scores (private ATen op: the inference path falls back to the sentinel

@@ -11,7 +11,7 @@
  *                                                damp_k = exp(-omega_k^2 h^2 / 2))
  *   s_ij   = sum_p ws[p][j] f_p(i)              (f: the K (K + 1) pair products c_k c_l, then
  *            s_k s_l, k <= l, ordered by l - k then k; ws from D, omega and h as in
- *            attnuq.ops.levy._field_head_weights, computed here per call in double)
+ *            attnuq.ops.levy._field, computed here per call in double)
  *   ref    = mean of vbar_i over observed i;  vc_i = vbar_i - ref
  *   sq_ij  = vc_ij^2 + s_ij (per dimension) or |vc_i|^2 + s_i (trace, one column)
  *   z_q    = sum_i 2^(S_qi - M_q),  S_qi = beta log2(e) cos(q, k_i),  M_q = max_i S_qi

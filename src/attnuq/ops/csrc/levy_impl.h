@@ -296,18 +296,18 @@ static void FN(head)(const struct levy_args *A, int64_t b, int64_t h, int64_t no
 }
 
 /*
- * Time features of series b for frequency row hw (0 when the heads share them): cs (2K, nb) the
+ * Time features of series b for frequency row `row` (0 when the heads share them): cs (2K, nb) the
  * cosines then sines of omega_k t_i + phase_k at the no observed entries idx (in order; rows
  * past no are 0) and f (K (K + 1), nb) the pair products c_k c_l, then s_k s_l, k <= l, ordered
  * by l - k then k (as attnuq.ops.levy._pair_index).
  */
-static void FN(features)(const struct levy_args *A, int64_t b, int64_t hw, const int64_t *idx,
+static void FN(features)(const struct levy_args *A, int64_t b, int64_t row, const int64_t *idx,
                          int64_t no, int64_t nb, T *cs, T *f) {
     const int64_t N = A->dims[3], K = A->dims[6], Pk = K * (K + 1) / 2;
     const T *ct = (const T *)A->ct, *st = (const T *)A->st;
     for (int64_t kk = 0; kk < K; kk++) {
-        const int64_t row = (hw * K + kk) * A->ldc + b * N;
-        const T *cb = ct + row, *sb = st + row;
+        const int64_t at = (row * K + kk) * A->ldc + b * N;
+        const T *cb = ct + at, *sb = st + at;
         T *c = cs + kk * nb, *s = cs + (K + kk) * nb;
         for (int64_t i = 0; i < no; i++) {
             c[i] = cb[idx[i]];
