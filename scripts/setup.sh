@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv and install attnuq with all extras that import on a CPU-only machine.
-# torch is pinned here (the CPU wheel); the package itself only asks for a range.
+# Create .venv and install attnuq with every extra.
+# torch and torchvision are pinned here (a CUDA build that also runs on the CPU; torchvision is
+# what timm needs); the package itself only asks for a range (torch>=2.4,<3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -8,5 +9,6 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[hf,tabular,bench,weather,dev]"
+.venv/bin/python -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
+.venv/bin/python -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1" \
+    -e ".[hf,tabular,bench,weather,vision,laplace,uncertainty,pretrained,dev]"
