@@ -366,25 +366,66 @@ def timm_standin_case(fused: bool) -> Case:
     )
 
 
-def timm_case() -> Case:
-    x = torch.randn(2, 3, 32, 32, generator=_g(11))
-    skip = None
-    try:
-        import timm  # noqa: F401
-    except Exception:
-        skip = "timm not importable (needs torchvision)"
+def _set_fused_attn(model: nn.Module, fused: bool) -> int:
+    """Pick timm's attention path per instance (``module.fused_attn``; no global flag is
+    touched, unlike ``timm.layers.set_fused_attn``); returns how many modules were set."""
+    n = 0
+    for mod in model.modules():
+        if hasattr(mod, "fused_attn"):
+            mod.fused_attn = fused
+            n += 1
+    assert n > 0, f"no module with fused_attn in {type(model).__name__}"
+    return n
+
+
+def timm_vit_case(fused: bool) -> Case:
+    """``vit_tiny_patch16_224`` (timm ``Attention``), random weights, 48 px (9 patches + cls),
+    2 blocks; ``fused`` picks F.scaled_dot_product_attention or timm's inline softmax."""
+    x = torch.randn(2, 3, 48, 48, generator=_g(11))
+
+    def make() -> nn.Module:
+        import timm  # a failed import fails the test: scripts/setup.sh installs timm
+
+        torch.manual_seed(0)
+        m = timm.create_model(
+            "vit_tiny_patch16_224", pretrained=False, img_size=48, depth=2, num_classes=3
+        ).eval()
+        assert _set_fused_attn(m, fused) == 2
+        return m
+
+    return Case(
+        f"timm_vit_tiny_fused_{fused}", "timm", make, lambda: {"x": x},
+        lambda m, inp: m.forward_features(inp["x"]), lambda i: {"x": x[i : i + 1]},
+    )
+
+
+def timm_swin_case(fused: bool) -> Case:
+    """``swin_tiny_patch4_window7_224`` shrunk (timm ``WindowAttention``: relative position bias,
+    shifted-window mask), random weights: 32 px / 4 = 8x8 tokens, window 4, depths (2, 2), so
+    the second block of stage 1 is shifted (4 windows, mask entries 0 / -100) and stage 2 is one
+    4x4 window. The bias tables are redrawn with std 0.5 (timm initialises them at 0.02) so that
+    the bias visibly moves the weights. timm's default for this class is the inline softmax
+    (``fused=False``)."""
+    x = torch.randn(2, 3, 32, 32, generator=_g(12))
 
     def make() -> nn.Module:
         import timm
 
         torch.manual_seed(0)
-        return timm.create_model(
-            "vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2, num_classes=3
+        m = timm.create_model(
+            "swin_tiny_patch4_window7_224", pretrained=False, img_size=32, embed_dim=32,
+            depths=(2, 2), num_heads=(2, 4), window_size=4, num_classes=3,
         ).eval()
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if name.endswith("relative_position_bias_table"):
+                    p.normal_(0.0, 0.5, generator=_g(13))
+        assert _set_fused_attn(m, fused) == 4
+        return m
 
     return Case(
-        "timm_vit_tiny", "timm", make, lambda: {"x": x},
-        lambda m, inp: m.forward_features(inp["x"]), lambda i: {"x": x[i : i + 1]}, skip=skip,
+        f"timm_swin_fused_{fused}", "timm", make, lambda: {"x": x},
+        lambda m, inp: m.forward_features(inp["x"]), lambda i: {"x": x[i : i + 1]},
     )
 
 
@@ -401,7 +442,10 @@ CASES: list[Case] = [
     sdpa_case(),
     timm_standin_case(True),
     timm_standin_case(False),
-    timm_case(),
+    timm_vit_case(True),
+    timm_vit_case(False),
+    timm_swin_case(False),
+    timm_swin_case(True),
 ]
 
 

@@ -455,3 +455,89 @@ def test_sdpa_site_with_inline_softmax_path_is_reported() -> None:
     site = find_attention(nn.Sequential(OwnForward(8, 2, fused=False)))[0]
     assert site.backend == "sdpa" and not site.patchable and "fused_attn" in str(site.reason)
     assert find_attention(nn.Sequential(OwnForward(8, 2, fused=True)))[0].patchable
+
+
+# ------------------------------------------------------------------------------------------------
+# timm (real timm; the contract cases are in _patch_cases.py)
+# ------------------------------------------------------------------------------------------------
+def _count_sdpa_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    real = F.scaled_dot_product_attention
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        calls[0] += 1
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
+    return calls
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("family", ["vit", "swin"])
+def test_timm_frozen_reference_takes_the_path_its_case_names(
+    family: str, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The contract cases compare against timm's own forward: make sure the fused case really
+    calls F.scaled_dot_product_attention (once per block) and the unfused one never does."""
+    from _patch_cases import timm_swin_case, timm_vit_case
+
+    case = (timm_vit_case if family == "vit" else timm_swin_case)(fused)
+    m = case.build()
+    calls = _count_sdpa_calls(monkeypatch)
+    with torch.no_grad():
+        case.forward(m, case.batch())
+    blocks = 2 if family == "vit" else 4
+    assert calls[0] == (blocks if fused else 0)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_timm_attention_gate_norms_masks_and_causal(fused: bool) -> None:
+    """timm.layers.Attention with every option the replacement forward repeats (qk_norm,
+    scale_norm, gated, dim_out, a bool attn_mask, is_causal): per-head None runs the replacement
+    with the genuine SDPA and must reproduce timm's forward to rounding, on both paths."""
+    from timm.layers import Attention
+
+    torch.manual_seed(0)
+    attn = Attention(
+        32, num_heads=4, dim_out=24, qkv_bias=True, qk_norm=True, scale_norm=True, gated=True,
+        norm_layer=nn.LayerNorm,
+    ).eval()
+    attn.fused_attn = fused
+    for p in attn.parameters():  # LayerNorm weights away from 1 so that every norm matters
+        torch.nn.init.normal_(p, 0.0, 0.5, generator=torch.Generator().manual_seed(p.numel()))
+    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1))
+    allow = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    allow[1, ..., 5:] = False  # example 1: last two keys padded
+    with torch.no_grad():
+        for kw in ({}, {"attn_mask": allow}, {"is_causal": True}):
+            y0 = attn(x, **kw)
+            with stochastic(attn, nu=(None,) * 4, seed=0):
+                y = attn(x, **kw)
+            torch.testing.assert_close(y, y0, rtol=1e-5, atol=1e-5)
+            with stochastic(attn, nu=4, seed=0):
+                y4 = attn(x, **kw)
+            assert y4.shape == (2, 7, 24) and not torch.allclose(y4, y0)
+
+
+def test_timm_swin_window_mask_of_wrong_shape_is_named() -> None:
+    from timm.models.swin_transformer import WindowAttention
+
+    torch.manual_seed(0)
+    attn = WindowAttention(16, num_heads=2, window_size=2).eval()
+    x = torch.randn(6, 4, 16)  # 6 windows of 2x2 tokens
+    bad = torch.zeros(4, 4, 4)  # 4 does not divide 6 windows
+    with stochastic(attn, nu=2, seed=0):
+        with pytest.raises(ValueError, match=r"mask\.shape=\(4, 4, 4\)"):
+            attn(x, mask=bad)
+
+
+def test_timm_backend_claims_only_the_classes_it_repeats() -> None:
+    """Swin v2's WindowAttention (cosine attention, log-spaced position MLP) and BEiT's Attention
+    share names with supported classes but compute other weights: not claimed by the timm
+    backend."""
+    from timm.models.beit import Attention as BeitAttention
+    from timm.models.swin_transformer_v2 import WindowAttention as WindowAttentionV2
+
+    for mod in (WindowAttentionV2(16, window_size=(2, 2), num_heads=2), BeitAttention(16, 2)):
+        site = find_attention(nn.Sequential(mod))[0]
+        assert site.backend != "timm", site

@@ -220,7 +220,7 @@ def test_batch_matches_one_at_a_time_in_distribution(case: Case) -> None:
     (the batch, padding included, stacked 200 times: every row gets its own draws) and S times
     alone (the example without padding, stacked 200 times), with independent seeds; a two-sample
     Kolmogorov-Smirnov test compares the two. Each test has size 1e-4; with at most 3 examples
-    per case and 13 cases the chance of any false failure is below 13 * 3 * 1e-4 = 0.4 %."""
+    per case and 16 cases the chance of any false failure is below 16 * 3 * 1e-4 = 0.5 %."""
     m = model_of(case)
     reps, b = 200, case.batch_size
     y0 = run(case, m)

@@ -1,26 +1,47 @@
-"""timm backend: ``timm.layers.Attention`` (and ``timm.models.vision_transformer.Attention``).
+r"""timm backend: ``timm.layers.Attention`` (ViT, DeiT, ...) and Swin's ``WindowAttention``.
 
 How it hooks
 ------------
-timm's ``Attention.forward`` takes one of two paths: with ``fused_attn`` it calls
-``F.scaled_dot_product_attention(q, k, v, attn_mask=..., dropout_p=..., is_causal=...)``;
-without, it computes ``softmax(q * scale @ k^T + mask) @ v`` inline. Both are covered by one
-per-instance ``forward`` (removed on exit) that repeats timm's steps -- the fused ``qkv``
-projection split into ``(B, H, N, head_dim)``, ``q_norm``/``k_norm``, the attention through
-:func:`attnuq.patch._core.sampled_sdpa` (SDPA mask conventions: bool True = attend, float added;
-``is_causal``), the optional ``norm`` (``scale_norm``), ``proj`` and ``proj_drop`` -- and reads
-optional attributes with timm's defaults so that older timm versions (no ``q_norm``, ``norm``,
-``head_dim`` or ``attn_mask`` argument) work too.
+Each claimed module gets a per-instance ``forward`` (removed on exit) that repeats timm's own
+steps and sends the attention through :func:`attnuq.patch._core.sampled_sdpa` (SDPA conventions:
+bool mask True = attend, float mask added to the scores). timm computes the attention either with
+``F.scaled_dot_product_attention`` (``module.fused_attn`` True) or inline,
+``softmax(q * scale @ k^T + bias) @ v`` (``fused_attn`` False, also after
+``timm.layers.set_fused_attn(False)`` or ``TIMM_FUSED_ATTN=0``); the replacement covers both
+paths, so the flag does not matter while the patch is on.
 
-timm needs torchvision, which cannot be installed beside the CPU torch build used to develop
-attnuq, so this backend is tested where timm imports; elsewhere the same call pattern
-(fused ``qkv``, SDPA masks) is exercised through HF ViT and through a timm-compatible stand-in
-class registered with :func:`register_class`. Codebases that copy timm's ``Attention`` (ClimaX
-does) can register their class the same way.
+* ``timm.layers.Attention`` (also its older homes ``timm.models.vision_transformer`` and
+  ``timm.models.layers.attention``): the fused ``qkv`` projection split into
+  ``(B, H, N, head_dim)``, ``q_norm``/``k_norm``, the attention with the caller's
+  ``attn_mask``/``is_causal``, the optional ``norm`` (``scale_norm``), the optional sigmoid
+  ``gate`` (``gated=True``), ``proj`` and ``proj_drop``. Optional attributes are read with timm's
+  defaults so that older versions (no ``q_norm``, ``norm``, ``gate``, ``head_dim`` or
+  ``attn_mask`` argument) work too.
+* ``timm.models.swin_transformer.WindowAttention`` (Swin v1; timm's default for it is the inline
+  path): the scores of window ``w`` get the learned relative position bias
+  :math:`B_{h,ij}` (``module._get_rel_pos_bias()``, ``(1, H, N, N)``) and, in shifted blocks, the
+  block's window mask :math:`M_{w,ij} \in \{0, -100\}` (``(nW, N, N)``), so each query of head
+  ``h`` samples from
+
+  .. math:: \pi_{h,i} = \mathrm{softmax}_j\big(\mathrm{scale}\, q_{h,i} \cdot k_{h,j}
+            + B_{h,ij} + M_{w,ij}\big),
+
+  the same weights timm's forward computes. The sum ``B + M`` is handed to the operator as the
+  additive float mask, laid out ``(nW * B, H, N, N)`` as timm's fused path lays it out.
+  Swin v2 (``swin_transformer_v2``, cosine attention with a log-spaced position MLP) is a
+  different class and is not claimed.
+
+Other timm attention classes have steps of their own around the softmax (BEiT's q/v biases and
+shared position bias, EVA's rotary embeddings, CaiT's class and talking-heads attention, ...)
+and are not claimed here: the SDPA backend patches those whose forward calls
+``F.scaled_dot_product_attention`` while ``fused_attn`` is on, and reports them unpatchable
+while it is off. Codebases that copy timm's ``Attention`` (ClimaX does) can register their class
+with :func:`register_class`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,7 +60,6 @@ from attnuq.patch._core import (
 __all__ = ["BACKEND", "register_class"]
 
 _EXTRA: list[type] = []
-_REQUIRED = ("qkv", "num_heads", "proj")
 
 
 def register_class(cls: type) -> None:
@@ -102,21 +122,46 @@ TIMM_MODULES = frozenset(
     {"timm.layers.attention", "timm.models.vision_transformer", "timm.models.layers.attention"}
 )
 
+#: (module, class name) of the forward owner -> kind of replacement forward.
+_KNOWN: dict[tuple[str, str], str] = {
+    **{(m, "Attention"): "attention" for m in TIMM_MODULES},
+    ("timm.models.swin_transformer", "WindowAttention"): "window",
+}
 
-def _is_timm_attention(cls: type) -> bool:
+#: attributes each kind needs (others are read with timm's defaults when missing).
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    "attention": ("qkv", "num_heads", "proj"),
+    "window": ("qkv", "num_heads", "proj", "scale", "_get_rel_pos_bias"),
+}
+
+
+def _kind(cls: type) -> str | None:
+    """Which replacement forward serves ``cls`` (None: not a timm site)."""
     owner = _forward_owner(cls)
     if owner is None:
-        return False
+        return None
     if owner in _EXTRA:
-        return True
-    return owner.__name__ == "Attention" and owner.__module__ in TIMM_MODULES
+        return "attention"
+    return _KNOWN.get((owner.__module__, owner.__name__))
+
+
+def _is_timm_attention(cls: type) -> bool:
+    return _kind(cls) is not None
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _make_forward(state: SiteState):
+def _check_dropout(module: Any, site: str) -> None:
+    drop = getattr(module, "attn_drop", None)
+    if module.training and isinstance(drop, nn.Dropout):
+        check_no_dropout(float(drop.p), site)
+
+
+def _make_forward(state: SiteState) -> Callable[..., torch.Tensor]:
+    """Replacement for ``timm.layers.Attention.forward`` (both paths; see the module doc)."""
+
     def _timm_forward(
         self: Any,
         x: torch.Tensor,
@@ -124,13 +169,13 @@ def _make_forward(state: SiteState):
         is_causal: bool = False,
     ) -> torch.Tensor:
         site = state.name
-        drop = getattr(self, "attn_drop", None)
-        if self.training and isinstance(drop, nn.Dropout):
-            check_no_dropout(float(drop.p), site)
+        _check_dropout(self, site)
         bsz, n, c = x.shape
         heads = int(self.num_heads)
         head_dim = int(getattr(self, "head_dim", c // heads))
         attn_dim = int(getattr(self, "attn_dim", heads * head_dim))
+        gate_layer = getattr(self, "gate", None)
+        gate = None if gate_layer is None else gate_layer(x).sigmoid()  # (B, N, attn_dim)
         qkv = self.qkv(x).reshape(bsz, n, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # (B, H, N, head_dim)
         q = getattr(self, "q_norm", _identity)(q)
@@ -143,10 +188,51 @@ def _make_forward(state: SiteState):
         )  # (B, H, N, head_dim)
         y = out.transpose(1, 2).reshape(bsz, n, attn_dim)
         y = getattr(self, "norm", _identity)(y)
+        if gate is not None:
+            y = y * gate
         y = self.proj(y)
         return getattr(self, "proj_drop", _identity)(y)
 
     return _timm_forward
+
+
+def _make_window_forward(state: SiteState) -> Callable[..., torch.Tensor]:
+    """Replacement for Swin's ``WindowAttention.forward``: relative position bias plus the
+    shifted-window mask as one additive float mask (see the module doc)."""
+
+    def _window_forward(
+        self: Any, x: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        site = state.name
+        _check_dropout(self, site)
+        bw, n, _ = x.shape  # bw = nW * B windows of n tokens
+        heads = int(self.num_heads)
+        qkv = self.qkv(x).reshape(bw, n, 3, heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # (nW * B, H, N, head_dim)
+        bias = self._get_rel_pos_bias()  # (1, H, N, N)
+        if mask is not None:
+            nw = mask.shape[0]  # (nW, N, N), 0 or -100
+            if mask.shape[1:] != (n, n) or bw % nw:
+                raise ValueError(
+                    f"window mask at site {site!r} must be (nW, {n}, {n}) with nW dividing "
+                    f"the {bw} windows of the batch, got mask.shape={tuple(mask.shape)}"
+                )
+            win = mask.view(1, nw, 1, n, n).expand(bw // nw, -1, heads, -1, -1)
+            bias = bias + win.reshape(bw, heads, n, n)  # (nW * B, H, N, N)
+        out = sampled_sdpa(
+            q, k, v, nu=state.nu, attn_mask=bias.to(q.dtype), scale=float(self.scale),
+            generator=state.generator(q.device), site=site,
+        )  # (nW * B, H, N, head_dim)
+        y = self.proj(out.transpose(1, 2).reshape(bw, n, -1))
+        return getattr(self, "proj_drop", _identity)(y)
+
+    return _window_forward
+
+
+_FORWARDS: dict[str, Callable[[SiteState], Callable[..., torch.Tensor]]] = {
+    "attention": _make_forward,
+    "window": _make_window_forward,
+}
 
 
 class _TimmBackend:
@@ -154,10 +240,14 @@ class _TimmBackend:
 
     def detect(self, name: str, module: nn.Module) -> AttentionSite | None:
         cls = type(module)
-        if not _is_timm_attention(cls):
+        kind = _kind(cls)
+        if kind is None:
             return None
-        missing = [a for a in _REQUIRED if not hasattr(module, a)]
-        reason = f"timm-style Attention without {missing}" if missing else None
+        missing = [a for a in _REQUIRED[kind] if not hasattr(module, a)]
+        reason = (
+            f"timm-style {cls.__name__} without {missing} (unsupported timm version?)"
+            if missing else None
+        )
         heads = getattr(module, "num_heads", None)
         return AttentionSite(
             name=name, backend=self.name, module_type=cls.__name__,
@@ -165,7 +255,11 @@ class _TimmBackend:
         )
 
     def apply(self, model: nn.Module, sites: list[tuple[nn.Module, SiteState]]) -> Undo:
-        undos = [swap_forward(m, _make_forward(st)) for m, st in sites if st.nu is not None]
+        undos = []
+        for m, st in sites:
+            kind = _kind(type(m))
+            if st.nu is not None and kind is not None:
+                undos.append(swap_forward(m, _FORWARDS[kind](st)))
         return chain(undos)
 
 
