@@ -566,21 +566,27 @@ def _largest_allocation(fn) -> tuple[int, list[int]]:
     return max(sizes), sizes
 
 
-def test_blocked_path_never_holds_all_draws_without_gradient(monkeypatch):
-    """Without a gradient for ``v`` the key-blocked path allocates no tensor of ``G * M * nu``
-    elements (uniforms, indices or flags of all draws): every allocation stays below
-    ``G * M * nu`` bytes, so not even a boolean one exists. A small chunk budget forces several
-    query chunks per group; a positive control (``_sample_indices``, which does collect all
-    indices) shows that the check sees such a tensor. Deterministic: allocation sizes do not
-    depend on the data."""
+@pytest.mark.parametrize("block_size", [32, None])
+def test_sampler_never_holds_all_draws_without_gradient(monkeypatch, block_size):
+    """Without a gradient for ``v`` neither the key-blocked nor the dense path allocates a
+    tensor of ``G * M * nu`` elements (uniforms, indices or flags of all draws): every
+    allocation stays below ``G * M * nu`` bytes, so not even a boolean one exists. Small chunk
+    and gather budgets force several query chunks per group and one gather per chunk; a
+    positive control (``_sample_indices``, which does collect all indices) shows that the check
+    sees such a tensor. Deterministic: allocation sizes do not depend on the data. (Before the
+    dense path gathered chunk by chunk it held all ``G * M * nu`` indices: issue #23, the 19 GB
+    call.)"""
     from attnuq.ops import sampled as mod
 
     monkeypatch.setattr(mod, "_BLOCKED_SAMPLE_ELEMS", 64 * (32 + 64))  # 64 rows per chunk
+    monkeypatch.setattr(mod, "_DENSE_CHUNK_ELEMS", 64 * (128 + 2 * 64))  # 64 rows per chunk
+    monkeypatch.setattr(mod, "_DENSE_MIN_ROWS", 64)
+    monkeypatch.setattr(mod, "_GATHER_ELEMS", 64 * 64)  # one chunk's indices per gather
     g, m, lk, nu, dv = 2, 512, 128, 64, 4
     q, k, v = _qkv(1, g, g, m, lk, 8, dv=dv, seed=28, dtype=torch.float32)
     all_draws = g * m * nu  # 65536
     gen = _gen(5)
-    kw = dict(nu=nu, block_size=32, is_causal=True)
+    kw = dict(nu=nu, block_size=block_size, is_causal=True)
     big, sizes = _largest_allocation(lambda: sampled_attention(q, k, v, generator=gen, **kw))
     assert big < all_draws, (big, all_draws)
     assert g * m * dv * 4 in sizes  # the output itself (float32) was seen

@@ -8,15 +8,17 @@ from attnuq.ops.levy import (
     levy_weights,
 )
 from attnuq.ops.phi import poisson_phi
-from attnuq.ops.sampled import attention_moments, sampled_attention
+from attnuq.ops.sampled import MAX_NU, attention_moments, max_bytes, sampled_attention
 
 __all__ = [
+    "MAX_NU",
     "LevyResult",
     "LevySamples",
     "attention_moments",
     "levy_attention",
     "levy_attention_sample",
     "levy_weights",
+    "max_bytes",
     "poisson_phi",
     "sampled_attention",
 ]

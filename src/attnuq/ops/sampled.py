@@ -27,20 +27,33 @@ without a C compiler, torch ops turn the scores in place into an unnormalised CD
 (``cumsum(exp2(s - max))``) searched with ``searchsorted``. Both are exact inverse-CDF draws
 from the softmax; they order the keys differently along the CDF, so the same uniforms give
 different (equally distributed) draws on the two paths. The value
-rows of all draws are then summed with one ``embedding_bag`` (measured faster here than forming
-the count matrix ``W`` and a GEMM ``W V``, even for ``nu >= Lk``, and faster than one call per
-chunk), so the dense path holds the ``(B*H*Lq, nu)`` indices (int32) but never all uniforms.
-With ``is_causal`` each query chunk only scores the keys up to its last position. No tensor of
-``B*H*Lq*Lk*nu`` (or ``B*H*Lq*Lk``) elements is formed. Masks enter as additive biases in log2
+rows of the draws are summed with ``embedding_bag`` (measured faster here than forming the count
+matrix ``W`` and a GEMM ``W V``, even for ``nu >= Lk``) straight into the preallocated output,
+once per run of consecutive chunks holding about :data:`_GATHER_ELEMS` indices (one call per
+small chunk measured 5-10 % slower), so no tensor of all ``B*H*Lq*nu`` indices or uniforms
+exists. A chunk's rows are sized by ``Lk + 2 nu`` (its scores, uniforms and indices), at most
+:data:`_CHUNK_MAX_ELEMS` of them, so a chunk stays small for any ``nu``. With ``is_causal``
+each query chunk only scores the keys up to its last position. No tensor of
+``B*H*Lq*Lk*nu`` (or ``B*H*Lq*Lk``) elements is formed.
+
+Sizes. Every call first estimates the bytes it will allocate (the output, one chunk, the
+gather buffer; with a gradient for ``v`` every index) and refuses, before allocating anything,
+a call that needs more than the memory budget (:func:`max_bytes`: ``$ATTNUQ_MAX_BYTES``,
+default 4 GiB), saying how many bytes it needs. One ``embedding_bag`` call never receives
+``2**31`` indices or more: torch's CPU kernel counts a call's indices in a C ``int`` (in
+``fbgemm_spmdm_report_error_`` and the int32 offsets of int32 indices) and fails with
+``Expected i < index_size`` past that, on one thread, where one range covers every bag. Hence
+``nu <= MAX_NU = 2**31 - 1``. Masks enter as additive biases in log2
 units: the ``attn_mask`` bias is the ``C`` input of the scores GEMM (``beta = 1``), and a mask
 that is the same for every query (key padding, also when materialised as ``(B, 1, Lq, Lk)``)
 is one ``(G, Lk)`` bias for the whole call.
 
 Key-blocked path (``block_size`` given): chunks of query rows stream over key blocks, and without
-a gradient for ``v`` each chunk's value rows are summed with ``embedding_bag`` straight into the
-preallocated output, so no ``(B*H*Lq, nu)`` tensor exists: besides the output, the working
-memory is that of one chunk, ``O(rows * (block_size + nu))``. When ``v`` requires a gradient the
-backward of ``embedding_bag`` needs every drawn index, so both paths keep all of them.
+a gradient for ``v`` the value rows are gathered into the output as on the dense path, so no
+``(B*H*Lq, nu)`` tensor exists: besides the output, the working memory is that of one chunk,
+``O(rows * (block_size + nu))``, and the gather buffer. When ``v`` requires a gradient the
+backward of ``embedding_bag`` needs every drawn index, so both paths keep all of them (and
+gather them in calls of fewer than ``2**31`` indices).
 
 Uniforms are taken from the generator chunk by chunk (and, blocked, key block by key block), so
 which uniform serves which draw depends on the chunking. The chunking is a deterministic function
@@ -56,6 +69,7 @@ otherwise an exact count is made for the message).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Literal
 
@@ -66,9 +80,10 @@ from attnuq._validation import check_nu, check_positive_int
 from attnuq.ops import _native
 from attnuq.ops._attn_common import Attn, empty_rows_error, prepare
 
-__all__ = ["EmptyRows", "attention_moments", "sampled_attention"]
+__all__ = ["MAX_NU", "EmptyRows", "attention_moments", "max_bytes", "sampled_attention"]
 
 EmptyRows = Literal["error", "zero"]
+Chunk = tuple[int, int, int, int]  # (g0, g1, i0, i1): rows i0:i1 of groups g0:g1
 
 # Dense path: elements of the score/CDF buffer per chunk (about L2-sized: the CDF is searched
 # while still in cache) and the fewest query rows per chunk (keeps the GEMM efficient for long Lk).
@@ -81,6 +96,124 @@ _BLOCKED_MIN_ROWS = 64
 # budget: the key-blocked sampler is the low-memory path (1 MiB of float32 per chunk; measured
 # about 10 % slower than 4 MiB chunks at B=8, H=8, L=512).
 _BLOCKED_SAMPLE_ELEMS = 1 << 18
+# Either sampler: most elements (scores + uniforms + indices) per chunk, whatever ``min_rows``
+# asks for (64 MiB of float32); a chunk is one query row at the least.
+_CHUNK_MAX_ELEMS = 1 << 24
+# Gather: consecutive chunks' indices are summed by one embedding_bag call once they hold this
+# many (int32: 16 MiB); one call per small chunk measured 5-10 % slower at B, H, L, D = 8, 8,
+# 512, 64, nu = 8 than a single call.
+_GATHER_ELEMS = 1 << 22
+# Most indices one embedding_bag call may receive: torch's CPU kernel counts them in a C int.
+_MAX_BAG_INDICES = 2**31 - 1
+#: Largest ``nu``: the draws of one query are summed by one ``embedding_bag`` call, which takes
+#: fewer than ``2**31`` indices.
+MAX_NU = _MAX_BAG_INDICES
+_MAX_BYTES_ENV = "ATTNUQ_MAX_BYTES"
+_DEFAULT_MAX_BYTES = 1 << 32
+
+
+def max_bytes() -> int:
+    """The memory budget of one sampled-attention call, in bytes.
+
+    ``$ATTNUQ_MAX_BYTES`` (a positive integer, e.g. ``8000000000``) when set, else 4 GiB
+    (``2**32``). :func:`sampled_attention` estimates the bytes a call allocates besides its
+    inputs (output, one chunk of scores, uniforms and indices, the gather buffer; with a gradient
+    for ``v`` every drawn index) and refuses a call that needs more, before allocating.
+
+    Examples
+    --------
+    >>> from attnuq.ops import max_bytes
+    >>> max_bytes() > 0
+    True
+    """
+    raw = os.environ.get(_MAX_BYTES_ENV, "").strip()
+    if not raw:
+        return _DEFAULT_MAX_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            f"{_MAX_BYTES_ENV} must be a positive integer number of bytes, got "
+            f"{_MAX_BYTES_ENV}={raw!r}"
+        )
+    return value
+
+
+def _check_budget(att: Attn, nu: int, block_size: int | None, keep_all: bool, what: str) -> None:
+    """Refuse, before anything is allocated, a call whose estimated allocation exceeds
+    :func:`max_bytes` (the message names the bytes and their parts), and ``nu > MAX_NU``."""
+    parts = _estimate_bytes(att, nu, block_size, keep_all)
+    need = sum(parts.values())
+    budget = max_bytes()
+    if need > budget:
+        detail = ", ".join(f"{k} {v:,}" for k, v in parts.items() if v)
+        raise ValueError(
+            f"{what} with {nu=} needs about {need:,} bytes ({need / 2**30:.3g} GiB: {detail}), "
+            f"more than the memory budget of {budget:,} bytes ({budget / 2**30:.3g} GiB); lower "
+            f"nu or the batch, pass block_size, or raise the budget with "
+            f"{_MAX_BYTES_ENV}=<bytes>"
+        )
+    if nu > MAX_NU:
+        raise ValueError(
+            f"nu must be at most MAX_NU = 2**31 - 1 (one query's draws go to one embedding_bag "
+            f"call, which counts its indices in 32 bits), got {nu=}"
+        )
+
+
+def _estimate_bytes(
+    att: Attn, nu: int, block_size: int | None, keep_all: bool
+) -> dict[str, int]:
+    """Bytes a call allocates besides its inputs, by part (an upper estimate from the shapes and
+    the chunk plan; ``keep_all``: every drawn index is held, as for a gradient or
+    :func:`_draw`)."""
+    es = att.q.element_size()  # compute dtype
+    ies = 4 if att.index_dtype == torch.int32 else 8
+    g, m, lk, dv = att.groups, att.rows, att.lk, att.dv
+    parts = {"output": g * m * dv * (es + torch.empty((), dtype=att.out_dtype).element_size())}
+    if g * m == 0 or lk == 0 or dv == 0:
+        return parts
+    blocked = block_size is not None and block_size < lk
+    if blocked:
+        assert block_size is not None
+        chunks = _blocked_chunks(att, nu, block_size)
+        per_row = block_size * es + nu * (2 * es + 3 * ies + 1)  # scores; u, x, choice, local, take
+    else:
+        chunks = _dense_chunks(att, nu)
+        per_row = lk * es + nu * (2 * es + ies)  # scores; uniforms (and a scaled copy), indices
+    rows = max((g1 - g0) * (i1 - i0) for g0, g1, i0, i1 in chunks)
+    parts["one chunk"] = rows * per_row
+    if keep_all:
+        # every index, and embedding_bag's int64 bookkeeping of them (offset2bag, backward)
+        parts["all indices"] = g * m * nu * (ies + 8)
+    else:
+        held = min(g * m * nu, _GATHER_ELEMS + rows * nu)  # pending indices, and their copy
+        parts["gather"] = held * ies * 2 + min(g * m, held // nu + rows) * dv * es
+    return parts
+
+
+def _dense_chunks(att: Attn, nu: int) -> list[Chunk]:
+    """Query chunks of the dense sampler: rows sized by ``Lk + 2 nu`` elements (scores,
+    uniforms, indices), at least ``min(M, 128)`` (an efficient scores GEMM for long ``Lk``) but
+    never more than :data:`_CHUNK_MAX_ELEMS` elements (one row at the least). With ``is_causal``
+    and ``Lq > 128``: blocks of ~``Lq/4`` rows of several groups, each seeing only the keys up
+    to its last position (for ``Lq <= 128`` a block would be a whole sequence anyway: no key
+    saved, and chunks of whole groups save the per-chunk overhead)."""
+    per_row = att.lk + 2 * nu
+    cap = max(1, _CHUNK_MAX_ELEMS // per_row)
+    causal = max(_DENSE_MIN_ROWS, att.lq // 4) if att.causal and att.lq > _DENSE_MIN_ROWS else None
+    max_rows = cap if causal is None else min(causal, cap)
+    return att.chunks(per_row, _DENSE_CHUNK_ELEMS, _DENSE_MIN_ROWS, max_rows, batch_groups=True)
+
+
+def _blocked_chunks(att: Attn, nu: int, block_size: int) -> list[Chunk]:
+    """Query chunks of the key-blocked sampler: ``rows * (block_size + nu)`` about
+    :data:`_BLOCKED_SAMPLE_ELEMS` (at least :data:`_BLOCKED_MIN_ROWS` rows), at most
+    :data:`_CHUNK_MAX_ELEMS` elements (one row at the least)."""
+    per_row = block_size + nu
+    cap = max(1, _CHUNK_MAX_ELEMS // per_row)
+    return att.chunks(per_row, _BLOCKED_SAMPLE_ELEMS, _BLOCKED_MIN_ROWS, cap)
 
 
 def _check_empty_rows(empty_rows: object) -> EmptyRows:
@@ -112,9 +245,6 @@ def _exp2_cdf_(
     return s.cumsum_(-1)
 
 
-Chunk = tuple[int, int, int, int]  # (g0, g1, i0, i1): rows i0:i1 of groups g0:g1
-
-
 @torch.no_grad()
 def _sample_dense(
     att: Attn, nu: int, generator: torch.Generator | None, empty: torch.Tensor
@@ -136,13 +266,7 @@ def _sample_dense(
     dev, dt = att.q.device, att.q.dtype
     lk = att.lk
     use_i32 = att.index_dtype == torch.int32
-    # Causal: query blocks of ~Lq/4 rows only look at the keys up to their last position. For
-    # Lq <= _DENSE_MIN_ROWS a block would be a whole sequence anyway (no key saved), and chunks
-    # of whole groups save the per-chunk overhead.
-    max_rows = (
-        max(_DENSE_MIN_ROWS, att.lq // 4) if att.causal and att.lq > _DENSE_MIN_ROWS else None
-    )
-    chunks = att.chunks(lk, _DENSE_CHUNK_ELEMS, _DENSE_MIN_ROWS, max_rows, batch_groups=True)
+    chunks = _dense_chunks(att, nu)
     cap = max((g1 - g0) * (i1 - i0) for g0, g1, i0, i1 in chunks) * lk
     buf = torch.empty(cap, dtype=dt, device=dev)
     # the compiled kernel (CPU): max, 2^(s - max), blocked CDF and lookups in one pass per row
@@ -212,7 +336,7 @@ def _sample_blocked(
     below_one = 1.0 - torch.finfo(dt).eps / 2
     idt = att.index_dtype
     use_i32 = idt == torch.int32
-    chunks = att.chunks(block_size + nu, _BLOCKED_SAMPLE_ELEMS, _BLOCKED_MIN_ROWS)
+    chunks = _blocked_chunks(att, nu, block_size)
     cap = max((g1 - g0) * (i1 - i0) for g0, g1, i0, i1 in chunks) * block_size
     buf = torch.empty(cap, dtype=dt, device=dev)
     for g0, g1, i0, i1 in chunks:
@@ -293,6 +417,7 @@ def _sample_indices(
     nu = check_nu(nu)
     block_size = _check_block_size(block_size)
     att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    _check_budget(att, nu, block_size, True, "_sample_indices")
     idx, empty = _draw(att, nu, block_size, generator)
     return att.unfold(idx.long()), att.unfold(empty.unsqueeze(-1)).squeeze(-1)
 
@@ -393,16 +518,17 @@ def sampled_attention(
         if att.groups * att.rows > 0 and empty_rows == "error":  # no keys at all
             raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
         return torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
-    g, m, lk, dv = att.groups, att.rows, att.lk, att.dv
+    if att.dv == 0:  # nothing to average: the empty output SDPA returns
+        return torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
+    g, m, dv = att.groups, att.rows, att.dv
+    grad = torch.is_grad_enabled() and att.v_src.requires_grad
+    _check_budget(att, nu, block_size, grad, "sampled_attention")
     # value j of group g is row offs[g] + j * step of w (a view of v's memory when possible)
     w, offs, step = att.value_rows()
-    dense = block_size is None or block_size >= lk
-    if dense or (torch.is_grad_enabled() and w.requires_grad):
-        # All indices (G, M, nu) at once, then one gather. With a gradient for v the backward of
-        # embedding_bag needs every index anyway (and one dense gradient for v beats one per
-        # chunk). On the dense path its chunks are small (~2 MiB of scores) and one gather per
-        # chunk measured ~5-10% slower at B, H, L, D = 8, 8, 512, 64, nu = 8 than this single
-        # call; its uniforms are still drawn per chunk.
+    if grad:
+        # All indices (G, M, nu) at once, then the gather: the backward of embedding_bag needs
+        # every index anyway (and one dense gradient for v beats one per chunk). The gather runs
+        # in calls of fewer than 2**31 indices (torch's CPU kernel counts them in a C int).
         idx, empty = _draw(att, nu, block_size, generator)
         has_empty = bool(empty.any())
         if has_empty and empty_rows == "error":
@@ -410,28 +536,69 @@ def sampled_attention(
         if step != 1:
             idx.mul_(step)
         flat = idx.add_(offs).view(g * m, nu)  # global row of v, in place (idx is ours)
-        out = F.embedding_bag(flat, w, mode="sum").view(g, m, dv)  # (G, M, Dv)
-        out = out * (1.0 / nu) if out.requires_grad else out.mul_(1.0 / nu)
+        per_call = max(1, _MAX_BAG_INDICES // nu)  # bags per embedding_bag call
+        pieces = [F.embedding_bag(f, w, mode="sum") for f in flat.split(per_call)]
+        out = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(g, m, dv)  # (G, M, Dv)
+        out = out * (1.0 / nu)
         if has_empty:
             out = out.masked_fill(empty.unsqueeze(-1), 0.0)
         return att.unfold(out).to(att.out_dtype)
-    # Key-blocked, no gradient: gather each chunk's value rows as soon as its indices are
-    # drawn, straight into the output; the extra memory is that of one chunk (no (G, M, nu)
-    # tensor).
+    # No gradient: the value rows of each run of chunks are gathered as soon as their indices
+    # are drawn, straight into the output; besides it, the memory is that of one chunk and the
+    # gather buffer (no (G, M, nu) tensor).
     out = torch.empty(g, m, dv, dtype=att.out_dtype, device=q.device)
     empty = torch.empty(g, m, dtype=torch.bool, device=q.device)
     with torch.no_grad():
-        for (g0, g1, i0, i1), ic in _draw_chunks(att, nu, block_size, generator, empty):
-            if step != 1:
-                ic.mul_(step)
-            flat = ic.add_(offs[g0:g1]).view(-1, nu)  # (g * rows, nu) global rows of v
-            yc = F.embedding_bag(flat, w, mode="sum").mul_(1.0 / nu)  # (g * rows, Dv)
-            out[g0:g1, i0:i1] = yc.view(g1 - g0, i1 - i0, dv)  # cast to the output dtype
+        _gather(_draw_chunks(att, nu, block_size, generator, empty), w, offs, step, nu, out)
     if bool(empty.any()):
         if empty_rows == "error":
             raise empty_rows_error(att, empty)
         out.masked_fill_(empty.unsqueeze(-1), 0.0)
     return att.unfold(out)
+
+
+def _gather(
+    draws: Iterator[tuple[Chunk, torch.Tensor]],
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    step: int,
+    nu: int,
+    out: torch.Tensor,
+) -> None:
+    """Write the mean drawn value row of every chunk's queries into ``out`` ``(G, M, Dv)``.
+
+    ``draws`` yields ``(chunk, idx)`` with local key indices ``idx`` ``(g, rows, nu)`` (modified
+    in place). Consecutive chunks are collected until they hold :data:`_GATHER_ELEMS` indices and
+    then summed by one ``embedding_bag`` call; a call never receives more indices than that plus
+    one chunk's, far below ``2**31`` (one chunk holds at most :data:`_CHUNK_MAX_ELEMS` elements,
+    or one row of ``nu <= MAX_NU`` draws).
+    """
+    pending: list[tuple[Chunk, torch.Tensor]] = []
+    held = 0
+
+    def flush() -> None:
+        flats = [f for _, f in pending]
+        flat = flats[0] if len(flats) == 1 else torch.cat(flats)
+        y = F.embedding_bag(flat, w, mode="sum").mul_(1.0 / nu)  # (bags, Dv)
+        r0 = 0
+        for (g0, g1, i0, i1), f in pending:
+            r1 = r0 + f.shape[0]
+            out[g0:g1, i0:i1] = y[r0:r1].view(g1 - g0, i1 - i0, -1)  # cast to the output dtype
+            r0 = r1
+        pending.clear()
+
+    for chunk, ic in draws:
+        g0, g1 = chunk[0], chunk[1]
+        if step != 1:
+            ic.mul_(step)
+        flat = ic.add_(offs[g0:g1]).view(-1, nu)  # (g * rows, nu) global rows of w
+        if pending and held + flat.numel() > _GATHER_ELEMS:
+            flush()
+            held = 0
+        pending.append((chunk, flat))
+        held += flat.numel()
+    if pending:
+        flush()
 
 
 def _moments(att: Attn, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
