@@ -32,13 +32,41 @@ def dkw_eps(n: int, p_fail: float = 1e-6) -> float:
 
 # ----------------------------------------------------------------------------- CRPS
 def test_crps_samples_matches_scoringrules_fair() -> None:
-    sr = pytest.importorskip("scoringrules")
+    import scoringrules as sr  # the 'bench' extra; not skipped: this is the agreement test
+
     g = gen(1)
     x = torch.randn(7, 5, 3, generator=g, dtype=D)
     y = torch.randn(5, 3, generator=g, dtype=D)
     ours = M.crps_samples(x, y, reduction="none").numpy()
     ref = sr.crps_ensemble(y.numpy(), x.numpy(), m_axis=0, estimator="fair", backend="numpy")
     np.testing.assert_allclose(ours, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_normal_scores_and_interval_score_match_scoringrules() -> None:
+    """crps_normal, nll_normal and interval_score against scoringrules on random inputs.
+
+    Float64, targets out to ~|z| = 15 and spreads from 0.05 to 2; the formulas are the same
+    (scoringrules' numpy backend), so the tolerance is rounding: 1e-12 relative.
+    """
+    import scoringrules as sr
+
+    g = gen(11)
+    n = 2000
+    mu = 3 * torch.randn(n, generator=g, dtype=D)
+    sd = 0.05 + 2 * torch.rand(n, generator=g, dtype=D)
+    y = mu + 4 * sd * torch.randn(n, generator=g, dtype=D)
+    yn, mn, sn = y.numpy(), mu.numpy(), sd.numpy()
+    tol = {"rtol": 1e-12, "atol": 1e-14}
+    np.testing.assert_allclose(M.crps_normal(mu, sd, y, reduction="none").numpy(),
+                               sr.crps_normal(yn, mn, sn, backend="numpy"), **tol)
+    np.testing.assert_allclose(M.nll_normal(mu, sd, y, reduction="none").numpy(),
+                               sr.logs_normal(yn, mn, sn, backend="numpy"), **tol)
+    for level in (0.5, 0.9, 0.95):
+        half = sd * (0.5 + torch.rand(n, generator=g, dtype=D))
+        lo, hi = mu - half, mu + half  # a mix of covered and missed targets
+        ours = M.interval_score(lo, hi, y, level=level, reduction="none").numpy()
+        ref = sr.interval_score(yn, lo.numpy(), hi.numpy(), 1.0 - level, backend="numpy")
+        np.testing.assert_allclose(ours, ref, **tol)
 
 
 def test_crps_samples_matches_loop_with_ties() -> None:
