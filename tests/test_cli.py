@@ -227,3 +227,158 @@ def test_calibration_suite_seed_and_device(
     assert [r["seed"] for r in res["rows"]] == [5]
     assert res["settings"]["seed"] == 5 and res["settings"]["device"] == "cpu"
     assert "seeds 5..5" in (tmp_path / "cal.md").read_text()
+
+
+class _FourFeatures(nn.Module):
+    """A model for 4 input features: a 3-feature data file makes its first Linear raise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.body = _TinyRegressor(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.inp(x))
+
+
+class _AttentionIgnored(_TinyRegressor):
+    """Runs its attention but returns a function of the embeddings only: calibrate's
+    documented RuntimeError (the output does not change under stochastic attention)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x.unsqueeze(-1))
+        self.attn(t, t, t, need_weights=False)
+        return self.head(t.mean(1)).squeeze(-1)
+
+
+def _tiny_bert_folder(tmp: Path) -> Path:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=32, num_labels=1)
+    BertForSequenceClassification(cfg).eval().save_pretrained(tmp / "bert")
+    return tmp / "bert"
+
+
+def _assert_one_line_exit_2(rc: int, err: str, message: str) -> None:
+    assert rc == 2, err
+    assert "Traceback" not in err, err
+    # progress lines may precede it; the error itself is one line, the last one
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("attnuq: error: ")]
+    assert len(lines) == 1 and err.strip().splitlines()[-1] == lines[0], err
+    assert message in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("wrong-feature-count", "fails on the inputs of d.npz"),
+        ("attention-ignored", "did not change under stochastic attention"),
+        ("hf-invalid-config", "could not read"),
+        ("hf-no-weights", "could not load the weights of BertForSequenceClassification"),
+        ("hf-truncated-safetensors", "could not load the weights of"),
+        ("torn-npz", "could not read"),
+    ],
+)
+def test_calibrate_failures_are_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, message: str
+) -> None:
+    """Issue #23 item 4: each of these gave a traceback and exit 1 before."""
+    torch.manual_seed(0)
+    model: nn.Module = {"wrong-feature-count": _FourFeatures,
+                        "attention-ignored": _AttentionIgnored}.get(case, _TinyRegressor)()
+    model_path = tmp_path / "model.pt"
+    torch.save(model.eval(), model_path)
+    g = torch.Generator().manual_seed(1)
+    data = tmp_path / "d.npz"
+    np.savez(data, x=torch.randn(16, 3, generator=g).numpy(),
+             y=torch.randn(16, generator=g).numpy())
+    if case.startswith("hf-"):
+        model_path = _tiny_bert_folder(tmp_path)
+        np.savez(data, input_ids=np.ones((8, 4), dtype=np.int64), y=np.zeros((8, 1)))
+        weights = model_path / "model.safetensors"
+        if case == "hf-invalid-config":
+            (model_path / "config.json").write_text("{not json")
+        elif case == "hf-no-weights":
+            weights.unlink()
+        else:
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    if case == "torn-npz":
+        data.write_bytes(data.read_bytes()[:100])
+    rc, _, err = _run(["calibrate", str(model_path), str(data), "--search", "grid",
+                       "--n-passes", "2", "--output-key", "logits", "--out",
+                       str(tmp_path / "o")], capsys)
+    _assert_one_line_exit_2(rc, err, message)
+
+
+@pytest.mark.parametrize("command", ["calibrate", "demo"])
+def test_out_naming_a_file_fails_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    command: str,
+) -> None:
+    """``--out`` that is an existing file is refused before calibration / training starts."""
+    import attnuq
+    import attnuq.data.uci
+
+    def no_work(*_: object, **__: object) -> None:
+        raise AssertionError("work started although --out is a file")
+
+    monkeypatch.setattr(attnuq, "calibrate", no_work)
+    monkeypatch.setattr(attnuq.data.uci, "load_uci", no_work)
+    model_path, model = _saved_model(tmp_path)
+    x, y = _heldout(model, 8)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    taken = tmp_path / "taken.txt"
+    taken.write_text("not a folder")
+    args = (["calibrate", str(model_path), str(tmp_path / "d.npz")] if command == "calibrate"
+            else ["demo"])
+    rc, _, err = _run([*args, "--out", str(taken)], capsys)
+    _assert_one_line_exit_2(rc, err, "is not a folder")
+    assert taken.read_text() == "not a folder"
+
+
+def test_report_out_naming_a_folder_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "results.json").write_text(json.dumps({"title": "x"}))
+    rc, _, err = _run(["report", str(tmp_path / "results.json"), "--out", str(tmp_path)], capsys)
+    _assert_one_line_exit_2(rc, err, "is a folder")
+    (tmp_path / "torn.json").write_text("")
+    rc, _, err = _run(["report", str(tmp_path / "torn.json")], capsys)
+    _assert_one_line_exit_2(rc, err, "torn.json is not valid JSON")
+
+
+def test_text_file_given_as_grib_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("cfgrib", reason="the 'weather' extra (cfgrib) is not installed")
+    grib = tmp_path / "field.grib"
+    grib.write_text("this is a text file, not GRIB\n")
+    rc, _, err = _run(["bench", "era5", "--file", str(grib), "--out", str(tmp_path / "r"),
+                       "--no-progress"], capsys)
+    _assert_one_line_exit_2(rc, err, "could not read 'field.grib' as GRIB")
+
+
+def test_truncated_physionet_archive_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for rid in range(132539, 132549):
+            text = f"Time,Parameter,Value\n00:00,RecordID,{rid}\n" + "".join(
+                f"{h:02d}:00,HR,{60 + (h * rid) % 37}\n" for h in range(48))
+            info = tarfile.TarInfo(f"set-a/{rid}.txt")
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    root = tmp_path / "data" / "physionet2012"
+    root.mkdir(parents=True)
+    blob = buf.getvalue()
+    (root / "set-a.tar.gz").write_bytes(blob[: len(blob) // 2])
+    rc, _, err = _run(["bench", "physionet", "--data-dir", str(tmp_path / "data"),
+                       "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "r")],
+                      capsys)
+    _assert_one_line_exit_2(rc, err, "could not read the archive")

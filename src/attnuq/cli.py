@@ -9,12 +9,16 @@
   folder or a ``torch.save``-d module) on a CSV or NPZ file of held-out inputs and targets.
 * ``attnuq report RESULTS_JSON``: (re)write ``report.html`` from a results file.
 
-Bad input ends with a one-line ``attnuq: error: ...`` on stderr and exit status 2.
+Bad input ends with a one-line ``attnuq: error: ...`` on stderr and exit status 2: invalid
+options and files, a model that fails on the given data, a model folder without weights or with
+a torn weights file, an ``--out`` that names a file (checked before any work). Set
+``ATTNUQ_TRACEBACK=1`` to see the full traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +30,41 @@ __all__ = ["build_parser", "main"]
 
 class _UserError(Exception):
     """An error caused by the command's input: printed as one line, exit status 2."""
+
+
+#: errors whose message already says what was wrong with the input (no type name shown)
+_PLAIN = (_UserError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """The error types a command reports as bad input (one line, exit 2), not as a crash.
+
+    Our validation raises ``ValueError`` / ``TypeError`` / ``KeyError``; ``calibrate``
+    documents ``RuntimeError`` (no attention site reached), and a user's model that fails on
+    the user's data raises one too; files bring ``OSError``, ``EOFError``, ``tarfile`` and
+    ``zlib`` errors, and ``safetensors`` its own type; a missing extra is an ``ImportError``.
+    """
+    import tarfile
+    import zlib
+
+    kinds: list[type[BaseException]] = [
+        _UserError, OSError, ValueError, KeyError, TypeError, RuntimeError, EOFError,
+        ImportError, tarfile.TarError, zlib.error,
+    ]
+    st = sys.modules.get("safetensors")  # only a loaded safetensors can have raised
+    err = getattr(st, "SafetensorError", None)
+    if isinstance(err, type) and issubclass(err, BaseException):
+        kinds.append(err)
+    return tuple(kinds)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first non-empty line of ``exc``'s message, with its type unless it is one of ours."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    msg = lines[0] if lines else ""
+    if isinstance(exc, _PLAIN) and msg:
+        return msg
+    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
 
 
 def _add_common(p: argparse.ArgumentParser, *, data_dir: bool = True) -> None:
@@ -122,7 +161,18 @@ def build_parser(load_suite: str | None = None) -> argparse.ArgumentParser:
     )
     cal.add_argument(
         "--output-key", default=None,
-        help="field of a model output object holding the prediction (default: the first tensor)",
+        help="field of a model output object holding the prediction (default: the first tensor);"
+        " with --head, the hidden states fed to the head (default: last_hidden_state)",
+    )
+    cal.add_argument(
+        "--head", default=None, metavar="FILE",
+        help="torch.save()d head applied to MODEL's pooled embedding: an nn.Module, or a linear "
+        "head's state dict {'weight': (K, D), 'bias': (K,)}",
+    )
+    cal.add_argument(
+        "--pool", default="mean", choices=["mean", "cls", "none"],
+        help="pooling before --head: attention-mask-weighted mean over tokens, the first token, "
+        "or none (the field is already (B, D)); default: mean",
     )
     cal.add_argument(
         "--criterion", default="paper", choices=["paper", "scale", "crps", "coverage"],
@@ -203,9 +253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = args._run(args)
             print(f"results written to {Path(out)}")
             return 0
-    except (_UserError, FileNotFoundError, ValueError, KeyError, TypeError) as exc:
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"attnuq: error: {msg}", file=sys.stderr)
+    except _input_errors() as exc:
+        if os.environ.get("ATTNUQ_TRACEBACK", "") not in ("", "0"):
+            raise
+        print(f"attnuq: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     parser.error(f"unknown command {args.command!r}")
     return 2

@@ -30,6 +30,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from attnuq._io import atomic_write_text
+
 __all__ = ["load_results", "render_report"]
 
 _CSS = """
@@ -73,8 +75,8 @@ def load_results(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise FileNotFoundError(f"results file not found: {p}")
     try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
+        data = json.loads(p.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{p} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict) or "title" not in data:
         raise ValueError(f"{p} must hold a JSON object with a 'title' key")
@@ -119,6 +121,9 @@ def render_report(results: str | Path, out: str | Path | None = None) -> Path:
     ('demo.html', True, True)
     """
     results = Path(results)
+    out_path = Path(out) if out is not None else results.parent / "report.html"
+    if out_path.is_dir():
+        raise ValueError(f"report path {str(out_path)!r} is a folder; name the HTML file")
     data = load_results(results)
     base = results.parent
     parts = [f"<h1>{html.escape(str(data['title']))}</h1>"]
@@ -153,6 +158,5 @@ def render_report(results: str | Path, out: str | Path | None = None) -> Path:
         f"<title>{html.escape(str(data['title']))}</title><style>{_CSS}</style></head>"
         f"<body>{''.join(parts)}</body></html>"
     )
-    out_path = Path(out) if out is not None else base / "report.html"
-    out_path.write_text(page)
+    atomic_write_text(out_path, page)
     return out_path

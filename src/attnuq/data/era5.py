@@ -122,7 +122,11 @@ def _open(path: Path):  # type: ignore[no-untyped-def]
                 f"reading GRIB file {path.name!r} needs cfgrib + eccodes (extra 'weather')"
             ) from exc
         # indexpath="": do not write a .idx file next to (possibly read-only) data
-        return xr.open_dataset(path, engine="cfgrib", backend_kwargs={"indexpath": ""})
+        try:
+            return xr.open_dataset(path, engine="cfgrib", backend_kwargs={"indexpath": ""})
+        except (EOFError, OSError, ValueError, KeyError) as exc:  # not GRIB, or truncated
+            raise ValueError(f"could not read {path.name!r} as GRIB: {type(exc).__name__}: "
+                             f"{exc}") from exc
     if suffix in _NETCDF:
         return xr.open_dataset(path)
     raise ValueError(

@@ -37,6 +37,7 @@ import math
 import os
 import tarfile
 import warnings
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,16 +196,20 @@ def _iter_sources(path: Path) -> Iterator[tuple[str, bytes]]:
     if tarfile.is_tarfile(path):
         # read members in archive order (a gzip stream cannot seek backwards cheaply), then sort
         found: list[tuple[str, bytes]] = []
-        with tarfile.open(path, "r:*") as tar:
-            for m in tar:
-                base = os.path.basename(m.name)
-                skip = base.lower().startswith("outcomes") or not base.endswith(".txt")
-                if not m.isfile() or skip:
-                    continue
-                fh = tar.extractfile(m)
-                if fh is None:  # pragma: no cover - isfile() members always extract
-                    continue
-                found.append((m.name, fh.read()))
+        try:
+            with tarfile.open(path, "r:*") as tar:
+                for m in tar:
+                    base = os.path.basename(m.name)
+                    skip = base.lower().startswith("outcomes") or not base.endswith(".txt")
+                    if not m.isfile() or skip:
+                        continue
+                    fh = tar.extractfile(m)
+                    if fh is None:  # pragma: no cover - isfile() members always extract
+                        continue
+                    found.append((m.name, fh.read()))
+        except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:  # truncated/corrupt
+            raise ValueError(f"could not read the archive {path}: {type(exc).__name__}: "
+                             f"{exc}") from exc
         yield from sorted(found)
         return
     raise ValueError(f"PhysioNet source must be a folder of .txt files or a tar file, got {path}")

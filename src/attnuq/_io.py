@@ -1,0 +1,262 @@
+"""Atomic writes, validated reads and cache keys for results and checkpoints.
+
+Every results file, checkpoint and figure that a later run may read back goes through one of
+the ``atomic_*`` writers: the bytes go to a temporary file in the target's folder, are flushed
+to disk and then moved over the target with :func:`os.replace`, so a reader (or a rerun after
+a crash) sees either the old file or the complete new one, never a torn one.
+
+Resumption reads back with :func:`read_json_or_none` / :func:`torch_load_or_none`: a missing
+file is ``None`` (not done yet); an unreadable or invalid one (0 bytes, truncated, not the
+expected shape) is ``None`` too, with a :class:`CorruptFileWarning` naming the file, so the
+caller redoes that piece instead of failing on it.
+
+:func:`cache_key` turns everything that shapes a cached piece (budget, architecture, data file
+identity from :func:`file_identity`, seed, split) into a short hash for the cache folder name.
+
+Examples
+--------
+>>> import pathlib, tempfile, warnings
+>>> tmp = tempfile.TemporaryDirectory()
+>>> p = pathlib.Path(tmp.name) / "run.json"
+>>> atomic_write_json(p, {"rmse": 0.5})
+>>> read_json_or_none(p, "run")
+{'rmse': 0.5}
+>>> _ = p.write_text("")  # a torn file: warned about, then treated as not done
+>>> with warnings.catch_warnings(record=True) as w:
+...     warnings.simplefilter("always")
+...     print(read_json_or_none(p, "run"), "corrupt run" in str(w[0].message))
+None True
+>>> cache_key({"max_epochs": 5}) == cache_key({"max_epochs": 5}), len(cache_key({}))
+(True, 16)
+>>> tmp.cleanup()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = [
+    "CorruptFileWarning",
+    "atomic_np_savez",
+    "atomic_savefig",
+    "atomic_torch_save",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "cache_key",
+    "check_out_dir",
+    "file_identity",
+    "read_json_or_none",
+    "tensor_digest",
+    "torch_load_or_none",
+]
+
+
+class CorruptFileWarning(UserWarning):
+    """A results or cache file could not be read back; the piece it held is redone."""
+
+
+@contextlib.contextmanager
+def _atomic(path: str | os.PathLike[str], mode: str) -> Iterator[IO[Any]]:
+    """Open a temporary file beside ``path``; on success move it over ``path``."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; keep the usual permissions
+        with os.fdopen(fd, mode) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temporary file + :func:`os.replace`)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    with _atomic(path, "wb") as fh:
+        fh.write(data)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, **dumps_kwargs: Any) -> None:
+    """``json.dumps(obj, **dumps_kwargs)`` written to ``path`` atomically.
+
+    The text is built before the file is touched, so an object that does not serialise leaves
+    the old file in place.
+    """
+    atomic_write_text(path, json.dumps(obj, **dumps_kwargs))
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save(obj, path)``, atomically."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def atomic_np_savez(path: str | os.PathLike[str], *, compressed: bool = True,
+                    **arrays: Any) -> None:
+    """``np.savez[_compressed](path, **arrays)``, atomically (``path`` is used as given)."""
+    import numpy as np
+
+    buf = io.BytesIO()
+    (np.savez_compressed if compressed else np.savez)(buf, **arrays)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def atomic_savefig(fig: Any, path: str | os.PathLike[str], **kwargs: Any) -> None:
+    """``fig.savefig(path, **kwargs)`` atomically; the format comes from ``path``'s suffix."""
+    fmt = kwargs.pop("format", None) or Path(path).suffix.lstrip(".") or "png"
+    buf = io.BytesIO()
+    fig.savefig(buf, format=fmt, **kwargs)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _warn_corrupt(path: Path, what: str, why: str) -> None:
+    warnings.warn(f"corrupt {what} {path} ({why}); redoing it", CorruptFileWarning, stacklevel=3)
+
+
+def read_json_or_none(
+    path: str | os.PathLike[str],
+    what: str,
+    *,
+    validate: Callable[[Any], bool] | None = None,
+) -> Any:
+    """The JSON in ``path``, or ``None`` when it is missing or unusable.
+
+    Parameters
+    ----------
+    path
+        File to read.
+    what
+        What the file holds (``"run"``, ``"member cost"``), for the warning.
+    validate
+        Optional check of the parsed value; ``False`` (or an exception) marks the file corrupt.
+
+    Returns
+    -------
+    The parsed value; ``None`` for a missing file (silently) or an unreadable, invalid or
+    rejected one (with a :class:`CorruptFileWarning` naming ``path``: the caller redoes it).
+    """
+    p = Path(path)
+    if not p.is_file():
+        return None
+    try:
+        value = json.loads(p.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        _warn_corrupt(p, what, f"{type(exc).__name__}: {exc}")
+        return None
+    if validate is not None:
+        try:
+            ok = bool(validate(value))
+        except Exception as exc:  # a validator failing on odd content means odd content
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        else:
+            why = "unexpected content"
+        if not ok:
+            _warn_corrupt(p, what, why)
+            return None
+    return value
+
+
+def torch_load_or_none(path: str | os.PathLike[str], what: str, **load_kwargs: Any) -> Any:
+    """``torch.load(path, **load_kwargs)``, or ``None`` (missing, or corrupt with a warning)."""
+    import torch
+
+    p = Path(path)
+    if not p.is_file():
+        return None
+    try:
+        return torch.load(p, **load_kwargs)
+    except Exception as exc:  # truncated zip, bad pickle, ...: a torn checkpoint is retrained
+        _warn_corrupt(p, what, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        return None
+
+
+def file_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Name, size and SHA-256 of a data file: what a cache key needs to know about it."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"data file not found: {p}")
+    h = hashlib.sha256()
+    with p.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return {"name": p.name, "size": p.stat().st_size, "sha256": h.hexdigest()}
+
+
+def tensor_digest(*tensors: Any) -> str:
+    """16 hex digits of SHA-256 over the shapes, dtypes and values of ``tensors``.
+
+    The identity of the data a model is trained on, independent of where the files lie.
+
+    >>> import torch
+    >>> a = torch.arange(6.0).reshape(2, 3)
+    >>> tensor_digest(a) == tensor_digest(a.clone()), tensor_digest(a) == tensor_digest(a.T)
+    (True, False)
+    """
+    import numpy as np
+    import torch
+
+    h = hashlib.sha256()
+    for t in tensors:
+        if not isinstance(t, (torch.Tensor, np.ndarray)):
+            raise TypeError(f"tensor_digest takes tensors or arrays, got {type(t).__name__}")
+        a = t.detach().cpu().contiguous().numpy() if isinstance(t, torch.Tensor) else t
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype.str}{a.shape};".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()[:16]
+
+
+def cache_key(spec: Any) -> str:
+    """16 hex digits of SHA-256 over ``spec`` as sorted JSON (equal specs, equal keys)."""
+    text = json.dumps(spec, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_out_dir(path: str | os.PathLike[str], option: str = "--out") -> Path:
+    """Refuse an output folder that cannot be one, before any work is done.
+
+    Raises ``ValueError`` when ``path`` (or a parent) exists as a non-folder; returns the path.
+    Nothing is created.
+    """
+    p = Path(path)
+    for q in (p, *p.parents):
+        if q.exists():
+            if not q.is_dir():
+                what = "" if q == p else f" (its parent {str(q)!r} is a file)"
+                raise ValueError(f"{option} {str(p)!r} is not a folder{what}")
+            if not os.access(q, os.W_OK):
+                raise ValueError(f"{option} {str(p)!r}: folder {str(q)!r} is not writable")
+            break
+    return p
