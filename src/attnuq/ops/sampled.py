@@ -716,8 +716,8 @@ def attention_moments(
     block_size = _check_block_size(block_size)
     empty_rows = _check_empty_rows(empty_rows)
     att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
-    if att.groups * att.rows == 0 or att.lk == 0:
-        if att.groups * att.rows > 0 and empty_rows == "error":
+    if att.groups * att.rows == 0 or att.lk == 0 or att.dv == 0:
+        if att.groups * att.rows > 0 and att.lk == 0 and empty_rows == "error":
             raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
         z = torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
         return z, z.clone()
