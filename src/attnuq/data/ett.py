@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from attnuq._validation import check_positive_int
-from attnuq.data import data_dir
+from attnuq.data import DataFormatError, data_dir
+from attnuq.data._formats import CSVTable, read_csv_table
 
 __all__ = [
     "ETT_CHANNELS",
@@ -247,34 +248,30 @@ def load_ett(
     ------
     FileNotFoundError
         The file does not exist.
+    attnuq.data.DataFormatError
+        Malformed content, naming the file and line: an empty file or one without data rows, a
+        bad header (duplicate names, missing columns), ragged rows, NaN, infinite or non-numeric
+        entries (counted per column, the first one's line named), a date that does not parse or
+        is not after the previous row's.
     ValueError
-        Missing columns (named), NaN or non-numeric entries (column and count named), a file too
-        short for the context.
+        A file too short for the context, channels constant on the train rows.
     """
-    import pandas as pd
-
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"ETT file not found: {str(p)!r}")
     context = check_positive_int(context, "context")
     cols = list(columns)
-    if not cols:
-        raise ValueError(f"columns must name at least one channel, got {columns=!r}")
-    df = pd.read_csv(p)
-    missing = [c for c in ["date", *cols] if c not in df.columns]
+    if not cols or len(set(cols)) != len(cols):
+        raise ValueError(f"columns must name distinct channels, at least one, got {columns=!r}")
+    table = read_csv_table(p)
+    missing = [c for c in ["date", *cols] if c not in table.header]
     if missing:
-        raise ValueError(
-            f"ETT file {p.name!r} lacks columns {missing}; it has {list(df.columns)}"
+        raise DataFormatError(
+            p, f"ETT file lacks columns {missing}; it has {list(table.header)}",
+            line=table.header_line,
         )
-    if len(df) == 0:
-        raise ValueError(f"ETT file {p.name!r} has no rows")
-    num = df[cols].apply(pd.to_numeric, errors="coerce")
-    bad = {c: int(n) for c, n in num.isna().sum().items() if n > 0}
-    if bad:
-        raise ValueError(f"ETT file {p.name!r} has NaN or non-numeric values per column: {bad}")
-    arr = num.to_numpy(dtype=np.float64)
-    if not np.isfinite(arr).all():
-        raise ValueError(f"ETT file {p.name!r} has infinite values")
+    arr = _channel_values(table, cols)
+    dates = _dates(table)
     if freq is None:
         freq = "15min" if p.name.lower().startswith("ettm") else "h"
     borders, rule = ett_borders(len(arr), context, freq=freq)
@@ -285,7 +282,6 @@ def load_ett(
         const = [c for c, s in zip(cols, std, strict=True) if s <= 0]
         raise ValueError(f"channels {const} are constant on the train rows; cannot standardise")
     scaled = (arr - mean) / std
-    dates = pd.to_datetime(df["date"]).to_numpy()
     return ETTData(
         values=torch.from_numpy(scaled.astype(np.float32)),
         mean=mean,
@@ -297,6 +293,69 @@ def load_ett(
         split_rule=rule,
         path=p,
     )
+
+
+def _channel_values(table: CSVTable, cols: list[str]) -> np.ndarray:
+    """``(T, C)`` float64 of the channels; any NaN, inf or non-number is a format error."""
+    arr = np.empty((len(table.rows), len(cols)))
+    for j, c in enumerate(cols):
+        k = table.index(c)
+        vals = [r[k] for r in table.rows]
+        try:
+            arr[:, j] = np.array(vals, dtype=np.float64)
+        except ValueError:
+            arr[:, j] = [_float_or_nan(v) for v in vals]
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        counts = {c: int(n) for c, n in zip(cols, bad.sum(0), strict=True) if n}
+        i = int(np.flatnonzero(bad.any(1))[0])
+        j = int(np.flatnonzero(bad[i])[0])
+        raise DataFormatError(
+            table.path, f"ETT file has NaN, infinite or non-numeric values per column: {counts} "
+            f"(first: {table.rows[i][table.index(cols[j])].strip()!r} in column {cols[j]!r})",
+            line=table.lines[i],
+        )
+    return arr
+
+
+def _float_or_nan(s: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        return float("nan")
+
+
+def _dates(table: CSVTable) -> np.ndarray:
+    """The ``date`` column as ``datetime64``; unparsable or non-increasing dates are refused."""
+    import warnings
+
+    import pandas as pd
+
+    raw = table.strings("date")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "could not infer format": the NaT check reports it
+            parsed = pd.to_datetime(pd.Series(raw), errors="coerce")
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. mixed time zones
+        raise DataFormatError(
+            table.path, f"column 'date' does not parse as dates ({exc})"
+        ) from None
+    nat = parsed.isna().to_numpy()
+    if nat.any():
+        i = int(np.argmax(nat))
+        raise DataFormatError(
+            table.path, f"bad date {raw[i]!r} ({int(nat.sum())} unparsable dates; the format is "
+            f"taken from the first row, {raw[0]!r})", line=table.lines[i],
+        )
+    dates = parsed.to_numpy()
+    step = np.diff(dates) > np.timedelta64(0) if dates.dtype.kind == "M" else np.ones(0, bool)
+    if step.size and not step.all():
+        i = int(np.argmin(step)) + 1
+        raise DataFormatError(
+            table.path, f"date {raw[i]!r} is not after the previous row's {raw[i - 1]!r}",
+            line=table.lines[i],
+        )
+    return dates
 
 
 def seasonal_naive(past: torch.Tensor, horizon: int, *, season: int = 24) -> torch.Tensor:

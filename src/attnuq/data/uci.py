@@ -36,7 +36,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from attnuq.data import DataFormatError
 from attnuq.data import data_dir as _resolve_data_dir
+from attnuq.data._formats import read_int_list, read_number_rows, row_lines, token_lines
 
 __all__ = [
     "BUNDLED_DIR",
@@ -101,17 +103,32 @@ def n_splits(name: str, data_dir: str | os.PathLike[str] | None = None) -> int:
     folder = uci_dir(name, data_dir)
     f = folder / "n_splits.txt"
     if f.is_file():
-        return int(f.read_text().split()[0])
+        vals, _ = read_int_list(f, low=1)
+        if len(vals) != 1:
+            raise DataFormatError(f, f"expected one split count, got {vals.tolist()}",
+                                  line=token_lines(f)[1])
+        return int(vals[0])
     return len(list(folder.glob("index_train_*.txt")))
 
 
-def _read_index(path: Path) -> np.ndarray:
+def _read_index(path: Path, size: int, what: str) -> np.ndarray:
+    """Distinct indices in ``[0, size)`` (``what`` names the axis); errors name file and line."""
     if not path.is_file():
         raise FileNotFoundError(f"index file not found: {path}")
-    idx = np.loadtxt(path, dtype=np.float64, ndmin=1)
-    if idx.size == 0 or not np.all(idx == np.round(idx)):
-        raise ValueError(f"index file {path} must hold non-negative integers")
-    return idx.astype(np.int64)
+    idx, _ = read_int_list(path, low=0)
+    over = np.flatnonzero(idx >= size)
+    if over.size:
+        k = int(over[0])
+        raise DataFormatError(
+            path, f"index {int(idx[k])} out of range for data.txt with {size} {what}",
+            line=token_lines(path)[k],
+        )
+    _, first = np.unique(idx, return_index=True)
+    if first.size != idx.size:
+        k = int(np.setdiff1d(np.arange(idx.size), first).min())
+        raise DataFormatError(path, f"index {int(idx[k])} listed twice",
+                              line=token_lines(path)[k])
+    return idx
 
 
 @dataclass(frozen=True)
@@ -183,6 +200,15 @@ def load_uci(
     Returns
     -------
     UCISplit
+
+    Raises
+    ------
+    FileNotFoundError
+        The set's folder or a split's index file is missing.
+    attnuq.data.DataFormatError
+        Malformed files, with file and line: ragged or non-numeric ``data.txt`` rows, non-finite
+        values, negative (they would wrap around), repeated or out-of-range indices, a feature
+        list that contains the target, train and test rows that overlap.
     """
     folder = uci_dir(name, data_dir)
     if isinstance(split, bool) or not isinstance(split, (int, np.integer)) or split < 0:
@@ -197,24 +223,38 @@ def load_uci(
         raise ValueError(
             f"val_fraction + cal_fraction must be < 0.5, got {val_fraction=}, {cal_fraction=}"
         )
-    data = np.loadtxt(folder / "data.txt", dtype=np.float64, ndmin=2)
-    if not np.isfinite(data).all():
-        raise ValueError(f"{folder / 'data.txt'} holds non-finite values")
-    feats = _read_index(folder / "index_features.txt")
-    target = _read_index(folder / "index_target.txt")
-    if target.size != 1:
-        raise ValueError(f"index_target.txt must hold one column index, got {target.tolist()}")
-    if feats.max() >= data.shape[1] or target[0] >= data.shape[1]:
-        raise ValueError(
-            f"column indices out of range for data.txt with {data.shape[1]} columns: "
-            f"features={feats.tolist()}, target={target.tolist()}"
+    data_path = folder / "data.txt"
+    data = read_number_rows(data_path)
+    finite = np.isfinite(data).all(1)
+    if not finite.all():
+        k = int(np.argmin(finite))
+        raise DataFormatError(
+            data_path, f"non-finite value in row {k} ({int((~finite).sum())} such rows)",
+            line=row_lines(data_path)[k],
         )
-    train_idx = _read_index(folder / f"index_train_{split}.txt")
-    test_idx = _read_index(folder / f"index_test_{split}.txt")
-    if max(train_idx.max(), test_idx.max()) >= len(data):
-        raise ValueError(f"split {split} of {name} indexes rows beyond the {len(data)} data rows")
-    if np.intersect1d(train_idx, test_idx).size:
-        raise ValueError(f"split {split} of {name}: train and test rows overlap")
+    n_rows, n_cols = data.shape
+    feats_path, target_path = folder / "index_features.txt", folder / "index_target.txt"
+    feats = _read_index(feats_path, n_cols, "columns")
+    target = _read_index(target_path, n_cols, "columns")
+    if target.size != 1:
+        raise DataFormatError(target_path, f"must hold one column index, got {target.tolist()}",
+                              line=token_lines(target_path)[1])
+    if target[0] in feats:
+        k = int(np.flatnonzero(feats == target[0])[0])
+        raise DataFormatError(
+            feats_path, f"feature column {int(target[0])} is the target ({target_path.name})",
+            line=token_lines(feats_path)[k],
+        )
+    train_idx = _read_index(folder / f"index_train_{split}.txt", n_rows, "rows")
+    test_path = folder / f"index_test_{split}.txt"
+    test_idx = _read_index(test_path, n_rows, "rows")
+    both = np.flatnonzero(np.isin(test_idx, train_idx))
+    if both.size:
+        k = int(both[0])
+        raise DataFormatError(
+            test_path, f"row {int(test_idx[k])} is also a training row of split {split} "
+            f"({both.size} shared rows)", line=token_lines(test_path)[k],
+        )
     x, y = data[:, feats], data[:, target[0]]
     rng = np.random.default_rng(seed + 1000 * split)
     perm = train_idx[rng.permutation(len(train_idx))]
