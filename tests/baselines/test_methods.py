@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,13 @@ from attnuq.baselines import (
     DeepEnsemble,
     HomoscedasticGaussian,
     MCDropout,
+    Method,
     SplitConformal,
     Task,
     available_methods,
     gumbel_attention,
     make_method,
+    method_implementation,
 )
 from attnuq.baselines.simple import dropout_active
 from attnuq.models.ft import make_ft_transformer, train_regressor
@@ -88,6 +91,18 @@ def test_every_method_fits_and_predicts_the_target_shape(name: str, task: Task) 
     # post-hoc and retraining methods alike leave the frozen model's weights unchanged
     for k, v in task.model.state_dict().items():
         assert torch.equal(before[k], v), f"{name} changed {k}"
+
+
+@pytest.mark.parametrize("name", available_methods())
+def test_every_method_states_its_implementation(name: str) -> None:
+    """Results pages print this per row: each registered class says which code it runs."""
+    text = method_implementation(name)
+    assert text == make_method(name).implementation
+    assert text != Method.implementation, f"{name} keeps the base class's implementation text"
+    if "agree" in text:  # a stated library agreement names the test file that checks it
+        files = re.findall(r"tests/[\w/]+\.py", text)
+        root = Path(__file__).resolve().parents[2]
+        assert files and all((root / f).is_file() for f in files), (name, text)
 
 
 def test_make_method_errors_name_the_bad_value() -> None:

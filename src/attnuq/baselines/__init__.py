@@ -16,10 +16,10 @@ Registered names (:func:`available_methods`):
 ``sa-conformal`` SA (``L_SA``) + split-conformal scaling on the ``cal`` part
 ``mc-dropout`` dropout active at test time on the frozen model
 ``ensemble``   deep ensemble of 5 retrained backbones (Gaussian over members)
-``swag``       SWAG around the frozen model (own implementation)
+``swag``       SWAG around the frozen model (own code; agrees with torch-uncertainty's)
 ``multiswag``  SWAG around each of 5 ensemble members
 ``ivon``       IVON variational training (``ivon-opt``)
-``laplace``    exact closed-form last-layer Laplace (Gaussian regression)
+``laplace``    exact closed-form last-layer Laplace (agrees with laplace-torch)
 ``hsa``        Gumbel-softmax attention trained end to end (after Pei et al. 2022)
 ``conformal``  split conformal on absolute residuals
 ``gaussian``   homoscedastic Gaussian, sigma from validation residuals
@@ -40,6 +40,7 @@ from attnuq.baselines._base import (
     available_methods,
     collect,
     make_method,
+    method_implementation,
     register_method,
 )
 from attnuq.baselines.calibration import coverage_scale, needed_scales
@@ -86,6 +87,7 @@ __all__ = [
     "coverage_scale",
     "gumbel_attention",
     "make_method",
+    "method_implementation",
     "needed_scales",
     "register_method",
 ]

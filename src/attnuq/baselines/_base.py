@@ -53,6 +53,7 @@ __all__ = [
     "available_methods",
     "collect",
     "make_method",
+    "method_implementation",
     "register_method",
 ]
 
@@ -267,6 +268,9 @@ class Method(ABC):
 
     #: registry name, set by :func:`register_method`
     name: str = "method"
+    #: which code computes the method and how it was checked against a maintained library
+    #: (results pages print it per row, see :func:`method_implementation`)
+    implementation: str = "attnuq"
 
     def __init__(self) -> None:
         self.cost = Cost()
@@ -374,6 +378,24 @@ def make_method(name: str, **kwargs: Any) -> Method:
     m = cls(**{**defaults, **kwargs})
     m.name = name
     return m
+
+
+def method_implementation(name: str) -> str:
+    """Which implementation the method registered as ``name`` runs (its class attribute).
+
+    Examples
+    --------
+    >>> method_implementation("laplace")  # doctest: +ELLIPSIS
+    'attnuq closed form (last layer, full GGN); agrees with laplace-torch 0.3 ...'
+    >>> method_implementation("gp")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown method name='gp'; known: [...]
+    """
+    _load_all()
+    if name not in _METHODS:
+        raise ValueError(f"unknown method {name=!r}; known: {sorted(_METHODS)}")
+    return _METHODS[name][0].implementation
 
 
 def _load_all() -> None:

@@ -66,6 +66,8 @@ class DeepEnsemble(Method):
     (torch.Size([4]), True, 3)
     """
 
+    implementation = "attnuq (members retrained with the suite's recipe; Gaussian over members)"
+
     def __init__(self, n_members: int = 5) -> None:
         super().__init__()
         self.n_members = check_positive_int(n_members, "n_members")

@@ -141,6 +141,9 @@ class HSA(Method):
     (torch.Size([4, 3]), True)
     """
 
+    implementation = ("attnuq (Gumbel-softmax attention after Pei et al. 2022; no maintained "
+                      "package implements it)")
+
     def __init__(self, tau: float = 1.0, n_samples: int = 50, seed: int = 2000) -> None:
         super().__init__()
         if not tau > 0:

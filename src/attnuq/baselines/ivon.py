@@ -60,6 +60,9 @@ __all__ = ["IVONMethod"]
 class IVONMethod(Method):
     """Train with ``ivon.IVON`` and predict with posterior weight samples."""
 
+    implementation = ("ivon-opt 0.1 (ivon.IVON optimizer and its weight sampler); the "
+                      "training loop and the hess_init choice are attnuq's")
+
     def __init__(
         self,
         n_samples: int = 50,

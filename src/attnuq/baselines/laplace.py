@@ -1,8 +1,18 @@
 """Exact last-layer Laplace approximation for Gaussian regression (closed form).
 
-``laplace-torch`` (Daxberger et al. 2021) is the maintained library for this, but it imports
-torchvision, which does not import beside the CPU torch build used here; for Gaussian regression
-the last-layer Laplace is exact and closed-form, so it is written out.
+``laplace-torch`` (Daxberger et al. 2021; the ``laplace`` extra) is the maintained library for
+this. For Gaussian regression the last-layer Laplace is exact and closed-form, so it is written
+out here: it runs any ``forward_fn`` and input form (tensor, tuple, dict) with outputs
+``(B, ...)`` of any shape, where laplace-torch calls ``model(x)`` and wants ``(B, K)``.
+``tests/baselines/test_library_agreement.py`` checks it against
+``laplace.Laplace(model, "regression", subset_of_weights="last_layer",
+hessian_structure="full")`` on the same model and data in float64: at the same ``alpha`` and
+``sigma`` the predictive mean and variance agree to 1e-6 relative (2e-9 seen), the log marginal
+likelihood to 1e-6 (2e-8 seen, near-collinear features), laplace-torch's log marginal likelihood
+on our grid peaks at our ``alpha``, and its own fit (Adam on ``log alpha``) lies within half a
+grid step. The noise is chosen differently: ours is the MLE ``RSS / N`` of the frozen model's
+training residuals; laplace-torch takes ``sigma_noise`` as given (or fits it by marginal
+likelihood during training).
 
 Let ``phi(x) in R^d`` be the input of the last ``nn.Linear`` (``K`` outputs, weights ``W``,
 bias ``b``) and ``phi~ = [phi, 1]`` (``d~ = d + 1`` with a bias). With a Gaussian likelihood of
@@ -149,6 +159,12 @@ class LastLayerLaplace(Method):
     >>> pred.std.shape, bool((pred.std**2 > la.s2).all())  # epistemic part + noise s2
     (torch.Size([3]), True)
     """
+
+    implementation = (
+        "attnuq closed form (last layer, full GGN); agrees with laplace-torch 0.3 "
+        "FullLLLaplace to 1e-6 relative in mean, variance and log marginal likelihood "
+        "(tests/baselines/test_library_agreement.py)"
+    )
 
     def __init__(
         self,

@@ -70,6 +70,8 @@ class StochasticAttention(Method):
     (torch.Size([8, 2, 3, 4]), torch.Size([2, 3, 4]))
     """
 
+    implementation = "attnuq stochastic attention (the method of this package)"
+
     def __init__(
         self,
         criterion: str = "paper",

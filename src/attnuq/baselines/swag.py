@@ -1,9 +1,15 @@
 """SWAG and MultiSWAG (Maddox et al. 2019; Wilson & Izmailov 2020), implemented here.
 
-There is no maintained pip package for SWAG usable here (the reference code,
-``wjmaddox/swa_gaussian``, is a research repository, not a package; ``torch-uncertainty`` has
-SWAG but needs torchvision, which does not import beside this CPU torch build), so the few lines
-of bookkeeping live in :class:`SWAGCollector`.
+The reference code, ``wjmaddox/swa_gaussian``, is a research repository, not a package;
+``torch-uncertainty`` (the ``uncertainty`` extra) has a ``SWAG`` wrapper. The few lines of
+bookkeeping stay in :class:`SWAGCollector` because torch-uncertainty's wrapper collects one
+snapshot per epoch of its Lightning routine and draws the low-rank part with a fresh ``z_2`` for
+every parameter tensor (a block-diagonal low-rank covariance, not the formula below), scaled by
+``1/sqrt(max_num_models - 1)`` even before ``max_num_models`` snapshots exist.
+``tests/baselines/test_library_agreement.py`` feeds both the same snapshots: the same moments
+and deviation matrix (float64, 1e-12), the same draws from the same normal draws for a
+one-tensor model (torch-uncertainty's ``scale=0.5`` is the formula's 1/2), and the block-diagonal
+covariance of its draws otherwise (``docs/methods.md``, section 5).
 
 From the trained weights, training continues for ``swag_epochs`` epochs at a constant learning
 rate; ``snapshots_per_epoch`` times per epoch the flat weight vector ``w_i`` is collected into
@@ -232,6 +238,13 @@ class SWAG(Method):
     (torch.Size([6, 4]), 64)
     """
 
+    implementation = (
+        "attnuq SWAGCollector (Maddox et al. 2019); moments and draws agree with "
+        "torch-uncertainty 0.13 SWAG on the same snapshots "
+        "(tests/baselines/test_library_agreement.py), which however draws the low-rank part "
+        "per parameter tensor (docs/methods.md)"
+    )
+
     def __init__(
         self,
         n_members: int = 1,
@@ -326,6 +339,13 @@ class MultiSWAG(SWAG):
     >>> pred.samples.shape, ms.cost.fit_forward  # SWAG steps: 2 members x 2 epochs x 32 rows
     (torch.Size([6, 4]), 128)
     """
+
+    implementation = (
+        "attnuq SWAG (as 'swag') around each deep-ensemble member, samples pooled; SWAG agrees "
+        "with torch-uncertainty 0.13 SWAG on the same snapshots "
+        "(tests/baselines/test_library_agreement.py; its per-tensor low-rank draw: "
+        "docs/methods.md)"
+    )
 
     def __init__(self, n_members: int = 5, **kwargs: Any) -> None:
         super().__init__(n_members=n_members, **kwargs)
