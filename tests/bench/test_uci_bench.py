@@ -120,7 +120,7 @@ def test_seed_offsets_every_seed_and_never_mixes_with_seed0(tmp_path: Path) -> N
     assert (r0["seed"], r1["seed"]) == (0, 1) and r1["device"] == "cpu"
     # a different seed trains a different backbone (own model cache folder)
     assert r0["metrics"]["rmse"] != r1["metrics"]["rmse"]
-    assert (out / "_models/concrete/split0/seed1/backbone.pt").is_file()
+    assert len(list((out / "_models/concrete/split0/seed1").glob("*/backbone.pt"))) == 1
     assert [r["seed"] for r in aggregate(out, 0)] == [0]
     assert [r["seed"] for r in aggregate(out, 1)] == [1]
     # the table of seed 1 is built from seed-1 runs only
@@ -139,3 +139,60 @@ def test_bad_device_gives_one_line_error(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bogus" in err[0] and err[0].startswith("attnuq: error:")
     assert not (tmp_path / "o").exists()
+
+
+def _tiny_argv(out: Path, *extra: str) -> list[str]:
+    return ["bench", "uci", "--datasets", "concrete", "--splits", "1", "--data-dir", "bundled",
+            "--methods", "gaussian", "--out", str(out), "--n-blocks", "1", "--max-epochs", "1",
+            "--patience", "1", "--no-progress", *extra]
+
+
+def test_torn_run_json_and_backbone_are_redone_with_a_warning(tmp_path: Path) -> None:
+    """Issue #23 item 5: a 0-byte run JSON made every rerun fail ("Expecting value", no file
+    named) and a torn ``backbone.pt`` gave a traceback; both are now redone with a warning
+    (an ``attnuq._io.CorruptFileWarning``, a ``UserWarning``)."""
+    out = tmp_path / "uci"
+    assert main(_tiny_argv(out)) == 0
+    run_json = out / "runs/concrete/split0/gaussian.json"
+    (backbone,) = (out / "_models/concrete/split0").rglob("backbone.pt")
+    good = json.loads(run_json.read_text())
+    run_json.write_bytes(b"")
+    backbone.write_bytes(backbone.read_bytes()[:64])
+    with pytest.warns(UserWarning) as rec:
+        assert main(_tiny_argv(out)) == 0
+    text = " ".join(str(w.message) for w in rec)
+    assert f"corrupt run {run_json}" in text and f"corrupt backbone {backbone}" in text
+    redone = json.loads(run_json.read_text())
+    assert redone["method"] == "gaussian" and redone["backbone"]["epochs_run"] == 1
+    assert redone["metrics"].keys() == good["metrics"].keys()
+    assert backbone.stat().st_size > 1000  # trained again and saved whole
+    # no temporary files left behind by the atomic writes
+    assert not [p for p in out.rglob("*.tmp")]
+
+
+@pytest.mark.slow
+def test_other_budget_or_depth_retrains_the_backbone(tmp_path: Path) -> None:
+    """Issue #23 item 6: another ``--max-epochs`` reused the old backbone (and labelled the JSON
+    with the new budget); another ``--n-blocks`` gave a size-mismatch traceback."""
+    out = tmp_path / "uci"
+    run_json = out / "runs/concrete/split0/gaussian.json"
+    assert main(_tiny_argv(out)) == 0
+    first = json.loads(run_json.read_text())
+    argv2 = [*_tiny_argv(out)[:-1], "--max-epochs", "2", "--no-progress"]
+    assert main(argv2) == 0
+    second = json.loads(run_json.read_text())
+    # patience 1 cannot stop before epoch 2, so a backbone trained under this budget ran 2
+    assert first["backbone"]["epochs_run"] == 1 and second["backbone"]["epochs_run"] == 2
+    assert second["config"]["budget"]["max_epochs"] == 2
+    assert second["backbone"]["cache_key"] != first["backbone"]["cache_key"]
+    argv3 = [*argv2[:-1], "--n-blocks", "2", "--no-progress"]
+    assert main(argv3) == 0
+    third = json.loads(run_json.read_text())
+    assert third["config"]["budget"]["n_blocks"] == 2
+    assert len({first["backbone"]["cache_key"], second["backbone"]["cache_key"],
+                third["backbone"]["cache_key"]}) == 3
+    assert len(list((out / "_models/concrete/split0").glob("*/backbone.pt"))) == 3
+    # back to the first budget: its cached backbone is found again, nothing retrained
+    assert main(_tiny_argv(out)) == 0
+    again = json.loads(run_json.read_text())
+    assert again["backbone"] == first["backbone"]

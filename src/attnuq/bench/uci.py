@@ -4,8 +4,13 @@ For each data set and split (:func:`attnuq.data.uci.load_uci`: 80 % fit / 10 % v
 of the training split, fixed seed; standardised with fit statistics) one FT-Transformer
 backbone (rtdl default recipe, early stopping on validation RMSE) is trained and cached; every
 post-hoc method uses that same frozen model, retraining methods use ``make_model(seed)`` with the
-same recipe. Each (data set, split, method) run writes ``runs/<set>/split<K>/<method>.json``;
-existing files are skipped, so an interrupted run resumes.
+same recipe. Each (data set, split, method) run writes ``runs/<set>/split<K>/<method>.json``
+(atomically); existing valid files of the same budget are skipped, so an interrupted run
+resumes. A torn or unreadable run file is redone with a warning; one written under another
+budget is redone with a message. The backbone and ensemble members are cached under
+``<cache>/<set>/split<K>/[seed<S>/]<key>/``, ``key`` a hash of everything that shapes them
+(blocks, epochs, patience, batch size, seed, recipe, and the fit/val data), so another
+``--max-epochs`` or ``--n-blocks`` trains a new backbone instead of reusing the old one.
 
 ``--seed S`` offsets every seed (backbone and member initialisation and batch order, each
 method's own ``seed``, the scoring generators) by ``100000 * S``; ``S = 0`` keeps the original
@@ -43,11 +48,22 @@ import json
 import math
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from attnuq._io import (
+    CorruptFileWarning,
+    atomic_savefig,
+    atomic_torch_save,
+    atomic_write_json,
+    atomic_write_text,
+    cache_key,
+    read_json_or_none,
+    torch_load_or_none,
+)
 from attnuq.bench import register
 
 __all__ = ["DEFAULT_METHODS", "aggregate", "run", "run_one", "write_table"]
@@ -140,6 +156,32 @@ def _budget(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+#: bump when the backbone recipe in :func:`_make_task` changes in a way the options do not show
+_RECIPE = "FTTransformer rtdl defaults, train_regressor (AdamW, early stopping on val RMSE) v1"
+
+
+def _cache_spec(data: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Everything that shapes the cached backbone and members of one (data set, split, seed).
+
+    The budget that reaches training (blocks, epochs, patience, batch), the seed offset, the
+    recipe, and the digest of the fit/val tensors (the data file and split identity).
+    """
+    from attnuq._io import tensor_digest
+
+    return {
+        "recipe": _RECIPE,
+        "dataset": data.name,
+        "split": data.split,
+        "seed": _seed(args),
+        "n_blocks": args.n_blocks,
+        "max_epochs": args.max_epochs,
+        "patience": args.patience,
+        "batch_size": args.batch_size,
+        "n_features": data.n_features,
+        "data": tensor_digest(data.x_fit, data.y_fit, data.x_val, data.y_val),
+    }
+
+
 def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, dict[str, Any]]:
     from attnuq.baselines import Task
     from attnuq.models.ft import make_ft_transformer, train_regressor
@@ -159,19 +201,33 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
             desc=f"{data.name}/{data.split} seed {seed}",
         )
 
+    spec = _cache_spec(data, args)
+    cache = cache / cache_key(spec)  # backbone and members of exactly this recipe and data
     cache.mkdir(parents=True, exist_ok=True)
+    if read_json_or_none(cache / "spec.json", "cache spec") != spec:
+        atomic_write_json(cache / "spec.json", spec, indent=1)
     model = make_model(0)
     wpath, ipath = cache / "backbone.pt", cache / "backbone.json"
-    if wpath.is_file() and ipath.is_file():
-        model.load_state_dict(torch.load(wpath, map_location=device, weights_only=True))
-        info = json.loads(ipath.read_text())
-    else:
+    info = read_json_or_none(ipath, "backbone record",
+                             validate=lambda r: isinstance(r, dict) and "epochs_run" in r)
+    state = (None if info is None else
+             torch_load_or_none(wpath, "backbone", map_location=device, weights_only=True))
+    if state is not None:
+        try:
+            model.load_state_dict(state)
+        except (RuntimeError, KeyError) as exc:  # keys or shapes unlike this recipe's model
+            warnings.warn(f"corrupt backbone {wpath} ({str(exc).splitlines()[0][:200]}); "
+                          "redoing it", CorruptFileWarning, stacklevel=2)
+            model, state = make_model(0), None
+    if state is None:
         res = train_fn(model, (data.x_fit, data.y_fit), (data.x_val, data.y_val), 0)
         info = {"best_epoch": res.best_epoch, "epochs_run": res.epochs_run,
                 "best_val_rmse_std_units": res.best_val_rmse, "seconds": res.seconds,
                 "n_forward": res.n_forward}
-        torch.save(model.state_dict(), wpath)
-        ipath.write_text(json.dumps(info))
+        atomic_torch_save(model.state_dict(), wpath)
+        atomic_write_json(ipath, info)
+    assert info is not None
+    info = {**info, "cache_key": cache.name}
     model.eval()
     for p in model.parameters():
         p.requires_grad_(True)
@@ -299,7 +355,7 @@ def run(args: argparse.Namespace) -> Path:
         raise ValueError(f"--splits must be >= 1 and --first-split >= 0, got {args.splits=}, "
                          f"{args.first_split=}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / ".gitignore").write_text("_models/\n*.err.txt\n")
+    atomic_write_text(out / ".gitignore", "_models/\n*.err.txt\n")
     cache_root = Path(args.cache_dir) if args.cache_dir else out / "_models"
     info = run_info()
     if not args.aggregate_only:
@@ -312,7 +368,8 @@ def run(args: argparse.Namespace) -> Path:
                     disable=args.no_progress)
         for name, k in jobs:
             rdir = _run_dir(out, name, k, seed)
-            todo = [m for m in args.methods if not (rdir / f"{m}.json").is_file()]
+            todo = [m for m in args.methods
+                    if _load_run(rdir / f"{m}.json", m, _budget(args)) is None]
             bar.update(len(args.methods) - len(todo))
             if not todo:
                 continue
@@ -327,16 +384,15 @@ def run(args: argparse.Namespace) -> Path:
                 try:
                     res = run_one(m, task, data, args)
                 except Exception as exc:  # recorded, reported in the table, retried next run
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    err.write_text(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+                    atomic_write_text(
+                        err, f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
                     print(f"[uci] {name}/split{k}/{m} failed: {type(exc).__name__}: {exc}")
                     bar.update(1)
                     continue
                 res["backbone"] = backbone
                 res["wall_seconds"] = time.perf_counter() - t0
                 res["run_info"] = {**info, "date": run_info()["date"]}
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(res, indent=1))
+                atomic_write_json(path, res, indent=1)
                 if err.exists():
                     err.unlink()
                 bar.update(1)
@@ -353,6 +409,31 @@ def _tqdm(**kw: Any) -> Any:
     return tqdm(**kw)
 
 
+def _valid_run(r: Any) -> bool:
+    return (isinstance(r, dict) and isinstance(r.get("metrics"), dict)
+            and all(k in r for k in ("dataset", "split", "method", "cost", "pit")))
+
+
+def _load_run(path: Path, method: str | None = None,
+              budget: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """A finished run JSON, or ``None`` when it has to be (re)done.
+
+    Missing: ``None``. Unreadable or not a run record (a torn file): ``None`` with a
+    :class:`~attnuq._io.CorruptFileWarning`. Written under another budget than ``budget``
+    (when given): ``None``, with a message, since its backbone is not this command's.
+    """
+    rec = read_json_or_none(path, "run", validate=lambda r: _valid_run(r) and (
+        method is None or r["method"] == method))
+    if rec is None or budget is None:
+        return rec
+    old = (rec.get("config") or {}).get("budget")
+    if old != budget:
+        print(f"[uci] {path} was run with budget {json.dumps(old)}; redoing it with "
+              f"{json.dumps(budget)}", flush=True)
+        return None
+    return dict(rec)
+
+
 def aggregate(out: Path, seed: int = 0) -> list[dict[str, Any]]:
     """Every run JSON of ``seed`` under ``out/runs`` (sorted by data set, method, split).
 
@@ -360,8 +441,8 @@ def aggregate(out: Path, seed: int = 0) -> list[dict[str, Any]]:
     others in ``runs/<set>/split<K>/seed<S>/``.
     """
     pattern = "*/split*/*.json" if seed == 0 else f"*/split*/seed{seed}/*.json"
-    rows = [json.loads(p.read_text()) for p in sorted((out / "runs").glob(pattern))]
-    rows = [r for r in rows if int(r.get("seed", 0)) == seed]
+    rows = [_load_run(p) for p in sorted((out / "runs").glob(pattern))]
+    rows = [r for r in rows if r is not None and int(r.get("seed", 0)) == seed]
     return sorted(rows, key=lambda r: (r["dataset"], r["method"], r["split"]))
 
 
@@ -404,7 +485,7 @@ def plot_pits(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
         fig.suptitle(f"UCI {ds}: test PIT histograms (native predictive)", fontsize=10)
         fig.tight_layout()
         p = out / f"pit_{ds}.png"
-        fig.savefig(p, dpi=90)
+        atomic_savefig(fig, p, dpi=90)
         plt.close(fig)
         paths.append(p)
     return paths
@@ -599,13 +680,15 @@ def write_table(
         lines.append(f"![PIT histograms {ds}](uci/pit_{ds}.png)" if out.name == "uci"
                      else f"PIT histograms: `{out / f'pit_{ds}.png'}`")
         lines.append("")
+    from attnuq.bench._implementations import implementation_lines
+
+    lines += implementation_lines(_order(sorted({r["method"] for r in rows})))
     lines.insert(
         lines.index("## What this covers"),
         f"**Summary:** SA has the narrowest calibrated PI-95 on {sa_wins} of {n_sets} data sets "
         f"covered here (the paper: 7 of 8).\n",
     )
-    table.parent.mkdir(parents=True, exist_ok=True)
-    table.write_text("\n".join(lines) + "\n")
+    atomic_write_text(table, "\n".join(lines) + "\n")
     return table
 
 
