@@ -48,8 +48,17 @@ def test_train_improves_and_roundtrip(tmp_path: Path) -> None:
     back = load_patchtst(tmp_path / "m")
     assert not any(p.requires_grad for p in back.parameters())
     assert not back.training
+    # the weights come back bit-for-bit ...
+    want, got = model.state_dict(), back.state_dict()
+    assert want.keys() == got.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    # ... but not the output bits: from_pretrained memory-maps the safetensors file, so the
+    # reloaded tensors sit at another alignment (seen: 56 mod 64 bytes) and MKL / oneDNN pick
+    # another GEMM blocking on AVX-512 (686 of 1024 elements off by <= 6e-7 on a Xeon with
+    # AMX). Same function, other summation order: a few float32 ulps of |y| <= ~2.
     with torch.no_grad():
-        torch.testing.assert_close(back(va[0]), model(va[0]), rtol=0, atol=0)
+        torch.testing.assert_close(back(va[0]), model(va[0]), rtol=1e-5, atol=1e-5)
 
 
 def test_attention_goes_through_attention_interface() -> None:

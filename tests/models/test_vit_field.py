@@ -30,6 +30,8 @@ def test_starts_at_persistence_and_roundtrip(tmp_path: Path) -> None:
     back = load_vit_field(tmp_path / "v")
     assert not back.training and not any(p.requires_grad for p in back.parameters())
     with torch.no_grad():
+        # bit-equal: load_state_dict copies the weights into the new model's own (freshly
+        # allocated, 64-byte aligned) parameters, so the same kernels run on identical inputs
         torch.testing.assert_close(back(x), m(x), rtol=0, atol=0)
         # 0.1 * std; float32 near 280 K resolves ~3e-5
         torch.testing.assert_close(back(x) - x[:, :1], torch.full_like(y, 0.3), rtol=0, atol=1e-4)

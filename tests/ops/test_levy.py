@@ -382,6 +382,21 @@ def test_bad_input(change: dict[str, Any], match: str) -> None:
         levy_attention(q, k, a, times, mask, **kw)
 
 
+@pytest.mark.parametrize("name", ["q", "k", "a"])
+def test_non_finite_input_raises_when_the_kernel_cannot_run(monkeypatch, name: str) -> None:
+    """backend='auto' validates lightly when it expects the compiled kernel to check q, k and
+    a itself; where the kernel cannot run (ATTNUQ_NATIVE=0, no compiler, another device or
+    dtype) the torch path must check them instead of returning NaN."""
+    from attnuq.ops import levy as levy_mod
+
+    monkeypatch.setattr(levy_mod, "_native_unusable", lambda inp, needs_grad: "switched off")
+    args, kw = make_problem()
+    t = dict(zip(("q", "k", "a"), (x.clone() for x in args[:3]), strict=True))
+    t[name][0, 1, 0, 0] = math.nan  # observation 0 is observed in every series
+    with pytest.raises(ValueError, match=f"{name} contains non-finite"):
+        levy_attention(t["q"], t["k"], t["a"], args[3], args[4], **kw)
+
+
 def test_bad_shapes() -> None:
     args, kw = make_problem()
     q, k, a, times, mask = args

@@ -743,6 +743,9 @@ def levy_attention(
             # the kernel met a non-finite observed row (or squares that overflow): the detailed
             # checks raise with a precise message; if they pass, the torch path below runs
             inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
+        elif want_native and not needs_grad:
+            # the light checks left q, k and a to the kernel, which does not run: check them here
+            inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
         backend = "auto"
     B, H = q.shape[:2]
     Dv = a.shape[-1]
