@@ -126,6 +126,14 @@ class _Bypass(nn.Module):
         return self.lin(v.mean(1))
 
 
+class _Ignored(_Bypass):
+    """Calls its attention but returns a function of the input only."""
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        self.mha(v, v, v, need_weights=False)
+        return self.lin(v.mean(1))
+
+
 def test_clear_errors(problem) -> None:  # type: ignore[no-untyped-def]
     model, data = problem
     v, y = data[0]
@@ -137,8 +145,10 @@ def test_clear_errors(problem) -> None:  # type: ignore[no-untyped-def]
         calibrate(model, [(v, bad)], progress=False)
     with pytest.raises(ValueError, match=r"prediction.shape=\(64, 8\) and targets.shape=\(64, 3\)"):
         calibrate(model, [(v, y[:, :3])], progress=False)
-    with pytest.raises(RuntimeError, match="did not change under stochastic attention"):
+    with pytest.raises(RuntimeError, match=r"_Bypass never called .* sites \['mha'\]"):
         calibrate(_Bypass().eval(), [(v, y)], progress=False)
+    with pytest.raises(RuntimeError, match="did not change under stochastic attention"):
+        calibrate(_Ignored().eval(), [(v, y)], progress=False)
     with pytest.raises(ValueError, match="no attention site"):
         calibrate(nn.Sequential(nn.Flatten(), nn.Linear(256, 8)).eval(), [(v, y)], progress=False)
     with pytest.raises(ValueError, match="criterion"):

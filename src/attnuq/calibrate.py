@@ -348,13 +348,16 @@ def _sample(
     calls = 0
     max_change = 0.0
     s = None if seed is None else seed * 1_000_003 + nu
-    with torch.no_grad(), stochastic(model, nu=nu, seed=s):
-        for bt in batches:
+    with torch.no_grad(), stochastic(model, nu=nu, seed=s) as handle:
+        reached = 0
+        for i, bt in enumerate(batches):
             reps = replicas_per_call(bt.b, m, batch_replicas, max_rows)
             samples, c = stochastic_passes(
                 model, bt.inputs, m, output_fn=output_fn, replicas=reps, b=bt.b
             )
             calls += c
+            # "reached" from the patch's own call counts, never from output differences
+            reached = handle.require_calls(reached, where=f"calibrate (nu={nu}, batch {i})")
             check_finite(samples, f"stochastic prediction at nu={nu}")
             d = (samples - bt.frozen).reshape(m, bt.b, -1).double().cpu()  # (M, B, P)
             e = (bt.targets - bt.frozen).reshape(bt.b, -1).double().cpu()  # (B, P)
@@ -632,7 +635,10 @@ def calibrate(
     ValueError
         Empty data, NaN targets, prediction/target shape mismatch, bad settings.
     RuntimeError
-        If the output does not change under sampling (no patched attention site is reached).
+        If the model's forward never calls its patched attention (for some batch; counted by the
+        patch itself, :attr:`attnuq.patch.PatchHandle.calls`), or if it does but the output does not
+        change under sampling (every reached attention one-hot, or ``output_fn`` reads an output
+        the attention does not affect).
 
     Examples
     --------
@@ -692,8 +698,8 @@ def calibrate(
         if st.max_change == 0.0:
             raise RuntimeError(
                 f"the model output did not change under stochastic attention (nu={nu}, {m} "
-                "passes): no patched attention site is reached by the forward pass, or every "
-                "reached attention is one-hot; check attnuq.find_attention(model) and output_fn"
+                "passes) although its patched attention was called: every reached attention "
+                "is one-hot, or output_fn reads an output the attention does not affect"
             )
         obj, se, infl, s, s_se, target, values = _summarise(st, criterion, float(level), s0)
         ev = Evaluation(

@@ -181,6 +181,13 @@ def predict(
     Predictive
         ``samples`` ``(S, B, ...)`` and ``frozen`` ``(B, ...)``.
 
+    Raises
+    ------
+    RuntimeError
+        If the model's forward never called a stochastic attention site during the passes
+        (counted by the patch, :attr:`attnuq.patch.PatchHandle.calls`): such samples would
+        carry no attention noise at all.
+
     Examples
     --------
     >>> import torch
@@ -215,8 +222,9 @@ def predict(
 
     disable = None if progress is None else not progress
     with tqdm(total=n, desc=f"predict nu={nu}", unit="pass", disable=disable, leave=False) as bar:
-        with stochastic(model, nu=nu, seed=seed):
+        with stochastic(model, nu=nu, seed=seed) as handle:
             samples, _ = stochastic_passes(
                 model, inputs, n, output_fn=output_fn, replicas=r, b=b, progress=bar
             )
+            handle.require_calls(0, where="predict")  # samples of an unreached site: refused
     return Predictive(samples=samples, frozen=frozen)

@@ -15,9 +15,11 @@ Everything the backends install calls :func:`sampled_sdpa`, the one adapter onto
 
 from __future__ import annotations
 
+import copyreg
 import fnmatch
 import inspect
 import numbers
+import pickle
 import threading
 import types
 import weakref
@@ -29,6 +31,7 @@ from typing import Any, Protocol, TypeAlias
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from attnuq._validation import check_nu
 from attnuq.ops import sampled_attention
@@ -136,6 +139,11 @@ class SiteState:
     to the backend's ``apply``; the code a backend installs reads ``state.nu`` and draws with
     ``state.generator(device)`` (``None`` when the handle has no seed: torch's global RNG).
 
+    Every backend asks for the generator exactly once per stochastic attention computation at
+    the site, so :meth:`generator` also counts them (``calls``, thread-safe): this is how
+    :meth:`PatchHandle.require_calls` tells that the model's forward never reached the site,
+    without looking at output differences (which float rounding makes nonzero anyway).
+
     Examples
     --------
     >>> import torch
@@ -144,6 +152,8 @@ class SiteState:
     >>> g = state.generator(torch.device("cpu"))
     >>> g.initial_seed(), state.generator(torch.device("cpu")) is g  # one per device
     (0, True)
+    >>> state.calls  # two attention computations asked for their generator
+    2
     >>> state
     SiteState(name='attn', backend='mha', nu=4)
     """
@@ -152,8 +162,13 @@ class SiteState:
     backend: str
     nu: int | tuple[int | None, ...] | None
     pool: _GeneratorPool = field(repr=False)
+    calls: int = field(default=0, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
+        """The generator for one attention computation at this site (counted in ``calls``)."""
+        with self._lock:
+            self.calls += 1
         return self.pool.get(device)
 
 
@@ -572,27 +587,23 @@ def swap_forward(module: nn.Module, forward: Callable[..., Any]) -> Undo:
     """Bind ``forward`` as ``module.forward`` on this instance only; return the exact undo.
 
     The undo deletes the instance attribute when there was none before (so the class's
-    ``forward`` shows through again), or puts back the previous instance attribute.
+    ``forward`` shows through again), or puts back the previous instance attribute. While it is
+    installed, pickling ``module`` stores the previous state (see :func:`_frozen_reduce`).
     """
-    d = module.__dict__
-    had = "forward" in d
-    old = d.get("forward")
-    d["forward"] = types.MethodType(forward, module)
-
-    def undo() -> None:
-        if had:
-            d["forward"] = old
-        else:
-            d.pop("forward", None)
-
-    return undo
+    return set_attr(module, "forward", types.MethodType(forward, module))
 
 
 def set_attr(obj: object, name: str, value: object) -> Undo:
-    """Set ``obj.<name>`` in its instance ``__dict__`` and return the exact undo."""
+    """Set ``obj.<name>`` in its instance ``__dict__`` and return the exact undo.
+
+    Until the undo runs, ``pickle`` / ``torch.save`` / ``copy.deepcopy`` of ``obj`` store the
+    value from before (the patch is not carried into the copy); module objects (``sys.modules``
+    entries such as ``torch.nn.functional``) are not pickled and are not recorded.
+    """
     d = obj.__dict__
     had = name in d
     old = d.get(name)
+    forget = None if isinstance(obj, types.ModuleType) else _remember_attr(obj, name, had, old)
     d[name] = value
 
     def undo() -> None:
@@ -600,8 +611,209 @@ def set_attr(obj: object, name: str, value: object) -> Undo:
             d[name] = old
         else:
             d.pop(name, None)
+        if forget is not None:
+            forget()
 
     return undo
+
+
+_SHARED_ATTRS = SharedInstall()
+_SHARED_VALUES: dict[tuple[int, str], object] = {}
+
+
+def set_attr_shared(obj: object, name: str, value: object) -> Undo:
+    """:func:`set_attr` reference-counted per ``(obj, name)``: safe for objects several handles
+    touch at once (a Hugging Face config shared by two models, in any removal order).
+
+    The first holder records the previous value and sets ``value``; later holders only count;
+    the previous value comes back when the last holder releases, whatever the order of the
+    releases (each release is idempotent). Two holders asking for different values is an error.
+    Thread-safe.
+
+    Examples
+    --------
+    >>> class Cfg:
+    ...     impl = "sdpa"
+    >>> cfg = Cfg()
+    >>> r1 = set_attr_shared(cfg, "impl", "x")
+    >>> r2 = set_attr_shared(cfg, "impl", "x")
+    >>> r1(); cfg.impl  # released out of order: still held by r2
+    'x'
+    >>> r2(); cfg.impl, "impl" in vars(cfg)
+    ('sdpa', False)
+    """
+    key = (id(obj), name)  # obj stays alive while held (the undo refers to it): id is unique
+
+    def install() -> Undo:
+        undo = set_attr(obj, name, value)
+        _SHARED_VALUES[key] = value
+
+        def release() -> None:
+            _SHARED_VALUES.pop(key, None)
+            undo()
+
+        return release
+
+    with _SHARED_ATTRS._lock:
+        held = _SHARED_VALUES.get(key, value)
+        if _SHARED_ATTRS.holders(key) and held is not value and held != value:
+            raise RuntimeError(
+                f"{type(obj).__name__}.{name} is set to {held!r} by another active attnuq "
+                f"handle; cannot set it to {value!r} at the same time"
+            )
+        return _SHARED_ATTRS.acquire(key, install)
+
+
+def track_hook(module: nn.Module, hook: RemovableHandle) -> Undo:
+    """Undo for a hook registered on ``module``; pickling ``module`` leaves the hook out.
+
+    The backends register forward (pre-)hooks with torch's ``register_forward_*hook`` and hand
+    the returned handle here: the undo removes the hook, and until then ``pickle`` /
+    ``torch.save`` / ``copy.deepcopy`` of ``module`` store it without the hook.
+    """
+    forget = _remember_hook(module, hook.id)
+
+    def undo() -> None:
+        hook.remove()
+        forget()
+
+    return undo
+
+
+# --------------------------------------------------------------------------------------------
+# pickling a patched object stores the frozen one
+# --------------------------------------------------------------------------------------------
+_MISSING = object()
+
+
+class _Frozen:
+    """What one patched object looked like before the patch (for :func:`_frozen_reduce`)."""
+
+    __slots__ = ("attrs", "hooks", "ref")
+
+    def __init__(self, obj: object) -> None:
+        self.ref = weakref.ref(obj)
+        self.attrs: dict[str, object] = {}  # instance attribute -> value before (or _MISSING)
+        self.hooks: set[int] = set()  # ids of hooks the patch added
+
+
+#: id(obj) -> record; an entry lives exactly as long as some undo that refers to obj.
+_FROZEN: dict[int, _Frozen] = {}
+_FROZEN_LOCK = threading.RLock()
+_REDUCERS = SharedInstall()
+
+
+def _record(obj: object) -> _Frozen:
+    rec = _FROZEN.get(id(obj))
+    if rec is None or rec.ref() is not obj:
+        rec = _FROZEN[id(obj)] = _Frozen(obj)
+    return rec
+
+
+def _drop_if_empty(obj: object) -> None:
+    rec = _FROZEN.get(id(obj))
+    if rec is not None and rec.ref() is obj and not rec.attrs and not rec.hooks:
+        del _FROZEN[id(obj)]
+
+
+def _remember_attr(obj: object, name: str, had: bool, old: object) -> Undo:
+    """Record ``obj.<name>``'s value before the patch (the first record wins); the undo."""
+    with _FROZEN_LOCK:
+        rec = _record(obj)
+        mine = name not in rec.attrs
+        if mine:
+            rec.attrs[name] = old if had else _MISSING
+    release = _REDUCERS.acquire(type(obj), lambda: _install_reducer(type(obj)))
+
+    def forget() -> None:
+        with _FROZEN_LOCK:
+            rec = _FROZEN.get(id(obj))
+            if mine and rec is not None and rec.ref() is obj:
+                rec.attrs.pop(name, None)
+            _drop_if_empty(obj)
+        release()
+
+    return forget
+
+
+def _remember_hook(module: nn.Module, hook_id: int) -> Undo:
+    with _FROZEN_LOCK:
+        _record(module).hooks.add(hook_id)
+    release = _REDUCERS.acquire(type(module), lambda: _install_reducer(type(module)))
+
+    def forget() -> None:
+        with _FROZEN_LOCK:
+            rec = _FROZEN.get(id(module))
+            if rec is not None and rec.ref() is module:
+                rec.hooks.discard(hook_id)
+            _drop_if_empty(module)
+        release()
+
+    return forget
+
+
+def _install_reducer(cls: type) -> Undo:
+    """Route pickling of ``cls`` instances through :func:`_frozen_reduce`; the exact undo.
+
+    ``copyreg.dispatch_table`` is what ``pickle`` (hence ``torch.save``) and ``copy`` consult
+    by exact type before an object's own ``__reduce_ex__``; an entry that was there before is
+    kept and called first.
+    """
+    table = copyreg.dispatch_table
+    had, prev = cls in table, table.get(cls)
+
+    def reduce(obj: Any) -> Any:
+        return _frozen_reduce(obj, prev)
+
+    table[cls] = reduce
+
+    def undo() -> None:
+        if table.get(cls) is reduce:
+            if had:
+                table[cls] = prev  # type: ignore[assignment]
+            else:
+                del table[cls]
+
+    return undo
+
+
+def _frozen_reduce(obj: Any, prev: Callable[[Any], Any] | None) -> Any:
+    """``obj``'s reduce value with the patch taken out of its state (the frozen object).
+
+    An object that is not patched reduces exactly as it would without attnuq. For a patched
+    one the instance attributes the patch set are put back to their previous values (or left
+    out) and the hooks it added are dropped from the hook dicts; nothing of attnuq is stored,
+    so the file loads without attnuq and gives the frozen model. A class whose state is not a
+    ``__dict__`` copy cannot be frozen this way and is refused.
+    """
+    rv = prev(obj) if prev is not None else obj.__reduce_ex__(2)
+    with _FROZEN_LOCK:
+        rec = _FROZEN.get(id(obj))
+        if rec is None or rec.ref() is not obj:
+            return rv
+        attrs, hooks = dict(rec.attrs), set(rec.hooks)
+    if isinstance(rv, str):  # pickled by reference
+        return rv
+    if not isinstance(rv, tuple) or len(rv) < 3 or not isinstance(rv[2], dict):
+        raise pickle.PicklingError(
+            f"attnuq: cannot pickle {type(obj).__name__} while stochastic attention is active "
+            "on it (its pickled state is not an attribute dict, so the patch cannot be left "
+            "out); pickle or torch.save it after the block"
+        )
+    state = dict(rv[2])
+    for name, old in attrs.items():
+        if old is _MISSING:
+            state.pop(name, None)
+        else:
+            state[name] = old
+    for name, val in list(state.items()):
+        if "hooks" in name and isinstance(val, dict) and any(h in val for h in hooks):
+            kept = type(val)()
+            for k, v in val.items():
+                if k not in hooks:
+                    kept[k] = v
+            state[name] = kept
+    return (rv[0], rv[1], state, *rv[3:])
 
 
 def forward_names(cls: type) -> frozenset[str]:
@@ -658,6 +870,10 @@ class PatchHandle:
         Site name -> resolved ``nu`` (int, per-head tuple, or None for deterministic).
     seed : int or None
         Seed of the handle's generators (one per device).
+    calls : dict
+        Stochastic site name -> number of attention computations made there so far (sites with
+        ``nu=None`` are not listed). :meth:`require_calls` turns "the forward never reached a
+        stochastic site" into an error.
 
     Examples
     --------
@@ -672,6 +888,8 @@ class PatchHandle:
     >>> h.nus
     {'layers.0.self_attn': 4, 'layers.1.self_attn': None}
     >>> y1 = enc(x)
+    >>> h.calls
+    {'layers.0.self_attn': 1}
     >>> y2 = h.manual_seed(0) and enc(x)  # same seed, same draws
     >>> bool(torch.equal(y1, y2)), bool(torch.equal(y1, frozen))
     (True, False)
@@ -687,12 +905,15 @@ class PatchHandle:
         nus: dict[str, int | tuple[int | None, ...] | None],
         pool: _GeneratorPool,
         undos: list[Undo],
+        states: Sequence[SiteState] = (),
     ) -> None:
         self._model_ref = weakref.ref(model)
+        self._model_name = type(model).__name__
         self.sites = sites
         self.nus = nus
         self._pool = pool
         self._undos = undos
+        self._states = [st for st in states if st.nu is not None]
         self._removed = False
 
     @property
@@ -704,6 +925,36 @@ class PatchHandle:
         """Whether the patch is still installed."""
         return not self._removed
 
+    @property
+    def calls(self) -> dict[str, int]:
+        """Stochastic site name -> attention computations made there since the patch."""
+        return {st.name: st.calls for st in self._states}
+
+    def require_calls(self, since: int, *, where: str) -> int:
+        """Total calls of the stochastic sites now; ``RuntimeError`` unless more than ``since``.
+
+        Callers that sample from the patched model (:func:`attnuq.predict`,
+        :func:`attnuq.calibrate`) read the total before running the model and check it after:
+        if no stochastic site was called in between, the "samples" carry no attention noise at
+        all and would be a made-up answer. ``where`` goes into the message.
+        """
+        if isinstance(since, bool) or not isinstance(since, numbers.Integral):
+            raise TypeError(f"since must be an int, got {since=!r}")
+        total = sum(st.calls for st in self._states)
+        if total > since:
+            return total
+        if not self._states:
+            raise RuntimeError(
+                f"{where}: every attention site of {self._model_name} is deterministic "
+                f"(nu=None for {[s.name for s in self.sites]}), so sampling adds no noise"
+            )
+        raise RuntimeError(
+            f"{where}: the forward of {self._model_name} never called its stochastic attention "
+            f"sites {[st.name for st in self._states]}, so the output carries no sampling "
+            "noise; attnuq patches the modules attnuq.find_attention(model) lists, and the "
+            "model's forward must use them"
+        )
+
     def manual_seed(self, seed: int | None) -> PatchHandle:
         """Restart the handle's random streams from ``seed`` (None: use torch's global RNG)."""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
@@ -713,17 +964,17 @@ class PatchHandle:
 
     def remove(self) -> None:
         """Undo every change, in reverse order; a second call does nothing."""
-        if self._removed:
-            return
-        self._removed = True
-        errors: list[BaseException] = []
-        for undo in reversed(self._undos):
-            try:
-                undo()
-            except BaseException as e:  # keep undoing the rest
-                errors.append(e)
-        self._undos = []
-        with _LOCK:
+        with _LOCK:  # serialised with patch(): shared installs see one order of events
+            if self._removed:
+                return
+            self._removed = True
+            errors: list[BaseException] = []
+            for undo in reversed(self._undos):
+                try:
+                    undo()
+                except BaseException as e:  # keep undoing the rest
+                    errors.append(e)
+            self._undos = []
             model = self._model_ref()
             if model is not None and _ACTIVE.get(model) is self:
                 del _ACTIVE[model]
@@ -803,9 +1054,20 @@ def patch(
       attribute or a registry entry, recorded and put back exactly by :meth:`PatchHandle.remove`
       (in reverse order, also when an exception escapes a ``with`` block).
     * Inside the block the model still supports ``eval()``, ``to(dtype)``/``to(device)`` (a
-      generator is created per device) and ``state_dict()``. Pickle or ``deepcopy`` it *after*
-      the block: inside, the swapped forwards are closures (not picklable) and a deep copy would
-      carry the patch without the handle that removes it.
+      generator is created per device) and ``state_dict()`` (the frozen weights: none is
+      touched). ``pickle``, ``torch.save`` and ``copy.deepcopy`` of the model inside the block
+      store the **frozen** model: every patched object pickles with the attributes and hooks it
+      had before the patch (through ``copyreg.dispatch_table`` entries for the patched classes,
+      removed again with the patch), so the file loads without attnuq and a deep copy is an
+      unpatched model. A patched class whose pickled state is not an attribute dict is refused
+      with ``pickle.PicklingError``.
+    * Handles may overlap in any way that does not patch one site twice: two models sharing a
+      Hugging Face config object, blocks in several threads, removal in any order. What they
+      share (a config attribute, a registry entry, ``F.scaled_dot_product_attention``) is
+      reference-counted and restored when the last handle using it is removed.
+    * :attr:`PatchHandle.calls` counts the attention computations of each stochastic site;
+      :func:`attnuq.predict` and :func:`attnuq.calibrate` refuse a model whose forward never
+      calls its patched attention (``RuntimeError``).
     * Active attention dropout (a module in training mode with attention dropout ``p > 0``) is
       refused with an error: stochastic attention is an inference-time method.
     * The sampled weights themselves are not exposed; ``nn.MultiheadAttention(need_weights=True)``
@@ -864,10 +1126,10 @@ def patch(
                     f"attnuq handle ({h!r}); nested patches are not supported"
                 )
         by_backend: dict[str, list[tuple[nn.Module, SiteState]]] = {}
-        for s, m in ok:
-            by_backend.setdefault(s.backend, []).append(
-                (m, SiteState(name=s.name, backend=s.backend, nu=nus[s.name], pool=pool))
-            )
+        states = [SiteState(name=s.name, backend=s.backend, nu=nus[s.name], pool=pool)
+                  for s, _ in ok]
+        for (s, m), st in zip(ok, states, strict=True):
+            by_backend.setdefault(s.backend, []).append((m, st))
         undos: list[Undo] = []
         try:
             for bname, items in by_backend.items():
@@ -876,7 +1138,7 @@ def patch(
             for undo in reversed(undos):
                 undo()
             raise
-        handle = PatchHandle(model, sites, nus, pool, undos)
+        handle = PatchHandle(model, sites, nus, pool, undos, states)
         _ACTIVE[model] = handle
         for _, m in ok:
             _SITE_OWNER[m] = handle

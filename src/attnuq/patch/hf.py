@@ -15,7 +15,11 @@ backend
    the model (the configs of the attention modules and of every ``PreTrainedModel`` inside).
    The internal attribute is written directly, not through ``set_attn_implementation``, so that
    sub-configs are not rewritten and the exact previous values (instance ``__dict__`` entries)
-   come back on removal;
+   come back on removal. The switch is reference-counted per config object
+   (:func:`~attnuq.patch._core.set_attr_shared`): models sharing one config (or threads with
+   overlapping blocks) each hold it, and the previous value comes back when the last handle
+   on that config is removed, in any order. While a config is held, modules that read it but
+   are not stochastic sites of an active handle run HF's SDPA attention (below);
 3. records each selected attention module with its ``nu`` in a weak map; the registered function
    looks the calling ``module`` up there. Modules that are not selected (``nu=None``) run HF's own
    ``sdpa_attention_forward``, which equals the eager path to float rounding.
@@ -46,7 +50,7 @@ from attnuq.patch._core import (
     check_no_dropout,
     forward_names,
     sampled_sdpa,
-    set_attr,
+    set_attr_shared,
 )
 
 __all__ = ["BACKEND", "IMPLEMENTATION", "sampled_attention_forward"]
@@ -212,7 +216,9 @@ class _HFBackend:
                 if isinstance(m, PreTrainedModel):
                     configs[id(m.config)] = m.config
             for cfg in configs.values():
-                undos.append(set_attr(cfg, "_attn_implementation_internal", IMPLEMENTATION))
+                undos.append(
+                    set_attr_shared(cfg, "_attn_implementation_internal", IMPLEMENTATION)
+                )
             for m, st in sites:
                 undos.append(_set_state(m, st))
         except BaseException:

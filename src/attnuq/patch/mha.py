@@ -42,8 +42,9 @@ from attnuq.patch._core import (
     chain,
     check_no_dropout,
     sampled_sdpa,
-    set_attr,
+    set_attr_shared,
     swap_forward,
+    track_hook,
 )
 
 __all__ = ["BACKEND"]
@@ -217,13 +218,13 @@ class _MHABackend:
                 if st.nu is None:
                     continue
                 undos.append(swap_forward(m, _make_forward(st)))
-                undos.append(m.register_forward_pre_hook(_refuse_nested).remove)
+                undos.append(track_hook(m, m.register_forward_pre_hook(_refuse_nested)))
                 patched.append(m)
             for enc in model.modules():
                 if isinstance(enc, nn.TransformerEncoder) and any(
                     any(p is sub for sub in enc.modules()) for p in patched
                 ):
-                    undos.append(set_attr(enc, "use_nested_tensor", False))
+                    undos.append(set_attr_shared(enc, "use_nested_tensor", False))
         except BaseException:
             chain(undos)()
             raise

@@ -40,6 +40,7 @@ from attnuq.patch._core import (
     forward_names,
     sampled_sdpa,
     set_attr,
+    track_hook,
 )
 
 __all__ = ["BACKEND", "scoped_sdpa"]
@@ -153,14 +154,9 @@ def _hooks(module: nn.Module, state: SiteState) -> Undo:
         if stack:
             stack.pop()
 
-    h1 = module.register_forward_pre_hook(pre)
-    h2 = module.register_forward_hook(post, always_call=True)
-
-    def undo() -> None:
-        h2.remove()
-        h1.remove()
-
-    return undo
+    undo_pre = track_hook(module, module.register_forward_pre_hook(pre))
+    undo_post = track_hook(module, module.register_forward_hook(post, always_call=True))
+    return chain([undo_pre, undo_post])
 
 
 class _SDPABackend:
