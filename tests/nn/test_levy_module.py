@@ -272,3 +272,49 @@ def test_negative_unsorted_times_and_masked_nan_are_accepted() -> None:
     x["times"][0, 1] = math.nan
     out = layer(**x)
     assert bool(torch.isfinite(out.mean).all()) and bool(torch.isfinite(out.sigma).all())
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize(("B", "N", "Q"), [(0, 6, 3), (2, 6, 0), (2, 0, 3), (0, 0, 0)])
+def test_zero_sizes_give_empty_outputs(B: int, N: int, Q: int, grad: bool) -> None:
+    """``B = 0``, ``Q = 0`` or ``N = 0`` (issue #23: obscure internal errors before): outputs of
+    the documented shapes, empty series where there is no observation, and a backward pass that
+    runs (zero gradients)."""
+    layer = make_layer(out_features=2)
+    x = make_inputs(B=max(B, 1), N=max(N, 1), Q=max(Q, 1))
+    for name in ("times", "channels", "values", "mask"):
+        x[name] = x[name][:B, :N]
+    x["query_times"], x["query_channels"] = x["query_times"][:B, :Q], x["query_channels"][:B, :Q]
+    with torch.set_grad_enabled(grad):
+        out = layer(**x)
+    assert out.mean.shape == out.sigma_dim.shape == (B, Q, 2)
+    assert out.sigma.shape == (B, Q) and out.evidence.shape == out.p_empty.shape == (B, Q, 2)
+    if N == 0:
+        assert bool((out.p_empty == 1).all()) and bool((out.sigma == 0).all())
+    if grad:
+        (out.mean.sum() + out.sigma.sum()).backward()
+        grads = [p.grad for p in layer.parameters() if p.grad is not None]
+        assert grads and all(bool(torch.isfinite(g).all()) for g in grads)
+    samples, nonempty = layer.sample(**x, num_samples=3)
+    assert samples.shape == (3, B, Q, 2) and nonempty.shape == (3, B, Q, 2)
+
+
+def test_float32_times_near_1e9_warn_and_shifted_times_do_not() -> None:
+    """Unix seconds (``~1.7e9``) in float32 are spaced by 128: hourly observations keep their
+    order but the time embedding loses its phase, and second-level times collapse. The layer
+    warns (naming the resolution and the span); the same times minus the first observation, or
+    in float64, do not warn."""
+    layer = make_layer().float()
+    x = make_inputs(B=2, N=6, Q=3)
+    base = 1.7e9
+    t = base + torch.arange(6, dtype=F64).expand(2, 6) * 3600.0
+    qt = base + torch.tensor([1.0, 7.0, 9.0], dtype=F64).expand(2, 3) * 3600.0
+    x32 = dict(x, values=x["values"].float())
+    with pytest.warns(UserWarning, match=r"resolved only to about .* Subtract a reference time"):
+        layer(**dict(x32, times=t.float(), query_times=qt.float()))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(**dict(x32, times=(t - base).float(), query_times=(qt - base).float()))
+        make_layer()(**dict(x, times=t, query_times=qt))  # float64 layer and times

@@ -336,6 +336,37 @@ def test_empty_series_defined_output(backend: str) -> None:
     )
 
 
+@pytest.mark.parametrize("backend", ["auto", "native", "sdpa", "explicit"])
+@pytest.mark.parametrize(("B", "Q", "N"), [(0, 3, 7), (2, 0, 7), (2, 3, 0), (0, 0, 0)])
+def test_zero_sizes_give_empty_or_empty_series_outputs(B: int, Q: int, N: int,
+                                                       backend: str) -> None:
+    """``B = 0`` or ``Q = 0``: outputs of the right (empty) shapes; ``N = 0``: every series is
+    empty and gets the empty-series values (issue #23: obscure internal errors before). With
+    autograd (torch paths) the outputs stay on the graph and gradients are zeros."""
+    args, kw = make_problem(B=max(B, 1), Q=max(Q, 1), N=max(N, 1))
+    q, k, a, times, mask = args
+    q, k, a = q[:B, :, :Q], k[:B, :, :N], a[:B, :, :N]
+    times, mask = times[:B, :N], mask[:B, :N]
+    r = levy_attention(q, k, a, times, mask, backend=backend, **kw)
+    assert r.mean.shape == r.var.shape == r.sigma_dim.shape == (B, 2, Q, 3)
+    for f in ("evidence", "p_empty", "phi", "sigma"):
+        assert getattr(r, f).shape == (B, 2, Q), f
+    if B * Q:  # N = 0
+        assert bool((r.evidence == 0).all() and (r.p_empty == 1).all() and (r.phi == 1).all())
+        assert bool((r.mean == 0).all() and (r.sigma == 0).all())
+    s = levy_attention_sample(q, k, a, times, mask, num_samples=4, **{
+        n: kw[n] for n in ("alpha", "beta", "h", "omega", "phase", "D")})
+    assert s.values.shape == (4, B, 2, Q, 3) and not bool(s.nonempty.any())
+    if backend == "native":
+        return
+    qg = q.clone().requires_grad_(True)
+    ag = a.clone().requires_grad_(True)
+    rg = levy_attention(qg, k, ag, times, mask, backend=backend, **kw)
+    (rg.mean.sum() + rg.sigma.sum()).backward()
+    assert qg.grad is not None and bool((qg.grad == 0).all())
+    assert ag.grad is not None and ag.grad.shape == a.shape
+
+
 @pytest.mark.parametrize("backend", ["auto", "native"])
 def test_negative_and_unsorted_times_are_allowed(backend: str) -> None:
     args, kw = make_problem()

@@ -85,6 +85,52 @@ class LevyAttentionOutput:
     heads: LevyResult
 
 
+#: a warning is given when the float resolution of a series' times exceeds this part of its span
+_COARSE_TIMES = 1e-4
+
+
+def _warn_coarse_times(
+    times: torch.Tensor, mask: torch.Tensor, query_times: torch.Tensor, stacklevel: int
+) -> None:
+    """Warn when times of a low-precision dtype are so large that their rounding is more than
+    :data:`_COARSE_TIMES` of a series' time span (observed and query times together).
+
+    float32 spaces numbers near ``1e9`` (Unix seconds) by 64, so distinct observation times
+    collapse and the time embedding ``sin(W t + b)`` of absolute times loses its phase. The
+    layer cannot undo that rounding (it happened before the call) and does not shift times
+    itself (the embedding is of absolute time, so a shift would change the model's output): it
+    says how to avoid it. Series whose times are all equal (span 0) are not judged.
+    """
+    if times.dtype == torch.float64:
+        return
+    allt = torch.cat([times, query_times.to(times.dtype)], 1)  # (B, N + Q)
+    allm = torch.cat([mask, torch.ones_like(query_times, dtype=torch.bool)], 1)
+    if allt.numel() == 0:
+        return
+    with torch.no_grad():
+        inf = torch.tensor(float("inf"), dtype=allt.dtype, device=allt.device)
+        hi = torch.where(allm, allt, -inf).amax(-1)  # (B,)
+        lo = torch.where(allm, allt, inf).amin(-1)
+        span = hi - lo
+        res = torch.maximum(hi.abs(), lo.abs()) * torch.finfo(allt.dtype).eps
+        judged = torch.isfinite(span) & (span > 0)
+        ratio = torch.where(judged, res / torch.where(judged, span, inf), 0.0)
+        worst = int(ratio.argmax())
+        if not float(ratio[worst]) > _COARSE_TIMES:
+            return
+    import warnings
+
+    warnings.warn(
+        f"LevyAttention: {times.dtype} times as large as {float(hi[worst].abs()):.4g} are "
+        f"resolved only to about {float(res[worst]):.3g}, {float(ratio[worst]):.2g} of the "
+        f"time span {float(span[worst]):.4g} of series {worst}: distinct times may have "
+        "collapsed and the time embedding loses precision. Subtract a reference time (e.g. "
+        "each series' first observation) before the cast to float32, or run the layer in "
+        "float64 (layer.double())",
+        stacklevel=stacklevel,
+    )
+
+
 def _inv_softplus(x: float) -> float:
     if x <= 0:
         raise ValueError(f"initial value must be > 0, got {x=}")
@@ -240,6 +286,7 @@ class LevyAttention(nn.Module):
         mask: torch.Tensor,
         query_times: torch.Tensor,
         query_channels: torch.Tensor | None,
+        stacklevel: int = 4,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
             raise ValueError(
@@ -306,6 +353,7 @@ class LevyAttention(nn.Module):
                     f"query_channels must lie in [0, {self.num_channels}), got values in "
                     f"[{int(query_channels.min())}, {int(query_channels.max())}]"
                 )
+        _warn_coarse_times(times, mask, query_times, stacklevel)
         zero = torch.zeros((), dtype=times.dtype, device=times.device)
         times = torch.where(mask, times, zero)
         values = torch.where(mask[..., None], values, zero.to(values.dtype))
@@ -368,7 +416,7 @@ class LevyAttention(nn.Module):
     ) -> LevyAttentionOutput:
         """Mean and closed-form uncertainty at ``query_times`` (shapes in the module docstring)."""
         times, channels, values, query_channels = self._check(
-            times, channels, values, mask, query_times, query_channels
+            times, channels, values, mask, query_times, query_channels, stacklevel=6
         )
         q, k, a = self._embed(times, channels, values, query_times, query_channels)
         res = levy_attention(

@@ -106,7 +106,9 @@ Implementation notes
 * The second moment is accumulated about a per-series reference (the plain mean of ``vbar`` over
   observed ``i``), which removes most of the cancellation of ``E v^2 - (E v)^2`` in float32.
 * Empty series (no observed entry): ``evidence = 0``, ``p_empty = 1``, ``mean = 0``, ``var = 0``,
-  ``phi = 1``, ``sigma = 0``; gradients are finite (zero where the output is constant).
+  ``phi = 1``, ``sigma = 0``; gradients are finite (zero where the output is constant). ``N = 0``
+  (no entry at all) is the same: one masked entry is appended. ``B``, ``H`` or ``Q = 0`` give
+  empty outputs.
   NOTE(paper): the moments conditional on ``N >= 1`` do not exist when ``Lambda = 0``; these
   values are a convention, and ``p_empty = 1`` is the signal to act on.
 * Times are plain real numbers: negative and unsorted times are accepted (the operator is
@@ -730,8 +732,14 @@ def levy_attention(
         isinstance(t, torch.Tensor) and t.requires_grad
         for t in (q, k, a, times, alpha, beta, h, omega, phase, D))
     want_native = backend in ("native", "auto")
-    inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D,
-                    light=want_native and not needs_grad)
+    light = want_native and not needs_grad
+    inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D, light=light)
+    if q.shape[0] * q.shape[1] * q.shape[2] == 0:  # B, H or Q is 0: nothing to compute
+        return _empty_result(q, a, per_dim, needs_grad,
+                             (q, k, a, times, alpha, beta, h, omega, phase, D))
+    if k.shape[2] == 0:  # N = 0: one masked entry gives every series the empty-series values
+        q, k, a, times, mask = _pad_one_masked(q, k, a, times, mask)
+        inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D, light=light)
     if want_native:
         why_not = _native_unusable(inp, needs_grad)
         if backend == "native" and why_not:
@@ -743,7 +751,7 @@ def levy_attention(
             # the kernel met a non-finite observed row (or squares that overflow): the detailed
             # checks raise with a precise message; if they pass, the torch path below runs
             inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
-        elif want_native and not needs_grad:
+        elif light:
             # the light checks left q, k and a to the kernel, which does not run: check them here
             inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
         backend = "auto"
@@ -816,6 +824,39 @@ def levy_attention(
         mean=mean, var=var, evidence=evidence, p_empty=p_empty, phi=phi, sigma=sigma,
         sigma_dim=sigma_dim,
     )
+
+
+def _pad_one_masked(
+    q: torch.Tensor, k: torch.Tensor, a: torch.Tensor, times: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``N = 0`` inputs with one masked (ignored) observation appended, so that every path sees
+    an ordinary empty series (masked entries add exact zeros)."""
+    B, H = q.shape[:2]
+    k1 = torch.zeros(B, H, 1, k.shape[3], dtype=k.dtype, device=k.device)
+    a1 = torch.zeros(B, H, 1, a.shape[3], dtype=a.dtype, device=a.device)
+    t1, m1 = times.new_zeros(B, 1), mask.new_zeros(B, 1)
+    return q, torch.cat([k, k1], 2), torch.cat([a, a1], 2), torch.cat([times, t1], 1), torch.cat(
+        [mask, m1], 1
+    )
+
+
+def _empty_result(
+    q: torch.Tensor, a: torch.Tensor, per_dim: bool, needs_grad: bool, inputs: tuple[object, ...]
+) -> LevyResult:
+    """The (empty) result for ``B * H * Q = 0``, attached to the inputs' graph when they need a
+    gradient (through an empty slice of each, so no value is read: masked entries may be NaN)."""
+    B, H, Q = q.shape[:3]
+    z = torch.zeros(B, H, Q, dtype=q.dtype, device=q.device)
+    zd = torch.zeros(B, H, Q, a.shape[3], dtype=q.dtype, device=q.device)
+    if needs_grad:
+        anchor = sum(
+            (t.reshape(-1)[:0].sum() for t in inputs
+             if isinstance(t, torch.Tensor) and t.requires_grad),
+            torch.zeros((), dtype=q.dtype, device=q.device),
+        )
+        z, zd = z + anchor, zd + anchor
+    return LevyResult(mean=zd, var=zd if per_dim else None, evidence=z, p_empty=z + 1.0,
+                      phi=z + 1.0, sigma=z, sigma_dim=zd if per_dim else None)
 
 
 def _native_unusable(inp: _Inputs, needs_grad: bool) -> str:
@@ -1116,6 +1157,9 @@ def levy_attention_sample(
     S = check_positive_int(num_samples, "num_samples")
     chunk_atoms = check_positive_int(max_atoms_per_chunk, "max_atoms_per_chunk")
     inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
+    if k.shape[2] == 0:  # N = 0: one masked entry; every draw is then empty
+        q, k, a, times, mask = _pad_one_masked(q, k, a, times, mask)
+        inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
     B, H, Q, _ = q.shape
     N, Dv = a.shape[2], a.shape[3]
     dt, dev = q.dtype, q.device
