@@ -8,7 +8,8 @@ handle.remove()``. Backends (one module each, hooked the way each library allows
 * :mod:`~attnuq.patch.mha` -- ``torch.nn.MultiheadAttention`` (including the fused fast path of
   ``nn.TransformerEncoder`` in eval mode);
 * :mod:`~attnuq.patch.rtdl` -- rtdl-revisiting-models FT-Transformer;
-* :mod:`~attnuq.patch.timm` -- timm ``Attention`` (fused and unfused paths);
+* :mod:`~attnuq.patch.timm` -- timm ``Attention`` and Swin ``WindowAttention`` (fused and
+  unfused paths);
 * :mod:`~attnuq.patch.sdpa` -- any module whose forward calls ``F.scaled_dot_product_attention``.
 
 :func:`find_attention` lists what was found and what cannot be patched, with the reason.
