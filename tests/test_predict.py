@@ -95,3 +95,20 @@ def test_errors(uniform) -> None:  # type: ignore[no-untyped-def]
         predict(model, v, nu=2, n_samples=2, output_fn=lambda o: {"x": o})
     with pytest.raises(TypeError, match="inputs must be"):
         predict(model, 3.0, nu=2, n_samples=2)
+
+
+def test_one_sample_is_refused_where_a_spread_is_needed(uniform) -> None:  # type: ignore[no-untyped-def]
+    """``n_samples=1`` gives no spread: ``predict`` refuses it up front (it used to fail later,
+    inside CRPS), and a one-draw ``Predictive`` refuses ``std``, ``interval`` and ``crps`` with
+    a message naming ``S`` instead of returning zeros or a zero-width interval (issue #23)."""
+    model, v = uniform
+    with pytest.raises(ValueError, match=r"n_samples must be >= 2.*n_samples=1"):
+        predict(model, v, nu=2, n_samples=1)
+    one = Predictive(samples=torch.randn(1, 6, 8))
+    for what, fn in (("std", lambda: one.std), ("interval", lambda: one.interval(0.9)),
+                     ("crps", lambda: one.crps(torch.zeros(6, 8)))):
+        with pytest.raises(ValueError, match=rf"{what} needs at least 2 samples .*S=1"):
+            fn()
+    two = Predictive(samples=torch.randn(2, 6, 8))
+    assert two.std.shape == two.interval(0.9)[0].shape == (6, 8)
+    assert torch.isfinite(two.crps(torch.zeros(6, 8)))

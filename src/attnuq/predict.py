@@ -163,7 +163,7 @@ def predict(
         Number of draws per query (int ``>= 1``; per-head or per-layer specs as in
         :func:`attnuq.patch`).
     n_samples
-        ``S``, the number of stochastic passes.
+        ``S >= 2``, the number of stochastic passes.
     seed
         Seed of the patch's generator (``None``: torch's global RNG).
     output_fn
@@ -204,6 +204,11 @@ def predict(
     if isinstance(nu, int) or isinstance(nu, bool):
         check_nu(nu)
     n = check_positive_int(n_samples, "n_samples")
+    if n < 2:
+        raise ValueError(
+            f"n_samples must be >= 2: the predictive spread (std, interval, CRPS) needs two "
+            f"passes, got {n_samples=}"
+        )
     if model.training:
         warnings.warn(
             "predict: model is in training mode; dropout would add noise to the frozen output "

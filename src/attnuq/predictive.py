@@ -103,11 +103,18 @@ class Predictive:
         """``(B, ...)`` sample mean."""
         return self.samples.mean(0)
 
+    def _need_spread(self, what: str) -> None:
+        """Refuse a spread (std, interval) of fewer than two draws: one draw has none."""
+        if self.n_samples < 2:
+            raise ValueError(
+                f"{what} needs at least 2 samples (one draw has no spread), got "
+                f"S={self.n_samples} (samples.shape={tuple(self.samples.shape)})"
+            )
+
     @property
     def std(self) -> torch.Tensor:
-        """``(B, ...)`` sample standard deviation (unbiased; 0 for a single draw)."""
-        if self.n_samples < 2:
-            return torch.zeros_like(self.samples[0])
+        """``(B, ...)`` sample standard deviation (unbiased; needs ``S >= 2``)."""
+        self._need_spread("std")
         return self.samples.std(0, unbiased=True)
 
     def quantile(self, q: float | torch.Tensor) -> torch.Tensor:
@@ -116,8 +123,9 @@ class Predictive:
         return torch.quantile(self.samples, qt.to(self.samples.device), dim=0)
 
     def interval(self, level: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
-        """Central ``level`` interval ``(lower, upper)`` from empirical quantiles."""
+        """Central ``level`` interval ``(lower, upper)`` from empirical quantiles (``S >= 2``)."""
         level = check_level(level)
+        self._need_spread("interval")
         a = (1.0 - level) / 2.0
         return self.quantile(a), self.quantile(1.0 - a)
 
@@ -135,9 +143,10 @@ class Predictive:
         return pit_samples(self.samples, targets, generator=generator)
 
     def crps(self, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """Fair CRPS of the samples (:func:`attnuq.metrics.crps_samples`)."""
+        """Fair CRPS of the samples (:func:`attnuq.metrics.crps_samples`; ``S >= 2``)."""
         from attnuq.metrics import crps_samples
 
+        self._need_spread("crps")
         return crps_samples(self.samples, targets, reduction=reduction)  # type: ignore[arg-type]
 
 
