@@ -195,3 +195,18 @@ def test_log_grid_validates() -> None:
         log_grid((0, 64), 5)
     with pytest.raises(ValueError, match="nu_range must be two ints"):
         log_grid((8, 4), 5)
+
+
+def test_sizes_are_refused_with_a_reason(problem, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Issue #23 item 8: a 1-example set would give NaN standard errors; ``nu_range`` past
+    ``MAX_NU = 2**31 - 1`` cannot run (it planned a 351 TB request before); a call past the
+    memory budget (``ATTNUQ_MAX_BYTES``) is refused with the bytes it needs."""
+    model, data = problem
+    v, y = data[0]
+    with pytest.raises(ValueError, match=r"calibration data has 1 example"):
+        calibrate(model, [(v[:1], y[:1])], **KW)
+    with pytest.raises(ValueError, match=r"MAX_NU = 2\*\*31 - 1.*nu_range=\(1, 1099511627776\)"):
+        calibrate(model, data, nu_range=(1, 2**40), progress=False)
+    monkeypatch.setenv("ATTNUQ_MAX_BYTES", "4096")
+    with pytest.raises(ValueError, match=r"needs about [\d,]+ bytes .*budget of 4,096 bytes"):
+        calibrate(model, data, **KW)

@@ -539,6 +539,13 @@ def _check_nu_range(nu_range: object) -> tuple[int, int]:
         or not 1 <= nu_range[0] < nu_range[1]
     ):
         raise ValueError(f"nu_range must be two ints 1 <= lo < hi, got {nu_range=!r}")
+    from attnuq.ops.sampled import MAX_NU
+
+    if nu_range[1] > MAX_NU:  # each call is also checked against the memory budget
+        raise ValueError(
+            f"nu_range must end at most at MAX_NU = 2**31 - 1 (one query's draws are summed by "
+            f"one embedding_bag call), got {nu_range=!r}"
+        )
     return int(nu_range[0]), int(nu_range[1])
 
 
@@ -681,6 +688,11 @@ def calibrate(
     with torch.no_grad():
         batches = _prepare(model, data, output_fn)
     n_examples = sum(bt.b for bt in batches)
+    if n_examples < 2:
+        raise ValueError(
+            f"calibration data has {n_examples} example: the standard errors of the criterion "
+            "(and the grid's noise band) need at least 2 examples"
+        )
     s0 = float(
         torch.cat([(bt.targets - bt.frozen).reshape(bt.b, -1).double().norm(dim=-1)
                    for bt in batches]).mean()
