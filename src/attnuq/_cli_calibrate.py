@@ -107,9 +107,10 @@ def load_heldout(
 def _read_npz(p: Path) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
     """NPZ part of :func:`load_heldout`: numeric arrays of at least one axis, ``y`` required."""
     try:
-        with np.load(p, allow_pickle=False) as z:
-            if not isinstance(z, np.lib.npyio.NpzFile):
-                raise DataFormatError(p, "holds a single .npy array, not an .npz archive")
+        z = np.load(p, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise DataFormatError(p, "holds a single .npy array, not an .npz archive")
+        with z:
             arrays = {k: np.asarray(z[k]) for k in z.files}
     except DataFormatError:
         raise

@@ -37,17 +37,19 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
 
 from attnuq._validation import check_positive_int
-from attnuq.data import data_dir
+from attnuq.data import DataFormatError, data_dir
 
 __all__ = [
     "Examples",
     "Field",
     "day_blocks",
+    "grib_message_count",
     "hourly_climatology",
     "load_field",
     "make_examples",
@@ -57,6 +59,7 @@ __all__ = [
 _GRIB = (".grib", ".grb", ".grib1", ".grib2", ".grb2")
 _NETCDF = (".nc", ".nc4", ".netcdf", ".cdf")
 _ALIASES = {"lat": "latitude", "lon": "longitude", "valid_time": "time"}
+_HORIZONTAL = ("latitude", "longitude", "lat", "lon", "values", "x", "y")
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,89 @@ def resolve_era5_path(
     raise FileNotFoundError(f"field file {str(file)!r} not found (tried {tried})")
 
 
+def grib_message_count(path: str | os.PathLike[str]) -> int | None:
+    """Count the complete GRIB messages of a file by their headers, refusing a cut-off file.
+
+    Each message starts with ``GRIB``, states its total length (edition 1: 3 bytes at offset 4;
+    edition 2: 8 bytes at offset 8) and ends with ``7777``; bytes between messages (padding)
+    are skipped. eccodes silently drops an incomplete last message (cfgrib then loads the
+    complete ones), so a download cut short would load as a shorter month.
+
+    Returns
+    -------
+    int or None
+        The number of messages; ``None`` when a GRIB 1 message uses ECMWF's large-message
+        length encoding, whose true length needs the section contents (not checked).
+
+    Raises
+    ------
+    DataFormatError
+        No GRIB message at all, a message running past the end of the file (the count of
+        complete ones named), a message not ending with ``7777``, an unknown edition. A file
+        cut exactly at a message boundary cannot be told from a shorter one.
+    """
+    p = Path(path)
+    size = p.stat().st_size
+    n = 0
+    pos = 0
+    with p.open("rb") as fh:
+        while (start := _find(fh, b"GRIB", pos)) >= 0:
+            fh.seek(start)
+            head = fh.read(16)
+            edition = head[7] if len(head) >= 8 else -1
+            problem = ""
+            if edition == 1:
+                length = int.from_bytes(head[4:7], "big")
+                if length & 0x800000:
+                    return None
+            elif edition == 2 and len(head) == 16:
+                length = int.from_bytes(head[8:16], "big")
+            elif len(head) < 16 and edition in (-1, 2):
+                length = 16  # header itself cut off: reported as truncated below
+            else:
+                length = 0
+                problem = f"message {n + 1} at byte {start} has unknown edition {edition}"
+            if not problem and start + length > size:
+                problem = (
+                    f"message {n + 1} at byte {start} needs {length} bytes but the file ends "
+                    f"{size - start} bytes into it"
+                )
+                if n:
+                    raise DataFormatError(
+                        p, f"truncated GRIB file: {problem}; only the {n} complete messages "
+                        "before it would load (was the download cut short?)",
+                    )
+            if not problem:
+                fh.seek(start + length - 4)
+                if length < 12 or fh.read(4) != b"7777":
+                    problem = (
+                        f"message {n + 1} at byte {start} (length {length}) does not end with "
+                        "'7777': the file is corrupt"
+                    )
+            if problem:
+                if n == 0:  # the first 'GRIB' was no message: most likely not a GRIB file
+                    problem = f"could not read {p.name!r} as GRIB: no complete message ({problem})"
+                raise DataFormatError(p, problem)
+            n += 1
+            pos = start + length
+    if n == 0:
+        raise DataFormatError(p, f"could not read {p.name!r} as GRIB: no GRIB message in it")
+    return n
+
+
+def _find(fh: BinaryIO, token: bytes, pos: int, chunk: int = 1 << 20) -> int:
+    """Offset of the first ``token`` at or after ``pos`` in the open file, or -1."""
+    while True:
+        fh.seek(pos)
+        buf = fh.read(chunk)
+        if len(buf) < len(token):
+            return -1
+        k = buf.find(token)
+        if k >= 0:
+            return pos + k
+        pos += len(buf) - len(token) + 1
+
+
 def _open(path: Path):  # type: ignore[no-untyped-def]
     import xarray as xr
 
@@ -125,10 +211,14 @@ def _open(path: Path):  # type: ignore[no-untyped-def]
         try:
             return xr.open_dataset(path, engine="cfgrib", backend_kwargs={"indexpath": ""})
         except (EOFError, OSError, ValueError, KeyError) as exc:  # not GRIB, or truncated
-            raise ValueError(f"could not read {path.name!r} as GRIB: {type(exc).__name__}: "
-                             f"{exc}") from exc
+            raise DataFormatError(path, f"could not read {path.name!r} as GRIB: "
+                                  f"{type(exc).__name__}: {exc}") from exc
     if suffix in _NETCDF:
-        return xr.open_dataset(path)
+        try:
+            return xr.open_dataset(path)
+        except (EOFError, OSError, ValueError, KeyError) as exc:  # not NetCDF, or truncated
+            raise DataFormatError(path, f"could not read {path.name!r} as NetCDF: "
+                                  f"{type(exc).__name__}: {exc}") from exc
     raise ValueError(
         f"unknown field file type {suffix!r} for {path.name!r}; expected GRIB {_GRIB} or "
         f"NetCDF {_NETCDF}"
@@ -149,13 +239,17 @@ def load_field(path: str | os.PathLike[str], variable: str | None = None) -> Fie
     ------
     FileNotFoundError
         No such file.
-    ValueError
-        Unknown variable (the known ones named), wrong dimensions (named), NaN/inf values
+    attnuq.data.DataFormatError
+        A file that does not open, a truncated GRIB (see :func:`grib_message_count`), GRIB
+        messages that were not read (skipped by cfgrib), wrong dimensions (named), NaN/inf values
         (counted), times not strictly increasing, fewer than 2 times.
+    ValueError
+        Unknown variable (the known ones named), several variables and no ``variable``.
     """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"field file not found: {str(p)!r}")
+    n_messages = grib_message_count(p) if p.suffix.lower() in _GRIB else None
     ds = _open(p)
     try:
         names = list(ds.data_vars)
@@ -170,34 +264,46 @@ def load_field(path: str | os.PathLike[str], variable: str | None = None) -> Fie
         extra = [d for d in da.dims if d not in ("time", "latitude", "longitude")]
         for d in extra:
             if da.sizes[d] != 1:
-                raise ValueError(
-                    f"variable {variable!r} has non-singleton dimension {d!r} "
+                raise DataFormatError(
+                    p, f"variable {variable!r} has non-singleton dimension {d!r} "
                     f"(size {da.sizes[d]}); dims={dict(da.sizes)}; expected "
                     "(time, latitude, longitude)"
                 )
         da = da.squeeze(extra, drop=True) if extra else da
         missing = [d for d in ("time", "latitude", "longitude") if d not in da.dims]
         if missing:
-            raise ValueError(
-                f"variable {variable!r} lacks dimensions {missing}; dims={dict(da.sizes)}"
+            raise DataFormatError(
+                p, f"variable {variable!r} lacks dimensions {missing}; dims={dict(da.sizes)}"
             )
         da = da.transpose("time", "latitude", "longitude")
         arr = np.asarray(da.values, dtype=np.float64)
         times = np.asarray(da["time"].values).astype("datetime64[ns]")
         lat = np.asarray(da["latitude"].values, dtype=np.float64)
         lon = np.asarray(da["longitude"].values, dtype=np.float64)
+        # 2-D fields in the dataset: one GRIB message each
+        n_fields = sum(
+            int(v.size) // max(1, int(np.prod([v.sizes[d] for d in v.dims if d in _HORIZONTAL])))
+            for v in ds.data_vars.values()
+        )
     finally:
         ds.close()
+    if n_messages is not None and n_messages > n_fields:
+        raise DataFormatError(
+            p, f"the file holds {n_messages} GRIB messages but only {n_fields} fields were read "
+            f"({len(times)} time steps of {variable!r}): cfgrib skipped messages (corrupt, or "
+            "of another level type or variable)",
+        )
     bad = ~np.isfinite(arr)
     if bad.any():
-        raise ValueError(
-            f"variable {variable!r} in {p.name!r} has {int(bad.sum())} NaN/inf values "
+        raise DataFormatError(
+            p, f"variable {variable!r} has {int(bad.sum())} NaN/inf values "
             f"(first at time index {int(np.argwhere(bad)[0][0])})"
         )
     if len(times) < 2:
-        raise ValueError(f"{p.name!r} has {len(times)} time steps; need at least 2")
+        raise DataFormatError(p, f"{len(times)} time steps; need at least 2")
     if not (np.diff(times) > np.timedelta64(0, "ns")).all():
-        raise ValueError(f"times in {p.name!r} are not strictly increasing")
+        k = int(np.argmin(np.diff(times) > np.timedelta64(0, "ns"))) + 1
+        raise DataFormatError(p, f"times are not strictly increasing (time index {k})")
     return Field(
         values=torch.from_numpy(arr.astype(np.float32)),
         times=times,

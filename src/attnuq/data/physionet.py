@@ -18,7 +18,8 @@ Parsed arrays are cached on disk (``cache_dir``, default ``$XDG_CACHE_HOME/attnu
 Malformed lines (wrong field count, bad ``HH:MM``, non-numeric or non-finite value, unknown
 parameter name, empty parameter) and malformed files (no ``Time,Parameter,Value`` header, no
 ``RecordID``, undecodable bytes) are never dropped silently: with ``errors="raise"`` (default) the
-first one raises ``ValueError`` naming file and line; with ``errors="warn"`` each is skipped, listed
+first one raises :class:`attnuq.data.DataFormatError` naming file and line (``<archive>/<member>``
+for a stay inside a tar file); with ``errors="warn"`` each is skipped, listed
 in :attr:`PhysioNet2012.issues` as a :class:`ParseIssue` (file, line, message), and one
 :class:`PhysioNetParseWarning` summarises them.
 
@@ -45,6 +46,8 @@ from typing import Literal
 
 import numpy as np
 import torch
+
+from attnuq.data import DataFormatError
 
 __all__ = [
     "PARSER_VERSION",
@@ -111,25 +114,31 @@ def _check_errors(errors: str) -> ErrorPolicy:
 
 
 def parse_record(
-    text: str, name: str, *, issues: list[ParseIssue], errors: ErrorPolicy = "raise"
+    text: str,
+    name: str,
+    *,
+    issues: list[ParseIssue],
+    errors: ErrorPolicy = "raise",
+    source: str | os.PathLike[str] | None = None,
 ) -> _Record | None:
     """Parse one stay's file text; return ``None`` if the file itself is malformed.
 
     Each problem becomes a :class:`ParseIssue` appended to ``issues`` (``errors="warn"``) or a
-    ``ValueError`` naming ``name`` and the line number (``errors="raise"``).
+    :class:`~attnuq.data.DataFormatError` naming ``source/name`` (``name`` alone without a
+    ``source``) and the line number (``errors="raise"``).
     """
     errors = _check_errors(errors)
+    where = Path(source) / name if source is not None else Path(name)
 
     def report(line: int, msg: str) -> None:
-        issue = ParseIssue(name, line, msg)
         if errors == "raise":
-            raise ValueError(f"malformed PhysioNet file: {issue}")
-        issues.append(issue)
+            raise DataFormatError(where, msg, line=line or None)
+        issues.append(ParseIssue(name, line, msg))
 
     lines = text.splitlines()
     if not lines or lines[0].strip().replace(" ", "") != "Time,Parameter,Value":
         first = lines[0][:60] if lines else ""
-        report(0, f"missing header 'Time,Parameter,Value' (first line {first!r})")
+        report(1, f"missing header 'Time,Parameter,Value' (first line {first!r})")
         return None
     rec = _Record(record_id=-1)
     known = set(KNOWN_PARAMETERS)
@@ -167,6 +176,9 @@ def parse_record(
             report(lineno, f"non-finite value {vstr!r} for {param}")
             continue
         if param == "RecordID":
+            if value != round(value) or value < 0:
+                report(lineno, f"RecordID {vstr!r} is not a non-negative integer")
+                continue
             if rec.record_id != -1 and int(value) != rec.record_id:
                 report(lineno, f"second RecordID {vstr} (first {rec.record_id})")
                 continue
@@ -208,11 +220,11 @@ def _iter_sources(path: Path) -> Iterator[tuple[str, bytes]]:
                         continue
                     found.append((m.name, fh.read()))
         except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:  # truncated/corrupt
-            raise ValueError(f"could not read the archive {path}: {type(exc).__name__}: "
-                             f"{exc}") from exc
+            raise DataFormatError(path, f"could not read the archive: {type(exc).__name__}: "
+                                  f"{exc}") from exc
         yield from sorted(found)
         return
-    raise ValueError(f"PhysioNet source must be a folder of .txt files or a tar file, got {path}")
+    raise DataFormatError(path, "PhysioNet source must be a folder of .txt files or a tar file")
 
 
 def _source_hash(path: Path) -> str:
@@ -484,20 +496,20 @@ def _parse_all(
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            issue = ParseIssue(name, 0, f"not UTF-8 text ({exc.reason} at byte {exc.start})")
+            line = raw[: exc.start].count(b"\n") + 1
+            msg = f"not UTF-8 text ({exc.reason} at byte {exc.start})"
             if errors == "raise":
-                raise ValueError(f"malformed PhysioNet file: {issue}") from None
-            issues.append(issue)
+                raise DataFormatError(path / name, msg, line=line) from None
+            issues.append(ParseIssue(name, line, msg))
             continue
-        rec = parse_record(text, name, issues=issues, errors=errors)
+        rec = parse_record(text, name, issues=issues, errors=errors, source=path)
         if rec is None:
             continue
         if rec.record_id in seen:
             msg = f"duplicate RecordID {rec.record_id} (also {seen[rec.record_id]})"
-            issue = ParseIssue(name, 0, msg)
             if errors == "raise":
-                raise ValueError(f"malformed PhysioNet file: {issue}")
-            issues.append(issue)
+                raise DataFormatError(path / name, msg)
+            issues.append(ParseIssue(name, 0, msg))
             continue
         seen[rec.record_id] = name
         records.append(rec)
@@ -525,7 +537,8 @@ def load_physionet2012(
     cache_dir
         where parsed arrays are cached (default :func:`default_cache_dir`); never the repository.
     errors
-        ``"raise"``: the first malformed line/file raises ``ValueError`` with file and line;
+        ``"raise"``: the first malformed line/file raises :class:`~attnuq.data.DataFormatError`
+        (a ``ValueError``) with file and line;
         ``"warn"``: skip it, list it in ``issues``, emit one :class:`PhysioNetParseWarning`.
     seed
         seed of the train/val/test permutation (fixed across model seeds).
@@ -575,7 +588,7 @@ def load_physionet2012(
     record_ids = np.asarray(arrays["record_ids"])
     n = record_ids.shape[0]
     if n < 3:
-        raise ValueError(f"need at least 3 stays for a train/val/test split, got {n} from {path}")
+        raise DataFormatError(path, f"need at least 3 stays for a train/val/test split, got {n}")
     perm = np.random.default_rng(seed).permutation(n)
     n_train = round(fractions[0] * n)
     n_val = round(fractions[1] * n)
@@ -633,7 +646,10 @@ def _resolve_source(source: str | os.PathLike[str] | None) -> Path:
 def _build_arrays(path: Path, errors: ErrorPolicy) -> dict[str, object]:
     records, issues = _parse_all(path, errors)
     if not records:
-        raise ValueError(f"no valid PhysioNet stay files in {path} ({len(issues)} issues)")
+        shown = f"; first: {issues[0]}" if issues else ""
+        raise DataFormatError(
+            path, f"no valid PhysioNet stay files ({len(issues)} issues{shown})"
+        )
     present = {p for r in records for p in r.params}
     channels = [p for p in KNOWN_PARAMETERS if p in present]
     cidx = {p: i for i, p in enumerate(channels)}
