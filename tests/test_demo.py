@@ -37,6 +37,13 @@ def test_demo_writes_report_and_reuses_model(
     # ... and the cache is keyed: another training budget retrains
     assert main([*args[:-4], "--max-epochs", "1", "--n-samples", "8"]) == 0
     assert "reusing" not in capsys.readouterr().out
+    # a torn checkpoint (a crash while saving, before writes were atomic) is retrained
+    ckpt = out / "model.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:100])
+    with pytest.warns(UserWarning, match="corrupt demo checkpoint"):
+        assert main([*args[:-4], "--max-epochs", "1", "--n-samples", "8"]) == 0
+    assert "reusing" not in capsys.readouterr().out
+    assert ckpt.stat().st_size > 1000
 
 
 def test_demo_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

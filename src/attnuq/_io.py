@@ -54,6 +54,7 @@ __all__ = [
     "atomic_write_text",
     "cache_key",
     "check_out_dir",
+    "describe_error",
     "file_identity",
     "read_json_or_none",
     "tensor_digest",
@@ -141,6 +142,16 @@ def atomic_savefig(fig: Any, path: str | os.PathLike[str], **kwargs: Any) -> Non
     atomic_write_bytes(path, buf.getvalue())
 
 
+def describe_error(exc: BaseException, limit: int = 200) -> str:
+    """``"<Type>: <first non-empty line of the message>"`` (cut at ``limit`` characters).
+
+    >>> describe_error(RuntimeError("size mismatch\\n  details")), describe_error(EOFError())
+    ('RuntimeError: size mismatch', 'EOFError')
+    """
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[0][:limit]}" if lines else type(exc).__name__
+
+
 def _warn_corrupt(path: Path, what: str, why: str) -> None:
     warnings.warn(f"corrupt {what} {path} ({why}); redoing it", CorruptFileWarning, stacklevel=3)
 
@@ -173,13 +184,13 @@ def read_json_or_none(
     try:
         value = json.loads(p.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        _warn_corrupt(p, what, f"{type(exc).__name__}: {exc}")
+        _warn_corrupt(p, what, describe_error(exc))
         return None
     if validate is not None:
         try:
             ok = bool(validate(value))
         except Exception as exc:  # a validator failing on odd content means odd content
-            ok, why = False, f"{type(exc).__name__}: {exc}"
+            ok, why = False, describe_error(exc)
         else:
             why = "unexpected content"
         if not ok:
@@ -198,7 +209,7 @@ def torch_load_or_none(path: str | os.PathLike[str], what: str, **load_kwargs: A
     try:
         return torch.load(p, **load_kwargs)
     except Exception as exc:  # truncated zip, bad pickle, ...: a torn checkpoint is retrained
-        _warn_corrupt(p, what, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        _warn_corrupt(p, what, describe_error(exc))
         return None
 
 

@@ -20,13 +20,24 @@ Examples
 
 from __future__ import annotations
 
-import json
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from attnuq._io import (
+    CorruptFileWarning,
+    atomic_savefig,
+    atomic_torch_save,
+    atomic_write_json,
+    check_out_dir,
+    describe_error,
+    read_json_or_none,
+    tensor_digest,
+    torch_load_or_none,
+)
 from attnuq._validation import check_positive_int
 
 __all__ = ["run_demo"]
@@ -49,10 +60,11 @@ def _scores(pred: Any, y: torch.Tensor, gen: torch.Generator) -> dict[str, float
 
 
 def _fingerprint(
-    dataset: str, split: int, seed: int, max_epochs: int, n_rows: int, n_blocks: int
+    dataset: str, split: int, seed: int, max_epochs: int, n_rows: int, n_blocks: int,
+    data: str = "",
 ) -> dict[str, Any]:
     return {"dataset": dataset, "split": split, "seed": seed, "max_epochs": max_epochs,
-            "n_fit_rows": n_rows,
+            "n_fit_rows": n_rows, "data_sha256_16": data,
             "backbone": f"FTTransformer(n_blocks={n_blocks}, rtdl default kwargs)",
             "optimiser": "AdamW lr 3e-4, batch 64, patience 16"}
 
@@ -77,7 +89,8 @@ def run_demo(
     ----------
     out_dir
         Report folder; a trained model is cached there as ``model.pt`` and reused when its
-        fingerprint (data set, split, seed, epochs) matches, unless ``retrain``.
+        fingerprint (data set, split, the training data's digest, seed, epochs, blocks)
+        matches, unless ``retrain``; a torn checkpoint is retrained with a warning.
     dataset, split, data_dir
         UCI set, standard split, and data root (``"bundled"`` for the copies in the package).
     max_epochs, n_blocks
@@ -90,7 +103,9 @@ def run_demo(
         Stochastic passes per test input, for SA and for MC dropout alike.
     """
     check_positive_int(max_epochs, "max_epochs")
+    check_positive_int(n_blocks, "n_blocks")
     check_positive_int(n_samples, "n_samples")
+    check_out_dir(out_dir)  # before any work: a file named as the report folder fails now
     if n_samples < 2:
         raise ValueError(f"n_samples must be at least 2 for intervals, got {n_samples=}")
     # The demo's tensors are tiny (9 tokens of width 96): one intra-op thread is as fast as two
@@ -147,12 +162,23 @@ def _run_demo(
 
     # -- 1. backbone: train or reuse -----------------------------------------------------------
     model = make_ft_transformer(s.n_features, n_blocks=n_blocks, seed=seed).to(dev)
-    fp = _fingerprint(dataset, split, seed, max_epochs, sizes["fit"], n_blocks)
+    fp = _fingerprint(dataset, split, seed, max_epochs, sizes["fit"], n_blocks,
+                      tensor_digest(s.x_fit, s.y_fit, s.x_val, s.y_val))
     ckpt, meta = out / "model.pt", out / "model.json"
     reused = False
     train_seconds = 0.0
-    if not retrain and ckpt.is_file() and meta.is_file() and json.loads(meta.read_text()) == fp:
-        model.load_state_dict(torch.load(ckpt, map_location=dev, weights_only=True))
+    state = None
+    if not retrain and read_json_or_none(meta, "demo model record") == fp:
+        state = torch_load_or_none(ckpt, "demo checkpoint", map_location=dev, weights_only=True)
+        if state is not None:
+            try:
+                model.load_state_dict(state)
+            except (RuntimeError, KeyError) as exc:  # keys/shapes unlike the recorded recipe
+                warnings.warn(f"corrupt demo checkpoint {ckpt} ({describe_error(exc)}); "
+                              "retraining", CorruptFileWarning, stacklevel=2)
+                model = make_ft_transformer(s.n_features, n_blocks=n_blocks, seed=seed).to(dev)
+                state = None
+    if state is not None:
         reused = True
         print(f"[attnuq demo] reusing the model trained before ({ckpt})")
     else:
@@ -163,8 +189,8 @@ def _run_demo(
             progress=progress is not False,
         )
         train_seconds = res.seconds
-        torch.save(model.state_dict(), ckpt)
-        meta.write_text(json.dumps(fp, indent=2))
+        atomic_torch_save(model.state_dict(), ckpt)
+        atomic_write_json(meta, fp, indent=2)
         print(f"[attnuq demo] trained {res.epochs_run} epochs in {res.seconds:.0f} s "
               f"(best val RMSE {res.best_val_rmse * s.y_std:.3f})")
     model.eval()
@@ -212,7 +238,7 @@ def _run_demo(
 
     def save(fig: Any, name: str, caption: str) -> None:
         fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
+        atomic_savefig(fig, out / name, dpi=110)
         plt.close(fig)
         figures.append({"file": name, "caption": caption})
 
@@ -262,7 +288,7 @@ def _run_demo(
         "calibration": sa_method.report.to_dict(),
         "meta": info,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=float))
+    atomic_write_json(out / "results.json", results, indent=2, default=float)
     page = render_report(out / "results.json")
     print(f"[attnuq demo] done in {time.perf_counter() - t_start:.0f} s")
     return page.parent

@@ -31,8 +31,8 @@ True
 from __future__ import annotations
 
 import copy
-import json
 import time
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -42,6 +42,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnuq._io import (
+    CorruptFileWarning,
+    atomic_torch_save,
+    atomic_write_json,
+    describe_error,
+    read_json_or_none,
+    torch_load_or_none,
+)
 from attnuq.models.ft import Batches, as_batches, default_forward
 from attnuq.predictive import GaussianPredictive, Predictive
 
@@ -84,6 +92,46 @@ class Cost:
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
+
+
+def member_paths(member_dir: str | Path, index: int) -> tuple[Path, Path]:
+    """``member<index>.pt`` (state dict) and ``member<index>.json`` (its :class:`Cost`)."""
+    p = Path(member_dir) / f"member{index}.pt"
+    return p, p.with_suffix(".json")
+
+
+def save_member(member_dir: str | Path, index: int, state: dict[str, torch.Tensor],
+                cost: Cost) -> None:
+    """Write member ``index`` to the member cache, atomically: weights first, then its cost.
+
+    A crash in between leaves weights without a cost file, which :func:`load_member` treats as
+    not cached.
+    """
+    pt, js = member_paths(member_dir, index)
+    atomic_torch_save({k: v.detach().cpu() for k, v in state.items()}, pt)
+    atomic_write_json(js, cost.to_dict())
+
+
+def load_member(member_dir: str | Path, index: int
+                ) -> tuple[dict[str, torch.Tensor], Cost] | None:
+    """Member ``index`` from the member cache: ``(state_dict, cost)``, or ``None`` to retrain.
+
+    ``None`` when either file is missing, and (with a :class:`~attnuq._io.CorruptFileWarning`)
+    when either is torn or unreadable.
+    """
+    pt, js = member_paths(member_dir, index)
+    fields = set(Cost.__dataclass_fields__)
+    rec = read_json_or_none(js, "member cost", validate=lambda r: isinstance(r, dict)
+                            and set(r) <= fields and "fit_seconds" in r)
+    if rec is None:
+        return None
+    state = torch_load_or_none(pt, "member", map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        if state is not None:
+            warnings.warn(f"corrupt member {pt} (not a state dict); redoing it",
+                          CorruptFileWarning, stacklevel=2)
+        return None
+    return state, Cost(**rec)
 
 
 @dataclass
@@ -181,20 +229,27 @@ class Task:
             return self._members[seed]
         make_model, train_fn = self.require_retraining("member")
         model = make_model(seed)
-        path = None if self.member_dir is None else Path(self.member_dir) / f"member{seed}.pt"
-        if path is not None and path.is_file() and path.with_suffix(".json").is_file():
-            model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-            cost = Cost(**json.loads(path.with_suffix(".json").read_text()))
+        cached = None if self.member_dir is None else load_member(self.member_dir, seed)
+        if cached is not None:
+            try:
+                model.load_state_dict(cached[0])
+            except (RuntimeError, KeyError) as exc:  # keys or shapes unlike make_model's
+                warnings.warn(
+                    f"corrupt member {member_paths(self.member_dir or '', seed)[0]} "
+                    f"({describe_error(exc)}); redoing it",
+                    CorruptFileWarning, stacklevel=2,
+                )
+                model, cached = make_model(seed), None
+        if cached is not None:
+            cost = cached[1]
         else:
             t0 = time.perf_counter()
             out = train_fn(model, self.train, self.val, seed)
             n_fwd = int(getattr(out, "n_forward", 0))
             cost = Cost(fit_seconds=time.perf_counter() - t0, fit_forward=n_fwd)
             self._member_train_seconds += cost.fit_seconds
-            if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(model.state_dict(), path)
-                path.with_suffix(".json").write_text(json.dumps(cost.to_dict()))
+            if self.member_dir is not None:
+                save_member(self.member_dir, seed, model.state_dict(), cost)
         model.eval()
         self._members[seed] = (model, cost)
         return model, cost

@@ -23,7 +23,6 @@ Examples
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 
 from attnuq._validation import check_positive_int
+from attnuq.baselines._base import Cost, load_member, save_member
 
 __all__ = [
     "MemberRecipe",
@@ -41,6 +41,8 @@ __all__ = [
     "check_member_jobs",
     "jobs_text",
     "load_or_train_backbone",
+    "member_cache_dir",
+    "recipe_spec",
     "train_members",
 ]
 
@@ -58,9 +60,59 @@ def check_member_jobs(jobs: int) -> int:
     return check_positive_int(jobs, "member_jobs")
 
 
-def _paths(member_dir: Path, index: int) -> tuple[Path, Path]:
-    p = Path(member_dir) / f"member{index}.pt"
-    return p, p.with_suffix(".json")
+#: recipe fields that do not change the trained weights (where it runs, whether bars show)
+_NOT_SHAPING = ("progress", "device")
+
+
+def recipe_spec(recipe: Any, *, drop: Sequence[str] = ()) -> dict[str, Any]:
+    """Everything in a dataclass ``recipe`` that shapes the models it trains, as plain JSON.
+
+    Tensor fields (the training and early-stopping windows) enter by their digest
+    (:func:`attnuq._io.tensor_digest`), so the data file, its split and the window strides are
+    part of the spec; ``progress``, ``device`` and the fields in ``drop`` are left out.
+
+    Examples
+    --------
+    >>> import dataclasses, torch
+    >>> @dataclasses.dataclass
+    ... class R:
+    ...     epochs: int
+    ...     train_xy: tuple
+    ...     progress: bool = True
+    >>> a = recipe_spec(R(3, (torch.zeros(2), torch.ones(2))))
+    >>> sorted(a), a == recipe_spec(R(3, (torch.zeros(2), torch.ones(2)), progress=False))
+    (['epochs', 'recipe', 'train_xy'], True)
+    >>> a == recipe_spec(R(4, (torch.zeros(2), torch.ones(2))))
+    False
+    """
+    import dataclasses
+
+    from attnuq._io import tensor_digest
+
+    if not dataclasses.is_dataclass(recipe) or isinstance(recipe, type):
+        raise TypeError(f"recipe must be a dataclass instance, got {type(recipe).__name__}")
+    spec: dict[str, Any] = {"recipe": type(recipe).__qualname__}
+    for f in dataclasses.fields(recipe):
+        if f.name in _NOT_SHAPING or f.name in drop:
+            continue
+        v = getattr(recipe, f.name)
+        if isinstance(v, torch.Tensor):
+            v = tensor_digest(v)
+        elif isinstance(v, (tuple, list)) and v and all(isinstance(t, torch.Tensor) for t in v):
+            v = tensor_digest(*v)
+        spec[f.name] = v
+    return spec
+
+
+def member_cache_dir(base: str | Path, recipe: Any) -> Path:
+    """``base/<key>``: the member cache of exactly this recipe (``key``: hash of its spec).
+
+    Another epoch cap, architecture, seed or data gets another folder, so members of an older
+    recipe are never used as if they were this one's.
+    """
+    from attnuq._io import cache_key
+
+    return Path(base) / cache_key(recipe_spec(recipe))
 
 
 def _train_one(recipe: MemberRecipe, index: int, member_dir: str,
@@ -77,10 +129,7 @@ def _train_one(recipe: MemberRecipe, index: int, member_dir: str,
     cost = {"fit_seconds": time.perf_counter() - t0,
             "fit_forward": int(getattr(out, "n_forward", 0)),
             "predict_seconds": 0.0, "predict_forward_per_input": 0}
-    pt, js = _paths(Path(member_dir), index)
-    pt.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, pt)
-    js.write_text(json.dumps(cost))
+    save_member(member_dir, index, model.state_dict(), Cost(**cost))
     return index, float(cost["fit_seconds"])
 
 
@@ -122,7 +171,7 @@ def train_members(
     bad = [i for i in indices if not isinstance(i, int) or i < 1]
     if bad:
         raise ValueError(f"member indices must be ints >= 1 (0 is the backbone), got {bad}")
-    todo = [i for i in indices if not all(p.is_file() for p in _paths(Path(member_dir), i))]
+    todo = [i for i in indices if load_member(member_dir, i) is None]  # missing or torn
     if not todo:
         return []
     if jobs == 1:
@@ -147,25 +196,72 @@ def load_or_train_backbone(
     save: Callable[[Any, Path], Any],
     load: Callable[[Path], nn.Module],
     device: torch.device | str,
+    drop: Sequence[str] = ("member_epochs",),
 ) -> tuple[nn.Module, dict[str, Any]]:
     """The frozen backbone (member 0): read from ``model_dir``, else trained and saved there.
 
-    A folder with ``config.json`` is reused unless ``retrain``; otherwise ``recipe.make(0)`` is
-    trained with ``recipe.train`` and written with ``save(model, model_dir)`` plus its training
-    report (``train_report.json``). Either way the model is read back with ``load(model_dir)``
-    (the path a user's saved checkpoint takes) and moved to ``device``. Returns the model and the
-    training report, with ``"reused"`` telling which branch ran.
+    The folder records the recipe it was trained under (``recipe.json``: :func:`recipe_spec`
+    without ``drop``, e.g. the members' own epoch cap). It is reused unless ``retrain`` when
+    that record equals this recipe's; a folder of another recipe is left alone and the backbone
+    of this recipe lives in the sibling ``<model_dir>-<key>`` (found there next time). A folder
+    written before recipes were recorded (``config.json`` without ``recipe.json``) is reused
+    with a printed note saying so. A folder whose saved model or ``train_report.json`` cannot
+    be read is trained again (with a :class:`~attnuq._io.CorruptFileWarning`).
+
+    Otherwise ``recipe.make(0)`` is trained with ``recipe.train`` and written with
+    ``save(model, dir)``, its training report (``train_report.json``) and ``recipe.json``. Either
+    way the model is read back with ``load(dir)`` (the path a user's saved checkpoint takes) and
+    moved to ``device``. Returns the model and the training report, with ``"reused"`` telling
+    which branch ran and ``"model_dir"`` the folder used.
     """
+    import dataclasses
+    import warnings
+
+    from attnuq._io import (
+        CorruptFileWarning,
+        atomic_write_json,
+        cache_key,
+        describe_error,
+        read_json_or_none,
+    )
+
+    model_dir = Path(model_dir)
+    spec = recipe_spec(recipe, drop=drop) if dataclasses.is_dataclass(recipe) else None
+    if spec is not None and not retrain and (model_dir / "config.json").is_file():
+        held = read_json_or_none(model_dir / "recipe.json", "backbone recipe")
+        if held is not None and held != spec:
+            other = model_dir.with_name(f"{model_dir.name}-{cache_key(spec)}")
+            changed = sorted(k for k in set(held) | set(spec) if held.get(k) != spec.get(k))
+            print(f"[backbone] {model_dir} was trained under another recipe (differs in "
+                  f"{', '.join(changed)}); using {other}", flush=True)
+            model_dir = other
+        elif held is None and (model_dir / "recipe.json").exists():
+            retrain = True  # a torn recipe record: nothing says what the folder holds
     if (model_dir / "config.json").is_file() and not retrain:
-        report = json.loads((model_dir / "train_report.json").read_text())
-        report["reused"] = True
-    else:
-        net = recipe.make(0)  # member 0 = the backbone
-        rep = recipe.train(net, None, None, 0)
-        save(net.cpu(), model_dir)
-        report = rep.to_dict()
-        (model_dir / "train_report.json").write_text(json.dumps(report, indent=1))
-        report["reused"] = False
+        report = read_json_or_none(model_dir / "train_report.json", "backbone training report",
+                                   validate=lambda r: isinstance(r, dict))
+        model: nn.Module | None = None
+        if report is not None:
+            try:
+                model = load(model_dir)
+            except Exception as exc:  # torn weights or config: train again
+                warnings.warn(f"corrupt backbone {model_dir} ({describe_error(exc)}); "
+                              "redoing it", CorruptFileWarning, stacklevel=2)
+        if model is not None and report is not None:
+            if spec is not None and not (model_dir / "recipe.json").is_file():
+                print(f"[backbone] {model_dir} does not record its recipe (written before "
+                      "recipes were recorded); reused as given, --retrain trains anew",
+                      flush=True)
+            report = {**report, "reused": True, "model_dir": str(model_dir)}
+            return model.to(device), report
+    net = recipe.make(0)  # member 0 = the backbone
+    rep = recipe.train(net, None, None, 0)
+    save(net.cpu(), model_dir)
+    report = rep.to_dict()
+    atomic_write_json(model_dir / "train_report.json", report, indent=1)
+    if spec is not None:
+        atomic_write_json(model_dir / "recipe.json", spec, indent=1)
+    report = {**report, "reused": False, "model_dir": str(model_dir)}
     return load(model_dir).to(device), report
 
 

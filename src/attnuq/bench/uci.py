@@ -61,6 +61,7 @@ from attnuq._io import (
     atomic_write_json,
     atomic_write_text,
     cache_key,
+    describe_error,
     read_json_or_none,
     torch_load_or_none,
 )
@@ -216,8 +217,8 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
         try:
             model.load_state_dict(state)
         except (RuntimeError, KeyError) as exc:  # keys or shapes unlike this recipe's model
-            warnings.warn(f"corrupt backbone {wpath} ({str(exc).splitlines()[0][:200]}); "
-                          "redoing it", CorruptFileWarning, stacklevel=2)
+            warnings.warn(f"corrupt backbone {wpath} ({describe_error(exc)}); redoing it",
+                          CorruptFileWarning, stacklevel=2)
             model, state = make_model(0), None
     if state is None:
         res = train_fn(model, (data.x_fit, data.y_fit), (data.x_val, data.y_val), 0)
@@ -589,7 +590,7 @@ def write_table(
     if errs:
         lines += ["Runs that failed (no JSON written; re-running the command retries them):", ""]
         for e in errs:
-            first = e.read_text().splitlines()[0][:200]
+            first = (e.read_text(errors="replace").splitlines() or ["(empty)"])[0][:200]
             lines.append(f"* `{e.relative_to(out)}`: {first}")
         lines.append("")
     lines += [

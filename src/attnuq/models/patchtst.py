@@ -145,13 +145,28 @@ class PatchTSTForecaster(nn.Module):
 
 
 def save_patchtst(model: nn.Module, path: str | os.PathLike[str]) -> Path:
-    """``save_pretrained`` the HF model (or the one inside a :class:`PatchTSTForecaster`)."""
+    """``save_pretrained`` the HF model (or the one inside a :class:`PatchTSTForecaster`).
+
+    Every file is moved into ``path`` whole (``os.replace``), ``config.json`` last.
+    """
     hf = model.model if isinstance(model, PatchTSTForecaster) else model
     if not hasattr(hf, "save_pretrained"):
         raise TypeError(f"expected a PatchTSTForPrediction, got {type(hf).__name__}")
+    import shutil
+    import tempfile
+
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(out)  # type: ignore[operator]
+    # save into a temporary folder beside it, then move each file in with os.replace,
+    # config.json (what marks a saved model) last: a crash never leaves a torn weights file
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        hf.save_pretrained(tmp)  # type: ignore[operator]
+        files = sorted(tmp.iterdir(), key=lambda f: f.name == "config.json")
+        for f in files:
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -167,13 +167,16 @@ class ViTFieldForecaster(nn.Module):
 
 
 def save_vit_field(model: ViTFieldForecaster, path: str | os.PathLike[str]) -> Path:
-    """Write ``config.json`` and ``model.pt`` (state dict) into the folder ``path``."""
+    """Write ``model.pt`` (state dict) and ``config.json`` into the folder ``path``, atomically."""
     if not isinstance(model, ViTFieldForecaster):
         raise TypeError(f"expected a ViTFieldForecaster, got {type(model).__name__}")
+    from attnuq._io import atomic_torch_save, atomic_write_json
+
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(model.config), indent=1))
-    torch.save(model.state_dict(), out / "model.pt")
+    # each file atomically, config.json (what marks a saved model) last
+    atomic_torch_save(model.state_dict(), out / "model.pt")
+    atomic_write_json(out / "config.json", asdict(model.config), indent=1)
     return out
 
 

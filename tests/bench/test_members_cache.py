@@ -1,0 +1,169 @@
+"""Backbone and member caches: keyed by the recipe, torn files redone (issue #23 items 5, 6)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from attnuq._io import CorruptFileWarning
+from attnuq.bench._members import (
+    load_or_train_backbone,
+    member_cache_dir,
+    recipe_spec,
+    train_members,
+)
+
+
+@dataclass
+class _Report:
+    epochs_run: int
+    n_forward: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epochs_run": self.epochs_run, "n_forward": self.n_forward}
+
+
+@dataclass
+class _Recipe:
+    """A linear model trained for ``epochs`` full-batch steps; counts the models it trains."""
+
+    epochs: int
+    member_epochs: int
+    seed: int
+    train_xy: tuple[torch.Tensor, torch.Tensor]
+    progress: bool = False
+    device: str = "cpu"
+
+    def make(self, index: int) -> nn.Module:
+        torch.manual_seed(self.seed + index)
+        return nn.Linear(2, 1)
+
+    def train(self, model: nn.Module, _t: Any, _v: Any, index: int) -> _Report:
+        x, y = self.train_xy
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        n = self.epochs if index == 0 else self.member_epochs
+        for _ in range(n):
+            opt.zero_grad()
+            ((model(x).squeeze(-1) - y) ** 2).mean().backward()
+            opt.step()
+        return _Report(epochs_run=n, n_forward=n * len(x))
+
+
+def _save(model: nn.Module, d: Path) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), d / "model.pt")
+    (d / "config.json").write_text("{}")
+
+
+def _load(d: Path) -> nn.Module:
+    m = nn.Linear(2, 1)
+    m.load_state_dict(torch.load(d / "model.pt", weights_only=True))
+    return m
+
+
+def _recipe(**kw: Any) -> _Recipe:
+    g = torch.Generator().manual_seed(0)
+    xy = (torch.randn(16, 2, generator=g), torch.randn(16, generator=g))
+    return _Recipe(**{"epochs": 2, "member_epochs": 1, "seed": 0, "train_xy": xy, **kw})
+
+
+def _backbone(recipe: _Recipe, d: Path, retrain: bool = False) -> tuple[nn.Module, dict]:
+    return load_or_train_backbone(recipe, d, retrain=retrain, save=_save, load=_load,
+                                  device="cpu")
+
+
+def test_recipe_spec_covers_what_shapes_the_model() -> None:
+    a = recipe_spec(_recipe())
+    assert a == recipe_spec(_recipe(progress=True, device="cuda"))  # do not shape weights
+    assert a != recipe_spec(_recipe(epochs=3)) and a != recipe_spec(_recipe(seed=1))
+    other = _recipe()
+    other.train_xy = (other.train_xy[0] + 1, other.train_xy[1])
+    assert a != recipe_spec(other)  # other data (file, split or window stride)
+    assert "member_epochs" not in recipe_spec(_recipe(), drop=("member_epochs",))
+    assert member_cache_dir("m", _recipe()) != member_cache_dir("m", _recipe(member_epochs=2))
+    with pytest.raises(TypeError, match="dataclass instance"):
+        recipe_spec(object())
+
+
+def test_backbone_of_another_recipe_is_not_reused(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "backbone"
+    m1, r1 = _backbone(_recipe(), d)
+    assert not r1["reused"] and r1["epochs_run"] == 2
+    assert json.loads((d / "recipe.json").read_text()) == recipe_spec(
+        _recipe(), drop=("member_epochs",))
+    m1b, r1b = _backbone(_recipe(member_epochs=5), d)  # member cap: not the backbone's recipe
+    assert r1b["reused"] and torch.equal(m1.weight, m1b.weight)
+    # another epoch budget: trained anew beside it, the first folder left as it was
+    before = (d / "model.pt").read_bytes()
+    m2, r2 = _backbone(_recipe(epochs=3), d)
+    assert not r2["reused"] and r2["epochs_run"] == 3
+    assert Path(r2["model_dir"]).name.startswith("backbone-")
+    assert (d / "model.pt").read_bytes() == before
+    assert "trained under another recipe (differs in epochs)" in capsys.readouterr().out
+    assert not torch.equal(m1.weight, m2.weight)
+    # each budget finds its own backbone again
+    assert _backbone(_recipe(epochs=3), d)[1]["reused"]
+    assert _backbone(_recipe(), d)[1]["model_dir"] == str(d)
+
+
+def test_torn_backbone_is_retrained_with_a_warning(tmp_path: Path) -> None:
+    d = tmp_path / "backbone"
+    _backbone(_recipe(), d)
+    (d / "model.pt").write_bytes((d / "model.pt").read_bytes()[:40])
+    with pytest.warns(CorruptFileWarning, match="corrupt backbone"):
+        _, rep = _backbone(_recipe(), d)
+    assert not rep["reused"]
+    _, rep = _backbone(_recipe(), d)  # whole again: reused without a warning
+    assert rep["reused"]
+    (d / "train_report.json").write_text("")
+    with pytest.warns(CorruptFileWarning, match="corrupt backbone training report"):
+        assert not _backbone(_recipe(), d)[1]["reused"]
+
+
+def test_legacy_backbone_without_recipe_is_reused_with_a_note(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = tmp_path / "backbone"
+    _backbone(_recipe(), d)
+    (d / "recipe.json").unlink()
+    assert _backbone(_recipe(epochs=7), d)[1]["reused"]
+    assert "does not record its recipe" in capsys.readouterr().out
+
+
+def test_torn_member_is_retrained_not_skipped(tmp_path: Path) -> None:
+    """A torn ``member1.pt`` used to count as cached (``train_members`` skipped it) and then
+    failed inside the ensemble's fit with a traceback."""
+    from attnuq.baselines import Task
+
+    recipe = _recipe()
+    mdir = member_cache_dir(tmp_path / "members", recipe)
+    assert train_members(recipe, [1, 2], mdir) == [1, 2]
+    assert train_members(recipe, [1, 2], mdir) == []
+    good = torch.load(mdir / "member1.pt", weights_only=True)
+    (mdir / "member1.pt").write_bytes(b"")
+    with pytest.warns(CorruptFileWarning, match="corrupt member"):
+        assert train_members(recipe, [1, 2], mdir) == [1]
+    again = torch.load(mdir / "member1.pt", weights_only=True)
+    assert all(torch.equal(good[k], again[k]) for k in good)  # same recipe, same weights
+    # the Task reads the cache with the same checks
+    x, y = recipe.train_xy
+    task = Task(model=recipe.make(0), train=(x, y), val=(x, y), cal=(x, y),
+                make_model=recipe.make, train_fn=recipe.train, member_dir=mdir)
+    (mdir / "member2.json").write_text("{")
+    with pytest.warns(CorruptFileWarning, match="corrupt member cost"):
+        model, cost = task.member(2)
+    assert cost.fit_seconds >= 0 and json.loads((mdir / "member2.json").read_text())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # now whole: read without a warning
+        task2 = Task(model=recipe.make(0), train=(x, y), val=(x, y), cal=(x, y),
+                     make_model=recipe.make, train_fn=recipe.train, member_dir=mdir)
+        model2, _ = task2.member(2)
+    assert torch.equal(model.weight, model2.weight)
