@@ -350,14 +350,14 @@ def _sample(
     s = None if seed is None else seed * 1_000_003 + nu
     with torch.no_grad(), stochastic(model, nu=nu, seed=s) as handle:
         reached = 0
-        for i, bt in enumerate(batches):
+        for ib, bt in enumerate(batches):
             reps = replicas_per_call(bt.b, m, batch_replicas, max_rows)
             samples, c = stochastic_passes(
                 model, bt.inputs, m, output_fn=output_fn, replicas=reps, b=bt.b
             )
             calls += c
             # "reached" from the patch's own call counts, never from output differences
-            reached = handle.require_calls(reached, where=f"calibrate (nu={nu}, batch {i})")
+            reached = handle.require_calls(reached, where=f"calibrate (nu={nu}, batch {ib})")
             check_finite(samples, f"stochastic prediction at nu={nu}")
             d = (samples - bt.frozen).reshape(m, bt.b, -1).double().cpu()  # (M, B, P)
             e = (bt.targets - bt.frozen).reshape(bt.b, -1).double().cpu()  # (B, P)
