@@ -54,8 +54,9 @@ def implementation_lines(rows: Iterable[str], local: Mapping[str, str] | None = 
     local = dict(local or {})
     known = set(available_methods())
     lines = ["## Implementations", "",
-             "Which code produced each row (registered methods: `Method.implementation` in "
-             "`src/attnuq/baselines/`, as of this page's writing; docs/methods.md, section 5):",
+             "Which code produced each row (registered methods: the `implementation` text of "
+             "their class in `src/attnuq/baselines/`, from the code that rendered this page; "
+             "docs/methods.md, section 5):",
              "", "| row | implementation |", "|---|---|"]
     seen: set[str] = set()
     for name in rows:

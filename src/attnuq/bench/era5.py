@@ -605,13 +605,24 @@ def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, field:
                      "train": train_report},
         "results": results,
     }
-    (res_dir / "era5_results.json").write_text(json.dumps(payload, indent=1))
+    atomic_write_json(res_dir / "era5_results.json", payload, indent=1)
     if maps:
         arrays: dict[str, Any] = {f"{n}__{k}": v for n, d in maps.items() for k, v in d.items()}
-        np.savez_compressed(res_dir / "era5_maps.npz", **arrays)
+        atomic_np_savez(res_dir / "era5_maps.npz", **arrays)
     if final and maps:
         _maps_png(res_dir / "era5_maps.png", maps, field, leads)
-    (res_dir.parent / "era5.md").write_text(_markdown(payload))
+    atomic_write_text(res_dir.parent / "era5.md", _markdown(payload))
+
+
+#: rows this suite computes itself (the others are registered methods: the registry's text)
+_IMPLEMENTATIONS: dict[str, str] = {
+    "sa-conformal": "attnuq stochastic attention: sa-paper's nu and test draws, spread scaled by "
+                    "attnuq.baselines.coverage_scale fitted on cal (this suite)",
+    "persistence": "this suite: the field at issue time plus val residual quantiles per (lead, "
+                   "grid point)",
+    "climatology": "this suite: hour-of-day training climatology plus val residual quantiles per "
+                   "(lead, grid point)",
+}
 
 
 def _markdown(p: dict[str, Any]) -> str:
@@ -691,6 +702,10 @@ def _markdown(p: dict[str, Any]) -> str:
                     beaten = [k for k in sc if k != sa and sc[k]["crps"] < sc[sa]["crps"]]
                     lines.append(f"* {sa} CRPS beaten by: {', '.join(beaten) or 'none'}.")
             lines.append("")
+    if scored:
+        from attnuq.bench._implementations import implementation_lines
+
+        lines += implementation_lines(scored, local=_IMPLEMENTATIONS)
     notes = c.get("note") or []
     if notes:
         lines += ["Notes:", *[f"* {n}" for n in notes], ""]

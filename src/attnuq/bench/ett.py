@@ -824,6 +824,18 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+#: rows this suite computes itself (the others are registered methods: the registry's text)
+_IMPLEMENTATIONS: dict[str, str] = {
+    "sa-conformal": "attnuq stochastic attention: sa-paper's nu and test draws, spread scaled by "
+                    "attnuq.baselines.coverage_scale fitted on cal (this suite, `_ScaledPair`)",
+    "conformal": "this suite (`ResidualQuantiles`): split-conformal quantile of abs(y - f) on cal "
+                 "per (horizon step, channel), shape from val residual quantiles; not the "
+                 "registry's SplitConformal",
+    "seasonal-naive": "this suite: the last 24 h repeated (attnuq.data.ett.seasonal_naive) plus "
+                      "val residual quantiles per (horizon step, channel)",
+}
+
+
 def _markdown(p: dict[str, Any], res_dir: Path) -> str:
     r, c, d, b = p["run"], p["config"], p["data"], p["backbone"]
     tr = b["train"]
@@ -894,6 +906,10 @@ def _markdown(p: dict[str, Any], res_dir: Path) -> str:
             if sa in scored:
                 beaten = [k for k in scored if k != sa and scored[k]["crps"] < scored[sa]["crps"]]
                 lines.append(f"* {sa} CRPS is beaten by: {', '.join(beaten) or 'none'}.")
+    if scored:
+        from attnuq.bench._implementations import implementation_lines
+
+        lines += ["", *implementation_lines(scored, local=_IMPLEMENTATIONS)[:-1]]
     notes = c.get("note") or []
     if notes:
         lines += ["", "Notes:", *[f"* {n}" for n in notes]]

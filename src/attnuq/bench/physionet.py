@@ -841,6 +841,25 @@ def _fmt(v: list[float] | None, scale: float = 1.0, digits: int = 3) -> str:
     return f"{mean * scale:.{digits}f}"
 
 
+_LEVY = ("attnuq LevyForecaster (attnuq.models.levy_forecaster, LevyAttention), this package's "
+         "method")
+#: which code produces each row of the page (no row here is a registered attnuq.baselines method)
+_IMPLEMENTATIONS: dict[str, str] = {
+    "levy": _LEVY + ": one pass, closed-form sigma, alpha and T fitted on val",
+    "levy_alpha_trained": _LEVY + ", alpha as trained",
+    "levy_nophi": _LEVY + ", sigma without phi",
+    "softmax": "attnuq SoftmaxForecaster (the matched softmax control), deterministic output",
+    "levy_sub": _LEVY + ", on the subset",
+    "levy_sub_alpha_trained": _LEVY + ", alpha as trained, on the subset",
+    "levy_sampler": "attnuq LevyForecaster.sample (explicit Poisson draws of the same layer)",
+    "softmax_mcdropout": "this suite (`_mc_dropout`): the softmax control in training mode "
+                         "(its dropout modules active; it has no batch norm), passes in a loop",
+    "ensemble": "this suite: softmax controls of different seeds, Gaussian over members",
+    "gp": "attnuq ChannelGP (attnuq.models.gp_irregular) on GPyTorch exact GP "
+          "(ScaleKernel(MaternKernel(nu=1.5)))",
+}
+
+
 def _write_md(md: Path, out: Path, results: dict[str, Any], per_seed: list[dict[str, Any]]) -> None:
     summ = _summarise(per_seed)
     ens = results.get("ensemble") or {}
@@ -849,6 +868,7 @@ def _write_md(md: Path, out: Path, results: dict[str, Any], per_seed: list[dict[
         [float(d[k]), 0.0, 1] if isinstance(d.get(k), (int, float)) else None)
     a_ = results["args"]
     rows: list[tuple[str, dict[str, list[float] | None]]] = []
+    impl: dict[str, str] = {}  # row label -> which code produced it
     sub = results["data"].get("subset_sizes", {})
     tag = f" [subset: {sub.get('test')} test stays]" if sub else ""
     for meth, label in (("levy", "Levy (one pass, sigma with phi, alpha fitted)"),
@@ -864,11 +884,14 @@ def _write_md(md: Path, out: Path, results: dict[str, Any], per_seed: list[dict[
                          f"softmax control, MC dropout ({a_['mc_passes']} passes){tag}")):
         if meth in summ:
             rows.append((label, {k: summ[meth].get(k) for k in summ[meth]}))
+            impl[label] = _IMPLEMENTATIONS[meth]
     if ens:
         rows.append((f"softmax deep ensemble ({ens['members']} members, one ensemble)",
                      {k: one(ens, k) for k in ens}))
+        impl[rows[-1][0]] = _IMPLEMENTATIONS["ensemble"]
     if gp:
         rows.append(("per-stay per-channel exact GP (one fit)", {k: one(gp, k) for k in gp}))
+        impl[rows[-1][0]] = _IMPLEMENTATIONS["gp"]
     a = results["args"]
     d = results["data"]
     src_name = Path(str(d.get("source") or a.get("data_dir") or "default")).name
@@ -998,6 +1021,9 @@ def _write_md(md: Path, out: Path, results: dict[str, Any], per_seed: list[dict[
             f"{_fmt(r.get('nll'))} | {_fmt(r.get('crps'), 1e2)} | {_fmt(r.get('spearman'))} | "
             f"{_fmt(r.get('T'))} | {_fmt(r.get('stays_per_s'), 1, 1)} |"
         )
+    from attnuq.bench._implementations import implementation_lines
+
+    lines += ["", *implementation_lines([label for label, _ in rows], local=impl)[:-1]]
     lines += ["", "Published MSE with 12,000 stays (x1e-3): t-PatchGNN 4.98, GraFITi 4.89; we "
               f"have {d['n_stays']} stays.", "",
               "## Coverage and mean width (raw T-scaled / split-conformal)", "",
