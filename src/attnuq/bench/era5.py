@@ -605,13 +605,13 @@ def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, field:
                      "train": train_report},
         "results": results,
     }
-    atomic_write_json(res_dir / "era5_results.json", payload, indent=1)
+    (res_dir / "era5_results.json").write_text(json.dumps(payload, indent=1))
     if maps:
         arrays: dict[str, Any] = {f"{n}__{k}": v for n, d in maps.items() for k, v in d.items()}
-        atomic_np_savez(res_dir / "era5_maps.npz", **arrays)
+        np.savez_compressed(res_dir / "era5_maps.npz", **arrays)
     if final and maps:
         _maps_png(res_dir / "era5_maps.png", maps, field, leads)
-    atomic_write_text(res_dir.parent / "era5.md", _markdown(payload))
+    (res_dir.parent / "era5.md").write_text(_markdown(payload))
 
 
 #: rows this suite computes itself (the others are registered methods: the registry's text)
