@@ -18,6 +18,12 @@ from attnuq.bench.era5 import field_scores  # noqa: E402
 from attnuq.predictive import GaussianPredictive, Predictive  # noqa: E402
 
 
+def _member_file(res_dir: Path, name: str) -> Path:
+    """The one cached member file ``name`` under ``res_dir/members/<recipe key>/``."""
+    (path,) = (res_dir / "members").glob(f"*/{name}")
+    return path
+
+
 def test_field_scores_match_metrics() -> None:
     from attnuq import metrics
 
@@ -111,14 +117,14 @@ def test_bench_era5_member_jobs_match_serial_training(tmp_path: Path) -> None:
     assert main([*_tiny_argv(nc, serial), "--methods", "ensemble,persistence"]) == 0
     assert main([*_tiny_argv(nc, par), "--methods", "ensemble", "--member-jobs", "2"]) == 0
     for k in (1, 2):
-        a = torch.load(serial / "era5" / "members" / f"member{k}.pt", weights_only=True)
-        b = torch.load(par / "era5" / "members" / f"member{k}.pt", weights_only=True)
+        a = torch.load(_member_file(serial / "era5", f"member{k}.pt"), weights_only=True)
+        b = torch.load(_member_file(par / "era5", f"member{k}.pt"), weights_only=True)
         assert a.keys() == b.keys()
         for name in a:
             assert torch.equal(a[name], b[name]), (k, name)
     # members differ from each other and from the backbone (seeds 3 + k)
-    m1 = torch.load(serial / "era5" / "members" / "member1.pt", weights_only=True)
-    m2 = torch.load(serial / "era5" / "members" / "member2.pt", weights_only=True)
+    m1 = torch.load(_member_file(serial / "era5", "member1.pt"), weights_only=True)
+    m2 = torch.load(_member_file(serial / "era5", "member2.pt"), weights_only=True)
     assert not torch.equal(m1["head.weight"], m2["head.weight"])
     js_s = json.loads((serial / "era5" / "era5_results.json").read_text())
     js_p = json.loads((par / "era5" / "era5_results.json").read_text())

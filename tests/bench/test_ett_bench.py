@@ -18,6 +18,12 @@ from attnuq.data.ett import ETT_CHANNELS
 from attnuq.predictive import GaussianPredictive, Predictive
 
 
+def _member_file(res_dir: Path, name: str) -> Path:
+    """The one cached member file ``name`` under ``res_dir/members/<recipe key>/``."""
+    (path,) = (res_dir / "members").glob(f"*/{name}")
+    return path
+
+
 def test_residual_quantiles_conformal_coverage() -> None:
     """Per-element split conformal: coverage of f +- q_conf is exactly 38/40 = 0.95 here.
 
@@ -152,8 +158,8 @@ def test_bench_ett_member_jobs_match_serial_and_rerun(tmp_path: Path) -> None:
     assert main([*_tiny_ett_argv(csv, par), "--methods", "ensemble", "--member-epochs", "1",
                  "--member-jobs", "2", "--model-dir", str(serial / "ett" / "backbone")]) == 0
     for k in (1, 2):
-        a = torch.load(serial / "ett" / "members" / f"member{k}.pt", weights_only=True)
-        b = torch.load(par / "ett" / "members" / f"member{k}.pt", weights_only=True)
+        a = torch.load(_member_file(serial / "ett", f"member{k}.pt"), weights_only=True)
+        b = torch.load(_member_file(par / "ett", f"member{k}.pt"), weights_only=True)
         assert a.keys() == b.keys()
         for name in a:
             assert torch.equal(a[name], b[name]), (k, name)
@@ -182,3 +188,31 @@ def test_bench_ett_member_jobs_match_serial_and_rerun(tmp_path: Path) -> None:
     fwd = js_s["results"]["ensemble"]["fit_forward"]
     assert js["results"]["ensemble"]["fit_forward"] == 2 * fwd
     assert "had an epoch cap" not in (merged / "ett.md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_ett_torn_results_and_another_budget(tmp_path: Path) -> None:
+    """Issue #23: a 0-byte ``ett_results.json`` made ``--resume`` fail ("Expecting value", no
+    file named); another ``--epochs`` reused the saved backbone as if it were the new budget's.
+    """
+    from attnuq.cli import main
+
+    csv = _tiny_csv(tmp_path / "tiny.csv")
+    out = tmp_path / "res"
+    argv = [*_tiny_ett_argv(csv, out), "--methods", "seasonal-naive"]
+    assert main(argv) == 0
+    results = out / "ett" / "ett_results.json"
+    first = json.loads(results.read_text())["backbone"]["train"]
+    assert not first["reused"] and first["epochs_run"] == 2
+    results.write_bytes(b"")
+    with pytest.warns(UserWarning, match="corrupt ETT results"):
+        assert main([*argv, "--resume"]) == 0
+    js = json.loads(results.read_text())
+    assert "seasonal-naive" in js["results"] and js["backbone"]["train"]["reused"]
+    i = argv.index("--epochs")
+    assert main([*argv[:i + 1], "1", *argv[i + 2:]]) == 0
+    other = json.loads(results.read_text())["backbone"]["train"]
+    # patience 2 cannot stop a 1-epoch budget early, nor a 2-epoch one: 1 epoch means retrained
+    assert not other["reused"] and other["epochs_run"] == 1
+    assert Path(other["model_dir"]).name.startswith("backbone-")
+    assert first["model_dir"] == str(out / "ett" / "backbone")

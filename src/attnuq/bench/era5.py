@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnuq._io import (
+    CorruptFileWarning,
+    atomic_np_savez,
+    atomic_savefig,
+    atomic_write_json,
+    atomic_write_text,
+    read_json_or_none,
+)
 from attnuq._validation import check_positive_int
 from attnuq.bench import register
 from attnuq.bench._members import cache_text, jobs_text
@@ -309,6 +318,7 @@ def run(args: argparse.Namespace) -> Path:
     from attnuq.bench._members import (
         check_member_jobs,
         load_or_train_backbone,
+        member_cache_dir,
         train_members,
     )
     from attnuq.data.era5 import (
@@ -380,6 +390,7 @@ def run(args: argparse.Namespace) -> Path:
         val_xy=(X_cpu["val"], Y["val"]),
     )
 
+    member_dir = member_cache_dir(res_dir / "members", recipe)  # keyed by the recipe
     model_dir = Path(args.model_dir) if args.model_dir else res_dir / "backbone"
     frozen, train_report = load_or_train_backbone(
         recipe, model_dir, retrain=args.retrain, save=save_vit_field, load=load_vit_field,
@@ -390,15 +401,17 @@ def run(args: argparse.Namespace) -> Path:
     Yd = {k: v.to(device) for k, v in Y.items()}
     task = Task(model=frozen, train=(X["train"], Yd["train"]), val=(X["val"], Yd["val"]),
                 cal=(X["cal"], Yd["cal"]), make_model=recipe.make, train_fn=recipe.train,
-                batch_size=args.batch_size * 4, member_dir=res_dir / "members")
+                batch_size=args.batch_size * 4, member_dir=member_dir)
     S = args.n_samples
     xte, yte = X["test"], Y["test"]
     clim_te = build.valid_clim(ex["test"].hours)  # (N, L, H, W)
     results: dict[str, Any] = {}
     maps: dict[str, dict[str, np.ndarray]] = {}
     old = res_dir / "era5_results.json"
-    if args.resume and old.is_file():
-        prev = json.loads(old.read_text())
+    prev = (read_json_or_none(old, "ERA5 results", validate=lambda r: isinstance(r, dict)
+                              and isinstance(r.get("results"), dict) and "run" in r)
+            if args.resume else None)  # a torn file: warned about, every method is redone
+    if prev is not None:
         same = {k: v for k, v in prev.get("config", {}).items() if k not in _RESUME_FREE}
         now = {k: getattr(args, k, None) for k in same}
         if same != now:
@@ -406,11 +419,17 @@ def run(args: argparse.Namespace) -> Path:
         results = {k: v for k, v in prev["results"].items()
                    if k in ALL_METHODS and k not in rerun}
         if results and (res_dir / "era5_maps.npz").is_file():
-            with np.load(res_dir / "era5_maps.npz") as z:
-                for key in z.files:
-                    n, kind = key.split("__")
-                    if n in results:
-                        maps.setdefault(n, {})[kind] = z[key]
+            try:
+                with np.load(res_dir / "era5_maps.npz") as z:
+                    for key in z.files:
+                        n, kind = key.split("__")
+                        if n in results:
+                            maps.setdefault(n, {})[kind] = z[key]
+            except Exception as exc:  # torn maps: the methods they belong to are redone
+                warnings.warn(f"corrupt ERA5 maps {res_dir / 'era5_maps.npz'} "
+                              f"({type(exc).__name__}: {exc}); redoing the methods",
+                              CorruptFileWarning, stacklevel=2)
+                results, maps = {}, {}
         info["resumed_runs"] = _resumed_runs(prev["run"], set(results))
         print(f"[era5] resuming: already scored {sorted(results)}", flush=True)
 
@@ -482,7 +501,7 @@ def run(args: argparse.Namespace) -> Path:
                                 "forward_per_input": S})
         elif name == "ensemble":
             # train (or find) the members first, so that the fit books their training once
-            trained = train_members(recipe, list(range(1, args.ensemble)), res_dir / "members",
+            trained = train_members(recipe, list(range(1, args.ensemble)), member_dir,
                                     jobs=member_jobs)
             m = make_method(name, n_members=args.ensemble).fit(task)
             t1 = time.perf_counter()
@@ -572,7 +591,7 @@ def _maps_png(path: Path, maps: dict[str, dict[str, np.ndarray]], field: Any,
             ax2.set_title(f"{n}: mean predicted std +{ld}h (K)", fontsize=7)
             ax2.tick_params(labelsize=5)
             fig.colorbar(im2, ax=ax2, shrink=0.8).ax.tick_params(labelsize=5)
-    fig.savefig(path, dpi=100)
+    atomic_savefig(fig, path, dpi=100)
     plt.close(fig)
 
 
@@ -605,13 +624,13 @@ def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, field:
                      "train": train_report},
         "results": results,
     }
-    (res_dir / "era5_results.json").write_text(json.dumps(payload, indent=1))
+    atomic_write_json(res_dir / "era5_results.json", payload, indent=1)
     if maps:
         arrays: dict[str, Any] = {f"{n}__{k}": v for n, d in maps.items() for k, v in d.items()}
-        np.savez_compressed(res_dir / "era5_maps.npz", **arrays)
+        atomic_np_savez(res_dir / "era5_maps.npz", **arrays)
     if final and maps:
         _maps_png(res_dir / "era5_maps.png", maps, field, leads)
-    (res_dir.parent / "era5.md").write_text(_markdown(payload))
+    atomic_write_text(res_dir.parent / "era5.md", _markdown(payload))
 
 
 #: rows this suite computes itself (the others are registered methods: the registry's text)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
 import os
 import time
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnuq._io import atomic_savefig, atomic_write_json, atomic_write_text, read_json_or_none
 from attnuq._validation import check_finite, check_positive_int
 from attnuq.bench import register
 from attnuq.bench._members import cache_text, jobs_text
@@ -469,6 +469,7 @@ def run(args: argparse.Namespace) -> Path:
     from attnuq.bench._members import (
         check_member_jobs,
         load_or_train_backbone,
+        member_cache_dir,
         train_members,
     )
     from attnuq.data.ett import load_ett, resolve_ett_path, seasonal_naive
@@ -518,6 +519,7 @@ def run(args: argparse.Namespace) -> Path:
     )
 
     # ---- backbone: train + save_pretrained, then from_pretrained (the hub user's path) --------
+    member_dir = member_cache_dir(res_dir / "members", recipe)  # keyed by the recipe
     model_dir = Path(args.model_dir) if args.model_dir else res_dir / "backbone"
     frozen, train_report = load_or_train_backbone(
         recipe, model_dir, retrain=args.retrain, save=save_patchtst, load=load_patchtst,
@@ -533,7 +535,7 @@ def run(args: argparse.Namespace) -> Path:
     task = Task(
         model=frozen, train=(xtr_d, ytr_d), val=(xv, yv), cal=(xc, yc),
         make_model=recipe.make, train_fn=recipe.train, batch_size=args.chunk,
-        member_dir=res_dir / "members",
+        member_dir=member_dir,
     )
     S = args.n_samples
     # two consecutive 96-h forecasts (a week with the context shown) when the stride allows
@@ -545,7 +547,12 @@ def run(args: argparse.Namespace) -> Path:
     sources = [old] if args.resume and old.is_file() else []
     sources += [Path(m) for m in (args.merge or [])]
     for src in sources:
-        prev = json.loads(src.read_text())
+        prev = read_json_or_none(src, "ETT results", validate=lambda r: isinstance(r, dict)
+                                 and isinstance(r.get("results"), dict) and "run" in r)
+        if prev is None:
+            if src != old:  # a --merge file the user named: bad input, not something to redo
+                raise ValueError(f"--merge: {src} is missing or not an ETT results file")
+            continue  # our own torn results file: warned about, every method is redone
         got = {k: v for k, v in prev["results"].items()
                if k not in ("frozen", "seasonal-naive-point") and k not in rerun}
         # keys that only concern methods not taken from this file need not match
@@ -642,7 +649,7 @@ def run(args: argparse.Namespace) -> Path:
                                      "forward_per_input": S, **_info(m)})
         elif name == "ensemble":
             # train (or find) the members first, so that the fit books their training once
-            trained = train_members(recipe, list(range(1, args.ensemble)), res_dir / "members",
+            trained = train_members(recipe, list(range(1, args.ensemble)), member_dir,
                                     jobs=member_jobs)
             m = make_method(name, n_members=args.ensemble).fit(task)
             one(name, m.predict, {"fit_seconds": m.cost.fit_seconds,
@@ -762,7 +769,7 @@ def _fan_plot(path: Path, fans: dict[str, Any], xte: torch.Tensor, yte: torch.Te
     fig.suptitle(f"{data.columns[ot]} (standardised), forecasts issued {issued}; {hist} h of "
                  "context shown", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_savefig(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -790,11 +797,11 @@ def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, data: 
         "results": results,
         "fan_chart": {"channel": data.columns[ot], "window_index": list(fan_idx), **fans},
     }
-    (res_dir / "ett_results.json").write_text(json.dumps(payload, indent=1))
+    atomic_write_json(res_dir / "ett_results.json", payload, indent=1)
     if fans and final:  # drawing is slow on a busy core: once, at the end
         _fan_plot(res_dir / "ett_fan_ot.png", fans, xte, yte, fan_idx, ot, data)
     md = _markdown(payload, res_dir)
-    (res_dir.parent / "ett.md").write_text(md)
+    atomic_write_text(res_dir.parent / "ett.md", md)
 
 
 def _ensemble_text(c: dict[str, Any], res: dict[str, Any]) -> str:
