@@ -238,9 +238,13 @@ def test_mc_dropout_draws_equal_torch_uncertainty_mc_dropout() -> None:
     from torch_uncertainty.methods import mc_dropout
 
     torch.manual_seed(0)
+    # BatchNorm: a pass with the whole model in training mode would differ (batch statistics)
     net = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 16),
-                        nn.LayerNorm(16), nn.Dropout(0.1), nn.Linear(16, 1), nn.Flatten(0))
-    net = net.to(D).eval()
+                        nn.BatchNorm1d(16), nn.Dropout(0.1), nn.Linear(16, 1), nn.Flatten(0))
+    net = net.to(D)
+    net[4].running_mean.uniform_(-1, 1)  # non-trivial running statistics
+    net[4].running_var.uniform_(0.5, 2)
+    net.eval()
     x = torch.randn(9, 3, dtype=D)
     y = torch.randn(9, dtype=D)
     s = 12
