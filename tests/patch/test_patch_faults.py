@@ -139,6 +139,11 @@ def test_handle_counts_calls_of_stochastic_sites_only() -> None:
             h.require_calls(2, where="test")
     with pytest.raises(TypeError, match="since="):
         h.require_calls(1.5, where="test")  # type: ignore[arg-type]
+    with stochastic(enc, nu={"layers.0.*": (None, None)}) as h:  # no head draws
+        enc(x)
+        assert h.calls == {}
+        with pytest.raises(RuntimeError, match="every attention site .* is deterministic"):
+            h.require_calls(0, where="test")
 
 
 @pytest.mark.parametrize("case", case_params())

@@ -913,7 +913,11 @@ class PatchHandle:
         self.nus = nus
         self._pool = pool
         self._undos = undos
-        self._states = [st for st in states if st.nu is not None]
+        # sites that draw at all (a per-head nu of only None entries is deterministic too)
+        self._states = [
+            st for st in states
+            if st.nu is not None and not (isinstance(st.nu, tuple) and set(st.nu) == {None})
+        ]
         self._removed = False
 
     @property
