@@ -39,6 +39,10 @@ def test_bench_physionet_end_to_end(tmp_path: Path) -> None:
               "--cache-dir", str(tmp_path / "cache"), "--seed", "1", "--device", "cpu"]
     assert main([*common, "--only-seed", "1"]) == 0
     seed1 = json.loads((out / "seed_1.json").read_text())
+    (out / "seed_1.json").write_bytes(b"")  # torn by a crash: redone with a warning
+    with pytest.warns(UserWarning, match="corrupt seed results"):
+        assert main([*common, "--reuse"]) == 0
+    seed1 = json.loads((out / "seed_1.json").read_text())
     assert main([*common, "--reuse"]) == 0
     res = json.loads((out / "physionet.json").read_text())
     assert res["per_seed"][0] == seed1  # the parallel-run record is reused as is
@@ -95,3 +99,23 @@ def test_checkpoint_of_another_cap_config_is_reused_only_when_it_is_the_same_run
     assert _same_run(early, base, dict(no_cap, max_epochs=3)) is None
     # any other option differs: never reused
     assert _same_run(full, base, dict(no_cap, lr=1e-3)) is None
+
+
+def test_torn_checkpoint_is_retrained_with_a_warning(tmp_path: Path) -> None:
+    """Issue #23 item 5: a torn checkpoint in the cache gave a traceback from torch.load."""
+    data = tmp_path / "data" / "physionet2012"
+    _write_stays(data, 9)
+    common = ["bench", "physionet", "--data-dir", str(tmp_path / "data"), "--d", "4",
+              "--max-epochs", "1", "--out", str(tmp_path / "res"), "--cache-dir",
+              str(tmp_path / "cache"), "--train-only", "levy:0"]
+    assert main(common) == 0
+    (ck,) = (tmp_path / "cache" / "physionet-runs").glob("*/levy_0.pt")
+    size = ck.stat().st_size
+    ck.write_bytes(ck.read_bytes()[: size // 3])
+    with pytest.warns(UserWarning, match="corrupt checkpoint"):
+        assert main(common) == 0
+    import torch
+
+    blob = torch.load(ck, weights_only=False)  # trained again and saved whole
+    assert set(blob) == {"state", "info"} and blob["state"]
+    assert not list(ck.parent.glob("*.tmp"))

@@ -51,6 +51,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnuq._io import (
+    atomic_savefig,
+    atomic_torch_save,
+    atomic_write_json,
+    atomic_write_text,
+    read_json_or_none,
+    torch_load_or_none,
+)
 from attnuq.bench import register
 from attnuq.data.physionet import ForecastBatch, PhysioNet2012, load_physionet2012
 
@@ -319,20 +327,29 @@ def _same_run(info: dict[str, Any], old: dict[str, Any], new: dict[str, Any]) ->
     return None
 
 
+def _valid_blob(blob: Any) -> bool:
+    """A checkpoint as :func:`_model` writes it: ``{"state": state_dict, "info": dict}``."""
+    return (isinstance(blob, dict) and isinstance(blob.get("state"), dict)
+            and isinstance(blob.get("info"), dict))
+
+
 def _find_ckpt(kind: str, seed: int, args: argparse.Namespace, ds: PhysioNet2012
                ) -> tuple[Path, str | None] | None:
     """This config's checkpoint, else one of another cap config that trained the same model."""
     here = _ckpt_dir(args, ds)
     ck = here / f"{kind}_{seed}.pt"
-    if ck.is_file():
-        return ck, None
+    if _valid_blob(torch_load_or_none(ck, "checkpoint", weights_only=False, map_location="cpu")):
+        return ck, None  # a torn checkpoint of this config is warned about and retrained
     new = _train_config(args, ds)
     for cfg_file in sorted(here.parent.glob("*/config.json")):
         other = cfg_file.parent / f"{kind}_{seed}.pt"
         if cfg_file.parent == here or not other.is_file():
             continue
-        old = json.loads(cfg_file.read_text())
-        info = torch.load(other, weights_only=False, map_location="cpu")["info"]
+        old = read_json_or_none(cfg_file, "checkpoint config")
+        blob = torch_load_or_none(other, "checkpoint", weights_only=False, map_location="cpu")
+        if not isinstance(old, dict) or not _valid_blob(blob):
+            continue  # unreadable: not a model to reuse
+        info = blob["info"]
         why = _same_run(info, old, new)
         if why is not None:
             return other, why
@@ -350,8 +367,8 @@ def _model(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[
     here = _ckpt_dir(args, ds)
     here.mkdir(parents=True, exist_ok=True)
     cfg_file = here / "config.json"
-    if not cfg_file.is_file():
-        cfg_file.write_text(json.dumps(_train_config(args, ds), sort_keys=True))
+    if read_json_or_none(cfg_file, "checkpoint config") != _train_config(args, ds):
+        atomic_write_json(cfg_file, _train_config(args, ds), sort_keys=True)  # absent or torn
     found = _find_ckpt(kind, seed, args, ds)
     if found is not None:
         ck, why = found
@@ -368,8 +385,7 @@ def _model(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[
     ck = here / f"{kind}_{seed}.pt"
     model, info = _train(kind, seed, ds, tr, val_b, args)
     ck.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"state": model.state_dict(), "info": info}, ck.with_suffix(".tmp"))
-    ck.with_suffix(".tmp").replace(ck)
+    atomic_torch_save({"state": model.state_dict(), "info": info}, ck)
     return model, info
 
 
@@ -641,12 +657,12 @@ def run(args: argparse.Namespace) -> Path:
         return out
     if args.only_gp:
         gp = _gp_stage(ctx, args)
-        (out / "gp.json").write_text(json.dumps(gp, indent=1, default=float))
+        atomic_write_json(out / "gp.json", gp, indent=1, default=float)
         return out
     seeds = [args.seed + k for k in range(args.seeds)]
     if args.only_seed is not None:
         rec = _seed_block(int(args.only_seed), ctx, args)
-        (out / f"seed_{args.only_seed}.json").write_text(json.dumps(rec, indent=1, default=float))
+        atomic_write_json(out / f"seed_{args.only_seed}.json", rec, indent=1, default=float)
         return out
 
     results: dict[str, Any] = {"run": info, "data": ds.summary(), "args": {
@@ -657,7 +673,8 @@ def run(args: argparse.Namespace) -> Path:
     per_seed: list[dict[str, Any]] = []
     for seed in seeds:
         f = out / f"seed_{seed}.json"
-        old = json.loads(f.read_text()) if args.reuse and f.is_file() else None
+        old = (read_json_or_none(f, "seed results", validate=lambda r: isinstance(r, dict)
+                                 and "metrics" in r) if args.reuse else None)
         if old is not None and old.get("scoring_version") != SCORING_VERSION:
             _log(f"not reusing {f}: scoring version {old.get('scoring_version')} != "
                  f"{SCORING_VERSION}")
@@ -670,7 +687,7 @@ def run(args: argparse.Namespace) -> Path:
             per_seed.append(old)
         else:
             per_seed.append(_seed_block(seed, ctx, args))
-            f.write_text(json.dumps(per_seed[-1], indent=1, default=float))
+            atomic_write_json(f, per_seed[-1], indent=1, default=float)
         _write_json(out, results, per_seed)
 
     # deep ensemble of the softmax control (members = seeds 0..M-1)
@@ -692,12 +709,14 @@ def run(args: argparse.Namespace) -> Path:
     results["ensemble"] = ens
 
     gp_file = out / "gp.json"
-    if args.reuse and gp_file.is_file():
+    gp_old = (read_json_or_none(gp_file, "GP results", validate=lambda r: isinstance(r, dict))
+              if args.reuse else None)
+    if gp_old is not None:
         _log(f"reusing {gp_file}")
-        results["gp"] = json.loads(gp_file.read_text())
+        results["gp"] = gp_old
     else:
         results["gp"] = _gp_stage(ctx, args)
-        gp_file.write_text(json.dumps(results["gp"], indent=1, default=float))
+        atomic_write_json(gp_file, results["gp"], indent=1, default=float)
 
     if args.plots > 0:
         levy0, _ = _model("levy", seeds[0], ds, tr, val_b, args)
@@ -714,7 +733,7 @@ def _write_json(out: Path, results: dict[str, Any], per_seed: list[dict[str, Any
     results = dict(results)
     results["per_seed"] = per_seed
     results["summary"] = _summarise(per_seed)
-    (out / "physionet.json").write_text(json.dumps(results, indent=1, default=float))
+    atomic_write_json(out / "physionet.json", results, indent=1, default=float)
 
 
 def _summarise(per_seed: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
@@ -809,7 +828,7 @@ def _plots(model: Any, ds: PhysioNet2012, te: np.ndarray, out: Path, n_plots: in
             a_.axvline(ds.observe_hours, color="grey", ls="--")
         fig.tight_layout()
         f = out / f"stay_{ds.record_ids[n]}.png"
-        fig.savefig(f, dpi=90)
+        atomic_savefig(fig, f, dpi=90)
         plt.close(fig)
         files.append(f.name)
         w = g <= ds.observe_hours
@@ -1163,7 +1182,7 @@ def _write_md(md: Path, out: Path, results: dict[str, Any], per_seed: list[dict[
         lines.append("")
         lines += [f"![{f}]({out.name}/{f})" for f in results["plots"]]
     lines += ["", f"Raw numbers: `{out.name}/physionet.json`.", ""]
-    md.write_text("\n".join(lines))
+    atomic_write_text(md, "\n".join(lines))
 
 
 register("physionet", help="Levy-attention forecaster on PhysioNet 2012 (t-PatchGNN protocol)",
