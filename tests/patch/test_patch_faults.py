@@ -142,7 +142,7 @@ def test_handle_counts_calls_of_stochastic_sites_only() -> None:
     with stochastic(enc, nu={"layers.0.*": (None, None)}) as h:  # no head draws
         enc(x)
         assert h.calls == {}
-        with pytest.raises(RuntimeError, match="every attention site .* is deterministic"):
+        with pytest.raises(RuntimeError, match=r"every attention site .* is deterministic"):
             h.require_calls(0, where="test")
 
 
