@@ -251,9 +251,11 @@ class CalibrationReport:
         return json.dumps(self.to_dict(), indent=indent)
 
     def save(self, path: str | Path) -> Path:
+        """Write :meth:`to_json` to ``path`` atomically (temporary file + ``os.replace``)."""
+        from attnuq._io import atomic_write_text
+
         p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(self.to_json())
+        atomic_write_text(p, self.to_json())
         return p
 
     @classmethod

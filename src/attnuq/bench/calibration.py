@@ -29,7 +29,6 @@ curves ``<out>/<model>_<criterion>.png`` and the table ``--table`` (default ``<o
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from collections.abc import Callable
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from attnuq._io import atomic_savefig, atomic_write_json, atomic_write_text
 from attnuq.bench import register
 
 __all__ = ["MODELS", "build_model", "run"]
@@ -273,14 +273,14 @@ def run(args: argparse.Namespace) -> Path:
                     bo.plot(ax=axes[1])
             fig.suptitle(f"{name}: {crit}")
             fig.tight_layout()
-            fig.savefig(out / f"{name}_{crit}.png", dpi=90)
+            atomic_savefig(fig, out / f"{name}_{crit}.png", dpi=90)
             plt.close(fig)
     settings = {
         k: v for k, v in vars(args).items()
         if not k.startswith("_") and isinstance(v, (int, float, str, list, type(None)))
     }
     results = {"run": info, "settings": settings, "models": model_info, "rows": rows}
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    atomic_write_json(out / "results.json", results, indent=2, default=str)
     table = Path(args.table) if args.table else out.with_suffix(".md")
     write_table(results, table, out)
     return out
@@ -347,8 +347,7 @@ def write_table(results: dict[str, Any], path: Path, out: Path) -> Path:
         for crit in sorted({r_["criterion"] for r_ in rows if r_["model"] == name}):
             rel = Path(out.name) / f"{name}_{crit}.png"
             lines.append(f"![{name} {crit}]({rel.as_posix()})")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    atomic_write_text(path, "\n".join(lines) + "\n")
     return path
 
 
