@@ -107,11 +107,13 @@ def load_heldout(
 def _read_npz(p: Path) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
     """NPZ part of :func:`load_heldout`: numeric arrays of at least one axis, ``y`` required."""
     try:
-        z = np.load(p, allow_pickle=False)
-        if not isinstance(z, np.lib.npyio.NpzFile):
-            raise DataFormatError(p, "holds a single .npy array, not an .npz archive")
-        with z:
-            arrays = {k: np.asarray(z[k]) for k in z.files}
+        # our own handle: np.load leaks its file when the zip directory is torn (numpy 2.4)
+        with p.open("rb") as fh:
+            z = np.load(fh, allow_pickle=False)
+            if not isinstance(z, np.lib.npyio.NpzFile):
+                raise DataFormatError(p, "holds a single .npy array, not an .npz archive")
+            with z:
+                arrays = {k: np.asarray(z[k]) for k in z.files}
     except DataFormatError:
         raise
     except Exception as exc:  # not a zip, truncated, pickled objects: a bad data file

@@ -201,14 +201,15 @@ def read_number_rows(path: str | os.PathLike[str]) -> np.ndarray:
     arr = _loadtxt(p, 2)
     if arr is not None:
         return arr
-    text = decode_text(p)
-    width = None
+    rows_t = list(_tokens(decode_text(p)))
+    widths = [len(toks) for _, toks in rows_t]
+    width = max(set(widths), key=widths.count) if widths else None  # the usual width
     rows: list[list[float]] = []
-    for line, toks in _tokens(text):
-        width = len(toks) if width is None else width
+    for line, toks in rows_t:
         if len(toks) != width:
-            raise DataFormatError(p, f"row has {len(toks)} values, the first row has {width}",
-                                  line=line)
+            raise DataFormatError(
+                p, f"row has {len(toks)} values, most rows have {width}", line=line
+            )
         for k, t in enumerate(toks):
             if not _is_number(t):
                 raise DataFormatError(p, f"non-numeric value {t!r} in column {k}", line=line)

@@ -205,7 +205,12 @@ def _iter_sources(path: Path) -> Iterator[tuple[str, bytes]]:
                 continue
             yield p.name, p.read_bytes()
         return
-    if tarfile.is_tarfile(path):
+    try:
+        is_tar = tarfile.is_tarfile(path)
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:  # a cut gzip header
+        raise DataFormatError(path, f"could not read the archive: {type(exc).__name__}: "
+                              f"{exc}") from exc
+    if is_tar:
         # read members in archive order (a gzip stream cannot seek backwards cheaply), then sort
         found: list[tuple[str, bytes]] = []
         try:
