@@ -122,8 +122,11 @@ def _log(msg: str) -> None:
 
 
 def _resolve(data_dir: str | None) -> Path:
+    """``--data-dir``: a data root holding ``physionet2012/``, that folder, or an archive file."""
     from attnuq.data import data_dir as _dd
 
+    if data_dir is not None and Path(data_dir).is_file():
+        return Path(data_dir)  # the archive itself, as the --data-dir help says
     root = _dd(data_dir) if data_dir is not None else _dd()
     return root / "physionet2012" if (root / "physionet2012").exists() else root
 
