@@ -389,3 +389,20 @@ def test_object_with_custom_state_is_refused_with_a_clear_error() -> None:
     m = OwnState(8, 2).eval()
     with stochastic(m, nu=2), pytest.raises(pickle.PicklingError, match="after the block"):
         pickle.dumps(m)
+
+
+def test_shared_attribute_with_two_values_at_once_is_refused() -> None:
+    from attnuq.patch._core import set_attr_shared
+
+    class Cfg:
+        pass
+
+    cfg = Cfg()
+    release = set_attr_shared(cfg, "impl", "a")
+    with pytest.raises(RuntimeError, match=r"Cfg\.impl is set to 'a'.*cannot set it to 'b'"):
+        set_attr_shared(cfg, "impl", "b")
+    release()
+    release()  # idempotent
+    assert "impl" not in vars(cfg)
+    set_attr_shared(cfg, "impl", "b")()  # free again once released
+    assert "impl" not in vars(cfg)
