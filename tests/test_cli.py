@@ -382,3 +382,24 @@ def test_truncated_physionet_archive_is_one_line(
                        "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "r")],
                       capsys)
     _assert_one_line_exit_2(rc, err, "could not read the archive")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bench", "calibration", "--out", "{file}"], "--out '{file}' is not a folder"),
+        (["bench", "uci", "--table", "{dir}", "--datasets", "concrete"], "--table '{dir}' is a"),
+        (["bench", "uci", "--cache-dir", "{file}/sub"], "its parent '{file}' is a file"),
+        (["bench", "physionet", "--md", "{dir}"], "--md '{dir}' is a folder"),
+    ],
+)
+def test_bench_output_paths_checked_before_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    """Output paths that cannot be written fail at once, not after the suite ran."""
+    file = tmp_path / "taken.txt"
+    file.write_text("x")
+    fill = {"file": str(file), "dir": str(tmp_path)}
+    rc, _, err = _run([a.format(**fill) for a in args], capsys)
+    _assert_one_line_exit_2(rc, err, message.format(**fill))
+    assert file.read_text() == "x" and sorted(tmp_path.iterdir()) == [file]

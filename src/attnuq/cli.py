@@ -228,6 +228,31 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+#: options naming a folder a command writes into, and options naming a file it writes
+_OUT_DIRS = ("out", "model_dir", "cache_dir")
+_OUT_FILES = ("table", "md")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse output paths that cannot be written, before any work (training, calibration).
+
+    A folder option (``--out``, ``--model-dir``, ``--cache-dir``; ``report --out`` is a file)
+    that names an existing file, or a file option (``--table``, ``--md``) that names a folder.
+    """
+    from attnuq._io import check_out_dir
+
+    dirs = [o for o in _OUT_DIRS if not (o == "out" and args.command == "report")]
+    for opt in dirs:
+        val = getattr(args, opt, None)
+        if isinstance(val, str) and val:
+            check_out_dir(val, "--" + opt.replace("_", "-"))
+    files = [*_OUT_FILES, *(["out"] if args.command == "report" else [])]
+    for opt in files:
+        val = getattr(args, opt, None)
+        if isinstance(val, str) and val and Path(val).is_dir():
+            raise _UserError(f"--{opt.replace('_', '-')} {val!r} is a folder; name the file")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``attnuq`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -239,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from attnuq._device import resolve_device
 
             args.device = str(resolve_device(args.device))
+        _check_outputs(args)
         if args.command == "demo":
             return _cmd_demo(args)
         if args.command == "calibrate":
