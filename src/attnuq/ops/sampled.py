@@ -181,14 +181,16 @@ def _estimate_bytes(
         per_row = block_size * es + nu * (2 * es + 3 * ies + 1)  # scores; u, x, choice, local, take
     else:
         chunks = _dense_chunks(att, nu)
-        per_row = lk * es + nu * (2 * es + ies)  # scores; uniforms (and a scaled copy), indices
+        per_row = lk * es + nu * (es + ies)  # scores; uniforms (scaled in place), indices
     rows = max((g1 - g0) * (i1 - i0) for g0, g1, i0, i1 in chunks)
     parts["one chunk"] = rows * per_row
     if keep_all:
         # every index, and embedding_bag's int64 bookkeeping of them (offset2bag, backward)
         parts["all indices"] = g * m * nu * (ies + 8)
     else:
-        held = min(g * m * nu, _GATHER_ELEMS + rows * nu)  # pending indices, and their copy
+        # indices of earlier chunks waiting for the gather (at most _GATHER_ELEMS; the current
+        # chunk's are counted above), their concatenation, and the gathered rows
+        held = min(g * m * nu, _GATHER_ELEMS)
         parts["gather"] = held * ies * 2 + min(g * m, held // nu + rows) * dv * es
     return parts
 
@@ -475,11 +477,12 @@ def sampled_attention(
         Stream over key blocks of this size (a running categorical choice per draw, exact in
         distribution), never holding an ``Lq x Lk`` matrix: besides the output, the working
         memory is that of one chunk of ``rows`` queries, ``O(rows * (nu + block_size))`` with
-        ``rows * (nu + block_size)`` about ``2**20`` elements, independent of ``Lk``. ``None``
-        (default) is the dense path, which holds the scores of one chunk of queries (at least
-        128 rows, about 2 MiB, more when ``128 * Lk`` exceeds that) against all keys and is
-        faster but also holds the ``(B, H, Lq, nu)`` drawn indices (int32); the blocked path
-        does not when ``v`` needs no gradient.
+        ``rows * (nu + block_size)`` about ``2**18`` elements, independent of ``Lk``. ``None``
+        (default) is the dense path (faster), which holds the scores, uniforms and indices of
+        one chunk of queries against all keys (``rows * (Lk + 2 nu)`` about ``2**19`` elements,
+        at least 128 rows when that fits in ``2**24`` elements, at least one row). Without a
+        gradient for ``v`` neither path holds the ``(B, H, Lq, nu)`` drawn indices; with one,
+        both do (the backward needs them).
     generator : torch.Generator, optional
         Source of the uniforms; the same generator state (and the same arguments) gives the same
         draws.
@@ -494,9 +497,18 @@ def sampled_attention(
     Returns
     -------
     Tensor
-        ``(*batch, Hq, Lq, Dv)`` in the dtype of ``q``. Sampling runs in float32 (float64 for
-        float64 inputs). Differentiable with respect to ``v`` (the sampled counts are constants);
-        no gradient flows to ``q`` or ``k``.
+        ``(*batch, Hq, Lq, Dv)`` in the dtype of ``q`` (empty for ``Dv = 0``). Sampling runs in
+        float32 (float64 for float64 inputs). Differentiable with respect to ``v`` (the
+        sampled counts are constants); no gradient flows to ``q`` or ``k``.
+
+    Raises
+    ------
+    ValueError
+        Bad shapes, dtypes or values (NaN/inf), an empty row with ``empty_rows="error"``;
+        ``nu > MAX_NU``; a call whose estimated allocation (output, one chunk, the gather
+        buffer, with a gradient every index) exceeds the memory budget :func:`max_bytes`
+        (``$ATTNUQ_MAX_BYTES``, default 4 GiB), refused before anything is allocated, with the
+        bytes it needs and the budget in the message.
 
     Examples
     --------
