@@ -126,11 +126,10 @@ def _train_one(recipe: MemberRecipe, index: int, member_dir: str,
     model = recipe.make(index)
     t0 = time.perf_counter()
     out = recipe.train(model, None, None, index)
-    cost = {"fit_seconds": time.perf_counter() - t0,
-            "fit_forward": int(getattr(out, "n_forward", 0)),
-            "predict_seconds": 0.0, "predict_forward_per_input": 0}
-    save_member(member_dir, index, model.state_dict(), Cost(**cost))
-    return index, float(cost["fit_seconds"])
+    cost = Cost(fit_seconds=time.perf_counter() - t0,
+                fit_forward=int(getattr(out, "n_forward", 0)))
+    save_member(member_dir, index, model.state_dict(), cost)
+    return index, float(cost.fit_seconds)
 
 
 def train_members(

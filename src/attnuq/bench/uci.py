@@ -442,8 +442,8 @@ def aggregate(out: Path, seed: int = 0) -> list[dict[str, Any]]:
     others in ``runs/<set>/split<K>/seed<S>/``.
     """
     pattern = "*/split*/*.json" if seed == 0 else f"*/split*/seed{seed}/*.json"
-    rows = [_load_run(p) for p in sorted((out / "runs").glob(pattern))]
-    rows = [r for r in rows if r is not None and int(r.get("seed", 0)) == seed]
+    loaded = [_load_run(p) for p in sorted((out / "runs").glob(pattern))]
+    rows = [r for r in loaded if r is not None and int(r.get("seed", 0)) == seed]
     return sorted(rows, key=lambda r: (r["dataset"], r["method"], r["split"]))
 
 
