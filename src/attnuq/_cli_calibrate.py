@@ -40,12 +40,20 @@ def load_saved_model(path: str | Path, device: str = "cpu") -> nn.Module:
             raise ValueError(
                 f"config.json in {p} names no known architecture (architectures={archs!r})"
             )
+        from transformers.utils import logging as hf_logging
+
+        # the CLI's stderr holds its own lines only (an error is one line): no loading bar
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
         try:
             model = getattr(transformers, archs[0]).from_pretrained(p, local_files_only=True)
         except Exception as exc:  # no weights, torn safetensors, shapes unlike config.json
             raise ValueError(
                 f"could not load the weights of {archs[0]} from {p}: {_first_line(exc)}"
             ) from exc
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
     else:
         try:
             model = torch.load(p, map_location=device, weights_only=False)
