@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -179,7 +180,7 @@ def _tokens(text: str) -> Iterator[tuple[int, list[str]]]:
             yield i, toks
 
 
-def _loadtxt(p: Path, ndmin: int) -> np.ndarray | None:
+def _loadtxt(p: Path, ndmin: Literal[1, 2]) -> np.ndarray | None:
     """numpy's fast reader, or ``None`` when it refuses the file (then the slow path explains)."""
     try:
         with warnings.catch_warnings():

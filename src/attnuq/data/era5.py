@@ -133,6 +133,20 @@ def grib_message_count(path: str | os.PathLike[str]) -> int | None:
         No GRIB message at all, a message running past the end of the file (the count of
         complete ones named), a message not ending with ``7777``, an unknown edition. A file
         cut exactly at a message boundary cannot be told from a shorter one.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> msg = b"GRIB" + (20).to_bytes(3, "big") + b"\x01" + bytes(8) + b"7777"  # GRIB 1 frame
+    >>> p = os.path.join(tempfile.mkdtemp(), "two.grib")
+    >>> _ = open(p, "wb").write(msg + bytes(4) + msg)  # zero padding between messages is fine
+    >>> grib_message_count(p)
+    2
+    >>> _ = open(p, "wb").write(msg * 2 + msg[:12])
+    >>> grib_message_count(p)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    attnuq.data.DataFormatError: ...two.grib: truncated GRIB file: message 3 at byte 40 ...
     """
     p = Path(path)
     size = p.stat().st_size
