@@ -1,0 +1,290 @@
+r"""Triton forward passes of sampled attention and its moments (private).
+
+:func:`attnuq.ops.sampled_attention` and :func:`attnuq.ops.attention_moments` take these for
+CUDA tensors when triton imports (float16, bfloat16 or float32 inputs, no gradient requested);
+otherwise, and for every CPU tensor, their torch / C paths run. The functions here can be called
+directly, also on CPU tensors when triton's interpreter is active (``TRITON_INTERPRET=1`` set
+before triton is first imported), which is how the test suite checks them without a GPU.
+
+Sampling: a flash-style pass over key tiles with an online maximum and one running categorical
+choice per draw (the exact softmax distribution; no ``Lq x Lk`` tensor): with the mass ``l`` of
+the keys seen so far and the tile mass ``T``, each draw switches to a key of the tile with
+probability ``T / (l + T)`` (inverse CDF within the tile). By induction the choice after the
+last tile is a draw from :math:`\mathrm{softmax}(s)`. A second kernel averages the ``nu`` drawn
+value rows. See :mod:`attnuq.ops._triton_kernels`.
+
+Random numbers: one 63-bit seed is drawn from ``generator`` (``torch.randint``, on the tensors'
+device; the default generator of that device when ``generator`` is None) and every uniform is
+Philox of the counter ``(row, draw, key tile, group)`` under that seed (``tl.philox``). The
+same generator state therefore gives the same draws, and the generator advances by one draw per
+call. These draws differ from those of the CPU paths (other uniforms, used differently): the
+distribution is the same.
+
+Numerics: inputs are validated and folded by :func:`attnuq.ops._attn_common.prepare` (the same
+checks and messages as the CPU path) into float32 copies; scores are float32 dot products
+(``ieee`` precision for float32 inputs; ``tf32`` for float16 / bfloat16 inputs, exact there since
+their mantissas fit in tf32's). float64 inputs stay on the torch path.
+
+Memory: besides the float32 copies of ``q``, ``k``, ``v`` (for 16-bit inputs), the drawn indices
+``(G, M, nu)`` int32 and the output.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from attnuq._validation import check_nu
+from attnuq.ops._attn_common import Attn, empty_rows_error, prepare
+
+__all__ = ["attention_moments", "available", "sample_indices", "sampled_attention", "usable"]
+
+# Key tile: fixed (no autotuning). The uniforms are indexed by (row, draw, key tile, group), so
+# the draws are a function of the seed, the shapes and _BLOCK_N only (not of the row block or of
+# the draws per program, which differ between the GPU and the interpreter).
+_BLOCK_N = 32
+_BLOCK_M = 64
+_NU_B = 4  # draws per program on a GPU (programs along the third grid axis cover nu)
+_NU_B_INTERPRET = 64  # the interpreter's cost is per program: fewer, larger ones
+_GATHER_BLOCK_M = 32
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def _kernels() -> Any:
+    """The kernel module (imports triton on first use)."""
+    from attnuq.ops import _triton_kernels
+
+    return _triton_kernels
+
+
+@functools.cache
+def available() -> bool:
+    """Whether triton imports (cached)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """Whether triton's interpreter runs the kernels (``TRITON_INTERPRET=1`` when triton was
+    imported): they then run on CPU memory."""
+    if not available():
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.rand, InterpretedFunction)
+
+
+def usable(q: torch.Tensor, needs_grad: bool) -> bool:
+    """Whether the public operators send this call to Triton: a CUDA tensor of a supported dtype,
+    no gradient requested, and triton importable."""
+    return (
+        q.device.type == "cuda" and q.dtype in _TRITON_DTYPES and not needs_grad and available()
+    )
+
+
+def _check_device(att: Attn, what: str) -> None:
+    if not available():
+        raise RuntimeError(f"{what} needs triton, which does not import here")
+    dev = att.q.device
+    if dev.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"{what} runs CUDA tensors (or CPU tensors under TRITON_INTERPRET=1, set before "
+            f"triton is imported), got tensors on {dev}"
+        )
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, n - 1).bit_length())
+
+
+def _prec(att: Attn) -> str:
+    return "ieee" if att.out_dtype == torch.float32 else "tf32"
+
+
+def _mask_args(att: Attn) -> tuple[torch.Tensor, tuple[int, ...], bool, bool]:
+    """The mask (bool as uint8), its 5 strides (0 where broadcast) and flags."""
+    mk = att.mask
+    if mk is None:
+        return att.q, (0, 0, 0, 0, 0), False, False
+    strides = tuple(0 if sz == 1 else st for sz, st in zip(mk.shape, mk.stride(), strict=True))
+    if mk.dtype == torch.bool:
+        return mk.view(torch.uint8), strides, True, True
+    return mk, strides, True, False
+
+
+def _seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """One int64 seed in ``[0, 2**62)`` drawn from ``generator`` (kept on ``device``)."""
+    gdev = generator.device if generator is not None else device
+    s = torch.randint(0, 2**62, (1,), generator=generator, device=gdev, dtype=torch.int64)
+    return s.to(device)
+
+
+def _draw(att: Attn, nu: int, generator: torch.Generator | None) -> tuple[torch.Tensor, ...]:
+    """Drawn local key indices ``(G, M, nu)`` int32 and ``empty`` ``(G, M)`` bool."""
+    g, m, lk, d = att.groups, att.rows, att.lk, att.q.shape[-1]
+    dev = att.q.device
+    idx = torch.empty(g, m, nu, dtype=torch.int32, device=dev)
+    empty = torch.empty(g, m, dtype=torch.int8, device=dev)
+    mask, ms, has_mask, mask_bool = _mask_args(att)
+    q, k = att.q, att.k
+    nu_b = min(_NU_B_INTERPRET, _pow2(nu, 2)) if dev.type != "cuda" else _NU_B
+    grid = (-(-m // _BLOCK_M), g, -(-nu // nu_b))
+    _kernels().sample_kernel[grid](
+        q, k, mask, _seed(generator, dev), idx, empty,
+        m, att.lq, lk, d, att.hk, nu, att.scale,
+        *q.stride(), *k.stride(), *ms,
+        HAS_MASK=has_mask, MASK_BOOL=mask_bool, CAUSAL=att.causal, PREC=_prec(att),
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_D=_pow2(d), NU_B=nu_b,
+    )  # fmt: skip
+    return idx, empty.bool()
+
+
+def _sampled(
+    att: Attn, nu: int, generator: torch.Generator | None, empty_rows: str
+) -> torch.Tensor:
+    """Sampled attention of prepared inputs (``att.lk >= 1``, ``att.dv >= 1``, ``G * M >= 1``):
+    ``(*batch, Hq, Lq, Dv)`` in the dtype of ``q``."""
+    _check_device(att, "the Triton sampled attention")
+    idx, empty = _draw(att, nu, generator)
+    g, m, dv = att.groups, att.rows, att.dv
+    v = att.v
+    out = torch.empty(g, m, dv, dtype=att.out_dtype, device=v.device)
+    grid = (-(-m // _GATHER_BLOCK_M), g)
+    _kernels().gather_mean_kernel[grid](
+        v, idx, out, m, nu, dv, *v.stride(), 1.0 / nu,
+        BLOCK_M=_GATHER_BLOCK_M, BLOCK_DV=_pow2(dv, 1),
+    )  # fmt: skip
+    if empty_rows == "error":
+        if bool(empty.any()):
+            raise empty_rows_error(att, empty)
+    else:
+        out.masked_fill_(empty.unsqueeze(-1), 0.0)
+    return att.unfold(out)
+
+
+def _moments(att: Attn, empty_rows: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and per-dimension variance of prepared inputs (``att.lk, att.dv >= 1``)."""
+    _check_device(att, "the Triton attention moments")
+    g, m, lk, d, dv = att.groups, att.rows, att.lk, att.q.shape[-1], att.dv
+    q, k, v = att.q, att.k, att.v
+    vbar = v.mean(dim=1).contiguous()  # (G, Dv)
+    mean = torch.empty(g, m, dv, dtype=att.out_dtype, device=v.device)
+    var = torch.empty_like(mean)
+    empty = torch.empty(g, m, dtype=torch.int8, device=v.device)
+    mask, ms, has_mask, mask_bool = _mask_args(att)
+    grid = (-(-m // _BLOCK_M), g)
+    _kernels().moments_kernel[grid](
+        q, k, v, vbar, mask, mean, var, empty,
+        m, att.lq, lk, d, dv, att.hk, att.scale,
+        *q.stride(), *k.stride(), *v.stride(), *ms,
+        HAS_MASK=has_mask, MASK_BOOL=mask_bool, CAUSAL=att.causal, PREC=_prec(att),
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv),
+    )  # fmt: skip
+    emp = empty.bool()
+    if empty_rows == "error" and bool(emp.any()):
+        raise empty_rows_error(att, emp)
+    return att.unfold(mean), att.unfold(var)
+
+
+def _check_empty_rows(empty_rows: object) -> str:
+    if empty_rows not in ("error", "zero"):
+        raise ValueError(f"empty_rows must be 'error' or 'zero', got {empty_rows=!r}")
+    return str(empty_rows)
+
+
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> Attn:
+    att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    if q.dtype not in _TRITON_DTYPES:
+        raise TypeError(f"the Triton kernels take float16, bfloat16 or float32, got {q.dtype=}")
+    return att
+
+
+def sampled_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    nu: int,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    generator: torch.Generator | None = None,
+    empty_rows: str = "error",
+) -> torch.Tensor:
+    """Triton sampled attention with the signature and conventions of
+    :func:`attnuq.ops.sampled_attention` (no ``block_size``: the kernel always streams over key
+    tiles). No gradient flows (a forward for inference). ``(*batch, Hq, Lq, Dv)``."""
+    nu = check_nu(nu)
+    empty_rows = _check_empty_rows(empty_rows)
+    att = _prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    if att.groups * att.rows == 0 or att.lk == 0 or att.dv == 0:
+        if att.groups * att.rows > 0 and att.lk == 0 and empty_rows == "error":
+            raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
+        return torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
+    with torch.no_grad():
+        return _sampled(att, nu, generator, empty_rows)
+
+
+def sample_indices(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    nu: int,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key indices the Triton sampler draws: ``idx`` ``(*batch, Hq, Lq, nu)`` int64 and
+    ``empty`` ``(*batch, Hq, Lq)`` (rows with every key masked; their indices are meaningless).
+    The same generator state gives the indices behind :func:`sampled_attention`."""
+    nu = check_nu(nu)
+    att = _prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    if att.lk == 0:
+        raise ValueError(f"sample_indices needs at least one key, got Lk={att.lk}")
+    _check_device(att, "the Triton sampler")
+    with torch.no_grad():
+        idx, empty = _draw(att, nu, generator)
+    return att.unfold(idx.long()), att.unfold(empty.unsqueeze(-1)).squeeze(-1)
+
+
+def attention_moments(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    empty_rows: str = "error",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton mean and per-dimension variance, as :func:`attnuq.ops.attention_moments` (one
+    online-softmax pass over key tiles; no gradient)."""
+    empty_rows = _check_empty_rows(empty_rows)
+    att = _prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    if att.groups * att.rows == 0 or att.lk == 0 or att.dv == 0:
+        if att.groups * att.rows > 0 and att.lk == 0 and empty_rows == "error":
+            raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
+        z = torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
+        return z, z.clone()
+    with torch.no_grad():
+        return _moments(att, empty_rows)
