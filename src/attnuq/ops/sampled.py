@@ -535,6 +535,11 @@ def sampled_attention(
     g, m, dv = att.groups, att.rows, att.dv
     grad = torch.is_grad_enabled() and att.v_src.requires_grad
     _check_budget(att, nu, block_size, grad, "sampled_attention")
+    if q.device.type == "cuda":  # the Triton kernel when triton imports (fp16/bf16/fp32, no grad)
+        from attnuq.ops import _triton
+
+        if _triton.usable(q, grad):
+            return _triton._sampled(att, nu, generator, empty_rows)
     # value j of group g is row offs[g] + j * step of w (a view of v's memory when possible)
     w, offs, step = att.value_rows()
     if grad:
@@ -733,6 +738,11 @@ def attention_moments(
             raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
         z = torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
         return z, z.clone()
+    if q.device.type == "cuda":  # the Triton kernel when triton imports (fp16/bf16/fp32, no grad)
+        from attnuq.ops import _triton
+
+        if _triton.usable(q, torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+            return _triton._moments(att, empty_rows)
     mean, var, empty = _moments(att, block_size or att.lk)
     if empty_rows == "error" and bool(empty.any()):
         raise empty_rows_error(att, empty)
