@@ -24,7 +24,7 @@ from tests.ops._reference_sampled import (
 )
 
 from attnuq.nn.sampled import SampledAttention
-from attnuq.ops import _native, attention_moments, sampled_attention
+from attnuq.ops import attention_moments, sampled_attention
 from attnuq.ops._attn_common import LOG2E
 from attnuq.ops.sampled import _sample_indices
 
@@ -32,17 +32,8 @@ Z = 5.0  # two-sided normal tail at 5 sigma: 5.7e-7 per compared entry
 P_MIN = 1e-6  # chi-square p-value threshold: false-failure probability 1e-6 per test
 
 
-@pytest.fixture(autouse=True, params=["native", "torch"])
-def sampler(request):
-    """Every test runs with the compiled CPU kernel of the dense sampler and with the pure-torch
-    path (the two draw from the same distribution through different code)."""
-    if request.param == "torch":
-        with _native.disabled():
-            yield request.param
-        return
-    if not _native.available():
-        pytest.skip(f"native sampling kernel unavailable: {_native.status()['reason']}")
-    yield request.param
+# every test runs with both samplers (tests/ops/conftest.py)
+pytestmark = pytest.mark.usefixtures("sampler")
 
 
 def _qkv(b, hq, hk, lq, lk, d, dv=None, seed=0, dtype=torch.float64, scale=1.0):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnuq.ops import MAX_NU, _native, attention_moments, max_bytes, sampled_attention
+from attnuq.ops import MAX_NU, attention_moments, max_bytes, sampled_attention
 from attnuq.ops import sampled as mod
 from attnuq.ops.sampled import _sample_indices
 
@@ -33,18 +33,6 @@ def _qkv(shape_q, lk, dv, seed=0, dtype=torch.float32):
     k = torch.randn(*batch, lk, d, generator=g, dtype=dtype)
     v = torch.randn(*batch, lk, dv, generator=g, dtype=dtype)
     return q, k, v
-
-
-@pytest.fixture(params=["native", "torch"])
-def sampler(request):
-    """The compiled dense sampler and the pure-torch one (the gather is shared)."""
-    if request.param == "torch":
-        with _native.disabled():
-            yield request.param
-        return
-    if not _native.available():
-        pytest.skip(f"native sampling kernel unavailable: {_native.status()['reason']}")
-    yield request.param
 
 
 # ---------------------------------------------------------------------------------------------

@@ -426,13 +426,18 @@ def make_method(name: str, **kwargs: Any) -> Method:
     ...
     ValueError: unknown method name='gp'; known: [...]
     """
-    _load_all()
-    if name not in _METHODS:
-        raise ValueError(f"unknown method {name=!r}; known: {sorted(_METHODS)}")
-    cls, defaults = _METHODS[name]
+    cls, defaults = _registered(name)
     m = cls(**{**defaults, **kwargs})
     m.name = name
     return m
+
+
+def _registered(name: str) -> tuple[type[Method], dict[str, Any]]:
+    """The class and default settings registered as ``name``; unknown names raise."""
+    _load_all()
+    if name not in _METHODS:
+        raise ValueError(f"unknown method {name=!r}; known: {sorted(_METHODS)}")
+    return _METHODS[name]
 
 
 def method_implementation(name: str) -> str:
@@ -447,10 +452,7 @@ def method_implementation(name: str) -> str:
     ...
     ValueError: unknown method name='gp'; known: [...]
     """
-    _load_all()
-    if name not in _METHODS:
-        raise ValueError(f"unknown method {name=!r}; known: {sorted(_METHODS)}")
-    return _METHODS[name][0].implementation
+    return _registered(name)[0].implementation
 
 
 def _load_all() -> None:
