@@ -14,8 +14,10 @@ below ``1e-4 / rows`` (Bonferroni): at most 1e-4 per test.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,6 +196,40 @@ def test_triton_moments_agree_with_torch_path() -> None:
     torch.testing.assert_close(vt, vc, rtol=1e-5, atol=1e-5)
 
 
+def test_triton_strided_inputs_give_the_same_draws() -> None:
+    """Hugging Face's layout (``(B, L, H, D)`` memory seen as ``(B, H, L, D)``) and a
+    non-contiguous mask give the draws and output of contiguous copies (the kernel reads
+    strides; the same kernel on the same values, so bit for bit), and their moments."""
+    g = torch.Generator().manual_seed(11)
+    shapes = ((8, 8), (LK, 8), (LK, 4))
+    qt, kt, vt = (torch.randn(1, n, 2, d, generator=g).to(DEV) for n, d in shapes)
+    q, k, v = (t.transpose(1, 2) for t in (qt, kt, vt))  # (1, 2, L, D) views
+    assert not q.is_contiguous()
+    mask = (torch.rand(1, 2, LK, 8, generator=g) < 0.7).to(DEV).transpose(-1, -2)
+    mask[..., 0] = True
+    a = _triton.sampled_attention(q, k, v, nu=8, attn_mask=mask, generator=_gen(2))
+    b = _triton.sampled_attention(q.contiguous(), k.contiguous(), v.contiguous(), nu=8,
+                                  attn_mask=mask.contiguous(), generator=_gen(2))
+    assert torch.equal(a, b)
+    ma, va = _triton.attention_moments(q, k, v, attn_mask=mask)
+    mb, vb = _triton.attention_moments(q.contiguous(), k.contiguous(), v.contiguous(),
+                                       attn_mask=mask.contiguous())
+    # the moments centre the values on torch's mean over keys, whose summation order depends
+    # on the layout: equal to float32 rounding, not bit for bit
+    torch.testing.assert_close(ma, mb, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(va, vb, rtol=1e-6, atol=1e-6)
+
+
+def test_triton_memory_budget(monkeypatch) -> None:
+    """A call whose indices and output exceed ``$ATTNUQ_MAX_BYTES`` is refused before anything
+    is allocated, naming the bytes it needs."""
+    q, k, v = _inputs()
+    monkeypatch.setenv("ATTNUQ_MAX_BYTES", "1000")
+    # 16 rows * (4 * 64 + 4 * 4 + 2) = 4,384 bytes
+    with pytest.raises(ValueError, match=r"nu=64 needs about 4,384 bytes.*budget of 1,000"):
+        _triton.sampled_attention(q, k, v, nu=64)
+
+
 def test_triton_empty_rows() -> None:
     """A query with every key masked: ``empty_rows='error'`` names it, ``'zero'`` gives zeros
     (sampler and moments), the other rows are untouched."""
@@ -248,6 +284,23 @@ def test_triton_cuda_dispatch() -> None:
     vg = v.clone().requires_grad_(True)
     sampled_attention(q, k, vg, nu=8, generator=g1).sum().backward()  # torch path, differentiable
     assert vg.grad is not None
+
+
+def test_triton_kernels_compile_for_sm90(tmp_path) -> None:
+    """The kernels go through triton's compiler down to a cubin for sm_90 (no GPU needed; the
+    interpreter checks none of this): bfloat16 with a boolean mask and float32 with an additive
+    one, causal, at the launch shapes of ``attnuq.ops._triton`` (a subprocess without
+    ``TRITON_INTERPRET``, a fresh triton cache)."""
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    script = Path(__file__).with_name("_triton_aot.py")
+    res = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
+        check=False,
+    )
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    lines = res.stdout.split("\n")
+    assert sum(line.startswith("ok ") for line in lines) == 6, res.stdout
 
 
 def test_triton_package_imports_without_triton() -> None:

@@ -336,8 +336,12 @@ def prepare(
     enable_gqa: bool,
     *,
     check_values: bool = True,
+    convert: bool = True,
 ) -> Attn:
-    """Validate SDPA-style inputs and fold them into groups (see the module docstring)."""
+    """Validate SDPA-style inputs and fold them into groups (see the module docstring).
+
+    ``convert=False`` keeps ``q``, ``k``, ``v`` in their dtype instead of the compute dtype
+    (the Triton kernels read 16-bit inputs as they are)."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -455,7 +459,7 @@ def prepare(
         mask5 = m
 
     sc = float(scale) if scale is not None else 1.0 / math.sqrt(d) if d > 0 else 1.0
-    cdt = compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype) if convert else q.dtype
     # grouped q and k (a copy only when the layout needs one, e.g. Hugging Face's transposed
     # (B, L, H, D) memory); the value check below then reads contiguous memory
     qg = _grouped(q.to(cdt), (n * hk, r * lq, d))

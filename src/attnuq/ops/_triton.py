@@ -21,12 +21,14 @@ call. These draws differ from those of the CPU paths (other uniforms, used diffe
 distribution is the same.
 
 Numerics: inputs are validated and folded by :func:`attnuq.ops._attn_common.prepare` (the same
-checks and messages as the CPU path) into float32 copies; scores are float32 dot products
-(``ieee`` precision for float32 inputs; ``tf32`` for float16 / bfloat16 inputs, exact there since
-their mantissas fit in tf32's). float64 inputs stay on the torch path.
+checks and messages as the CPU path), keeping their dtype (a view when the layout allows, as
+for the CPU path). Scores are dot products of the inputs accumulated in float32 (``ieee``
+precision for float32 inputs, so no tf32 rounding of the scores); weights, masses and sums are
+float32. The moments' weighted sums of the (centred, float32) values use ``tf32`` for 16-bit
+inputs. float64 inputs stay on the torch path.
 
-Memory: besides the float32 copies of ``q``, ``k``, ``v`` (for 16-bit inputs), the drawn indices
-``(G, M, nu)`` int32 and the output.
+Memory: besides the output, the drawn indices ``(G, M, nu)`` int32 (checked against
+:func:`attnuq.ops.max_bytes` before anything is allocated).
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ _BLOCK_M = 64
 _NU_B = 4  # draws per program on a GPU (programs along the third grid axis cover nu)
 _NU_B_INTERPRET = 64  # the interpreter's cost is per program: fewer, larger ones
 _GATHER_BLOCK_M = 32
+# Launch shape on a GPU: compiled for sm_90 without a device (tests/ops/_triton_aot.py), 8 warps
+# keep the sampler and the 16-bit moments within 255 registers without spills at 64 rows; the
+# float32 moments (ieee products, no tensor cores) take 32 rows and still spill a few bytes.
+_NUM_WARPS = 8
+_MOMENTS_BLOCK_M_F32 = 32
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -134,16 +141,36 @@ def _draw(att: Attn, nu: int, generator: torch.Generator | None) -> tuple[torch.
     empty = torch.empty(g, m, dtype=torch.int8, device=dev)
     mask, ms, has_mask, mask_bool = _mask_args(att)
     q, k = att.q, att.k
-    nu_b = min(_NU_B_INTERPRET, _pow2(nu, 2)) if dev.type != "cuda" else _NU_B
+    nu_b = min(_NU_B_INTERPRET, _pow2(nu, 2)) if interpreting() else _NU_B
     grid = (-(-m // _BLOCK_M), g, -(-nu // nu_b))
     _kernels().sample_kernel[grid](
         q, k, mask, _seed(generator, dev), idx, empty,
         m, att.lq, lk, d, att.hk, nu, att.scale,
         *q.stride(), *k.stride(), *ms,
         HAS_MASK=has_mask, MASK_BOOL=mask_bool, CAUSAL=att.causal, PREC=_prec(att),
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_D=_pow2(d), NU_B=nu_b,
+        UPCAST=interpreting(),
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_D=_pow2(d), NU_B=nu_b, num_warps=_NUM_WARPS,
     )  # fmt: skip
     return idx, empty.bool()
+
+
+def _check_budget(att: Attn, nu: int) -> None:
+    """Refuse, before allocating, a call needing more than :func:`attnuq.ops.max_bytes`: the
+    drawn indices ``(G, M, nu)`` int32, the output and the empty flags."""
+    from attnuq.ops.sampled import MAX_NU, max_bytes
+
+    if nu > MAX_NU:
+        raise ValueError(f"nu must be at most MAX_NU = 2**31 - 1, got {nu=}")
+    rows = att.groups * att.rows
+    need = rows * (4 * nu + att.dv * att.q.element_size() + 2)
+    budget = max_bytes()
+    if need > budget:
+        raise ValueError(
+            f"sampled_attention (Triton) with {nu=} needs about {need:,} bytes (indices "
+            f"{rows * 4 * nu:,}, output {rows * att.dv * att.q.element_size():,}), more than the "
+            f"memory budget of {budget:,} bytes; lower nu or the batch, or raise the budget with "
+            f"ATTNUQ_MAX_BYTES=<bytes>"
+        )
 
 
 def _sampled(
@@ -152,6 +179,7 @@ def _sampled(
     """Sampled attention of prepared inputs (``att.lk >= 1``, ``att.dv >= 1``, ``G * M >= 1``):
     ``(*batch, Hq, Lq, Dv)`` in the dtype of ``q``."""
     _check_device(att, "the Triton sampled attention")
+    _check_budget(att, nu)
     idx, empty = _draw(att, nu, generator)
     g, m, dv = att.groups, att.rows, att.dv
     v = att.v
@@ -174,18 +202,21 @@ def _moments(att: Attn, empty_rows: str) -> tuple[torch.Tensor, torch.Tensor]:
     _check_device(att, "the Triton attention moments")
     g, m, lk, d, dv = att.groups, att.rows, att.lk, att.q.shape[-1], att.dv
     q, k, v = att.q, att.k, att.v
-    vbar = v.mean(dim=1).contiguous()  # (G, Dv)
+    vbar = v.mean(dim=1, dtype=torch.float32).contiguous()  # (G, Dv)
     mean = torch.empty(g, m, dv, dtype=att.out_dtype, device=v.device)
     var = torch.empty_like(mean)
     empty = torch.empty(g, m, dtype=torch.int8, device=v.device)
     mask, ms, has_mask, mask_bool = _mask_args(att)
-    grid = (-(-m // _BLOCK_M), g)
+    bm = _MOMENTS_BLOCK_M_F32 if att.q.dtype == torch.float32 else _BLOCK_M
+    grid = (-(-m // bm), g)
     _kernels().moments_kernel[grid](
         q, k, v, vbar, mask, mean, var, empty,
         m, att.lq, lk, d, dv, att.hk, att.scale,
         *q.stride(), *k.stride(), *v.stride(), *ms,
         HAS_MASK=has_mask, MASK_BOOL=mask_bool, CAUSAL=att.causal, PREC=_prec(att),
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv),
+        UPCAST=interpreting(),
+        BLOCK_M=bm, BLOCK_N=_BLOCK_N, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv),
+        num_warps=_NUM_WARPS,
     )  # fmt: skip
     emp = empty.bool()
     if empty_rows == "error" and bool(emp.any()):
@@ -208,10 +239,10 @@ def _prepare(
     scale: float | None,
     enable_gqa: bool,
 ) -> Attn:
-    att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
-    if q.dtype not in _TRITON_DTYPES:
+    if isinstance(q, torch.Tensor) and q.is_floating_point() and q.dtype not in _TRITON_DTYPES:
         raise TypeError(f"the Triton kernels take float16, bfloat16 or float32, got {q.dtype=}")
-    return att
+    # the same checks and messages as the CPU path; q, k, v stay in their dtype (no copy)
+    return prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa, convert=False)
 
 
 def sampled_attention(

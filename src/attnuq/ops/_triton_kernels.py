@@ -6,9 +6,13 @@ r"""Triton kernels of sampled attention and its moments (private; imported by
 
 Layout: the inputs of :func:`attnuq.ops._attn_common.prepare`, folded into groups: ``q``
 ``(G, M, D)``, ``k`` ``(G, Lk, D)``, ``v`` ``(G, Lk, Dv)`` with ``M = R * Lq`` (row ``i`` is query
-position ``i % Lq`` of query head ``i // Lq`` of the group), float32; the mask as its 5-D view
-``(N, Hk, R|1, Lq|1, Lk)`` (strides of broadcast dims are 0). Scores are in log2 units
-(``scale`` includes ``log2(e)``), weights ``2^(s - max)``.
+position ``i % Lq`` of query head ``i // Lq`` of the group); the mask as its 5-D view
+``(N, Hk, R|1, Lq|1, Lk)`` (strides of broadcast dims are 0). ``q``, ``k``, ``v`` come in their
+own dtype (float16, bfloat16 or float32); scores, weights and sums are float32. Scores are in
+log2 units (``scale`` includes ``log2(e)``), weights ``2^(s - max)``. ``UPCAST`` converts ``q``
+and ``k`` to float32 before the score product: set under triton's interpreter, whose ``tl.dot``
+of bfloat16 operands is wrong in triton 3.8 (errors of 1e10 seen on a 16 x 16 product); the
+products of 16-bit values are exact in float32, so this is the same arithmetic.
 
 Sampling (:func:`sample_kernel`): one program per block of ``BLOCK_M`` query rows of one group
 and ``NU_B`` draws. It streams over key tiles of ``BLOCK_N`` keys with an online maximum ``m`` and
@@ -60,6 +64,7 @@ def sample_kernel(
     MASK_BOOL: tl.constexpr,
     CAUSAL: tl.constexpr,
     PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -81,6 +86,8 @@ def sample_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )  # (BM, BD)
+    if UPCAST:
+        q = q.to(tl.float32)
     draws = pid_d * NU_B + tl.arange(0, NU_B)  # (NU_B,)
     draw_ok = draws < NU
     seed = tl.load(SEED)  # int64
@@ -103,6 +110,8 @@ def sample_kernel(
             mask=col_ok[None, :] & d_ok[:, None],
             other=0.0,
         )  # (BD, BN)
+        if UPCAST:
+            kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PREC) * scale  # (BM, BN), log2 units
         valid = row_ok[:, None] & col_ok[None, :]
         if HAS_MASK:
@@ -190,7 +199,7 @@ def gather_mean_kernel(
             V + g * svg + j[:, None] * svn + dv[None, :] * svd,
             mask=row_ok[:, None] & dv_ok[None, :],
             other=0.0,
-        )
+        ).to(tl.float32)
     out = acc * inv_nu
     tl.store(
         OUT + (g * M + rows[:, None]).to(tl.int64) * DV + dv[None, :],
@@ -234,6 +243,7 @@ def moments_kernel(
     MASK_BOOL: tl.constexpr,
     CAUSAL: tl.constexpr,
     PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -259,6 +269,8 @@ def moments_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    if UPCAST:
+        q = q.to(tl.float32)
     vbar = tl.load(VBAR + g * DV + dv, mask=dv_ok, other=0.0)  # (BDV,)
     run_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     run_l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -275,6 +287,8 @@ def moments_kernel(
             mask=col_ok[None, :] & d_ok[:, None],
             other=0.0,
         )
+        if UPCAST:
+            kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PREC) * scale
         valid = row_ok[:, None] & col_ok[None, :]
         if HAS_MASK:
@@ -308,7 +322,7 @@ def moments_kernel(
             mask=col_ok[:, None] & dv_ok[None, :],
             other=0.0,
         )  # (BN, BDV)
-        vc = tl.where(col_ok[:, None] & dv_ok[None, :], vt - vbar[None, :], 0.0)
+        vc = tl.where(col_ok[:, None] & dv_ok[None, :], vt.to(tl.float32) - vbar[None, :], 0.0)
         acc1 = acc1 * alpha[:, None] + tl.dot(e, vc, input_precision=PREC)
         acc2 = acc2 * alpha[:, None] + tl.dot(e, vc * vc, input_precision=PREC)
         run_l = run_l * alpha + tl.sum(e, axis=1)

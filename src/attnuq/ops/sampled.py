@@ -485,7 +485,9 @@ def sampled_attention(
         both do (the backward needs them).
     generator : torch.Generator, optional
         Source of the uniforms; the same generator state (and the same arguments) gives the same
-        draws.
+        draws. CUDA tensors (float16, bfloat16, float32, no gradient for ``v``) take the Triton
+        kernel when triton imports (:mod:`attnuq.ops._triton`): it draws one seed from the
+        generator, and its draws differ from the CPU paths' (the same distribution).
     empty_rows : {"error", "zero"}
         What to do with a query whose every key is masked: ``"error"`` (default) raises a
         ``ValueError`` naming the count and the first ``(batch, head, query)``; ``"zero"`` returns
@@ -525,6 +527,14 @@ def sampled_attention(
     nu = check_nu(nu)
     block_size = _check_block_size(block_size)
     empty_rows = _check_empty_rows(empty_rows)
+    if isinstance(q, torch.Tensor) and q.device.type == "cuda":  # Triton when it imports
+        from attnuq.ops import _triton
+
+        if _triton.usable(q, torch.is_grad_enabled() and bool(getattr(v, "requires_grad", 0))):
+            return _triton.sampled_attention(
+                q, k, v, nu=nu, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa, generator=generator, empty_rows=empty_rows,
+            )  # fmt: skip
     att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     if att.groups * att.rows == 0 or att.lk == 0:
         if att.groups * att.rows > 0 and empty_rows == "error":  # no keys at all
@@ -535,11 +545,6 @@ def sampled_attention(
     g, m, dv = att.groups, att.rows, att.dv
     grad = torch.is_grad_enabled() and att.v_src.requires_grad
     _check_budget(att, nu, block_size, grad, "sampled_attention")
-    if q.device.type == "cuda":  # the Triton kernel when triton imports (fp16/bf16/fp32, no grad)
-        from attnuq.ops import _triton
-
-        if _triton.usable(q, grad):
-            return _triton._sampled(att, nu, generator, empty_rows)
     # value j of group g is row offs[g] + j * step of w (a view of v's memory when possible)
     w, offs, step = att.value_rows()
     if grad:
@@ -732,17 +737,21 @@ def attention_moments(
     """
     block_size = _check_block_size(block_size)
     empty_rows = _check_empty_rows(empty_rows)
+    if isinstance(q, torch.Tensor) and q.device.type == "cuda":  # Triton when it imports
+        from attnuq.ops import _triton
+
+        grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", 0) for t in (q, k, v))
+        if _triton.usable(q, grad):
+            return _triton.attention_moments(
+                q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa, empty_rows=empty_rows,
+            )  # fmt: skip
     att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     if att.groups * att.rows == 0 or att.lk == 0 or att.dv == 0:
         if att.groups * att.rows > 0 and att.lk == 0 and empty_rows == "error":
             raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
         z = torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
         return z, z.clone()
-    if q.device.type == "cuda":  # the Triton kernel when triton imports (fp16/bf16/fp32, no grad)
-        from attnuq.ops import _triton
-
-        if _triton.usable(q, torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
-            return _triton._moments(att, empty_rows)
     mean, var, empty = _moments(att, block_size or att.lk)
     if empty_rows == "error" and bool(empty.any()):
         raise empty_rows_error(att, empty)
