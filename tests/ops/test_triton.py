@@ -186,14 +186,14 @@ def test_triton_moments_match_closed_form(name: str) -> None:
 
 @OVERFLOW_OK
 def test_triton_moments_agree_with_torch_path() -> None:
-    """The Triton moments and the torch path of ``attention_moments`` on the same inputs."""
-    if DEV != "cpu":
-        pytest.skip("the comparison runs the torch path on the CPU copies below")
+    """The Triton moments and the torch path of ``attention_moments`` (on CPU copies of the
+    same inputs), to float32 rounding."""
     (q, k, v), kw = _case("additive-mask")
     mt, vt = _triton.attention_moments(q, k, v, **kw)  # type: ignore[arg-type]
-    mc, vc = attention_moments(q, k, v, **kw)  # type: ignore[arg-type]
-    torch.testing.assert_close(mt, mc, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(vt, vc, rtol=1e-5, atol=1e-5)
+    mask = kw.pop("attn_mask")
+    mc, vc = attention_moments(q.cpu(), k.cpu(), v.cpu(), attn_mask=mask.cpu(), **kw)  # type: ignore[union-attr, arg-type]
+    torch.testing.assert_close(mt.cpu(), mc, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(vt.cpu(), vc, rtol=1e-5, atol=1e-5)
 
 
 def test_triton_strided_inputs_give_the_same_draws() -> None:

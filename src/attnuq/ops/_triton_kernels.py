@@ -71,7 +71,7 @@ def sample_kernel(
     NU_B: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    g = tl.program_id(1)
+    g = tl.program_id(1).to(tl.int64)  # group offsets can pass 2**31 elements
     pid_d = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
     row_ok = rows < M
@@ -186,7 +186,7 @@ def gather_mean_kernel(
 ):
     """``OUT[g, i] = mean_r V[g, IDX[g, i, r]]`` for a block of rows (float32 sums)."""
     pid_m = tl.program_id(0)
-    g = tl.program_id(1)
+    g = tl.program_id(1).to(tl.int64)  # group offsets can pass 2**31 elements
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     dv = tl.arange(0, BLOCK_DV)
@@ -253,7 +253,7 @@ def moments_kernel(
     centred on their unweighted group mean ``VBAR`` (variance is shift-invariant; centring limits
     the cancellation in ``E[vc^2] - E[vc]^2``)."""
     pid_m = tl.program_id(0)
-    g = tl.program_id(1)
+    g = tl.program_id(1).to(tl.int64)  # group offsets can pass 2**31 elements
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     qpos = rows % LQ
