@@ -55,9 +55,10 @@ def main() -> int:
         return 2
     k = _load_kernels()
     target = GPUTarget("cuda", 90, 32)
-    ints = ("M", "LQ", "LK", "D", "DV", "HK", "NU")
+    ints = ("M", "LQ", "LK", "D", "DV", "HK", "NU", "H")
     strides = ("sqg", "sqm", "sqd", "skg", "skn", "skd", "svg", "svn", "svd",
-               "smn", "smh", "smr", "sml", "smk")  # fmt: skip
+               "smn", "smh", "smr", "sml", "smk", "sqb", "sqh", "skb", "skh", "svb", "svh",
+               "sbb", "sbn")  # fmt: skip
     variants = []
     for dt, mask in (("bf16", "*u8"), ("fp32", "*fp32")):
         prec = "ieee" if dt == "fp32" else "tf32"
@@ -71,6 +72,11 @@ def main() -> int:
         variants.append((k.moments_kernel, ptrs, {**common, "BLOCK_M": bm, "BLOCK_DV": 64}))
         variants.append((k.gather_mean_kernel, {**ptrs, "OUT": "*" + dt},
                          {"BLOCK_M": 32, "BLOCK_DV": 64}))
+    lse_ptrs = {"Q": "*fp32", "K": "*fp32", "V": "*fp32", "BIAS": "*fp32", "OUT": "*fp32",
+                "LSE": "*fp32"}
+    variants.append((k.flash_lse_kernel, lse_ptrs, {"UPCAST": False, "BLOCK_M": 32,
+                                                    "BLOCK_N": 32, "BLOCK_D": 16,
+                                                    "BLOCK_DV": 16}))
     for fn, ptrs, consts in variants:
         sig = {}
         for name in fn.arg_names:

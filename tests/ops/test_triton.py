@@ -289,8 +289,8 @@ def test_triton_cuda_dispatch() -> None:
 def test_triton_kernels_compile_for_sm90(tmp_path) -> None:
     """The kernels go through triton's compiler down to a cubin for sm_90 (no GPU needed; the
     interpreter checks none of this): bfloat16 with a boolean mask and float32 with an additive
-    one, causal, at the launch shapes of ``attnuq.ops._triton`` (a subprocess without
-    ``TRITON_INTERPRET``, a fresh triton cache)."""
+    one, causal, at the launch shapes of ``attnuq.ops._triton``, and Levy's float32
+    ``flash_lse`` kernel (a subprocess without ``TRITON_INTERPRET``, a fresh triton cache)."""
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     script = Path(__file__).with_name("_triton_aot.py")
@@ -300,7 +300,7 @@ def test_triton_kernels_compile_for_sm90(tmp_path) -> None:
     )
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     lines = res.stdout.split("\n")
-    assert sum(line.startswith("ok ") for line in lines) == 6, res.stdout
+    assert sum(line.startswith("ok ") for line in lines) == 7, res.stdout
 
 
 def test_triton_package_imports_without_triton() -> None:
@@ -322,3 +322,65 @@ def test_triton_package_imports_without_triton() -> None:
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "ok (1, 2, 5, 4)"
+
+
+def test_triton_flash_lse_matches_torch() -> None:
+    """``flash_lse`` (Levy attention's CUDA inference kernel) against softmax in float64: output
+    and log-sum-exp with a per-key bias holding ``-1e4`` (weight 0) and, for one series, only
+    ``-inf`` (zero row, ``lse = -inf``); float32 rounding."""
+    g = torch.Generator().manual_seed(21)
+    b, h, lq, lk, d, dv = 2, 2, 5, LK, 8, 6
+    q, k, v = (torch.randn(b, h, n, w, generator=g) for n, w in ((lq, d), (lk, d), (lk, dv)))
+    bias = torch.where(torch.rand(b, lk, generator=g) < 0.7, 0.0, -1e4)
+    bias[1] = -math.inf
+    out, lse = _triton.flash_lse(q.to(DEV), k.to(DEV), v.to(DEV), bias.to(DEV))
+    s = (q.double() @ k.double().transpose(-1, -2)) + bias.double()[:, None, None, :]
+    ref_lse = torch.logsumexp(s, -1)
+    p = torch.softmax(s[:1], -1)
+    torch.testing.assert_close(out.cpu()[:1].double(), p @ v[:1].double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.cpu()[:1].double(), ref_lse[:1], rtol=1e-5, atol=1e-5)
+    assert torch.all(out.cpu()[1] == 0) and torch.all(lse.cpu()[1] == -math.inf)
+    with pytest.raises(ValueError, match="key_bias must be"):
+        _triton.flash_lse(q.to(DEV), k.to(DEV), v.to(DEV), bias[:, :3].to(DEV))
+
+
+def test_triton_levy_forward_through_the_kernel(monkeypatch) -> None:
+    """Levy attention's fused inference backend with the Triton kernel in place of torch's CPU
+    flash kernel (what CUDA float32 runs) gives the same result to float32 rounding."""
+    if DEV != "cpu":
+        pytest.skip("swaps the CPU flash kernel; on CUDA test_triton_levy_cuda_dispatch runs")
+    from attnuq.ops import levy as levy_mod
+
+    g = torch.Generator().manual_seed(5)
+    b, h, nq, n, e, dv = 2, 2, 6, 45, 8, 4
+    q, k = torch.randn(b, h, nq, e, generator=g), torch.randn(b, h, n, e, generator=g)
+    a = torch.randn(b, h, n, dv, generator=g)
+    times = torch.rand(b, n, generator=g) * 10
+    mask = torch.rand(b, n, generator=g) < 0.8
+    kw = {"alpha": 2.0, "beta": 3.0, "h": 0.1, "backend": "sdpa"}
+    with torch.no_grad():
+        ref = levy_mod.levy_attention(q, k, a, times, mask, **kw)  # type: ignore[arg-type]
+        monkeypatch.setattr(levy_mod, "_FLASH", _triton._flash_like)
+        got = levy_mod.levy_attention(q, k, a, times, mask, **kw)  # type: ignore[arg-type]
+    for name in ("mean", "var", "evidence", "sigma"):
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_triton_levy_cuda_dispatch() -> None:
+    """On CUDA, float32 Levy attention without autograd takes the Triton kernel and agrees
+    with the CPU result to float32 rounding."""
+    from attnuq.ops.levy import levy_attention
+
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 2, 6, 8, generator=g), torch.randn(2, 2, 45, 8, generator=g)
+    a = torch.randn(2, 2, 45, 4, generator=g)
+    times, mask = torch.rand(2, 45, generator=g) * 10, torch.rand(2, 45, generator=g) < 0.8
+    kw = {"alpha": 2.0, "beta": 3.0, "h": 0.1, "backend": "sdpa"}
+    assert _triton.levy_flash(False, q.cuda()) is not None
+    with torch.no_grad():
+        ref = levy_attention(q, k, a, times, mask, **kw)  # type: ignore[arg-type]
+        got = levy_attention(q.cuda(), k.cuda(), a.cuda(), times.cuda(), mask.cuda(), **kw)  # type: ignore[arg-type]
+    for name in ("mean", "var", "evidence", "sigma"):
+        torch.testing.assert_close(getattr(got, name).cpu(), getattr(ref, name), rtol=1e-4,
+                                   atol=1e-4)

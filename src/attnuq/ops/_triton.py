@@ -29,6 +29,11 @@ inputs. float64 inputs stay on the torch path.
 
 Memory: besides the output, the drawn indices ``(G, M, nu)`` int32 (checked against
 :func:`attnuq.ops.max_bytes` before anything is allocated).
+
+Levy attention: :func:`flash_lse` (softmax attention with a per-key bias that also returns the
+log-sum-exp) replaces torch's CPU flash kernel in the fused inference backend of
+:func:`attnuq.ops.levy.levy_attention` for CUDA float32 tensors without autograd
+(:func:`levy_flash`); elsewhere that backend runs as before.
 """
 
 from __future__ import annotations
@@ -41,7 +46,15 @@ import torch
 from attnuq._validation import check_nu
 from attnuq.ops._attn_common import Attn, empty_rows_error, prepare
 
-__all__ = ["attention_moments", "available", "sample_indices", "sampled_attention", "usable"]
+__all__ = [
+    "attention_moments",
+    "available",
+    "flash_lse",
+    "levy_flash",
+    "sample_indices",
+    "sampled_attention",
+    "usable",
+]
 
 # Key tile: fixed (no autotuning). The uniforms are indexed by (row, draw, key tile, group), so
 # the draws are a function of the seed, the shapes and _BLOCK_N only (not of the row block or of
@@ -319,3 +332,101 @@ def attention_moments(
         return z, z.clone()
     with torch.no_grad():
         return _moments(att, empty_rows)
+
+
+def flash_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Softmax attention with a per-key additive bias and its log-sum-exp (Triton, float32).
+
+    ``out = softmax(q k^T + b) v`` and :math:`\mathrm{lse}_q = \log \sum_j e^{q \cdot k_j +
+    b_j}` (scale 1), one online-softmax pass over key tiles: the inference forward of Levy
+    attention on CUDA (:func:`attnuq.ops.levy.levy_attention`'s fused backend), in place of the
+    CPU flash kernel that returns the same pair. A query whose every key has bias ``-inf`` gets
+    a zero row and ``lse = -inf``.
+
+    Parameters
+    ----------
+    q : Tensor
+        ``(B, H, Lq, D)`` float32.
+    k : Tensor
+        ``(B, H, Lk, D)`` float32.
+    v : Tensor
+        ``(B, H, Lk, Dv)`` float32.
+    key_bias : Tensor
+        ``(B, Lk)`` additive bias (float, no NaN or ``+inf``).
+
+    Returns
+    -------
+    out, lse : Tensor
+        ``(B, H, Lq, Dv)`` and ``(B, H, Lq)``, float32.
+    """
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype != torch.float32:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            dt = t.dtype if isinstance(t, torch.Tensor) else None
+            raise ValueError(f"{name} must be a 4-D float32 tensor, got {name}={got} ({dt})")
+    b, h, lq, d = q.shape
+    lk, dv = k.shape[2], v.shape[3]
+    if k.shape != (b, h, lk, d) or v.shape[:3] != (b, h, lk):
+        raise ValueError(
+            f"k must be (B, H, Lk, D) and v (B, H, Lk, Dv) for q (B, H, Lq, D), got "
+            f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
+        )
+    if not isinstance(key_bias, torch.Tensor) or tuple(key_bias.shape) != (b, lk):
+        got = tuple(key_bias.shape) if isinstance(key_bias, torch.Tensor) else key_bias
+        raise ValueError(f"key_bias must be (B, Lk) = {(b, lk)}, got {got}")
+    if not (q.device == k.device == v.device == key_bias.device):
+        raise ValueError(
+            f"q, k, v and key_bias must be on one device, got {q.device}, {k.device}, "
+            f"{v.device}, {key_bias.device}"
+        )
+    if not available():
+        raise RuntimeError("flash_lse needs triton, which does not import here")
+    if q.device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"flash_lse runs CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {q.device}"
+        )
+    out = torch.empty(b, h, lq, dv, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+    bm = _MOMENTS_BLOCK_M_F32
+    grid = (-(-lq // bm), b * h)
+    _kernels().flash_lse_kernel[grid](
+        q, k, v, key_bias, out, lse, h, lq, lk, d, dv,
+        *q.stride(), *k.stride(), *v.stride(), *key_bias.stride(),
+        UPCAST=interpreting(), BLOCK_M=bm, BLOCK_N=_BLOCK_N, BLOCK_D=_pow2(d),
+        BLOCK_DV=_pow2(dv), num_warps=_NUM_WARPS,
+    )  # fmt: skip
+    return out, lse
+
+
+def levy_flash(needs_grad: bool, q: torch.Tensor) -> Any:
+    """For Levy attention's fused inference backend: a function with the call signature of
+    torch's CPU flash kernel (``(q, k, v, dropout_p, is_causal, *, attn_mask, scale)`` returning
+    ``(out, lse)``) that runs :func:`flash_lse`, or None when it does not apply (not CUDA,
+    not float32, a gradient needed, triton missing)."""
+    if needs_grad or q.device.type != "cuda" or q.dtype != torch.float32 or not available():
+        return None
+    return _flash_like
+
+
+def _flash_like(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`flash_lse` behind the CPU flash kernel's signature (no dropout, not causal,
+    scale 1, ``attn_mask`` ``(B, 1, 1, Lk)``)."""
+    if dropout_p != 0.0 or is_causal or scale != 1.0 or attn_mask.dim() != 4:
+        raise ValueError(
+            f"_flash_like takes dropout_p=0, is_causal=False, scale=1 and a (B, 1, 1, Lk) mask, "
+            f"got {dropout_p=}, {is_causal=}, {scale=}, attn_mask.shape={tuple(attn_mask.shape)}"
+        )
+    return flash_lse(q, k, v, attn_mask[:, 0, 0, :])

@@ -338,3 +338,97 @@ def moments_kernel(
     tl.store(MEAN + optr, mean.to(MEAN.dtype.element_ty), mask=omask)
     tl.store(VAR + optr, var.to(VAR.dtype.element_ty), mask=omask)
     tl.store(EMPTY + g * M + rows, emp.to(tl.int8), mask=row_ok)
+
+
+@triton.jit
+def flash_lse_kernel(
+    Q,
+    K,
+    V,
+    BIAS,
+    OUT,
+    LSE,
+    H,
+    LQ,
+    LK,
+    D,
+    DV,
+    sqb,
+    sqh,
+    sqm,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    sbb,
+    sbn,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """Softmax attention with a per-key additive bias ``(B, Lk)`` (scale 1, natural units):
+    ``OUT = softmax(q k^T + bias) v`` ``(B, H, Lq, Dv)`` float32 and ``LSE = log sum_j
+    exp(q k_j + bias_j)`` ``(B, H, Lq)`` (``-inf`` and a zero row when every key has
+    ``-inf`` bias), online softmax over key tiles (float32, ``ieee`` products). The inference
+    forward of Levy attention on CUDA (:func:`attnuq.ops._triton.flash_lse`)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < LQ
+    dd = tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    dv = tl.arange(0, BLOCK_DV)
+    dv_ok = dv < DV
+    q = tl.load(
+        Q + b * sqb + h * sqh + rows[:, None] * sqm + dd[None, :] * sqd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    run_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    run_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for start in range(0, LK, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < LK
+        kt = tl.load(
+            K + b * skb + h * skh + cols[None, :] * skn + dd[:, None] * skd,
+            mask=col_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        bias = tl.load(BIAS + b * sbb + cols * sbn, mask=col_ok, other=float("-inf"))
+        bias = bias.to(tl.float32)
+        s = (tl.dot(q, kt, input_precision="ieee") + bias[None, :]) * 1.4426950408889634
+        valid = row_ok[:, None] & col_ok[None, :] & (bias[None, :] != float("-inf"))
+        s = tl.where(valid, s, float("-inf"))
+        new_m = tl.maximum(run_m, tl.max(s, axis=1))
+        shift = tl.where(new_m == float("-inf"), 0.0, new_m)
+        e = tl.where(valid, tl.exp2(s - shift[:, None]), 0.0)
+        alpha = tl.where(run_m == float("-inf"), 0.0, tl.exp2(run_m - shift))
+        vt = tl.load(
+            V + b * svb + h * svh + cols[:, None] * svn + dv[None, :] * svd,
+            mask=col_ok[:, None] & dv_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(e, vt, input_precision="ieee")
+        run_l = run_l * alpha + tl.sum(e, axis=1)
+        run_m = new_m
+    emp = run_l == 0.0
+    denom = tl.where(emp, 1.0, run_l)
+    out = tl.where(emp[:, None], 0.0, acc / denom[:, None])
+    lse = tl.where(emp, float("-inf"), (run_m + tl.log2(denom)) * 0.6931471805599453)
+    optr = (bh * LQ + rows[:, None]) * DV + dv[None, :]
+    tl.store(OUT + optr, out, mask=row_ok[:, None] & dv_ok[None, :])
+    tl.store(LSE + bh * LQ + rows, lse, mask=row_ok)

@@ -124,7 +124,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -790,11 +790,17 @@ def levy_attention(
             )
         lse_ok = (_FLASH is not None and q.device.type == "cpu"
                   and q.dtype in (torch.float32, torch.float64))
-        if needs_grad or not lse_ok:
+        flash = None
+        # CUDA float32 inference: the Triton kernel when triton imports (its widths as below)
+        if q.device.type == "cuda" and Dv + (Dv if per_dim else 1) >= q.shape[-1]:
+            from attnuq.ops import _triton
+
+            flash = _triton.levy_flash(needs_grad, q)
+        if needs_grad or not (lse_ok or flash is not None):
             z, mom = _accumulate_sdpa(qn, blocks, mom_b, ref, inp.beta, per_dim)
             log_scale = -2 * inp.beta[:, None]  # Lambda = alpha e^{-2 beta} z
         else:
-            z, mom = _accumulate_lse(qn, blocks, mom_b, ref, inp.beta, per_dim)
+            z, mom = _accumulate_lse(qn, blocks, mom_b, ref, inp.beta, per_dim, flash)
             log_scale = -inp.beta[:, None]  # Lambda = alpha e^{-beta} z
     else:
         vals_b = [_centered_values(vbar, within, ref, per_dim) for vbar, within in mom_b]
@@ -1018,9 +1024,11 @@ def _accumulate_lse(
     ref: torch.Tensor,
     beta: torch.Tensor,
     per_dim: bool,
+    flash: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``z = sum_i e^{beta cos_i}`` ``(B, H, Q)`` and the moments ``sum_i p_i v_i`` (no autograd;
-    ``p_i`` the normalised weights, 0 where ``z = 0``).
+    ``p_i`` the normalised weights, 0 where ``z = 0``). ``flash``: a kernel with the CPU flash
+    kernel's signature to use instead (on CUDA, :func:`attnuq.ops._triton.levy_flash`).
 
     Inference path of the fused backend: the CPU flash-attention kernel also returns the
     log-sum-exp of the scores, ``lse_q = log sum_i e^{beta cos_qi}``, so the normaliser needs
@@ -1055,9 +1063,10 @@ def _accumulate_lse(
         _centered_values(vbar.transpose(1, 2), None if within is None else within.transpose(1, 2),
                          ref_p, per_dim, out=(buf[..., E : E + dv], buf[..., E + dv :]))
         bias = torch.where(blk.mask, 0.0, -1e4).to(dt)[:, None, None, :]  # (B, 1, 1, bs)
-        assert _FLASH is not None
-        out, lse = _FLASH(qa, buf[..., :w_cols].transpose(1, 2), buf[..., E:].transpose(1, 2),
-                          0.0, False, attn_mask=bias, scale=1.0)
+        fl = _FLASH if flash is None else flash
+        assert fl is not None
+        out, lse = fl(qa, buf[..., :w_cols].transpose(1, 2), buf[..., E:].transpose(1, 2),
+                      0.0, False, attn_mask=bias, scale=1.0)
         z_parts.append(torch.exp(lse))  # (B, H, Q)
         t_parts.append(out)
     z = _ordered_sum(z_parts)
