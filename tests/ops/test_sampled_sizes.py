@@ -114,7 +114,11 @@ _BIG_CALL = textwrap.dedent(
     v = torch.tensor([0.0, 1.0]).view(1, 1, 2, 1).expand(64, 2, 2, 1).contiguous()
     y = sampled_attention(q, k, v, nu=nu, generator=torch.Generator().manual_seed(0))
     ones = float(y.double().mul(nu).round().sum())  # draws of key 1
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM: the peak RSS of this process's own memory map. (ru_maxrss would also count the
+    # parent's RSS: Linux carries the old map's high-water mark across execve, and subprocess
+    # execs from the parent's map -- a loaded pytest worker -- so it read 1.8 GiB there.)
+    status = open("/proc/self/status").read().split("VmHWM:")[1]
+    peak = int(status.split()[0]) * 1024
     print(rows * nu, ones, peak, tuple(y.shape))
     """
 )
@@ -129,7 +133,7 @@ def test_one_call_beyond_2_31_draws_has_bounded_memory():
     alone would be 8 GiB; a 4 GiB heap limit in the child makes a regression fail fast instead
     of filling the machine), and the drawn counts are right: the keys have weight 1/2 each, so
     the number of draws of key 1 is Binomial(n, 1/2); |z| < 5 fails falsely with probability
-    5.7e-7. Measured: 50 s on one core, peak RSS 0.87 GiB (0.73 GiB of it is importing torch)."""
+    5.7e-7. Measured: 50 s on one core, peak RSS (VmHWM) 0.88 GiB, most of it importing torch."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", _BIG_CALL], capture_output=True, text=True, cwd=ROOT, env=env,
