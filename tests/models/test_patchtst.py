@@ -81,6 +81,18 @@ def test_attention_goes_through_attention_interface() -> None:
     assert calls[0][0] == 3 * 2  # channel-independent: batch x channels sequences
 
 
+def test_paper_layout_flattened_head_post_norm() -> None:
+    """The head reads all ``num_patches x d_model`` features (PatchTST's flatten head), not HF's
+    default mean over patches, which cannot tell the patches' order apart."""
+    m = build_patchtst(num_channels=2, **KW)
+    n_patches = (KW["context_length"] - KW["patch_length"]) // KW["patch_stride"] + 1  # 7
+    assert m.head.projection.in_features == KW["d_model"] * n_patches
+    assert m.config.pooling_type is None and m.config.pre_norm is False
+    assert m.config.head_dropout == 0.0 and m.config.norm_type == "batchnorm"
+    with pytest.raises(ValueError, match="head_dropout"):
+        build_patchtst(num_channels=2, head_dropout=1.0, **KW)
+
+
 def test_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="d_model"):
         build_patchtst(num_channels=2, **{**KW, "num_heads": 3})

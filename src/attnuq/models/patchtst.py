@@ -56,13 +56,21 @@ def build_patchtst(
     patch_length: int = 16,
     patch_stride: int = 8,
     dropout: float = 0.1,
+    head_dropout: float = 0.0,
     seed: int = 0,
 ) -> Any:
-    """A randomly initialised ``PatchTSTForPrediction`` (point forecasts, MSE loss).
+    """A randomly initialised ``PatchTSTForPrediction`` (point forecasts, MSE loss), laid out as
+    in the PatchTST paper (Nie et al. 2023, PatchTST/42 and /64).
 
-    ``dropout`` is used for attention, feed-forward, residual-path and head dropout, so that MC
-    dropout has something to switch on at test time. The model's own per-window ``"std"`` scaler
-    (RevIN-style instance normalisation) is kept on, as in the PatchTST paper.
+    ``dropout`` is used for attention and feed-forward dropout (what MC dropout switches on at
+    test time), ``head_dropout`` before the linear head (the paper's supervised ETT scripts: 0).
+    The model's own per-window ``"std"`` scaler (RevIN-style instance normalisation) is kept on.
+    Three settings differ from ``PatchTSTConfig``'s defaults to match the paper: the head reads
+    the *flattened* ``num_patches x d_model`` encoder output (``pooling_type=None``; HF's default
+    ``"mean"`` hands the head one ``d_model`` mean over patches, which loses the order of the
+    patches: on ETTh1 such a model stayed at the "context mean" forecast, val MSE 1.34, where the
+    flattened head learns), post-norm residual blocks (``pre_norm=False``) with batch norm, and
+    ``head_dropout``.
     """
     from transformers import PatchTSTConfig, PatchTSTForPrediction
 
@@ -75,6 +83,8 @@ def build_patchtst(
         check_positive_int(v, name)
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must lie in [0, 1), got {dropout=}")
+    if not 0.0 <= head_dropout < 1.0:
+        raise ValueError(f"head_dropout must lie in [0, 1), got {head_dropout=}")
     if d_model % num_heads:
         raise ValueError(f"d_model must be divisible by num_heads, got {d_model=}, {num_heads=}")
     if patch_length > context_length:
@@ -93,7 +103,10 @@ def build_patchtst(
         ff_dropout=dropout,
         path_dropout=0.0,
         positional_dropout=0.0,
-        head_dropout=dropout,
+        head_dropout=head_dropout,
+        pooling_type=None,
+        pre_norm=False,
+        norm_type="batchnorm",
         scaling="std",
         loss="mse",
         share_embedding=True,
