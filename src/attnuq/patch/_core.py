@@ -716,40 +716,47 @@ def _drop_if_empty(obj: object) -> None:
         del _FROZEN[id(obj)]
 
 
-def _remember_attr(obj: object, name: str, had: bool, old: object) -> Undo:
-    """Record ``obj.<name>``'s value before the patch (the first record wins); the undo."""
+def _remember(obj: object, add: Callable[[_Frozen], Callable[[_Frozen], object]]) -> Undo:
+    """Record part of ``obj``'s pre-patch state and route its class through the frozen reducer.
+
+    ``add(record)`` notes the part and returns how to take it back out; the returned undo does
+    that (if the record is still ``obj``'s), drops an empty record and releases the reducer.
+    """
     with _FROZEN_LOCK:
-        rec = _record(obj)
-        mine = name not in rec.attrs
-        if mine:
-            rec.attrs[name] = old if had else _MISSING
+        remove = add(_record(obj))
     release = _REDUCERS.acquire(type(obj), lambda: _install_reducer(type(obj)))
 
     def forget() -> None:
         with _FROZEN_LOCK:
             rec = _FROZEN.get(id(obj))
-            if mine and rec is not None and rec.ref() is obj:
-                rec.attrs.pop(name, None)
+            if rec is not None and rec.ref() is obj:
+                remove(rec)
             _drop_if_empty(obj)
         release()
 
     return forget
 
 
+def _remember_attr(obj: object, name: str, had: bool, old: object) -> Undo:
+    """Record ``obj.<name>``'s value before the patch (the first record wins); the undo."""
+
+    def add(rec: _Frozen) -> Callable[[_Frozen], object]:
+        if name in rec.attrs:  # recorded by an earlier holder, which also takes it out
+            return lambda r: None
+        rec.attrs[name] = old if had else _MISSING
+        return lambda r: r.attrs.pop(name, None)
+
+    return _remember(obj, add)
+
+
 def _remember_hook(module: nn.Module, hook_id: int) -> Undo:
-    with _FROZEN_LOCK:
-        _record(module).hooks.add(hook_id)
-    release = _REDUCERS.acquire(type(module), lambda: _install_reducer(type(module)))
+    """Record that the patch added hook ``hook_id`` to ``module``; the undo."""
 
-    def forget() -> None:
-        with _FROZEN_LOCK:
-            rec = _FROZEN.get(id(module))
-            if rec is not None and rec.ref() is module:
-                rec.hooks.discard(hook_id)
-            _drop_if_empty(module)
-        release()
+    def add(rec: _Frozen) -> Callable[[_Frozen], object]:
+        rec.hooks.add(hook_id)
+        return lambda r: r.hooks.discard(hook_id)
 
-    return forget
+    return _remember(module, add)
 
 
 def _install_reducer(cls: type) -> Undo:
