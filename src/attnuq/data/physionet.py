@@ -205,31 +205,27 @@ def _iter_sources(path: Path) -> Iterator[tuple[str, bytes]]:
                 continue
             yield p.name, p.read_bytes()
         return
+    # read members in archive order (a gzip stream cannot seek backwards cheaply), then sort
+    found: list[tuple[str, bytes]] = []
     try:
-        is_tar = tarfile.is_tarfile(path)
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:  # a cut gzip header
+        if not tarfile.is_tarfile(path):
+            raise DataFormatError(
+                path, "PhysioNet source must be a folder of .txt files or a tar file"
+            )
+        with tarfile.open(path, "r:*") as tar:
+            for m in tar:
+                base = os.path.basename(m.name)
+                skip = base.lower().startswith("outcomes") or not base.endswith(".txt")
+                if not m.isfile() or skip:
+                    continue
+                fh = tar.extractfile(m)
+                if fh is None:  # pragma: no cover - isfile() members always extract
+                    continue
+                found.append((m.name, fh.read()))
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:  # cut gzip header, truncated
         raise DataFormatError(path, f"could not read the archive: {type(exc).__name__}: "
                               f"{exc}") from exc
-    if is_tar:
-        # read members in archive order (a gzip stream cannot seek backwards cheaply), then sort
-        found: list[tuple[str, bytes]] = []
-        try:
-            with tarfile.open(path, "r:*") as tar:
-                for m in tar:
-                    base = os.path.basename(m.name)
-                    skip = base.lower().startswith("outcomes") or not base.endswith(".txt")
-                    if not m.isfile() or skip:
-                        continue
-                    fh = tar.extractfile(m)
-                    if fh is None:  # pragma: no cover - isfile() members always extract
-                        continue
-                    found.append((m.name, fh.read()))
-        except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:  # truncated/corrupt
-            raise DataFormatError(path, f"could not read the archive: {type(exc).__name__}: "
-                                  f"{exc}") from exc
-        yield from sorted(found)
-        return
-    raise DataFormatError(path, "PhysioNet source must be a folder of .txt files or a tar file")
+    yield from sorted(found)
 
 
 def _source_hash(path: Path) -> str:
