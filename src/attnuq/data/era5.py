@@ -37,7 +37,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -214,6 +214,7 @@ def _open(path: Path):  # type: ignore[no-untyped-def]
     import xarray as xr
 
     suffix = path.suffix.lower()
+    kwargs: dict[str, Any]
     if suffix in _GRIB:
         try:
             import cfgrib  # noqa: F401
@@ -222,21 +223,19 @@ def _open(path: Path):  # type: ignore[no-untyped-def]
                 f"reading GRIB file {path.name!r} needs cfgrib + eccodes (extra 'weather')"
             ) from exc
         # indexpath="": do not write a .idx file next to (possibly read-only) data
-        try:
-            return xr.open_dataset(path, engine="cfgrib", backend_kwargs={"indexpath": ""})
-        except (EOFError, OSError, ValueError, KeyError) as exc:  # not GRIB, or truncated
-            raise DataFormatError(path, f"could not read {path.name!r} as GRIB: "
-                                  f"{type(exc).__name__}: {exc}") from exc
-    if suffix in _NETCDF:
-        try:
-            return xr.open_dataset(path)
-        except (EOFError, OSError, ValueError, KeyError) as exc:  # not NetCDF, or truncated
-            raise DataFormatError(path, f"could not read {path.name!r} as NetCDF: "
-                                  f"{type(exc).__name__}: {exc}") from exc
-    raise ValueError(
-        f"unknown field file type {suffix!r} for {path.name!r}; expected GRIB {_GRIB} or "
-        f"NetCDF {_NETCDF}"
-    )
+        kind, kwargs = "GRIB", {"engine": "cfgrib", "backend_kwargs": {"indexpath": ""}}
+    elif suffix in _NETCDF:
+        kind, kwargs = "NetCDF", {}
+    else:
+        raise ValueError(
+            f"unknown field file type {suffix!r} for {path.name!r}; expected GRIB {_GRIB} or "
+            f"NetCDF {_NETCDF}"
+        )
+    try:
+        return xr.open_dataset(path, **kwargs)
+    except (EOFError, OSError, ValueError, KeyError) as exc:  # not GRIB/NetCDF, or truncated
+        raise DataFormatError(path, f"could not read {path.name!r} as {kind}: "
+                              f"{type(exc).__name__}: {exc}") from exc
 
 
 def load_field(path: str | os.PathLike[str], variable: str | None = None) -> Field:
