@@ -32,14 +32,14 @@ __all__ = [
 ]
 
 
-def decode_text(path: str | os.PathLike[str], raw: bytes | None = None) -> str:
+def decode_text(path: str | os.PathLike[str]) -> str:
     """The file's text as UTF-8 (a leading byte-order mark is dropped).
 
     Undecodable bytes raise :class:`DataFormatError` with the line of the first bad byte; a NUL
     byte (a binary file, or one cut and zero-filled) is refused the same way.
     """
     p = Path(path)
-    data = p.read_bytes() if raw is None else raw
+    data = p.read_bytes()
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -59,6 +59,14 @@ def _is_number(s: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _float_or_nan(s: str) -> float:
+    """``float(s)``, or NaN where ``s`` is not a number."""
+    try:
+        return float(s)
+    except ValueError:
+        return math.nan
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,7 @@ class CSVTable:
         raise DataFormatError(self.path, f"columns {list(names)} could not be read as numbers")
 
 
-def read_csv_table(path: str | os.PathLike[str], *, header_required: bool = True) -> CSVTable:
+def read_csv_table(path: str | os.PathLike[str]) -> CSVTable:
     """Read a comma-separated file whose first non-blank line is a header of column names.
 
     Refused, each with its line: undecodable bytes, bad quoting, an empty or duplicate column
@@ -135,7 +143,7 @@ def read_csv_table(path: str | os.PathLike[str], *, header_required: bool = True
                 continue  # blank line
             if header is None:
                 names = [f.strip() for f in row]
-                header, header_line = _check_header(p, names, start, header_required), start
+                header, header_line = _check_header(p, names, start), start
                 continue
             if len(row) != len(header):
                 raise DataFormatError(
@@ -152,7 +160,7 @@ def read_csv_table(path: str | os.PathLike[str], *, header_required: bool = True
     return CSVTable(path=p, header=header, rows=rows, lines=lines, header_line=header_line)
 
 
-def _check_header(p: Path, names: list[str], line: int, required: bool) -> tuple[str, ...]:
+def _check_header(p: Path, names: list[str], line: int) -> tuple[str, ...]:
     for k, n in enumerate(names):
         if not n:
             raise DataFormatError(p, f"empty column name at position {k + 1} of the header",
@@ -164,7 +172,7 @@ def _check_header(p: Path, names: list[str], line: int, required: bool) -> tuple
                 p, f"duplicate column name {n!r} (columns {seen[n] + 1} and {k + 1})", line=line
             )
         seen[n] = k
-    if required and all(_is_number(n) for n in names):
+    if all(_is_number(n) for n in names):
         raise DataFormatError(
             p, f"first line {','.join(names)[:60]!r} holds only numbers: a header row of "
             "column names is required (rename the columns if these are names)", line=line,
@@ -242,10 +250,7 @@ def read_int_list(path: str | os.PathLike[str], *, low: int = 0) -> tuple[np.nda
     lines: list[int] = []
     for i, toks in _tokens(decode_text(p)):
         for t in toks:
-            try:
-                v = float(t)
-            except ValueError:
-                v = float("nan")
+            v = _float_or_nan(t)
             if not (math.isfinite(v) and v == round(v)):
                 raise DataFormatError(p, f"{t!r} is not an integer index", line=i)
             if v < low:

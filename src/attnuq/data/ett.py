@@ -42,7 +42,7 @@ import torch
 
 from attnuq._validation import check_positive_int
 from attnuq.data import DataFormatError, data_dir
-from attnuq.data._formats import CSVTable, read_csv_table
+from attnuq.data._formats import CSVTable, _float_or_nan, read_csv_table
 
 __all__ = [
     "ETT_CHANNELS",
@@ -316,13 +316,6 @@ def _channel_values(table: CSVTable, cols: list[str]) -> np.ndarray:
             line=table.lines[i],
         )
     return arr
-
-
-def _float_or_nan(s: str) -> float:
-    try:
-        return float(s)
-    except ValueError:
-        return float("nan")
 
 
 def _dates(table: CSVTable) -> np.ndarray:
