@@ -35,6 +35,68 @@ import triton.language as tl
 
 
 @triton.jit
+def _masked_scores(
+    s,
+    row_ok,
+    col_ok,
+    cols,
+    qpos,
+    rr,
+    nb,
+    hh,
+    MASK,
+    smn,
+    smh,
+    smr,
+    sml,
+    smk,
+    HAS_MASK: tl.constexpr,
+    MASK_BOOL: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """A tile's scores ``(BM, BN)`` with the mask (boolean, or an additive bias in natural
+    units, added in log2 units) and causality applied: ``(s, valid)``, ``s = -inf`` where not
+    valid."""
+    valid = row_ok[:, None] & col_ok[None, :]
+    if HAS_MASK:
+        mp = (
+            MASK
+            + nb * smn
+            + hh * smh
+            + rr[:, None] * smr
+            + qpos[:, None] * sml
+            + cols[None, :] * smk
+        )
+        if MASK_BOOL:
+            mv = tl.load(mp, mask=valid, other=0)
+            valid = valid & (mv != 0)
+        else:
+            b = tl.load(mp, mask=valid, other=0.0).to(tl.float32)
+            b2 = b * 1.4426950408889634
+            # a finite bias stays finite (finfo.min * log2(e) would overflow to -inf)
+            ovf = (b2 == float("-inf")) & (b != float("-inf"))
+            b2 = tl.where(ovf, -3.4028234663852886e38, b2)
+            valid = valid & (b != float("-inf"))
+            s = s + tl.where(valid, b2, 0.0)
+    if CAUSAL:
+        valid = valid & (cols[None, :] <= qpos[:, None])
+    s = tl.where(valid, s, float("-inf"))
+    return s, valid
+
+
+@triton.jit
+def _online_step(s, valid, run_m):
+    """One tile of an online softmax in log2 units: the new running maximum, the tile's weights
+    ``2^(s - max)`` (0 where not valid) and the factor ``alpha`` rescaling what was summed so
+    far (0 before the first valid key)."""
+    new_m = tl.maximum(run_m, tl.max(s, axis=1))
+    shift = tl.where(new_m == float("-inf"), 0.0, new_m)
+    e = tl.where(valid, tl.exp2(s - shift[:, None]), 0.0)
+    alpha = tl.where(run_m == float("-inf"), 0.0, tl.exp2(run_m - shift))
+    return new_m, e, alpha
+
+
+@triton.jit
 def sample_kernel(
     Q,
     K,
@@ -113,36 +175,13 @@ def sample_kernel(
         if UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PREC) * scale  # (BM, BN), log2 units
-        valid = row_ok[:, None] & col_ok[None, :]
-        if HAS_MASK:
-            mp = (
-                MASK
-                + nb * smn
-                + hh * smh
-                + rr[:, None] * smr
-                + qpos[:, None] * sml
-                + cols[None, :] * smk
-            )
-            if MASK_BOOL:
-                mv = tl.load(mp, mask=valid, other=0)
-                valid = valid & (mv != 0)
-            else:
-                b = tl.load(mp, mask=valid, other=0.0).to(tl.float32)
-                b2 = b * 1.4426950408889634
-                # a finite bias stays finite (finfo.min * log2(e) would overflow to -inf)
-                ovf = (b2 == float("-inf")) & (b != float("-inf"))
-                b2 = tl.where(ovf, -3.4028234663852886e38, b2)
-                valid = valid & (b != float("-inf"))
-                s = s + tl.where(valid, b2, 0.0)
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= qpos[:, None])
-        s = tl.where(valid, s, float("-inf"))
-        new_m = tl.maximum(run_m, tl.max(s, axis=1))
-        shift = tl.where(new_m == float("-inf"), 0.0, new_m)
-        e = tl.where(valid, tl.exp2(s - shift[:, None]), 0.0)  # (BM, BN)
+        s, valid = _masked_scores(
+            s, row_ok, col_ok, cols, qpos, rr, nb, hh, MASK, smn, smh, smr, sml, smk,
+            HAS_MASK, MASK_BOOL, CAUSAL,
+        )  # fmt: skip
+        new_m, e, alpha = _online_step(s, valid, run_m)  # e: (BM, BN)
         c = tl.cumsum(e, axis=1)
         t_mass = tl.max(c, axis=1)  # (BM,)
-        alpha = tl.where(run_m == float("-inf"), 0.0, tl.exp2(run_m - shift))
         new_l = run_l * alpha + t_mass
         p = tl.where(new_l > 0.0, t_mass / tl.where(new_l > 0.0, new_l, 1.0), 0.0)  # (BM,)
         tile = (start // BLOCK_N + zero2).to(tl.uint32)
@@ -290,33 +329,11 @@ def moments_kernel(
         if UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PREC) * scale
-        valid = row_ok[:, None] & col_ok[None, :]
-        if HAS_MASK:
-            mp = (
-                MASK
-                + nb * smn
-                + hh * smh
-                + rr[:, None] * smr
-                + qpos[:, None] * sml
-                + cols[None, :] * smk
-            )
-            if MASK_BOOL:
-                mv = tl.load(mp, mask=valid, other=0)
-                valid = valid & (mv != 0)
-            else:
-                b = tl.load(mp, mask=valid, other=0.0).to(tl.float32)
-                b2 = b * 1.4426950408889634
-                ovf = (b2 == float("-inf")) & (b != float("-inf"))
-                b2 = tl.where(ovf, -3.4028234663852886e38, b2)
-                valid = valid & (b != float("-inf"))
-                s = s + tl.where(valid, b2, 0.0)
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= qpos[:, None])
-        s = tl.where(valid, s, float("-inf"))
-        new_m = tl.maximum(run_m, tl.max(s, axis=1))
-        shift = tl.where(new_m == float("-inf"), 0.0, new_m)
-        e = tl.where(valid, tl.exp2(s - shift[:, None]), 0.0)
-        alpha = tl.where(run_m == float("-inf"), 0.0, tl.exp2(run_m - shift))
+        s, valid = _masked_scores(
+            s, row_ok, col_ok, cols, qpos, rr, nb, hh, MASK, smn, smh, smr, sml, smk,
+            HAS_MASK, MASK_BOOL, CAUSAL,
+        )  # fmt: skip
+        new_m, e, alpha = _online_step(s, valid, run_m)
         vt = tl.load(
             V + g * svg + cols[:, None] * svn + dv[None, :] * svd,
             mask=col_ok[:, None] & dv_ok[None, :],
@@ -413,10 +430,7 @@ def flash_lse_kernel(
         s = (tl.dot(q, kt, input_precision="ieee") + bias[None, :]) * 1.4426950408889634
         valid = row_ok[:, None] & col_ok[None, :] & (bias[None, :] != float("-inf"))
         s = tl.where(valid, s, float("-inf"))
-        new_m = tl.maximum(run_m, tl.max(s, axis=1))
-        shift = tl.where(new_m == float("-inf"), 0.0, new_m)
-        e = tl.where(valid, tl.exp2(s - shift[:, None]), 0.0)
-        alpha = tl.where(run_m == float("-inf"), 0.0, tl.exp2(run_m - shift))
+        new_m, e, alpha = _online_step(s, valid, run_m)
         vt = tl.load(
             V + b * svb + h * svh + cols[:, None] * svn + dv[None, :] * svd,
             mask=col_ok[:, None] & dv_ok[None, :],
