@@ -40,9 +40,9 @@ import json
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 __all__ = [
     "CorruptFileWarning",
@@ -66,25 +66,6 @@ class CorruptFileWarning(UserWarning):
     """A results or cache file could not be read back; the piece it held is redone."""
 
 
-@contextlib.contextmanager
-def _atomic(path: str | os.PathLike[str], mode: str) -> Iterator[IO[Any]]:
-    """Open a temporary file beside ``path``; on success move it over ``path``."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; keep the usual permissions
-        with os.fdopen(fd, mode) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -92,11 +73,27 @@ def _umask() -> int:
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file + :func:`os.replace`)."""
+    """Write ``data`` to ``path`` atomically (temporary file + :func:`os.replace`).
+
+    The one writer the others go through: the bytes go to a temporary file beside ``path``, are
+    flushed and fsync'ed, then moved over ``path``; on any failure the temporary file is removed.
+    """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
-    with _atomic(path, "wb") as fh:
-        fh.write(data)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; keep the usual permissions
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
