@@ -151,7 +151,6 @@ def hf_section(repeats: int) -> list[dict[str, Any]]:
     import attnuq
 
     rows: list[dict[str, Any]] = []
-    specs: list[tuple[str, Callable[[], Any], int]] = []
 
     def bert() -> Any:
         from transformers import BertConfig, BertModel
@@ -169,8 +168,10 @@ def hf_section(repeats: int) -> list[dict[str, Any]]:
                           max_position_embeddings=2048, attn_implementation="sdpa")
         return LlamaModel(cfg)
 
-    specs = [("bert-base width, 4 layers, L=512", bert, 512),
-             ("llama-style GQA 16/4 heads, 4 layers, L=1024", llama, 1024)]
+    specs: list[tuple[str, Callable[[], Any], int]] = [
+        ("bert-base width, 4 layers, L=512", bert, 512),
+        ("llama-style GQA 16/4 heads, 4 layers, L=1024", llama, 1024),
+    ]
     for name, build, L in specs:
         row: dict[str, Any] = {"model": name, "batch": 8, "L": L}
         try:

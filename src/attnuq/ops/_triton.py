@@ -45,6 +45,7 @@ import torch
 
 from attnuq._validation import check_nu
 from attnuq.ops._attn_common import Attn, empty_rows_error, prepare
+from attnuq.ops.sampled import MAX_NU, _check_empty_rows, max_bytes
 
 __all__ = [
     "attention_moments",
@@ -154,14 +155,15 @@ def _draw(att: Attn, nu: int, generator: torch.Generator | None) -> tuple[torch.
     empty = torch.empty(g, m, dtype=torch.int8, device=dev)
     mask, ms, has_mask, mask_bool = _mask_args(att)
     q, k = att.q, att.k
-    nu_b = min(_NU_B_INTERPRET, _pow2(nu, 2)) if interpreting() else _NU_B
+    interp = interpreting()
+    nu_b = min(_NU_B_INTERPRET, _pow2(nu, 2)) if interp else _NU_B
     grid = (-(-m // _BLOCK_M), g, -(-nu // nu_b))
     _kernels().sample_kernel[grid](
         q, k, mask, _seed(generator, dev), idx, empty,
         m, att.lq, lk, d, att.hk, nu, att.scale,
         *q.stride(), *k.stride(), *ms,
         HAS_MASK=has_mask, MASK_BOOL=mask_bool, CAUSAL=att.causal, PREC=_prec(att),
-        UPCAST=interpreting(),
+        UPCAST=interp,
         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_D=_pow2(d), NU_B=nu_b, num_warps=_NUM_WARPS,
     )  # fmt: skip
     return idx, empty.bool()
@@ -170,8 +172,6 @@ def _draw(att: Attn, nu: int, generator: torch.Generator | None) -> tuple[torch.
 def _check_budget(att: Attn, nu: int) -> None:
     """Refuse, before allocating, a call needing more than :func:`attnuq.ops.max_bytes`: the
     drawn indices ``(G, M, nu)`` int32, the output and the empty flags."""
-    from attnuq.ops.sampled import MAX_NU, max_bytes
-
     if nu > MAX_NU:
         raise ValueError(f"nu must be at most MAX_NU = 2**31 - 1, got {nu=}")
     rows = att.groups * att.rows
@@ -237,10 +237,14 @@ def _moments(att: Attn, empty_rows: str) -> tuple[torch.Tensor, torch.Tensor]:
     return att.unfold(mean), att.unfold(var)
 
 
-def _check_empty_rows(empty_rows: object) -> str:
-    if empty_rows not in ("error", "zero"):
-        raise ValueError(f"empty_rows must be 'error' or 'zero', got {empty_rows=!r}")
-    return str(empty_rows)
+def _no_work(att: Attn, empty_rows: str) -> bool:
+    """Whether the output is empty or all zeros (no rows, keys or value dims), without a kernel;
+    rows without keys raise under ``empty_rows="error"``."""
+    if att.groups * att.rows == 0 or att.lk == 0 or att.dv == 0:
+        if att.groups * att.rows > 0 and att.lk == 0 and empty_rows == "error":
+            raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
+        return True
+    return False
 
 
 def _prepare(
@@ -277,9 +281,7 @@ def sampled_attention(
     nu = check_nu(nu)
     empty_rows = _check_empty_rows(empty_rows)
     att = _prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
-    if att.groups * att.rows == 0 or att.lk == 0 or att.dv == 0:
-        if att.groups * att.rows > 0 and att.lk == 0 and empty_rows == "error":
-            raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
+    if _no_work(att, empty_rows):
         return torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
     with torch.no_grad():
         return _sampled(att, nu, generator, empty_rows)
@@ -325,9 +327,7 @@ def attention_moments(
     online-softmax pass over key tiles; no gradient)."""
     empty_rows = _check_empty_rows(empty_rows)
     att = _prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
-    if att.groups * att.rows == 0 or att.lk == 0 or att.dv == 0:
-        if att.groups * att.rows > 0 and att.lk == 0 and empty_rows == "error":
-            raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
+    if _no_work(att, empty_rows):
         z = torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
         return z, z.clone()
     with torch.no_grad():
