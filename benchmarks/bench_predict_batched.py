@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnuq._runinfo import run_info
-from attnuq.predict import predict
+from attnuq._runtime import run_info
+from attnuq.prediction import predict
 
 S, NU = 32, 8
 

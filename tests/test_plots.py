@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 from tests._reference_calibration import make_uniform_problem
 
 from attnuq import metrics, plots
-from attnuq.calibrate import calibrate
+from attnuq.calibration import calibrate
 from attnuq.predictive import GaussianPredictive, Predictive
 
 

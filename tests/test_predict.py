@@ -9,7 +9,7 @@ import torch
 from tests._reference_calibration import make_uniform_problem
 from torch import nn
 
-from attnuq.predict import predict
+from attnuq.prediction import predict
 from attnuq.predictive import Predictive
 
 C = 4.0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from attnuq._runinfo import machine_line, run_info
+from attnuq._runtime import machine_line, run_info
 from attnuq.report import load_results, render_report
 
 # a 1x1 PNG

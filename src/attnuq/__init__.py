@@ -19,16 +19,19 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 # public name -> "module:attribute"
 _LAZY: dict[str, str] = {
-    "stochastic": "attnuq.patch:stochastic",
-    "patch": "attnuq.patch:patch",
-    "find_attention": "attnuq.patch:find_attention",
-    "CalibrationReport": "attnuq.calibrate:CalibrationReport",
+    "calibrate": "attnuq.calibration:calibrate",
+    "predict": "attnuq.prediction:predict",
+    "stochastic": "attnuq.patching:stochastic",
+    "patch": "attnuq.patching:patch",
+    "find_attention": "attnuq.patching:find_attention",
+    "CalibrationReport": "attnuq.calibration:CalibrationReport",
     "Predictive": "attnuq.predictive:Predictive",
     "GaussianPredictive": "attnuq.predictive:GaussianPredictive",
 }
-_SUBMODULES = ("ops", "nn", "metrics", "plots", "data", "models", "baselines", "bench")
+_SUBMODULES = ("ops", "nn", "metrics", "plots", "data", "models", "methods", "baselines",
+               "calibration", "prediction", "patching", "bench")
 
-__all__ = ["__version__", "calibrate", "predict", *_LAZY, *_SUBMODULES]
+__all__ = ["__version__", *_LAZY, *_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:
@@ -43,10 +46,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(__all__)
 
-
-# ``attnuq.calibrate`` and ``attnuq.predict`` name both a function and the module defining it.
-# Importing a submodule binds it as an attribute of the package, which would shadow the lazy
-# function; binding the functions eagerly here (after the submodule import) keeps
-# ``attnuq.calibrate(...)`` and ``attnuq.predict(...)`` callable whatever is imported later.
-from attnuq.calibrate import calibrate  # noqa: E402
-from attnuq.predict import predict  # noqa: E402

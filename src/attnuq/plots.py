@@ -28,7 +28,7 @@ import torch
 from attnuq.predictive import GaussianPredictive, Predictive
 
 if TYPE_CHECKING:  # pragma: no cover
-    from attnuq.calibrate import CalibrationReport
+    from attnuq.calibration import CalibrationReport
 
 __all__ = [
     "calibration_curve",
@@ -179,7 +179,7 @@ def calibration_curve(
     >>> matplotlib.use("Agg")
     >>> import matplotlib.pyplot as plt
     >>> import torch
-    >>> from attnuq.calibrate import calibrate
+    >>> from attnuq.calibration import calibrate
     >>> _ = torch.manual_seed(0)
     >>> mha = torch.nn.MultiheadAttention(4, 1, batch_first=True).eval()
     >>> x = torch.randn(8, 3, 4)  # self-attention: inputs (x, x, x), targets x

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from attnuq.baselines import method_implementation
 from attnuq.bench._implementations import implementation_lines
+from attnuq.methods import method_implementation
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"

@@ -141,7 +141,7 @@ def test_legacy_backbone_without_recipe_is_reused_with_a_note(
 def test_torn_member_is_retrained_not_skipped(tmp_path: Path) -> None:
     """A torn ``member1.pt`` used to count as cached (``train_members`` skipped it) and then
     failed inside the ensemble's fit with a traceback."""
-    from attnuq.baselines import Task
+    from attnuq.methods import Task
 
     recipe = _recipe()
     mdir = member_cache_dir(tmp_path / "members", recipe)

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from attnuq._cli_calibrate import load_heldout
+from attnuq.cli._calibrate import load_heldout
 from attnuq.data import DataFormatError
 from attnuq.data.ett import ETT_CHANNELS, load_ett
 from attnuq.data.physionet import load_physionet2012

@@ -32,7 +32,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attnuq._cli_calibrate import load_heldout
+from attnuq.cli._calibrate import load_heldout
 from attnuq.data import DataFormatError
 from attnuq.data.ett import ETT_CHANNELS, load_ett
 from attnuq.data.physionet import load_physionet2012

@@ -1,4 +1,4 @@
-"""Tiny random models, one per backend, for the shared contract tests of ``attnuq.patch``.
+"""Tiny random models, one per backend, for the shared contract tests of ``attnuq.patching``.
 
 Each :class:`Case` only builds a model and its inputs; every check lives in
 ``test_patch_contract.py`` and runs against all cases (gpytorch-style: the adapter tests only say
@@ -304,7 +304,7 @@ def sdpa_case() -> Case:
 class TimmLikeAttention(nn.Module):
     """Written for these tests: the attribute layout and both forward paths of timm's Attention
     (fused ``qkv``; ``F.scaled_dot_product_attention`` when ``fused_attn``, inline softmax
-    otherwise). Registered with ``attnuq.patch.timm.register_class``."""
+    otherwise). Registered with ``attnuq.patching.timm.register_class``."""
 
     def __init__(self, dim: int, num_heads: int, fused: bool) -> None:
         super().__init__()
@@ -354,7 +354,7 @@ def timm_standin_case(fused: bool) -> Case:
     x, kpm = _seq_inputs(True, lengths, 16, 10)
 
     def make() -> nn.Module:
-        from attnuq.patch.timm import register_class
+        from attnuq.patching.timm import register_class
 
         register_class(TimmLikeAttention)
         torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Backend-specific and API checks of ``attnuq.patch`` (the shared contract is in
+"""Backend-specific and API checks of ``attnuq.patching`` (the shared contract is in
 ``test_patch_contract.py``)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 import attnuq
 from attnuq.ops import attention_moments
-from attnuq.patch import find_attention, patch, stochastic
+from attnuq.patching import find_attention, patch, stochastic
 
 # ------------------------------------------------------------------------------------------------
 # API: nu resolution and validation
@@ -351,7 +351,7 @@ def test_hf_registry_and_config_switched_and_restored(bert: nn.Module) -> None:
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    from attnuq.patch.hf import IMPLEMENTATION
+    from attnuq.patching.hf import IMPLEMENTATION
 
     before = bert.config._attn_implementation
     assert IMPLEMENTATION not in AttentionInterface._global_mapping
@@ -385,7 +385,7 @@ def test_hf_eager_model_is_restored_to_eager() -> None:
 def test_hf_two_models_patched_at_once(bert: nn.Module) -> None:
     from transformers.modeling_utils import AttentionInterface
 
-    from attnuq.patch.hf import IMPLEMENTATION
+    from attnuq.patching.hf import IMPLEMENTATION
 
     other = _BERT.build()
     x = _BERT.batch()
@@ -404,7 +404,7 @@ def test_hf_two_models_patched_at_once(bert: nn.Module) -> None:
 def test_patch_is_callable_as_attribute() -> None:
     m = _mha(batch_first=True)
     h = attnuq.patch(m, nu=2)
-    assert isinstance(h, attnuq.patch.PatchHandle)
+    assert isinstance(h, attnuq.patching.PatchHandle)
     h.remove()
     assert "forward" not in vars(m)
 
@@ -448,7 +448,7 @@ def test_sdpa_site_with_inline_softmax_path_is_reported() -> None:
                 return F.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None])[:, 0]
             return x
 
-    from attnuq.patch.timm import register_class
+    from attnuq.patching.timm import register_class
 
     register_class(TimmLikeAttention)
     assert find_attention(nn.Sequential(Unregistered(8, 2, fused=False)))[0].backend == "timm"

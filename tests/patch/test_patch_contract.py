@@ -17,7 +17,7 @@ from scipy import stats
 from torch import nn
 
 import attnuq
-from attnuq.patch import find_attention, patch, stochastic
+from attnuq.patching import find_attention, patch, stochastic
 
 _MODELS: dict[str, nn.Module] = {}
 
@@ -147,7 +147,7 @@ def test_state_restored_when_exception_escapes(case: Case) -> None:
         assert_same_state(before, snapshot(m))
     finally:
         hook.remove()
-    from attnuq.patch import sdpa
+    from attnuq.patching import sdpa
 
     assert sdpa._stack() == []
 

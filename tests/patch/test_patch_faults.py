@@ -27,7 +27,7 @@ from _patch_cases import Case, case_params
 from torch import nn
 
 import attnuq
-from attnuq.patch import patch, stochastic
+from attnuq.patching import patch, stochastic
 
 
 def _g(seed: int) -> torch.Generator:
@@ -284,7 +284,7 @@ def test_hf_two_models_any_order_restores_config(order: str, shared: bool, impl:
     later forward of both models raised KeyError."""
     from transformers.modeling_utils import AttentionInterface
 
-    from attnuq.patch.hf import IMPLEMENTATION
+    from attnuq.patching.hf import IMPLEMENTATION
 
     a, b, x = _bert_pair(shared, impl)
     fa, fb = _out(a, x), _out(b, x)
@@ -392,7 +392,7 @@ def test_object_with_custom_state_is_refused_with_a_clear_error() -> None:
 
 
 def test_shared_attribute_with_two_values_at_once_is_refused() -> None:
-    from attnuq.patch._core import set_attr_shared
+    from attnuq.patching._core import set_attr_shared
 
     class Cfg:
         pass

@@ -24,7 +24,7 @@ import torch
 from _patch_cases import Case, Inputs
 from torch import nn
 
-from attnuq.patch import find_attention
+from attnuq.patching import find_attention
 
 # every shared contract test, collected again in this module with the pretrained case below
 for _name, _test in vars(_contract).items():

@@ -1,93 +1,13 @@
-"""Uncertainty baselines behind one interface: ``make_method(name).fit(task).predict(inputs)``.
-
-A :class:`Task` holds the frozen trained model, its data (``train``/``val``/``cal`` batches of
-``(inputs, targets)``), ``forward_fn`` and, for methods that retrain, ``make_model(seed)`` and
-``train_fn``; it is generic over inputs (tensor, tuple, dict) and output shapes (``(B,)``,
-``(B, horizon, channels)``, ``(B, lat, lon)``). ``predict`` returns a
-:class:`~attnuq.predictive.Predictive` (samples ``(S, B, ...)``) or a
-:class:`~attnuq.predictive.GaussianPredictive`; ``method.cost`` books the extra cost.
-
-Registered names (:func:`available_methods`):
-
-============== =============================================================================
-``sa-paper``   stochastic attention, ``nu`` by the paper's ``L_SA`` (BO search)
-``sa-scale``   SA, ``nu`` by matching the perturbation scale to the residual scale
-``sa-crps``    SA, ``nu`` by minimum CRPS
-``sa-conformal`` SA (``L_SA``) + split-conformal scaling on the ``cal`` part
-``mc-dropout`` dropout active at test time on the frozen model
-``ensemble``   deep ensemble of 5 retrained backbones (Gaussian over members)
-``swag``       SWAG around the frozen model (own code; agrees with torch-uncertainty's)
-``multiswag``  SWAG around each of 5 ensemble members
-``ivon``       IVON variational training (``ivon-opt``)
-``laplace``    exact closed-form last-layer Laplace (agrees with laplace-torch)
-``hsa``        Gumbel-softmax attention trained end to end (after Pei et al. 2022)
-``conformal``  split conformal on absolute residuals
-``gaussian``   homoscedastic Gaussian, sigma from validation residuals
-============== =============================================================================
+"""Alias of :mod:`attnuq.methods`, the registry of uncertainty methods (its name until 0.3).
 
 Examples
 --------
->>> from attnuq.baselines import make_method
->>> make_method("sa-crps").criterion
-'crps'
+>>> import attnuq.baselines, attnuq.methods
+>>> attnuq.baselines.make_method is attnuq.methods.make_method
+True
 """
 
-from attnuq.baselines._base import (
-    Cost,
-    Method,
-    PredictiveLike,
-    Task,
-    available_methods,
-    collect,
-    make_method,
-    method_implementation,
-    register_method,
-)
-from attnuq.baselines.calibration import coverage_scale, needed_scales
-from attnuq.baselines.ensemble import DeepEnsemble
-from attnuq.baselines.hsa import HSA, gumbel_attention
-from attnuq.baselines.ivon import IVONMethod
-from attnuq.baselines.laplace import LastLayerLaplace
-from attnuq.baselines.sa import StochasticAttention
-from attnuq.baselines.simple import HomoscedasticGaussian, MCDropout, SplitConformal
-from attnuq.baselines.swag import SWAG, MultiSWAG, SWAGCollector
+from __future__ import annotations
 
-register_method("sa-paper", StochasticAttention, criterion="paper")
-register_method("sa-scale", StochasticAttention, criterion="scale")
-register_method("sa-crps", StochasticAttention, criterion="crps")
-register_method("sa-conformal", StochasticAttention, criterion="paper", conformal=True)
-register_method("mc-dropout", MCDropout)
-register_method("ensemble", DeepEnsemble)
-register_method("swag", SWAG)
-register_method("multiswag", MultiSWAG)
-register_method("ivon", IVONMethod)
-register_method("laplace", LastLayerLaplace)
-register_method("hsa", HSA)
-register_method("conformal", SplitConformal)
-register_method("gaussian", HomoscedasticGaussian)
-
-__all__ = [
-    "HSA",
-    "SWAG",
-    "Cost",
-    "DeepEnsemble",
-    "HomoscedasticGaussian",
-    "IVONMethod",
-    "LastLayerLaplace",
-    "MCDropout",
-    "Method",
-    "MultiSWAG",
-    "PredictiveLike",
-    "SWAGCollector",
-    "SplitConformal",
-    "StochasticAttention",
-    "Task",
-    "available_methods",
-    "collect",
-    "coverage_scale",
-    "gumbel_attention",
-    "make_method",
-    "method_implementation",
-    "needed_scales",
-    "register_method",
-]
+from attnuq.methods import *  # noqa: F403
+from attnuq.methods import __all__ as __all__

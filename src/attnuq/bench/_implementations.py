@@ -1,7 +1,7 @@
 """The "Implementations" block of a results page: which code produced each row.
 
 Rows that are registered methods take their text from the registry
-(:func:`attnuq.baselines.method_implementation`, i.e. each class's ``implementation``
+(:func:`attnuq.methods.method_implementation`, i.e. each class's ``implementation``
 attribute); rows a suite computes itself (a seasonal-naive forecast, a GP) take the suite's own
 text. The scores line says where the metrics come from and how they were checked.
 
@@ -40,7 +40,7 @@ def implementation_lines(rows: Iterable[str], local: Mapping[str, str] | None = 
     local
         Texts for rows the suite computes itself. A name here wins over the registry: a suite
         row may share a registered name without running that class (ETT's ``conformal`` is
-        the suite's per-element residual quantiles, not :class:`~attnuq.baselines.SplitConformal`).
+        the suite's per-element residual quantiles, not :class:`~attnuq.methods.SplitConformal`).
     scores
         A closing line on the metrics (``None``: none).
 
@@ -49,13 +49,13 @@ def implementation_lines(rows: Iterable[str], local: Mapping[str, str] | None = 
     ValueError
         A row that is neither in ``local`` nor registered.
     """
-    from attnuq.baselines import available_methods, method_implementation
+    from attnuq.methods import available_methods, method_implementation
 
     local = dict(local or {})
     known = set(available_methods())
     lines = ["## Implementations", "",
              "Which code produced each row (registered methods: the `implementation` text of "
-             "their class in `src/attnuq/baselines/`, from the code that rendered this page; "
+             "their class in `src/attnuq/methods/`, from the code that rendered this page; "
              "docs/methods.md, section 5):",
              "", "| row | implementation |", "|---|---|"]
     seen: set[str] = set()

@@ -3,9 +3,9 @@
 A suite describes its member recipe as a picklable object with two methods,
 ``make(index) -> nn.Module`` (a fresh, untrained backbone) and
 ``train(model, train, val, index) -> report`` (the backbone's training recipe, in place), the
-same pair an :class:`attnuq.baselines.Task` takes as ``make_model`` / ``train_fn``.
+same pair an :class:`attnuq.methods.Task` takes as ``make_model`` / ``train_fn``.
 :func:`train_members` trains the members ``indices`` that are not yet in the task's member cache
-(``member<index>.pt`` + ``member<index>.json`` with the :class:`~attnuq.baselines.Cost`), either
+(``member<index>.pt`` + ``member<index>.json`` with the :class:`~attnuq.methods.Cost`), either
 one after the other in this process (``jobs=1``) or in ``jobs`` spawned worker processes, each
 with one intra-op thread; the ensemble then reads them from the cache and books their recorded
 training times once (:meth:`Task.member` would also train a missing member inside the
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from attnuq._validation import check_positive_int
-from attnuq.baselines._base import Cost, load_member, save_member
+from attnuq.methods._base import Cost, load_member, save_member
 
 __all__ = [
     "MemberRecipe",
@@ -119,7 +119,7 @@ def _train_one(recipe: MemberRecipe, index: int, member_dir: str,
                single_thread: bool = True) -> tuple[int, float]:
     """Train member ``index`` (one thread in a worker) and write it to the member cache.
 
-    Mirrors the training branch of :meth:`attnuq.baselines.Task.member` (same timing, same files).
+    Mirrors the training branch of :meth:`attnuq.methods.Task.member` (same timing, same files).
     """
     if single_thread:
         torch.set_num_threads(1)
@@ -151,7 +151,7 @@ def train_members(
         Member indices (``>= 1``; member 0 is the frozen backbone and is never trained here).
     member_dir
         The task's member cache: ``member<index>.pt`` (state dict) and ``member<index>.json``
-        (training cost) are written there, where :meth:`attnuq.baselines.Task.member` reads them.
+        (training cost) are written there, where :meth:`attnuq.methods.Task.member` reads them.
     jobs
         Worker processes (``torch.multiprocessing`` spawn context, one thread each). With
         ``jobs=1`` the members are trained in this process, one after the other, with its

@@ -229,9 +229,8 @@ def run(args: argparse.Namespace) -> Path:
     import matplotlib.pyplot as plt
     from tqdm.auto import tqdm
 
-    from attnuq._device import resolve_device
-    from attnuq._runinfo import run_info
-    from attnuq.calibrate import calibrate
+    from attnuq._runtime import resolve_device, run_info
+    from attnuq.calibration import calibrate
 
     torch.set_num_threads(args.threads)
     device = resolve_device(getattr(args, "device", "cpu"))

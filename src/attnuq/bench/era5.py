@@ -312,9 +312,7 @@ def _to_cpu(pred: AnyPred) -> AnyPred:
 def run(args: argparse.Namespace) -> Path:
     """Run the ERA5 suite; returns ``<out>/era5``."""
     import attnuq
-    from attnuq._device import resolve_device
-    from attnuq._runinfo import run_info
-    from attnuq.baselines import Task, coverage_scale, make_method
+    from attnuq._runtime import resolve_device, run_info
     from attnuq.bench._members import (
         check_member_jobs,
         load_or_train_backbone,
@@ -328,6 +326,7 @@ def run(args: argparse.Namespace) -> Path:
         make_examples,
         resolve_era5_path,
     )
+    from attnuq.methods import Task, coverage_scale, make_method
     from attnuq.models.patchtst import predict_batched
     from attnuq.models.vit_field import load_vit_field, save_vit_field
 
@@ -636,7 +635,7 @@ def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, field:
 #: rows this suite computes itself (the others are registered methods: the registry's text)
 _IMPLEMENTATIONS: dict[str, str] = {
     "sa-conformal": "attnuq stochastic attention: sa-paper's nu and test draws, spread scaled by "
-                    "attnuq.baselines.coverage_scale fitted on cal (this suite)",
+                    "attnuq.methods.coverage_scale fitted on cal (this suite)",
     "persistence": "this suite: the field at issue time plus val residual quantiles per (lead, "
                    "grid point)",
     "climatology": "this suite: hour-of-day training climatology plus val residual quantiles per "

@@ -11,7 +11,7 @@ Pipeline (every step is recorded in the JSON written next to the markdown table)
 3. Backbone: ``PatchTSTForPrediction`` trained here with early stopping, written with
    ``save_pretrained`` and read back with ``from_pretrained`` (frozen). The deep ensemble retrains
    the same recipe with other seeds (member 0 is the frozen backbone).
-4. Methods (``attnuq.baselines`` interface): ``sa-paper`` (calibration-first, the paper's
+4. Methods (``attnuq.methods`` interface): ``sa-paper`` (calibration-first, the paper's
    ``L_SA``), ``sa-crps`` (score-first), ``sa-conformal`` (``sa-paper``'s ``nu`` + a conformal
    spread factor on ``cal``), ``mc-dropout``, ``ensemble``, ``swag``; here: ``conformal``
    (split conformal per horizon step and channel) and ``seasonal-naive`` (24 h).
@@ -463,9 +463,7 @@ _METHOD_KEYS: dict[str, tuple[str, ...]] = {
 def run(args: argparse.Namespace) -> Path:
     """Run the ETT suite; returns the results folder ``<out>/ett``."""
     import attnuq
-    from attnuq._device import resolve_device
-    from attnuq._runinfo import run_info
-    from attnuq.baselines import Task, coverage_scale, make_method
+    from attnuq._runtime import resolve_device, run_info
     from attnuq.bench._members import (
         check_member_jobs,
         load_or_train_backbone,
@@ -473,6 +471,7 @@ def run(args: argparse.Namespace) -> Path:
         train_members,
     )
     from attnuq.data.ett import load_ett, resolve_ett_path, seasonal_naive
+    from attnuq.methods import Task, coverage_scale, make_method
     from attnuq.models.patchtst import load_patchtst, predict_batched, save_patchtst
 
     torch.set_num_threads(check_positive_int(args.threads, "threads"))
@@ -834,7 +833,7 @@ def _fmt(v: Any) -> str:
 #: rows this suite computes itself (the others are registered methods: the registry's text)
 _IMPLEMENTATIONS: dict[str, str] = {
     "sa-conformal": "attnuq stochastic attention: sa-paper's nu and test draws, spread scaled by "
-                    "attnuq.baselines.coverage_scale fitted on cal (this suite, `_ScaledPair`)",
+                    "attnuq.methods.coverage_scale fitted on cal (this suite, `_ScaledPair`)",
     "conformal": "this suite (`ResidualQuantiles`): split-conformal quantile of abs(y - f) on cal "
                  "per (horizon step, channel), shape from val residual quantiles; not the "
                  "registry's SplitConformal",

@@ -618,7 +618,7 @@ def _gp_stage(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> Path:
     """Run the suite; return the results folder."""
-    from attnuq._runinfo import run_info
+    from attnuq._runtime import run_info
 
     torch.set_num_threads(max(1, int(args.threads)))
     if args.seeds < 1:
@@ -865,7 +865,7 @@ def _fmt(v: list[float] | None, scale: float = 1.0, digits: int = 3) -> str:
 
 _LEVY = ("attnuq LevyForecaster (attnuq.models.levy_forecaster, LevyAttention), this package's "
          "method")
-#: which code produces each row of the page (no row here is a registered attnuq.baselines method)
+#: which code produces each row of the page (no row here is a registered attnuq.methods method)
 _IMPLEMENTATIONS: dict[str, str] = {
     "levy": _LEVY + ": one pass, closed-form sigma, alpha and T fitted on val",
     "levy_alpha_trained": _LEVY + ", alpha as trained",

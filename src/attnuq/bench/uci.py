@@ -30,7 +30,7 @@ Metrics on the test part (targets in original units for RMSE, width, CRPS and NL
 * ``coverage_native`` / ``width_native``: the method's own central 95 % interval;
 * ``coverage`` / ``width``: after *unified coverage calibration*: every method's interval is
   scaled about its mean by the split-conformal factor computed on the ``cal`` part
-  (:func:`attnuq.baselines.coverage_scale`) so that cal coverage is 95 %; then test coverage and
+  (:func:`attnuq.methods.coverage_scale`) so that cal coverage is 95 %; then test coverage and
   mean width are reported;
 * ``crps``: fair ensemble CRPS for samples, closed form for Gaussians (native distribution);
 * ``nll``: Gaussian NLL; for sample-based methods of a Gaussian fitted to the samples (sample
@@ -184,7 +184,7 @@ def _cache_spec(data: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, dict[str, Any]]:
-    from attnuq.baselines import Task
+    from attnuq.methods import Task
     from attnuq.models.ft import make_ft_transformer, train_regressor
 
     progress = not args.no_progress
@@ -277,7 +277,7 @@ def _scores(pred: Any, y: torch.Tensor, y_std: float, gen: torch.Generator) -> d
 def run_one(method_name: str, task: Any, data: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Fit ``method_name`` on ``task`` and score it on ``data``'s test part."""
     from attnuq import metrics
-    from attnuq.baselines import coverage_scale, make_method
+    from attnuq.methods import coverage_scale, make_method
 
     off = _SEED_STRIDE * _seed(args)
     torch.manual_seed(1234 + data.split + off)
@@ -339,9 +339,9 @@ def _split_to(data: Any, device: torch.device) -> Any:
 
 
 def run(args: argparse.Namespace) -> Path:
-    from attnuq._runinfo import run_info
-    from attnuq.baselines import available_methods
+    from attnuq._runtime import run_info
     from attnuq.data.uci import load_uci, n_splits
+    from attnuq.methods import available_methods
 
     torch.set_num_threads(max(1, int(args.threads)))
     seed = _seed(args)

@@ -1,0 +1,288 @@
+"""The ``attnuq`` command line.
+
+* ``attnuq demo``: train (or reuse) a small FT-Transformer on a bundled UCI set, calibrate ``nu``,
+  predict, compare with MC dropout and write a report folder (``report.html``, PNGs,
+  ``results.json``).
+* ``attnuq bench <suite>``: a benchmark suite (``uci``, ``ett``, ``era5``, ``physionet``,
+  ``calibration``).
+* ``attnuq calibrate MODEL DATA``: calibrate ``nu`` for a user's saved model (a Hugging Face model
+  folder or a ``torch.save``-d module) on a CSV or NPZ file of held-out inputs and targets.
+* ``attnuq report RESULTS_JSON``: (re)write ``report.html`` from a results file.
+
+Bad input ends with a one-line ``attnuq: error: ...`` on stderr and exit status 2: invalid
+options and files, a model that fails on the given data, a model folder without weights or with
+a torn weights file, an ``--out`` that names a file (checked before any work). Set
+``ATTNUQ_TRACEBACK=1`` to see the full traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from attnuq._runtime import version
+
+__all__ = ["build_parser", "main"]
+
+
+class _UserError(Exception):
+    """An error caused by the command's input: printed as one line, exit status 2."""
+
+
+#: errors whose message already says what was wrong with the input (no type name shown)
+_PLAIN = (_UserError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """The error types a command reports as bad input (one line, exit 2), not as a crash.
+
+    Our validation raises ``ValueError`` / ``TypeError`` / ``KeyError``; ``calibrate``
+    documents ``RuntimeError`` (no attention site reached), and a user's model that fails on
+    the user's data raises one too; files bring ``OSError``, ``EOFError``, ``tarfile`` and
+    ``zlib`` errors, and ``safetensors`` its own type; a missing extra is an ``ImportError``.
+    """
+    import tarfile
+    import zlib
+
+    kinds: list[type[BaseException]] = [
+        _UserError, OSError, ValueError, KeyError, TypeError, RuntimeError, EOFError,
+        ImportError, tarfile.TarError, zlib.error,
+    ]
+    st = sys.modules.get("safetensors")  # only a loaded safetensors can have raised
+    err = getattr(st, "SafetensorError", None)
+    if isinstance(err, type) and issubclass(err, BaseException):
+        kinds.append(err)
+    return tuple(kinds)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first non-empty line of ``exc``'s message, with its type unless it is one of ours."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    msg = lines[0] if lines else ""
+    if isinstance(exc, _PLAIN) and msg:
+        return msg
+    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+
+
+def _add_common(p: argparse.ArgumentParser, *, data_dir: bool = True) -> None:
+    if data_dir:
+        p.add_argument(
+            "--data-dir",
+            default=None,
+            help="data root (default: $ATTNUQ_DATA_DIR, else ../shared/data)",
+        )
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument(
+        "--device", default="cpu", help="torch device: cpu, cuda, cuda:N or auto (default: cpu)"
+    )
+
+
+def _add_missing_common(p: argparse.ArgumentParser) -> None:
+    """Give a bench suite ``--seed`` and ``--device`` when it does not define them itself."""
+    have = {opt for action in p._actions for opt in action.option_strings}
+    if "--seed" not in have:
+        p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    if "--device" not in have:
+        p.add_argument(
+            "--device", default="cpu",
+            help="torch device: cpu, cuda, cuda:N or auto (default: cpu)",
+        )
+
+
+def build_parser(load_suite: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser of ``attnuq``; only the bench suite ``load_suite`` is imported."""
+    parser = argparse.ArgumentParser(
+        prog="attnuq", description="Prediction uncertainty from attention layers."
+    )
+    parser.add_argument("--version", action="version", version=f"attnuq {version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    demo = sub.add_parser(
+        "demo",
+        help="train a small FT-Transformer on a bundled data set, calibrate nu, write a report",
+        description="Train (or reuse) a small FT-Transformer on a bundled UCI set, calibrate SA's "
+        "nu on held-out data, predict with intervals, compare with MC dropout and write "
+        "report.html, PNGs and results.json.",
+    )
+    demo.add_argument("--out", default="attnuq-demo", help="report folder (default: attnuq-demo)")
+    demo.add_argument("--dataset", default="concrete", help="UCI set name (default: concrete)")
+    demo.add_argument("--split", type=int, default=0, help="standard split index (default: 0)")
+    demo.add_argument("--retrain", action="store_true", help="retrain even if a model is cached")
+    demo.add_argument(
+        "--max-epochs", type=int, default=100, help="training epochs at most (default: 100)"
+    )
+    demo.add_argument(
+        "--n-blocks", type=int, default=1, help="FT-Transformer blocks (default: 1)"
+    )
+    demo.add_argument(
+        "--n-samples", type=int, default=100, help="stochastic passes for prediction (default: 100)"
+    )
+    _add_common(demo)
+    demo.set_defaults(data_dir="bundled")
+
+    bench = sub.add_parser("bench", help="run a benchmark suite (uci, ett, era5, physionet, ...)")
+    bench_sub = bench.add_subparsers(dest="suite", metavar="SUITE")
+    bench_sub.required = True
+    from attnuq.bench import SUITES, get_suite
+
+    for name in SUITES:
+        if name != load_suite:  # suites import their extras lazily: only the one asked for
+            p = bench_sub.add_parser(name, help=f"see: attnuq bench {name} --help")
+            continue
+        try:
+            suite = get_suite(name)
+        except ImportError as exc:  # extras missing: listed, but refuses to run
+            p = bench_sub.add_parser(name, help=f"(unavailable: {exc})")
+            p.set_defaults(_unavailable=str(exc))
+            continue
+        p = bench_sub.add_parser(name, help=suite.help, description=suite.help)
+        suite.add_arguments(p)
+        _add_missing_common(p)
+        p.set_defaults(_run=suite.run)
+
+    cal = sub.add_parser(
+        "calibrate",
+        help="calibrate nu for a saved model on held-out data",
+        description="Calibrate stochastic attention's nu for a saved model. MODEL: a Hugging Face "
+        "model folder (config.json + weights) or a file written by torch.save(module). DATA: an "
+        ".npz file with arrays 'x' (or several named input arrays passed as keyword arguments) "
+        "and 'y', or a .csv file whose --target columns are the targets and whose other columns "
+        "are the inputs.",
+    )
+    cal.add_argument("model", help="Hugging Face model folder or torch.save()d module file")
+    cal.add_argument("data", help="held-out data: .npz (x, y) or .csv")
+    cal.add_argument(
+        "--target", action="append", default=None,
+        help="CSV target column (repeatable; default: the last column)",
+    )
+    cal.add_argument(
+        "--output-key", default=None,
+        help="field of a model output object holding the prediction (default: the first tensor);"
+        " with --head, the hidden states fed to the head (default: last_hidden_state)",
+    )
+    cal.add_argument(
+        "--head", default=None, metavar="FILE",
+        help="torch.save()d head applied to MODEL's pooled embedding: an nn.Module, or a linear "
+        "head's state dict {'weight': (K, D), 'bias': (K,)}",
+    )
+    cal.add_argument(
+        "--pool", default="mean", choices=["mean", "cls", "none"],
+        help="pooling before --head: attention-mask-weighted mean over tokens, the first token, "
+        "or none (the field is already (B, D)); default: mean",
+    )
+    cal.add_argument(
+        "--criterion", default="paper", choices=["paper", "scale", "crps", "coverage"],
+        help="calibration criterion (default: paper)",
+    )
+    cal.add_argument("--search", default="bo", choices=["bo", "grid"], help="default: bo")
+    cal.add_argument("--n-passes", type=int, default=10, help="passes per input (default: 10)")
+    cal.add_argument("--batch-size", type=int, default=64, help="default: 64")
+    cal.add_argument("--out", default="attnuq-calibration", help="report folder")
+    _add_common(cal, data_dir=False)
+
+    rep = sub.add_parser(
+        "report", help="write report.html from a results.json",
+        description="Render a self-contained report.html (figures embedded) from a results.json.",
+    )
+    rep.add_argument("results", help="path to results.json")
+    rep.add_argument("--out", default=None, help="HTML file (default: beside results.json)")
+    return parser
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from attnuq.cli._demo import run_demo
+
+    out = run_demo(
+        out_dir=args.out,
+        dataset=args.dataset,
+        split=args.split,
+        data_dir=args.data_dir,
+        seed=args.seed,
+        device=args.device,
+        retrain=args.retrain,
+        max_epochs=args.max_epochs,
+        n_blocks=args.n_blocks,
+        n_samples=args.n_samples,
+    )
+    print(f"report written to {out / 'report.html'}")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from attnuq.cli._calibrate import calibrate_saved_model
+
+    out = calibrate_saved_model(args)
+    print(f"calibration report written to {out}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from attnuq.report import render_report
+
+    out = render_report(args.results, args.out)
+    print(f"report written to {out}")
+    return 0
+
+
+#: options naming a folder a command writes into, and options naming a file it writes
+_OUT_DIRS = ("out", "model_dir", "cache_dir")
+_OUT_FILES = ("table", "md")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse output paths that cannot be written, before any work (training, calibration).
+
+    A folder option (``--out``, ``--model-dir``, ``--cache-dir``; ``report --out`` is a file)
+    that names an existing file, or a file option (``--table``, ``--md``) that names a folder.
+    """
+    from attnuq._io import check_out_dir
+
+    dirs = [o for o in _OUT_DIRS if not (o == "out" and args.command == "report")]
+    for opt in dirs:
+        val = getattr(args, opt, None)
+        if isinstance(val, str) and val:
+            check_out_dir(val, "--" + opt.replace("_", "-"))
+    files = [*_OUT_FILES, *(["out"] if args.command == "report" else [])]
+    for opt in files:
+        val = getattr(args, opt, None)
+        if isinstance(val, str) and val and Path(val).is_dir():
+            raise _UserError(f"--{opt.replace('_', '-')} {val!r} is a folder; name the file")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``attnuq`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    load = argv[1] if len(argv) >= 2 and argv[0] == "bench" else None
+    parser = build_parser(load)
+    args = parser.parse_args(argv)
+    try:
+        if getattr(args, "device", None) is not None:
+            from attnuq._runtime import resolve_device
+
+            args.device = str(resolve_device(args.device))
+        _check_outputs(args)
+        if args.command == "demo":
+            return _cmd_demo(args)
+        if args.command == "calibrate":
+            return _cmd_calibrate(args)
+        if args.command == "report":
+            return _cmd_report(args)
+        if args.command == "bench":
+            if getattr(args, "_unavailable", None):
+                raise _UserError(f"suite {args.suite!r} unavailable: {args._unavailable}")
+            if not hasattr(args, "_run"):
+                raise _UserError(f"suite {args.suite!r} could not be loaded")
+            out = args._run(args)
+            print(f"results written to {Path(out)}")
+            return 0
+    except _input_errors() as exc:
+        if os.environ.get("ATTNUQ_TRACEBACK", "") not in ("", "0"):
+            raise
+        print(f"attnuq: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {args.command!r}")
+    return 2

@@ -1,0 +1,7 @@
+"""``python -m attnuq.cli``: the ``attnuq`` command."""
+
+import sys
+
+from attnuq.cli import main
+
+sys.exit(main())

@@ -1,0 +1,177 @@
+"""Stochastic attention (SA) on the frozen model, as a baseline-interface method.
+
+``fit``: ``nu`` is chosen with :func:`attnuq.calibrate` on the validation part (criterion
+``"paper"`` -- the paper's ``L_SA`` --, ``"scale"``, ``"crps"`` or ``"coverage"``; search
+``"bo"`` by default). ``predict``: ``n_samples`` stochastic passes with :func:`attnuq.predict`
+give samples ``(S, B, ...)`` with the frozen output attached; a custom ``forward_fn`` is
+wrapped in a module whose ``forward(inputs)`` calls it, so any input form works.
+
+``conformal=True`` adds a split-conformal step on the ``cal`` part: the SA spread about its mean
+is scaled by the conformal factor of :func:`attnuq.methods.calibration.coverage_scale`
+(normalised by the SA interval), which gives finite-sample coverage ``>= 1 - alpha`` of the
+central interval at ``level = 1 - alpha``.
+
+Examples
+--------
+>>> from attnuq.methods import make_method
+>>> m = make_method("sa-conformal")
+>>> m.criterion, m.conformal
+('paper', True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnuq._validation import check_positive_int
+from attnuq.methods._base import Cost, Method, PredictiveLike, Task
+from attnuq.methods.calibration import coverage_scale
+from attnuq.models.ft import default_forward
+from attnuq.predictive import Predictive
+
+__all__ = ["StochasticAttention"]
+
+_CRITERIA = ("paper", "scale", "crps", "coverage")
+
+
+class StochasticAttention(Method):
+    """SA with ``nu`` calibrated by ``criterion``; optionally conformalised on ``cal``.
+
+    ``fit`` runs :func:`attnuq.calibrate` on the task's ``val`` part (``calibrate_kwargs`` such
+    as ``nu_range`` or ``max_evals`` are passed on) and, with ``conformal=True``, fits the
+    spread factor on ``cal``. :meth:`predict` returns a :class:`~attnuq.predictive.Predictive`
+    with samples ``(n_samples, B, ...)`` and the frozen output ``(B, ...)``; each sample is one
+    forward pass with every attention made stochastic with ``nu`` draws.
+
+    Examples
+    --------
+    A one-layer transformer encoder with outputs ``(B, L, 4)`` (tiny budgets for speed):
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from attnuq.methods import Task
+    >>> _ = torch.manual_seed(0)
+    >>> layer = nn.TransformerEncoderLayer(4, 1, 8, dropout=0.0, batch_first=True)
+    >>> net = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+    >>> x = torch.randn(16, 3, 4)
+    >>> with torch.no_grad():
+    ...     y = net(x) + 0.1 * torch.randn(16, 3, 4)
+    >>> sa = StochasticAttention(criterion="scale", conformal=True, alpha=0.1, n_samples=8,
+    ...                          n_passes=2, max_evals=2, nu_range=(1, 64), progress=False)
+    >>> sa = sa.fit(Task(model=net, train=(x, y), val=(x, y), cal=(x, y)))
+    >>> 1 <= sa.nu <= 64, sa.scale > 0
+    (True, True)
+    >>> pred = sa.predict(x[:2])
+    >>> pred.samples.shape, pred.frozen.shape
+    (torch.Size([8, 2, 3, 4]), torch.Size([2, 3, 4]))
+    """
+
+    implementation = "attnuq stochastic attention (the method of this package)"
+
+    def __init__(
+        self,
+        criterion: str = "paper",
+        conformal: bool = False,
+        alpha: float = 0.05,
+        n_samples: int = 100,
+        search: str = "bo",
+        n_passes: int = 10,
+        seed: int = 0,
+        progress: bool = True,
+        **calibrate_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if criterion not in _CRITERIA:
+            raise ValueError(f"criterion must be one of {_CRITERIA}, got {criterion=!r}")
+        if not 0 < alpha < 1:
+            raise ValueError(f"alpha must lie in (0, 1), got {alpha=}")
+        self.criterion = criterion
+        self.conformal = bool(conformal)
+        self.alpha = float(alpha)
+        self.n_samples = check_positive_int(n_samples, "n_samples")
+        self.search = search
+        self.n_passes = check_positive_int(n_passes, "n_passes")
+        self.seed = int(seed)
+        self.progress = bool(progress)
+        self.calibrate_kwargs = calibrate_kwargs
+        self.nu: int | None = None
+        self.scale: float = 1.0
+        self.report: Any = None
+
+    def _fit(self, task: Task) -> Cost | None:
+        from attnuq.calibration import calibrate
+
+        model = _sa_model(task)
+        self.report = calibrate(
+            model, task.val, criterion=self.criterion, search=self.search,  # type: ignore[arg-type]
+            n_passes=self.n_passes, seed=self.seed, progress=self.progress,
+            **self.calibrate_kwargs,
+        )
+        self.nu = int(self.report.nu)
+        # passes over the validation part (1 frozen + n_passes per evaluated nu) x examples
+        self.cost.fit_forward += int(self.report.forward_passes) * int(self.report.n_examples)
+        self.scale = 1.0
+        if self.conformal:
+            preds, ys = [], []
+            for inputs, targets in task.cal:
+                preds.append(self._sa(task, inputs))
+                ys.append(targets)
+            pred = Predictive(samples=torch.cat([p.samples for p in preds], dim=1))
+            self.scale = coverage_scale(pred, torch.cat(ys), level=1.0 - self.alpha)
+            self.cost.fit_forward += self.n_samples * sum(len(y) for y in ys)
+        return None
+
+    def _sa(self, task: Task, inputs: Any) -> Predictive:
+        # NOTE: ``attnuq.predict`` is shadowed by the submodule ``attnuq.predict`` once that is
+        # imported, so import the function from its module.
+        from attnuq.prediction import predict
+
+        assert self.nu is not None
+        pred = predict(_sa_model(task), inputs, nu=self.nu, n_samples=self.n_samples,
+                       seed=self.seed, progress=False)
+        return Predictive(samples=pred.samples, frozen=pred.frozen)
+
+    def _predict(self, task: Task, inputs: Any) -> tuple[PredictiveLike, int]:
+        pred = self._sa(task, inputs)
+        if self.scale != 1.0:
+            pred = pred.scaled(self.scale)
+        return pred, self.n_samples
+
+    def info(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"nu": self.nu, "conformal_scale": self.scale}
+        if self.report is not None:
+            out["calibration_passes"] = int(self.report.forward_passes)
+            out["calibration_seconds"] = float(self.report.wall_time)
+            out["evaluated_nu"] = [int(e.nu) for e in self.report.evaluations]
+        return out
+
+
+class _ForwardModule(nn.Module):
+    """``forward(inputs) = forward_fn(model, inputs)``, so SA code calling ``module(inputs)``
+    (tensor, ``*tuple`` or ``**dict``) sees the task's prediction; the attention modules of
+    ``model`` stay reachable as submodules for patching."""
+
+    def __init__(self, model: nn.Module, forward_fn: Callable[[nn.Module, Any], torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self.forward_fn = forward_fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs:
+            inputs: Any = kwargs
+        elif len(args) == 1:
+            inputs = args[0]
+        else:
+            inputs = args
+        return self.forward_fn(self.model, inputs)
+
+
+def _sa_model(task: Task) -> nn.Module:
+    model = task.model.eval()
+    if task.forward_fn is default_forward:
+        return model
+    return _ForwardModule(model, task.forward_fn).eval()

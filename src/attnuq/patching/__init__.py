@@ -1,0 +1,36 @@
+"""Make the attention of a frozen model stochastic for the length of a block.
+
+``with attnuq.stochastic(model, nu=8, seed=0): ...`` or ``handle = attnuq.patch(model, nu=8);
+handle.remove()``. Backends (one module each, hooked the way each library allows):
+
+* :mod:`~attnuq.patching.hf` -- Hugging Face transformers 5.x, via ``AttentionInterface`` and
+  ``AttentionMaskInterface``;
+* :mod:`~attnuq.patching.mha` -- ``torch.nn.MultiheadAttention`` (including the fused fast path of
+  ``nn.TransformerEncoder`` in eval mode);
+* :mod:`~attnuq.patching.rtdl` -- rtdl-revisiting-models FT-Transformer;
+* :mod:`~attnuq.patching.timm` -- timm ``Attention`` and Swin ``WindowAttention`` (fused and
+  unfused paths);
+* :mod:`~attnuq.patching.sdpa` -- any module whose forward calls ``F.scaled_dot_product_attention``.
+
+:func:`find_attention` lists what was found and what cannot be patched, with the reason.
+
+``attnuq.patching`` is both this subpackage and the function :func:`patch`: once the subpackage is
+imported, Python binds ``attnuq.patching`` to the module, so the module itself is made callable
+(calling it calls :func:`patch`).
+"""
+
+import sys
+import types
+from typing import Any
+
+from attnuq.patching._core import AttentionSite, PatchHandle, find_attention, patch, stochastic
+
+__all__ = ["AttentionSite", "PatchHandle", "find_attention", "patch", "stochastic"]
+
+
+class _CallablePackage(types.ModuleType):
+    def __call__(self, *args: Any, **kwargs: Any) -> PatchHandle:
+        return patch(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage
