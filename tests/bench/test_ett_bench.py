@@ -75,6 +75,15 @@ def test_stream_scores_match_direct_metrics() -> None:
         StreamScores().result()
 
 
+def test_committed_page_regenerates_from_its_json() -> None:
+    """docs/results/ett.md is byte for byte what ``render`` makes of ett/ett_results.json."""
+    from attnuq.bench.ett import render
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "results"
+    stored = json.loads((docs / "ett" / "ett_results.json").read_text())
+    assert render(stored) == (docs / "ett.md").read_text()
+
+
 def _tiny_csv(path: Path, n: int = 520) -> Path:
     rng = np.random.default_rng(0)
     df = pd.DataFrame({"date": pd.date_range("2021-01-01", periods=n, freq="h")})
@@ -118,6 +127,13 @@ def test_bench_ett_end_to_end(tmp_path: Path) -> None:
     assert res["seasonal-naive-point"]["mse"] == pytest.approx(sn, rel=1e-6)
     md = (out / "ett.md").read_text()
     assert "attnuq bench ett" in md and "machine:" in md and "| sa-conformal |" in md
+    # the page is a pure function of the JSON, Implementations block included
+    from attnuq.bench.ett import render
+
+    assert render(js) == md
+    assert [r[0] for r in js["implementations"]["rows"]] == [
+        "sa-paper", "sa-crps", "sa-conformal", "mc-dropout", "ensemble", "swag", "conformal",
+        "seasonal-naive"]
     assert (out / "ett" / "ett_fan_ot.png").stat().st_size > 1000
     # resume: nothing left to run, the table is rewritten from the stored results
     assert main([*argv, "--resume", "--methods", "conformal,seasonal-naive",

@@ -795,12 +795,12 @@ def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, data: 
         "backbone": {"n_params": n_params, "attention_sites": sites, "train": train_report},
         "results": results,
         "fan_chart": {"channel": data.columns[ot], "window_index": list(fan_idx), **fans},
+        "implementations": _implementations(results),
     }
     atomic_write_json(res_dir / "ett_results.json", payload, indent=1)
     if fans and final:  # drawing is slow on a busy core: once, at the end
         _fan_plot(res_dir / "ett_fan_ot.png", fans, xte, yte, fan_idx, ot, data)
-    md = _markdown(payload, res_dir)
-    atomic_write_text(res_dir.parent / "ett.md", md)
+    atomic_write_text(res_dir.parent / "ett.md", render(payload))
 
 
 def _ensemble_text(c: dict[str, Any], res: dict[str, Any]) -> str:
@@ -842,7 +842,42 @@ _IMPLEMENTATIONS: dict[str, str] = {
 }
 
 
-def _markdown(p: dict[str, Any], res_dir: Path) -> str:
+def _scored(res: dict[str, Any]) -> dict[str, Any]:
+    """The table's rows: the scored methods, in table order."""
+    return {k: res[k] for k in ALL_METHODS if k in res and "crps" in res[k]}
+
+
+def _implementations(res: dict[str, Any]) -> dict[str, Any]:
+    """The Implementations block of the scored rows, as text to store with the results."""
+    from attnuq.bench._implementations import implementation_lines
+
+    names = list(_scored(res))
+    lines = implementation_lines(names, local=_IMPLEMENTATIONS)
+    rows = [[k, x[len(f"| {k} | "):-2]] for k, x in zip(names, lines[6:], strict=False)]
+    return {"intro": lines[2], "rows": rows, "scores": lines[-2]}
+
+
+def _implementation_lines(block: dict[str, Any]) -> list[str]:
+    """The stored Implementations block as page lines."""
+    return ["## Implementations", "", block["intro"], "", "| row | implementation |",
+            "|---|---|", *[f"| {row} | {text} |" for row, text in block["rows"]], "",
+            block["scores"]]
+
+
+def render(p: dict[str, Any]) -> str:
+    """The markdown page ``ett.md``: a pure function of the stored ``ett_results.json``.
+
+    Examples
+    --------
+    The committed page of the checkout is what this makes of the committed JSON:
+
+    >>> import json
+    >>> from pathlib import Path
+    >>> docs = Path(__file__).resolve().parents[3] / "docs" / "results"
+    >>> stored = json.loads((docs / "ett" / "ett_results.json").read_text())
+    >>> render(stored) == (docs / "ett.md").read_text()
+    True
+    """
     r, c, d, b = p["run"], p["config"], p["data"], p["backbone"]
     tr = b["train"]
     res = p["results"]
@@ -859,7 +894,8 @@ def _markdown(p: dict[str, Any], res_dir: Path) -> str:
           f"({m['date']}), same config, merged from its JSON" for m in r.get("merged_runs", [])
           if m["methods"]],
         f"* data: `{Path(d['file']).name}`, {d['split_rule']}; borders (rows, val/test include "
-        f"the {c['context']}-row context overlap): {d['borders']}",
+        f"the {c['context']}-row context overlap): "
+        f"{ {k: tuple(v) for k, v in d['borders'].items()} }",
         f"* test windows scored: {d['n_test_windows']} of {d['n_test_windows_all']} "
         f"(stride {c['test_stride']}), horizon {c['horizon']}, all {len(d['columns'])} channels;"
         " metrics on the train-standardised scale",
@@ -891,7 +927,7 @@ def _markdown(p: dict[str, Any], res_dir: Path) -> str:
         "nu | fit s | predict s | passes/input |",
         "|---|" + "---|" * 11,
     ]
-    scored = {k: res[k] for k in ALL_METHODS if k in res and "crps" in res[k]}
+    scored = _scored(res)
     for name, v in scored.items():
         lines.append(
             f"| {name} | " + " | ".join(_fmt(v.get(k)) for k in _COLS[:6]) + " | "
@@ -913,9 +949,7 @@ def _markdown(p: dict[str, Any], res_dir: Path) -> str:
                 beaten = [k for k in scored if k != sa and scored[k]["crps"] < scored[sa]["crps"]]
                 lines.append(f"* {sa} CRPS is beaten by: {', '.join(beaten) or 'none'}.")
     if scored:
-        from attnuq.bench._implementations import implementation_lines
-
-        lines += ["", *implementation_lines(scored, local=_IMPLEMENTATIONS)[:-1]]
+        lines += ["", *_implementation_lines(p["implementations"])]
     notes = c.get("note") or []
     if notes:
         lines += ["", "Notes:", *[f"* {n}" for n in notes]]
