@@ -4,6 +4,22 @@ A suite module calls :func:`register` at import time with a function
 ``run(args: argparse.Namespace) -> pathlib.Path`` (returning the results folder) and a function
 ``add_arguments(parser)`` adding its own options. The CLI imports every module listed in
 ``SUITES`` lazily, so a suite whose extras are missing fails only when it is asked for.
+
+Each suite is data + backbone + config on a shared spine (no suite imports another):
+
+* :mod:`attnuq.bench._runner`: the method loop over (group, method) items chosen by name, one
+  JSON per finished item written atomically, reused when its config matches (resume and merge),
+  provenance per record;
+* :mod:`attnuq.bench._scoring`: the shared scores (:class:`~attnuq.bench._scoring.StreamScores`,
+  :func:`~attnuq.bench._scoring.sample_scores`);
+* :mod:`attnuq.bench._page`: the results page object writing the markdown page and its JSON
+  twin (title, provenance, headline lines, tables as data, Implementations block, the render
+  state), the one number formatter, and ``docs/results/summary.json``;
+* :mod:`attnuq.bench._implementations`: the Implementations block, stored with the results;
+* :mod:`attnuq.bench._members`: ensemble members and backbone caching.
+
+Every suite module also has ``render_page(out, table) -> Page``: the page built from the stored
+JSON alone (no training, no writes), used by ``--render-only`` and by the page-regeneration test.
 """
 
 from __future__ import annotations

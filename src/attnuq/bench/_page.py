@@ -1,0 +1,299 @@
+"""The results page of a suite: one object writes the markdown page and its JSON twin.
+
+A suite builds a :class:`Page` line by line, in page order: the title, the provenance header
+(:meth:`Page.provenance`: command, date, machine), free text, section headings, tables
+(:class:`Table`), headline lines (:meth:`Page.headline`: the lines the README copies), and the
+Implementations block (:meth:`Page.implementations`, a stored block of
+:mod:`attnuq.bench._implementations`). :meth:`Page.write` writes ``<page>.md`` and the twin
+``<page>.json`` atomically. The twin holds the title, the provenance, the headline lines (or
+table), every table as data (columns, formatted cells and, where the suite gives them, the raw
+numbers), the Implementations block and the suite's ``state``: what its render path needs,
+beside the stored run JSON, to write the same page again (``attnuq bench <suite>
+--render-only``). ``scripts/update_readme_results.py`` reads the README headline from the twins.
+
+Numbers on every page go through one formatter, :func:`fmt`.
+
+:func:`update_summary` writes one suite's key of ``docs/results/summary.json`` (issue #19's
+machine-readable summary) and leaves the other suites' keys as they are.
+
+Examples
+--------
+>>> page = Page("demo", "Demo: two methods")
+>>> page.provenance({"command": "attnuq bench demo", "date": "d", "machine": "m"})
+>>> page.section("Scores")
+>>> t = Table(["method", "CRPS"])
+>>> t.add("sa-paper", fmt(0.12345), values={"crps": 0.12345})
+>>> page.table(t)
+>>> page.headline("Best CRPS: **sa-paper**.")
+>>> print(page.markdown())
+# Demo: two methods
+<BLANKLINE>
+* command: `attnuq bench demo`
+* date: d
+* machine: m
+## Scores
+<BLANKLINE>
+| method | CRPS |
+|---|---|
+| sa-paper | 0.1235 |
+Best CRPS: **sa-paper**.
+<BLANKLINE>
+>>> twin = page.to_dict()
+>>> twin["headline"], twin["sections"][0]["tables"][0]["values"]
+(['Best CRPS: **sa-paper**.'], [{'crps': 0.12345}])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from attnuq._io import atomic_write_json, atomic_write_text, read_json_or_none
+
+__all__ = ["Page", "Table", "fmt", "read_twin", "twin_path", "update_summary"]
+
+#: keys every JSON twin has
+TWIN_KEYS = ("suite", "title", "provenance", "headline", "headline_table", "sections",
+             "implementations", "state")
+
+
+def fmt(value: Any, digits: int = 4, *, std: float | None = None, scale: float = 1.0,
+        missing: str = "-", nan: str | None = None, big: float | None = 1000.0) -> str:
+    """The one number formatter of the results pages.
+
+    Parameters
+    ----------
+    value
+        A number, ``None`` (shown as ``missing``) or anything else (shown as ``str(value)``;
+        ints and bools are shown as they are).
+    digits
+        Decimals of a float (and of ``std``).
+    std
+        When given: ``"mean ± std"`` (both times ``scale``, ``digits`` decimals).
+    scale
+        Factor applied to ``value`` and ``std`` before formatting (e.g. ``1e3`` for a column
+        headed ``x1e-3``).
+    missing
+        Text for ``None``.
+    nan
+        Text for a non-finite float (``None``: Python's own ``nan``/``inf``/``-inf``).
+    big
+        Floats with ``abs(value) >= big`` get one decimal (``None``: never).
+
+    Examples
+    --------
+    >>> fmt(0.123456), fmt(12345.678), fmt(None), fmt(36), fmt(float("inf"))
+    ('0.1235', '12345.7', '-', '36', 'inf')
+    >>> fmt(3.5621, 3, std=0.8251, big=None), fmt(float("nan"), 3, std=0.1, nan="n/a")
+    ('3.562 ± 0.825', 'n/a')
+    >>> fmt(0.006905, 3, scale=1e3, big=None)
+    '6.905'
+    """
+    if isinstance(digits, bool) or not isinstance(digits, int) or digits < 0:
+        raise ValueError(f"digits must be an int >= 0, got {digits=!r}")
+    if value is None:
+        return missing
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int) and std is None and scale == 1.0:
+        return str(value)
+    v = float(value) * scale
+    if not math.isfinite(v):
+        return str(float(value)) if nan is None else nan
+    if std is not None:
+        return f"{v:.{digits}f} ± {float(std) * scale:.{digits}f}"
+    if big is not None and abs(v) >= big:
+        return f"{v:.1f}"
+    return f"{v:.{digits}f}"
+
+
+class Table:
+    """A markdown table: header ``columns``, rows of formatted cells, optional raw numbers.
+
+    ``spaced=True`` writes the separator row as ``| --- | --- |`` (else ``|---|---|``).
+    ``values`` (one dict per row, optional) go into the JSON twin beside the cells.
+
+    >>> t = Table(["a", "b"], spaced=True)
+    >>> t.add("x", "1")
+    >>> t.lines()
+    ['| a | b |', '| --- | --- |', '| x | 1 |']
+    """
+
+    def __init__(self, columns: Sequence[str], *, spaced: bool = False) -> None:
+        if not columns:
+            raise ValueError("a table needs at least one column")
+        self.columns = [str(c) for c in columns]
+        self.spaced = spaced
+        self.rows: list[list[str]] = []
+        self.values: list[dict[str, Any] | None] = []
+
+    def add(self, *cells: str, values: Mapping[str, Any] | None = None) -> None:
+        """Append one row (``len(cells) == len(columns)``), with its raw numbers if given."""
+        if len(cells) != len(self.columns):
+            raise ValueError(f"row has {len(cells)} cells, the table {len(self.columns)} "
+                             f"columns: {cells!r}")
+        self.rows.append([str(c) for c in cells])
+        self.values.append(None if values is None else dict(values))
+
+    def lines(self) -> list[str]:
+        sep = ("| " + " | ".join("---" for _ in self.columns) + " |" if self.spaced
+               else "|" + "---|" * len(self.columns))
+        return ["| " + " | ".join(self.columns) + " |", sep,
+                *["| " + " | ".join(r) + " |" for r in self.rows]]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"columns": self.columns, "rows": self.rows}
+        if any(v is not None for v in self.values):
+            out["values"] = self.values
+        return out
+
+
+class Page:
+    """A results page under construction (see the module docstring).
+
+    Parameters
+    ----------
+    suite
+        The suite's name (``uci``, ``ett``, ...), recorded in the twin.
+    title
+        The page title (the ``# `` heading and the README's bold title).
+    state
+        What the suite's render path needs to write this page again from the stored run JSON
+        (e.g. the command's budget); stored in the twin as is (must be JSON-serialisable).
+    """
+
+    def __init__(self, suite: str, title: str, *, state: Mapping[str, Any] | None = None
+                 ) -> None:
+        if not suite or not title:
+            raise ValueError(f"suite and title must be non-empty, got {suite=!r}, {title=!r}")
+        self.suite, self.title = suite, title
+        self.state: dict[str, Any] = dict(state or {})
+        self.lines: list[str] = [f"# {title}", ""]
+        self.prov: dict[str, Any] = {}
+        self.heads: list[str] = []
+        self.head_table: list[str] | None = None
+        self.sections: list[dict[str, Any]] = [{"heading": None, "tables": []}]
+        self.impl: dict[str, Any] | None = None
+
+    # -- building ---------------------------------------------------------------------------
+    def add(self, *lines: str) -> None:
+        """Append text lines as they are (``""`` is a blank line)."""
+        self.lines += [str(x) for x in lines]
+
+    def provenance(self, info: Mapping[str, Any], *, label: str = "command") -> None:
+        """The header lines ``* <label>: `command```, ``* date: ...``, ``* machine: ...``.
+
+        ``info`` is :func:`attnuq._runtime.run_info`'s dict (or the stored one of an earlier
+        run); it is recorded as the twin's ``provenance``.
+        """
+        missing = [k for k in ("command", "date", "machine") if k not in info]
+        if missing:
+            raise ValueError(f"provenance lacks {missing}: {dict(info)!r}")
+        self.prov = dict(info)
+        self.add(f"* {label}: `{info['command']}`", f"* date: {info['date']}",
+                 f"* machine: {info['machine']}")
+
+    def section(self, heading: str, *, blank: bool = True) -> None:
+        """A ``## heading`` line (and a blank line after it unless ``blank=False``)."""
+        self.add(f"## {heading}", *([""] if blank else []))
+        self.sections.append({"heading": heading, "tables": []})
+
+    def table(self, table: Table, *, headline: bool = False) -> None:
+        """Append ``table``; ``headline=True`` makes it the README's headline table."""
+        self.add(*table.lines())
+        self.sections[-1]["tables"].append(table.to_dict())
+        if headline:
+            self.head_table = table.lines()
+
+    def headline(self, text: str, *, readme: str | None = None) -> None:
+        """Append the line ``text`` and record it as a README headline (as ``readme`` if given:
+        e.g. prefixed with the section it belongs to)."""
+        self.add(text)
+        self.heads.append(text if readme is None else readme)
+
+    def implementations(self, block: Mapping[str, Any], *, trailing_blank: bool = True) -> None:
+        """Append a stored Implementations block (:func:`~attnuq.bench._implementations.
+        block_lines`), recorded in the twin; ``trailing_blank=False`` drops its last blank."""
+        from attnuq.bench._implementations import block_lines
+
+        lines = block_lines(block)
+        self.add(*(lines if trailing_blank else lines[:-1]))
+        self.impl = dict(block)
+
+    # -- output -----------------------------------------------------------------------------
+    def markdown(self, *, end: str = "\n") -> str:
+        """The page text: the lines joined by newlines, then ``end``."""
+        return "\n".join(self.lines) + end
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON twin (keys :data:`TWIN_KEYS`)."""
+        return {"suite": self.suite, "title": self.title, "provenance": self.prov,
+                "headline": self.heads, "headline_table": self.head_table,
+                "sections": [s for s in self.sections if s["heading"] is not None or s["tables"]],
+                "implementations": self.impl, "state": self.state}
+
+    def write(self, md: str | Path, twin: str | Path | None = None, *, end: str = "\n") -> Path:
+        """Write the page to ``md`` and its twin to ``twin`` (default: ``md`` with ``.json``),
+        both atomically; returns ``md``."""
+        md = Path(md)
+        atomic_write_json(twin_path(md) if twin is None else Path(twin), self.to_dict(),
+                          indent=1, default=float)
+        atomic_write_text(md, self.markdown(end=end))
+        return md
+
+
+def twin_path(md: str | Path) -> Path:
+    """The JSON twin of the page ``md``: the same path with ``.json``.
+
+    >>> twin_path("docs/results/uci.md").as_posix()
+    'docs/results/uci.json'
+    """
+    md = Path(md)
+    if md.suffix != ".md":
+        raise ValueError(f"a results page ends in .md, got {str(md)!r}")
+    return md.with_suffix(".json")
+
+
+def _valid_twin(t: Any) -> bool:
+    return isinstance(t, dict) and all(k in t for k in TWIN_KEYS)
+
+
+def read_twin(md: str | Path) -> dict[str, Any] | None:
+    """The JSON twin of the page ``md``, or ``None`` when there is none (a torn or invalid one:
+    ``None`` with a :class:`~attnuq._io.CorruptFileWarning`)."""
+    return read_json_or_none(twin_path(md), "results page twin", validate=_valid_twin)
+
+
+#: the keys issue #19 names per method (lower is better except coverage)
+SUMMARY_METRICS = ("rmse", "mse", "crps", "pi95_width_cal", "coverage95_native", "w1_native")
+
+
+def update_summary(path: str | Path, suite: str, datasets: Mapping[str, Any]) -> Path:
+    """Set ``suite``'s key of the summary JSON at ``path`` to ``datasets``; keep the others.
+
+    ``datasets`` maps a data set name to ``{"backbone": {"metric": "rmse" | "mse", "value",
+    "reference", "reference_name"}, "splits": int, "methods": {method: {metric: float}}}``
+    (issue #19). Written atomically; a torn file is rebuilt with this suite's key only.
+
+    Examples
+    --------
+    >>> import tempfile, json, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "summary.json"
+    >>> entry = {"a": {"backbone": {"metric": "rmse", "value": 1.0, "reference": None,
+    ...                "reference_name": None}, "splits": 1, "methods": {"frozen": {"rmse": 1.0}}}}
+    >>> _ = update_summary(p, "uci", entry); _ = update_summary(p, "ett", {})
+    >>> sorted(json.loads(p.read_text()))
+    ['ett', 'uci']
+    """
+    for ds, e in datasets.items():
+        if not isinstance(e, Mapping) or not {"backbone", "splits", "methods"} <= set(e):
+            raise ValueError(f"summary entry of {ds!r} needs backbone, splits and methods: {e!r}")
+        if e["backbone"].get("metric") not in ("rmse", "mse"):
+            raise ValueError(f"backbone metric of {ds!r} must be 'rmse' or 'mse': {e['backbone']}")
+    path = Path(path)
+    old = read_json_or_none(path, "results summary", validate=lambda d: isinstance(d, dict))
+    new = {**(old or {}), suite: dict(datasets)}
+    atomic_write_json(path, dict(sorted(new.items())), indent=1, default=float)
+    return path

@@ -1,0 +1,230 @@
+"""The method loop of every suite: items by name, one JSON per finished item, resume and merge.
+
+A suite's work is a list of :class:`Group` s -- e.g. one (data set, split) of UCI, one seed of
+PhysioNet, the one test period of ETT -- each with the method names to run on it, chosen from
+the methods registry (:func:`attnuq.methods.make_method`) or the suite's own rows.
+:func:`run_items` walks them:
+
+* an item (group, method) whose JSON exists, is a valid record and was run with the group's
+  ``reuse`` key (the config that shapes the result: budget, backbone recipe, ...) is reused;
+  a torn file is redone with a :class:`~attnuq._io.CorruptFileWarning`, one of another
+  ``reuse`` key is redone with a printed message;
+* the group's ``setup`` (load data, train or load the backbone) runs once, only if some
+  item of the group is to be done;
+* each item's record gets its wall time and provenance (``run_info``: command, date, machine,
+  :func:`attnuq._runtime.run_info`) and is written atomically to its own JSON
+  (:meth:`RunStore.save`); a method that raises writes ``<method>.err.txt`` instead (listed by
+  :meth:`RunStore.errors`, retried by the next invocation) and the loop goes on.
+
+So an interrupted run resumes where it stopped, and invocations that ran other methods or other
+groups merge: the page is rendered from every stored record (:meth:`RunStore.records`).
+
+Examples
+--------
+>>> import tempfile, pathlib
+>>> store = RunStore(pathlib.Path(tempfile.mkdtemp()), suite="demo",
+...                  info={"command": "demo", "date": "d", "machine": "m"})
+>>> g = Group(parts=("setA",), methods=["m1", "m2"], reuse={"epochs": 1})
+>>> calls = []
+>>> def setup(group):
+...     calls.append(group.parts)
+...     return 10
+>>> def run_one(ctx, group, method):
+...     return {"method": method, "value": ctx}
+>>> run_items(store, [g], setup, run_one, progress=False).done
+2
+>>> run_items(store, [g], setup, run_one, progress=False).reused, calls  # setup ran once
+(2, [('setA',)])
+>>> sorted(r["method"] for r in store.records())
+['m1', 'm2']
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from attnuq._io import atomic_write_json, atomic_write_text, read_json_or_none
+
+__all__ = ["Group", "RunStore", "RunSummary", "run_items"]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Items sharing one setup: ``parts`` name the folder (``runs/<parts...>/<method>.json``),
+    ``methods`` the method names in run order, ``reuse`` the key a stored record must carry to
+    be reused, ``payload`` whatever the suite's ``setup`` needs (not compared)."""
+
+    parts: tuple[str, ...]
+    methods: Sequence[str]
+    reuse: Any = None
+    payload: Any = None
+
+    def __post_init__(self) -> None:
+        bad = [p for p in self.parts if not p or "/" in p or p in (".", "..")]
+        if bad:
+            raise ValueError(f"group parts must be plain folder names, got {bad!r}")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"methods of group {self.parts} repeat: {list(self.methods)}")
+
+
+def _default_reuse_of(record: Mapping[str, Any]) -> Any:
+    return record.get("reuse")
+
+
+def _default_valid(record: Any) -> bool:
+    return isinstance(record, dict) and "method" in record
+
+
+@dataclass
+class RunStore:
+    """The run JSONs of one suite under ``root`` (``root/<parts...>/<method>.json``).
+
+    Parameters
+    ----------
+    root
+        Folder of the run records (e.g. ``docs/results/uci/runs``).
+    suite
+        Name used in messages.
+    info
+        Provenance of this invocation (:func:`attnuq._runtime.run_info`); each saved record
+        gets it with the date of its own save.
+    reuse_of
+        Where a record keeps its reuse key (default: ``record["reuse"]``, which
+        :meth:`save` sets from the group when the record has none).
+    what
+        What the reuse key is called in the redo message (``"budget"``, ``"config"``).
+    valid
+        Whether a parsed file is a finished record (else it is treated as torn).
+    """
+
+    root: Path
+    suite: str
+    info: Mapping[str, Any] = field(default_factory=dict)
+    reuse_of: Callable[[Mapping[str, Any]], Any] = _default_reuse_of
+    what: str = "config"
+    valid: Callable[[Any], bool] = _default_valid
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+
+    def path(self, parts: Sequence[str], method: str) -> Path:
+        return self.root.joinpath(*parts) / f"{method}.json"
+
+    def load(self, parts: Sequence[str], method: str, reuse: Any = None, *,
+             check: bool = True) -> dict[str, Any] | None:
+        """The finished record of ``(parts, method)``, or ``None`` when it has to be (re)done
+        (missing; torn, with a warning; run under another ``reuse`` key when ``check``, with a
+        message)."""
+        path = self.path(parts, method)
+        rec = read_json_or_none(path, "run", validate=lambda r: self.valid(r) and (
+            r.get("method") == method))
+        if rec is None or not check:
+            return rec
+        old = self.reuse_of(rec)
+        if old != reuse:
+            print(f"[{self.suite}] {path} was run with {self.what} {json.dumps(old)}; redoing "
+                  f"it with {json.dumps(reuse)}", flush=True)
+            return None
+        return dict(rec)
+
+    def save(self, record: dict[str, Any], parts: Sequence[str], method: str, *,
+             reuse: Any = None) -> Path:
+        """Write ``record`` (with ``run_info``: this invocation's provenance, today's date)
+        atomically and drop the item's ``.err.txt``; returns the path."""
+        from attnuq._runtime import run_info
+
+        if record.get("method") != method:
+            raise ValueError(f"record of method {record.get('method')!r} saved as {method!r}")
+        if self.reuse_of is _default_reuse_of:
+            record.setdefault("reuse", reuse)
+        record["run_info"] = {**self.info, "date": run_info()["date"]}
+        path = self.path(parts, method)
+        atomic_write_json(path, record, indent=1)
+        err = path.with_suffix(".err.txt")
+        if err.exists():
+            err.unlink()
+        return path
+
+    def fail(self, exc: BaseException, parts: Sequence[str], method: str) -> Path:
+        """Record a failed item (``<method>.err.txt``: the error and its traceback)."""
+        err = self.path(parts, method).with_suffix(".err.txt")
+        atomic_write_text(err, f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+        return err
+
+    def records(self, pattern: str = "**/*.json") -> list[dict[str, Any]]:
+        """Every valid record matching ``pattern`` under ``root`` (sorted by path; torn files
+        are left out with a warning)."""
+        out = [read_json_or_none(p, "run", validate=self.valid)
+               for p in sorted(self.root.glob(pattern))]
+        return [r for r in out if r is not None]
+
+    def errors(self, pattern: str = "**/*.err.txt") -> list[Path]:
+        """The failed items' ``.err.txt`` files (sorted)."""
+        return sorted(self.root.glob(pattern))
+
+
+@dataclass
+class RunSummary:
+    """What :func:`run_items` did: items ``done`` now, ``reused`` from disk, ``failed``."""
+
+    done: int = 0
+    reused: int = 0
+    failed: list[str] = field(default_factory=list)
+
+
+def run_items(
+    store: RunStore,
+    groups: Iterable[Group],
+    setup: Callable[[Group], Any],
+    run_one: Callable[[Any, Group, str], dict[str, Any]],
+    *,
+    progress: bool = True,
+    desc: str | None = None,
+) -> RunSummary:
+    """Run every (group, method) item not yet stored (see the module docstring).
+
+    ``setup(group)`` returns the group's context (called once, only when an item is to do);
+    ``run_one(context, group, method)`` returns the item's record (a dict with ``"method"``),
+    to which the runner adds ``wall_seconds`` and ``run_info`` before saving it. Exceptions of
+    ``run_one`` are recorded (:meth:`RunStore.fail`) and printed; exceptions of ``setup`` and
+    ``KeyboardInterrupt`` propagate (every item saved so far stays).
+    """
+    from tqdm.auto import tqdm
+
+    groups = list(groups)
+    summary = RunSummary()
+    bar = tqdm(total=sum(len(g.methods) for g in groups), desc=desc or f"{store.suite} runs",
+               disable=not progress)
+    try:
+        for g in groups:
+            todo = [m for m in g.methods if store.load(g.parts, m, g.reuse) is None]
+            summary.reused += len(g.methods) - len(todo)
+            bar.update(len(g.methods) - len(todo))
+            if not todo:
+                continue
+            ctx = setup(g)
+            for m in todo:
+                name = "/".join((*g.parts, m))
+                bar.set_postfix_str(name)
+                t0 = time.perf_counter()
+                try:
+                    rec = run_one(ctx, g, m)
+                except Exception as exc:  # recorded, shown on the page, retried next run
+                    store.fail(exc, g.parts, m)
+                    print(f"[{store.suite}] {name} failed: {type(exc).__name__}: {exc}")
+                    summary.failed.append(name)
+                    bar.update(1)
+                    continue
+                rec["wall_seconds"] = time.perf_counter() - t0
+                store.save(rec, g.parts, m, reuse=g.reuse)
+                summary.done += 1
+                bar.update(1)
+    finally:
+        bar.close()
+    return summary
