@@ -5,7 +5,8 @@ Rows that are registered methods take their text from the registry
 attribute); rows a suite computes itself (a seasonal-naive forecast, a GP) take the suite's own
 text. The scores line says where the metrics come from and how they were checked.
 
-A block is stored as data (:func:`implementation_block`: ``{"intro", "rows", "scores"}``) in the
+A block is stored as data (:func:`implementation_block`: ``{"intro": str, "rows": [[row, text],
+...], "scores": str | None}``; ``rows`` may also be read as a ``{row: text}`` mapping) in the
 page's JSON twin, so a page re-rendered later from its stored results says which code produced
 *those* rows, not what today's registry says: :func:`block_lines` renders a stored block,
 :func:`block_from_page` reads one back from a committed page (the migration of results stored
@@ -71,15 +72,24 @@ def implementation_block(rows: Iterable[str], local: Mapping[str, str] | None = 
                          *, scores: str | None = SCORES_TEXT) -> dict[str, Any]:
     """The block of today's code for ``rows``, as data: ``{"intro", "rows", "scores"}``.
 
-    ``rows`` maps row name -> text in page order (see :func:`implementation_texts`).
+    ``rows`` is a list of ``[row name, text]`` in page order (see :func:`implementation_texts`).
     """
-    return {"intro": INTRO_TEXT, "rows": implementation_texts(rows, local), "scores": scores}
+    return {"intro": INTRO_TEXT, "rows": [[k, v] for k, v in implementation_texts(
+        rows, local).items()], "scores": scores}
+
+
+def _row_items(rows: Any) -> list[tuple[str, str]]:
+    """``[[row, text], ...]`` or ``{row: text}`` as a list of pairs."""
+    items = list(rows.items()) if isinstance(rows, Mapping) else [tuple(r) for r in rows]
+    if not all(len(r) == 2 and all(isinstance(x, str) for x in r) for r in items):
+        raise ValueError(f"block rows must be [row, text] string pairs, got {rows!r}")
+    return [(r[0], r[1]) for r in items]
 
 
 def block_lines(block: Mapping[str, Any]) -> list[str]:
     """Markdown lines of a stored block: heading, intro, the table, the scores line, ``""``.
 
-    >>> block_lines({"intro": "Which code:", "rows": {"a": "x"}, "scores": None})
+    >>> block_lines({"intro": "Which code:", "rows": [["a", "x"]], "scores": None})
     ['## Implementations', '', 'Which code:', '', '| row | implementation |', '|---|---|', \
 '| a | x |', '']
     """
@@ -87,7 +97,7 @@ def block_lines(block: Mapping[str, Any]) -> list[str]:
         raise ValueError(f"an Implementations block needs intro and rows, got {block!r}")
     lines = ["## Implementations", "", str(block["intro"]), "",
              "| row | implementation |", "|---|---|"]
-    lines += [f"| {name} | {text} |" for name, text in block["rows"].items()]
+    lines += [f"| {name} | {text} |" for name, text in _row_items(block["rows"])]
     if block.get("scores"):
         lines += ["", str(block["scores"])]
     return [*lines, ""]
@@ -97,18 +107,18 @@ def block_from_page(lines: Sequence[str]) -> dict[str, Any] | None:
     """The block of a committed page's lines (``None`` when it has none); the inverse of
     :func:`block_lines` for pages it wrote.
 
-    >>> block_from_page(block_lines({"intro": "I", "rows": {"a": "x | y"}, "scores": "S"}))
-    {'intro': 'I', 'rows': {'a': 'x | y'}, 'scores': 'S'}
+    >>> block_from_page(block_lines({"intro": "I", "rows": [["a", "x | y"]], "scores": "S"}))
+    {'intro': 'I', 'rows': [['a', 'x | y']], 'scores': 'S'}
     """
     if "## Implementations" not in lines:
         return None
     i = list(lines).index("## Implementations")
     intro = lines[i + 2]
-    rows: dict[str, str] = {}
+    rows: list[list[str]] = []
     j = i + 6
     while j < len(lines) and lines[j].startswith("| "):
         name, text = lines[j][2:-2].split(" | ", 1)
-        rows[name] = text
+        rows.append([name, text])
         j += 1
     scores = lines[j + 1] if j + 1 < len(lines) and lines[j] == "" and lines[j + 1] else None
     return {"intro": intro, "rows": rows, "scores": scores}
@@ -123,11 +133,11 @@ def merge_block(rows: Iterable[str], recorded: Mapping[str, str | None],
     today's (:func:`implementation_texts`). The intro and scores line are the previous block's
     when any row text comes from it, else today's.
 
-    >>> prev = {"intro": "old", "rows": {"a": "old a"}, "scores": "old s"}
+    >>> prev = {"intro": "old", "rows": [["a", "old a"]], "scores": "old s"}
     >>> merge_block(["a", "gaussian"], {"gaussian": "g"}, prev)
-    {'intro': 'old', 'rows': {'a': 'old a', 'gaussian': 'g'}, 'scores': 'old s'}
+    {'intro': 'old', 'rows': [['a', 'old a'], ['gaussian', 'g']], 'scores': 'old s'}
     """
-    prev_rows = dict((previous or {}).get("rows") or {})
+    prev_rows = dict(_row_items((previous or {}).get("rows") or []))
     out: dict[str, str] = {}
     from_prev = False
     for name in rows:
@@ -139,9 +149,10 @@ def merge_block(rows: Iterable[str], recorded: Mapping[str, str | None],
         if text is None:
             text = implementation_texts([name], local)[name]
         out[name] = text
+    pairs = [[k, v] for k, v in out.items()]
     if from_prev and previous is not None:
-        return {"intro": previous["intro"], "rows": out, "scores": previous.get("scores")}
-    return {"intro": INTRO_TEXT, "rows": out, "scores": scores}
+        return {"intro": previous["intro"], "rows": pairs, "scores": previous.get("scores")}
+    return {"intro": INTRO_TEXT, "rows": pairs, "scores": scores}
 
 
 def implementation_lines(rows: Iterable[str], local: Mapping[str, str] | None = None,

@@ -66,8 +66,9 @@ def fmt(value: Any, digits: int = 4, *, std: float | None = None, scale: float =
     Parameters
     ----------
     value
-        A number, ``None`` (shown as ``missing``) or anything else (shown as ``str(value)``;
-        ints and bools are shown as they are).
+        A number, ``None`` (shown as ``missing``), a ``[mean, std, n]`` triple (aggregated over
+        ``n`` seeds or splits: ``"mean ± std"`` when ``n > 1``, else ``"mean"``), or anything
+        else (shown as ``str(value)``; ints and bools are shown as they are).
     digits
         Decimals of a float (and of ``std``).
     std
@@ -90,11 +91,21 @@ def fmt(value: Any, digits: int = 4, *, std: float | None = None, scale: float =
     ('3.562 ± 0.825', 'n/a')
     >>> fmt(0.006905, 3, scale=1e3, big=None)
     '6.905'
+    >>> fmt([0.5, 0.1, 3], 3, big=None), fmt([0.5, 0.0, 1], 3, big=None)
+    ('0.500 ± 0.100', '0.500')
     """
     if isinstance(digits, bool) or not isinstance(digits, int) or digits < 0:
         raise ValueError(f"digits must be an int >= 0, got {digits=!r}")
     if value is None:
         return missing
+    if isinstance(value, (list, tuple)):
+        if len(value) != 3:
+            raise ValueError(f"an aggregate must be [mean, std, n], got {value!r}")
+        mean, sd, n = value
+        if not math.isfinite(float(mean)):
+            return str(float(mean)) if nan is None else nan
+        return fmt(float(mean), digits, std=float(sd) if n > 1 else None, scale=scale,
+                   missing=missing, nan=nan, big=big)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
     if isinstance(value, int) and std is None and scale == 1.0:

@@ -51,19 +51,26 @@ from typing import Any
 
 from attnuq._io import atomic_write_json, atomic_write_text, read_json_or_none
 
-__all__ = ["Group", "RunStore", "RunSummary", "run_items"]
+__all__ = ["Group", "RunStore", "RunSummary", "credits", "reuse_key", "run_items"]
 
 
 @dataclass(frozen=True)
 class Group:
     """Items sharing one setup: ``parts`` name the folder (``runs/<parts...>/<method>.json``),
     ``methods`` the method names in run order, ``reuse`` the key a stored record must carry to
-    be reused, ``payload`` whatever the suite's ``setup`` needs (not compared)."""
+    be reused (``method_reuse[m]`` instead for a method whose key differs, e.g. one that
+    depends on ``--ensemble``), ``payload`` whatever the suite's ``setup`` needs (not
+    compared)."""
 
     parts: tuple[str, ...]
     methods: Sequence[str]
     reuse: Any = None
     payload: Any = None
+    method_reuse: Mapping[str, Any] = field(default_factory=dict)
+
+    def reuse_for(self, method: str) -> Any:
+        """The reuse key of ``method``'s record in this group."""
+        return self.method_reuse.get(method, self.reuse)
 
     def __post_init__(self) -> None:
         bad = [p for p in self.parts if not p or "/" in p or p in (".", "..")]
@@ -178,6 +185,37 @@ class RunSummary:
     failed: list[str] = field(default_factory=list)
 
 
+def reuse_key(config: Mapping[str, Any], free: Iterable[str] = ()) -> dict[str, Any]:
+    """``config`` without the keys that do not shape a result (``free``: which methods to run,
+    progress bars, threads, output paths...), as the reuse key of a :class:`Group`.
+
+    >>> reuse_key({"epochs": 3, "threads": 2, "methods": ["a"]}, free=("threads", "methods"))
+    {'epochs': 3}
+    """
+    free = set(free)
+    return {k: v for k, v in config.items() if k not in free}
+
+
+def credits(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Which invocation produced which records: one entry per distinct ``run_info`` command
+    (in order of first date) with its first ``date``, ``machine`` and the sorted ``methods``.
+
+    >>> credits([{"method": "b", "run_info": {"command": "c1", "date": "2", "machine": "m"}},
+    ...          {"method": "a", "run_info": {"command": "c1", "date": "1", "machine": "m"}}])
+    [{'command': 'c1', 'date': '1', 'machine': 'm', 'methods': ['a', 'b']}]
+    """
+    by: dict[str, dict[str, Any]] = {}
+    for r in records:
+        info = r.get("run_info") or {}
+        cmd = str(info.get("command", "?"))
+        e = by.setdefault(cmd, {"command": cmd, "date": info.get("date", "?"),
+                                "machine": info.get("machine", "?"), "methods": set()})
+        e["date"] = min(e["date"], info.get("date", "?"))
+        e["methods"].add(r.get("method", "?"))
+    out = [{**e, "methods": sorted(e["methods"])} for e in by.values()]
+    return sorted(out, key=lambda e: e["date"])
+
+
 def run_items(
     store: RunStore,
     groups: Iterable[Group],
@@ -186,15 +224,20 @@ def run_items(
     *,
     progress: bool = True,
     desc: str | None = None,
+    rerun: Iterable[str] = (),
+    on_saved: Callable[[Group, str, dict[str, Any]], None] | None = None,
 ) -> RunSummary:
     """Run every (group, method) item not yet stored (see the module docstring).
 
     ``setup(group)`` returns the group's context (called once, only when an item is to do);
     ``run_one(context, group, method)`` returns the item's record (a dict with ``"method"``),
-    to which the runner adds ``wall_seconds`` and ``run_info`` before saving it. Exceptions of
-    ``run_one`` are recorded (:meth:`RunStore.fail`) and printed; exceptions of ``setup`` and
-    ``KeyboardInterrupt`` propagate (every item saved so far stays).
+    to which the runner adds ``wall_seconds`` and ``run_info`` before saving it. Methods in
+    ``rerun`` are run again even when stored. ``on_saved(group, method, record)`` is called
+    after each save (e.g. to rewrite a partial page). Exceptions of ``run_one`` are recorded
+    (:meth:`RunStore.fail`) and printed; exceptions of ``setup`` and ``KeyboardInterrupt``
+    propagate (every item saved so far stays).
     """
+    rerun = set(rerun)
     from tqdm.auto import tqdm
 
     groups = list(groups)
@@ -203,7 +246,8 @@ def run_items(
                disable=not progress)
     try:
         for g in groups:
-            todo = [m for m in g.methods if store.load(g.parts, m, g.reuse) is None]
+            todo = [m for m in g.methods
+                    if m in rerun or store.load(g.parts, m, g.reuse_for(m)) is None]
             summary.reused += len(g.methods) - len(todo)
             bar.update(len(g.methods) - len(todo))
             if not todo:
@@ -222,8 +266,10 @@ def run_items(
                     bar.update(1)
                     continue
                 rec["wall_seconds"] = time.perf_counter() - t0
-                store.save(rec, g.parts, m, reuse=g.reuse)
+                store.save(rec, g.parts, m, reuse=g.reuse_for(m))
                 summary.done += 1
+                if on_saved is not None:
+                    on_saved(g, m, rec)
                 bar.update(1)
     finally:
         bar.close()

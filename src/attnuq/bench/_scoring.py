@@ -34,13 +34,45 @@ import torch
 from attnuq._validation import check_finite
 from attnuq.predictive import GaussianPredictive, Predictive
 
-__all__ = ["StreamScores", "sample_scores", "to_cpu"]
+__all__ = ["StreamScores", "mean_std", "mean_std_n", "sample_scores", "to_cpu"]
 
 AnyPred = Predictive | GaussianPredictive
 
 
 def _normal_cdf(z: torch.Tensor) -> torch.Tensor:
     return 0.5 * (1.0 + torch.erf(z / math.sqrt(2.0)))
+
+
+def mean_std(values: Any) -> tuple[float, float]:
+    """Mean and sample std (ddof 1; ``0.0`` for one value) of the finite values (``None`` and
+    non-finite ones dropped); ``(nan, nan)`` when none is left.
+
+    >>> mean_std([1.0, 3.0, None, float("nan")]), mean_std([2.0]), mean_std([])
+    ((2.0, 1.4142135623730951), (2.0, 0.0), (nan, nan))
+    """
+    v = [float(x) for x in values if x is not None and math.isfinite(float(x))]
+    if not v:
+        return math.nan, math.nan
+    m = sum(v) / len(v)
+    s = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else 0.0
+    return m, s
+
+
+def mean_std_n(values: Any) -> list[float]:
+    """``[mean, std (ddof 1; 0 for one value), n]`` of ``values`` (all kept, numpy semantics:
+    a non-finite value makes the mean non-finite), the aggregate :func:`~attnuq.bench._page.fmt`
+    shows as ``"mean ± std"``.
+
+    >>> mean_std_n([1.0, 3.0])
+    [2.0, 1.4142135623730951, 2]
+    """
+    import numpy as np
+
+    vals = np.array(list(values), dtype=float)
+    if vals.size == 0:
+        raise ValueError("mean_std_n needs at least one value")
+    sd = float(vals.std(ddof=1)) if len(vals) > 1 else 0.0
+    return [float(vals.mean()), sd, len(vals)]
 
 
 def to_cpu(pred: Any) -> Any:
