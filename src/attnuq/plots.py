@@ -20,15 +20,12 @@ Examples
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from attnuq.predictive import GaussianPredictive, Predictive
-
-if TYPE_CHECKING:  # pragma: no cover
-    from attnuq.calibration import CalibrationReport
 
 __all__ = [
     "calibration_curve",
@@ -39,6 +36,43 @@ __all__ = [
 ]
 
 DEFAULT_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+
+
+class _Evaluated(Protocol):
+    """What :func:`calibration_curve` reads of one evaluated ``nu``."""
+
+    @property
+    def nu(self) -> int: ...
+    @property
+    def objective(self) -> float: ...
+    @property
+    def se(self) -> float: ...
+    @property
+    def scale(self) -> float: ...
+
+
+class _CalibrationResult(Protocol):
+    """What :func:`calibration_curve` reads of an :class:`attnuq.CalibrationReport` (this module
+    does not import the calibration package, which imports it)."""
+
+    @property
+    def nu(self) -> int: ...
+    @property
+    def criterion(self) -> str: ...
+    @property
+    def search(self) -> str: ...
+    @property
+    def forward_passes(self) -> int: ...
+    @property
+    def nu_range(self) -> tuple[int, int]: ...
+    @property
+    def noise_band(self) -> Sequence[int] | None: ...
+    @property
+    def surrogate(self) -> dict[str, Any] | None: ...
+    @property
+    def evaluations(self) -> Sequence[_Evaluated]: ...
+
+    def surrogate_log_scale(self, nu: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 def _axes(ax: Any) -> Any:
@@ -165,9 +199,9 @@ def reliability_diagram(
 
 
 def calibration_curve(
-    report: CalibrationReport, *, ax: Any = None, show_surrogate: bool = True
+    report: _CalibrationResult, *, ax: Any = None, show_surrogate: bool = True
 ) -> Any:
-    """Objective (+- 1 standard error) against ``nu`` from a :class:`CalibrationReport`.
+    """Objective (+- 1 standard error) against ``nu`` from a :class:`attnuq.CalibrationReport`.
 
     Marks the chosen ``nu``, shades the grid's noise band, and (``show_surrogate``) draws the
     log-linear surrogate of ``ln s(nu)`` with its 2-sd band and the target ``ln s_*`` on a

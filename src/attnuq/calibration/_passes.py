@@ -1,0 +1,106 @@
+"""The model side of calibration: cache the held-out batches with their frozen outputs, and run
+the ``M`` stochastic passes at one ``nu`` into :class:`~attnuq.calibration.criteria.PassStats`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnuq._validation import check_finite
+from attnuq.calibration.criteria import PassStats
+from attnuq.prediction import (
+    Inputs,
+    OutputFn,
+    batch_size,
+    call_model,
+    extract,
+    replicas_per_call,
+    stochastic_passes,
+)
+
+
+@dataclass
+class Batch:
+    """One held-out batch: its inputs, targets ``(B, ...)`` and frozen prediction ``(B, ...)``."""
+
+    inputs: Inputs
+    targets: torch.Tensor  # (B, ...)
+    frozen: torch.Tensor  # (B, ...)
+    b: int
+
+
+def prepare(model: nn.Module, data: Iterable[Any], output_fn: OutputFn | None) -> list[Batch]:
+    """Read ``data`` once: check every ``(inputs, targets)`` pair and run the frozen pass."""
+    if isinstance(data, (torch.Tensor, str, bytes)) or not isinstance(data, Iterable):
+        raise TypeError(
+            f"data must be an iterable of (inputs, targets) pairs, got {type(data).__name__}"
+        )
+    out: list[Batch] = []
+    for i, item in enumerate(data):
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(
+                "data must yield (inputs, targets) pairs, got item "
+                f"{i} of type {type(item).__name__}"
+            )
+        x, y = item
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"targets of batch {i} must be a tensor, got {type(y).__name__}")
+        if y.numel() == 0:
+            raise ValueError(f"targets of batch {i} are empty, got shape={tuple(y.shape)}")
+        check_finite(y, f"targets (batch {i})")
+        b = batch_size(x)
+        f = extract(call_model(model, x), output_fn)
+        if f.shape != y.shape:
+            raise ValueError(
+                f"prediction and targets must have the same shape, got prediction.shape="
+                f"{tuple(f.shape)} and targets.shape={tuple(y.shape)} (batch {i})"
+            )
+        check_finite(f, f"frozen prediction (batch {i})")
+        out.append(Batch(inputs=x, targets=y, frozen=f, b=b))
+    if not out:
+        raise ValueError("data is empty: it yielded no (inputs, targets) batch")
+    return out
+
+
+def residual_scale(batches: list[Batch]) -> float:
+    """``s_0 = E_cal |y - f(x)|_2`` (norm over the non-batch dimensions of one example)."""
+    return float(
+        torch.cat([(bt.targets - bt.frozen).reshape(bt.b, -1).double().norm(dim=-1)
+                   for bt in batches]).mean()
+    )
+
+
+def sample(
+    model: nn.Module,
+    batches: list[Batch],
+    nu: int,
+    m: int,
+    seed: int | None,
+    output_fn: OutputFn | None,
+    batch_replicas: int | None,
+    max_rows: int,
+) -> PassStats:
+    """``m`` stochastic passes at ``nu`` over every batch (seed ``seed * 1000003 + nu``)."""
+    from attnuq.patching import stochastic
+
+    dev, resid = [], []
+    calls = 0
+    s = None if seed is None else seed * 1_000_003 + nu
+    with torch.no_grad(), stochastic(model, nu=nu, seed=s) as handle:
+        reached = 0
+        for ib, bt in enumerate(batches):
+            reps = replicas_per_call(bt.b, m, batch_replicas, max_rows)
+            samples, c = stochastic_passes(
+                model, bt.inputs, m, output_fn=output_fn, replicas=reps, b=bt.b
+            )
+            calls += c
+            # "reached" from the patch's own call counts, never from output differences
+            reached = handle.require_calls(reached, where=f"calibrate (nu={nu}, batch {ib})")
+            check_finite(samples, f"stochastic prediction at nu={nu}")
+            dev.append((samples - bt.frozen).reshape(m, bt.b, -1).double().cpu())  # (M, B, P)
+            resid.append((bt.targets - bt.frozen).reshape(bt.b, -1).double().cpu())  # (B, P)
+    return PassStats.from_deviations(dev, resid, calls=calls)

@@ -1,0 +1,374 @@
+r"""The calibration criteria: one registry of what :func:`attnuq.calibrate` can minimise.
+
+Notation (METHODS.md, SA section): frozen output ``f(x)``, a stochastic pass ``f_nu(x)``,
+perturbation size ``R_nu(x) = |f_nu(x) - f(x)|_2`` and residual ``Z(x, y) = |y - f(x)|_2``
+(norms over all non-batch dimensions of one example); ``M = n_passes`` stochastic passes per
+example give ``r(x) = mean_m R``, ``v(x) = var_m R`` (unbiased) and the M-member ensemble
+``f_nu^{(1..M)}(x)``. The mean perturbation scale is ``s(nu) = E_cal[r]`` and the residual scale
+``s_0 = E_cal[Z]``.
+
+Criteria (the objective is minimised; each evaluation also reports the standard error):
+
+* ``"paper"``: ``L_SA(nu) = E_cal[v(x) + (r(x) - Z)^2]`` (the paper's eq. 9, M passes per x).
+* ``"scale"``: ``|ln(s(nu) / s_0)|`` -- mean perturbation scale equals residual scale.
+* ``"crps"``: mean fair CRPS (:func:`attnuq.metrics.crps_samples`) of the M-pass ensemble,
+  averaged over the elements of each example, then over examples.
+* ``"coverage"``: ``|cov(nu) - level|`` where ``cov`` is the fraction of elements inside the
+  Student-t prediction interval of the M-member ensemble,
+  ``mean_m f_nu ± t_{M-1, (1+level)/2} sd_m(f_nu) sqrt(1 + 1/M)``, which has coverage exactly
+  ``level`` when the target and the M draws are i.i.d. normal (for any ``M``). An
+  empirical-quantile interval of only ``M`` draws would under-cover even for a calibrated
+  ensemble, and a randomised-PIT band cannot resolve ``level`` with ``M + 1`` rank bins.
+
+Every criterion also names a *target scale* ``s_*``: the perturbation scale at which it would be
+optimal, estimated from the passes at one ``nu``; the Bayesian optimisation of
+:mod:`attnuq.calibration.search` steers ``s(nu)`` towards it:
+
+* ``"scale"``: ``s_* = s_0``.
+* ``"paper"``: rescaling all perturbations by ``t`` turns the estimator into the quadratic
+  ``t^2 E[v + r^2] - 2t E[r Z] + E[Z^2]`` (exact algebra), minimised at
+  ``t_* = E[rZ] / E[v + r^2]``; so ``s_* = t_* s(nu)``.
+* ``"crps"`` / ``"coverage"``: ``s_* = k_* s(nu)`` with ``k_*`` the factor that, applied to the
+  perturbations ``f_nu - f`` of the evaluated passes about ``f``, minimises the criterion
+  (searched over ``k`` in ``[2^-6, 2^6]`` on a log grid of step ``2^{1/4}``, refined with step
+  ``2^{1/64}`` around the minimum; plateaus resolve to their geometric middle; no forward passes).
+
+NOTE(paper): the paper gives the surrogate and the scale matching for ``L_SA``; the mapping of
+``L_SA``, CRPS and coverage to a target scale by rescaling perturbations is ours.
+
+:data:`CRITERIA` (the names, in registry order) is the one list every caller reads: the
+``criterion=`` check of :func:`attnuq.calibrate`, ``attnuq calibrate --criterion`` and
+``attnuq bench calibration --criteria``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CRITERIA",
+    "CalibrationCriterion",
+    "CriterionValue",
+    "PassStats",
+    "Summary",
+    "get_criterion",
+    "summarise",
+]
+
+#: the ``criterion=`` values, for type checkers (tests check it equals :data:`CRITERIA`)
+Criterion = Literal["paper", "scale", "crps", "coverage"]
+
+_K_COARSE = 2.0 ** torch.linspace(-6, 6, 49, dtype=torch.float64)  # perturbation rescaling
+
+
+@dataclass
+class PassStats:
+    """Per-example statistics of the ``M`` stochastic passes at one ``nu`` (float64, CPU).
+
+    Attributes
+    ----------
+    r_mean, r_var
+        ``(N,)``: ``r(x) = mean_m R`` and ``v(x) = var_m R`` (unbiased), examples concatenated.
+    z
+        ``(N,)``: ``Z(x, y) = |y - f(x)|_2``.
+    dev
+        Per batch ``(M, B, P)``: ``f_nu - f`` flattened over the non-batch dimensions.
+    resid
+        Per batch ``(B, P)``: ``y - f``.
+    pairs
+        Per batch ``(B, P)``: ``sum_{i,j} |d_i - d_j|`` over the ``M`` deviations.
+    calls
+        Model calls the passes took.
+    max_change
+        Largest ``|f_nu - f|`` seen (``0``: the output did not change under sampling).
+
+    Examples
+    --------
+    >>> import torch
+    >>> d = torch.tensor([[[1.0]], [[-1.0]]], dtype=torch.float64)  # (M=2, B=1, P=1)
+    >>> st = PassStats.from_deviations([d], [torch.ones(1, 1, dtype=torch.float64)])
+    >>> st.r_mean.tolist(), st.r_var.tolist(), st.z.tolist(), st.scale
+    ([1.0], [0.0], [1.0], 1.0)
+    """
+
+    r_mean: torch.Tensor  # (N,)
+    r_var: torch.Tensor  # (N,)
+    z: torch.Tensor  # (N,)
+    dev: list[torch.Tensor]  # per batch (M, B, P): f_nu - f
+    resid: list[torch.Tensor]  # per batch (B, P): y - f
+    pairs: list[torch.Tensor]  # per batch (B, P): sum_{i,j} |d_i - d_j|
+    calls: int = 0
+    max_change: float = 0.0
+
+    @classmethod
+    def from_deviations(
+        cls, dev: list[torch.Tensor], resid: list[torch.Tensor], *, calls: int = 0
+    ) -> PassStats:
+        """Statistics from per-batch deviations ``f_nu - f`` ``(M, B, P)`` and residuals
+        ``y - f`` ``(B, P)`` (float64); ``M >= 2``."""
+        if not dev or len(dev) != len(resid):
+            raise ValueError(
+                f"dev and resid must be equally long, non-empty lists, got {len(dev)=} and "
+                f"{len(resid)=}"
+            )
+        r_mean, r_var, zs, pairs = [], [], [], []
+        max_change = 0.0
+        for d, e in zip(dev, resid, strict=True):
+            if d.dim() != 3 or d.shape[0] < 2 or e.shape != d.shape[1:]:
+                raise ValueError(
+                    "each dev must be (M, B, P) with M >= 2 and its resid (B, P), got "
+                    f"dev.shape={tuple(d.shape)} and resid.shape={tuple(e.shape)}"
+                )
+            m = d.shape[0]
+            max_change = max(max_change, float(d.abs().max()))
+            rr = d.norm(dim=-1)  # (M, B)
+            r_mean.append(rr.mean(0))
+            r_var.append(rr.var(0, unbiased=True))
+            zs.append(e.norm(dim=-1))
+            ds = torch.sort(d, dim=0).values
+            i = torch.arange(1, m + 1, dtype=torch.float64)[:, None, None]
+            pairs.append(2.0 * ((2 * i - m - 1) * ds).sum(0))
+        return cls(
+            r_mean=torch.cat(r_mean), r_var=torch.cat(r_var), z=torch.cat(zs), dev=list(dev),
+            resid=list(resid), pairs=pairs, calls=calls, max_change=max_change,
+        )
+
+    @property
+    def scale(self) -> float:
+        """``s(nu) = E_cal[r]``."""
+        return float(self.r_mean.mean())
+
+    @property
+    def n_passes(self) -> int:
+        """``M``."""
+        return int(self.dev[0].shape[0])
+
+
+def _k_chunks(k: torch.Tensor, d: torch.Tensor) -> list[torch.Tensor]:
+    """Split the ``k`` values so that one chunk times ``d`` stays under ~4M elements."""
+    step = max(1, (1 << 22) // max(1, d.numel()))
+    return list(torch.split(k, step))
+
+
+def crps_rescaled(st: PassStats, k: torch.Tensor) -> torch.Tensor:
+    """Per-example fair CRPS of ``f + k (f_nu - f)`` for each ``k``: ``(K, N)``.
+
+    The draws ``f + k d_m`` of one element share ``f`` and are ordered like ``d_m`` for
+    ``k > 0``, so the pair term is ``k`` times that of ``d``.
+    """
+    m = st.n_passes
+    out = []
+    for d, e, ps in zip(st.dev, st.resid, st.pairs, strict=True):
+        per_k = []
+        for kc in _k_chunks(k, d):
+            t1 = (kc[:, None, None, None] * d[None] - e[None, None]).abs().mean(1)  # (K, B, P)
+            crps = t1 - kc[:, None, None] * ps[None] / (2.0 * m * (m - 1))
+            per_k.append(crps.mean(-1))
+        out.append(torch.cat(per_k, 0))
+    return torch.cat(out, 1)
+
+
+def coverage_rescaled(st: PassStats, k: torch.Tensor, level: float) -> torch.Tensor:
+    """Per-example fraction of elements inside the Student-t prediction interval of the
+    ensemble ``f + k (f_nu - f)``: ``|e - k mean(d)| <= k t sd(d) sqrt(1 + 1/M)``; ``(K, N)``."""
+    from scipy.stats import t as student_t
+
+    m = st.n_passes
+    half = float(student_t.ppf(0.5 + level / 2, m - 1)) * math.sqrt(1.0 + 1.0 / m)
+    out = []
+    for d, e in zip(st.dev, st.resid, strict=True):
+        mu, sd = d.mean(0), d.std(0, unbiased=True)  # (B, P)
+        inside = (e[None] - k[:, None, None] * mu[None]).abs() <= k[:, None, None] * half * sd[None]
+        out.append(inside.to(torch.float64).mean(-1))
+    return torch.cat(out, 1)
+
+
+def _argmin_k(fn: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """Minimiser of ``fn`` over ``k`` in ``[2^-6, 2^6]``: coarse log grid (step ``2^{1/4}``),
+    then a fine one (step ``2^{1/64}``) over the coarse minimisers +- one step; ties (plateaus)
+    resolve to the geometric middle of the minimisers."""
+
+    def minimisers(k: torch.Tensor) -> tuple[float, float]:
+        v = fn(k)
+        idx = torch.nonzero(v <= v.min() + 1e-12).reshape(-1)
+        return float(k[idx[0]]), float(k[idx[-1]])
+
+    lo, hi = minimisers(_K_COARSE)
+    step = 2.0**0.25
+    a, b = math.log2(lo / step), math.log2(hi * step)
+    fine = 2.0 ** torch.linspace(a, b, max(2, round((b - a) * 64) + 1), dtype=torch.float64)
+    lo, hi = minimisers(fine)
+    return math.sqrt(lo * hi)
+
+
+_ONE = torch.ones(1, dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class CriterionValue:
+    """A criterion at one ``nu``: ``objective = mean(influence)`` up to the criterion's outer
+    map, the per-example ``influence`` ``(N,)`` whose standard error is the objective's, and the
+    target scale ``s_*``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> CriterionValue(0.5, torch.tensor([0.4, 0.6]), 1.2).objective
+    0.5
+    """
+
+    objective: float
+    influence: torch.Tensor  # (N,)
+    target_scale: float
+
+
+def _paper(st: PassStats, level: float, s0: float) -> CriterionValue:
+    s = st.scale
+    g = st.r_var + (st.r_mean - st.z) ** 2
+    t_star = float((st.r_mean * st.z).sum() / (st.r_var + st.r_mean**2).sum())
+    return CriterionValue(float(g.mean()), g, t_star * s)
+
+
+def _scale(st: PassStats, level: float, s0: float) -> CriterionValue:
+    s = st.scale
+    lr = math.log(s / s0)
+    g = (1.0 if lr >= 0 else -1.0) * (st.r_mean / s - st.z / s0)
+    return CriterionValue(abs(lr), g, s0)
+
+
+def _crps(st: PassStats, level: float, s0: float) -> CriterionValue:
+    g = crps_rescaled(st, _ONE)[0]
+    target = _argmin_k(lambda k: crps_rescaled(st, k).mean(1)) * st.scale
+    return CriterionValue(float(g.mean()), g, target)
+
+
+def _coverage(st: PassStats, level: float, s0: float) -> CriterionValue:
+    cov1 = coverage_rescaled(st, _ONE, level)[0]
+    c = float(cov1.mean())
+    g = (1.0 if c >= level else -1.0) * cov1
+    target = _argmin_k(lambda k: (coverage_rescaled(st, k, level).mean(1) - level).abs())
+    return CriterionValue(abs(c - level), g, target * st.scale)
+
+
+@dataclass(frozen=True)
+class CalibrationCriterion:
+    """One registered criterion: its name, a one-line description and the function
+    ``objective(stats, level, s0) -> CriterionValue`` (``stats.scale > 0``).
+
+    Examples
+    --------
+    >>> c = get_criterion("scale")
+    >>> c.name, c.description
+    ('scale', 'mean perturbation scale equals residual scale: |ln(s(nu) / s_0)|')
+    """
+
+    name: str
+    description: str
+    objective: Callable[[PassStats, float, float], CriterionValue]
+
+
+_REGISTRY: Mapping[str, CalibrationCriterion] = MappingProxyType({
+    c.name: c
+    for c in (
+        CalibrationCriterion(
+            "paper", "the paper's L_SA = E[v + (r - Z)^2] (eq. 9, M passes per example)", _paper
+        ),
+        CalibrationCriterion(
+            "scale", "mean perturbation scale equals residual scale: |ln(s(nu) / s_0)|", _scale
+        ),
+        CalibrationCriterion("crps", "mean fair CRPS of the M-pass ensemble", _crps),
+        CalibrationCriterion(
+            "coverage", "|coverage - level| of the ensemble's Student-t prediction interval",
+            _coverage,
+        ),
+    )
+})
+
+#: the criterion names, in registry order: the one list every caller reads
+CRITERIA: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def get_criterion(name: str) -> CalibrationCriterion:
+    """The registered criterion ``name`` (one of :data:`CRITERIA`).
+
+    Examples
+    --------
+    >>> get_criterion("paper").name
+    'paper'
+    >>> get_criterion("nll")
+    Traceback (most recent call last):
+    ...
+    ValueError: criterion must be one of ('paper', 'scale', 'crps', 'coverage'), got criterion='nll'
+    """
+    crit = _REGISTRY.get(name) if isinstance(name, str) else None
+    if crit is None:
+        raise ValueError(f"criterion must be one of {CRITERIA}, got criterion={name!r}")
+    return crit
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What :func:`summarise` reports for one ``nu`` (the fields of an
+    :class:`attnuq.calibration.Evaluation` that come from the passes).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> Summary(0.1, 0.01, np.zeros(2), 0.3, 0.02, 0.28, {"l_sa": 0.1}).scale
+    0.3
+    """
+
+    objective: float
+    se: float
+    influence: np.ndarray  # (N,)
+    scale: float
+    scale_se: float
+    target_scale: float
+    values: dict[str, float]
+
+
+def summarise(st: PassStats, criterion: str, level: float, s0: float) -> Summary:
+    """Objective, standard error, target scale and every criterion's raw value at one ``nu``.
+
+    ``values`` holds ``l_sa``, ``crps`` and ``coverage`` at the evaluated ``nu`` (no rescaling)
+    and ``scale_ratio = s / s_0``. The standard errors are ``sd(g) / sqrt(N)`` of the per-example
+    influence ``g`` (NaN for ``N = 1``). If no perturbation was measured (``s = 0``) the
+    objective, its standard error and the target scale are NaN.
+
+    Examples
+    --------
+    >>> import torch
+    >>> d = torch.tensor([[[1.0], [2.0]], [[-1.0], [0.0]]], dtype=torch.float64)  # (2, 2, 1)
+    >>> e = torch.tensor([[1.0], [1.0]], dtype=torch.float64)
+    >>> out = summarise(PassStats.from_deviations([d], [e]), "paper", 0.9, s0=1.0)
+    >>> out.objective, out.values["l_sa"], out.scale  # v = (0, 2), r = (1, 1), Z = (1, 1)
+    (1.0, 1.0, 1.0)
+    """
+    crit = get_criterion(criterion)
+    n = st.r_mean.numel()
+    sqn = math.sqrt(n)
+
+    def se(x: torch.Tensor) -> float:
+        return float(x.std(unbiased=True)) / sqn if n > 1 else float("nan")
+
+    s = st.scale
+    s_se = se(st.r_mean)
+    values = {
+        "l_sa": float((st.r_var + (st.r_mean - st.z) ** 2).mean()),
+        "crps": float(crps_rescaled(st, _ONE)[0].mean()),
+        "coverage": float(coverage_rescaled(st, _ONE, level)[0].mean()),
+        "scale_ratio": s / s0 if s0 > 0 else float("inf"),
+    }
+    if s <= 0:
+        nan = float("nan")
+        return Summary(nan, nan, np.zeros(n), s, s_se, nan, values)
+    v = crit.objective(st, level, s0)
+    return Summary(v.objective, se(v.influence), v.influence.numpy(), s, s_se, v.target_scale,
+                   values)
