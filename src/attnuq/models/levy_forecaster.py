@@ -50,12 +50,10 @@ Examples
 
 from __future__ import annotations
 
-import copy
 import math
-import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -66,15 +64,27 @@ from attnuq._validation import check_finite, check_positive_int
 from attnuq.ops.levy import levy_attention, levy_attention_sample
 
 __all__ = [
-    "FitReport",
     "ForecastOutput",
     "LevyForecaster",
     "SoftmaxForecaster",
     "fit",
     "fit_alpha_temperature",
     "fit_temperature",
-    "masked_mse",
+    "forward_batch",
 ]
+
+#: names moved to :mod:`attnuq.training` (read lazily: models never import training at load)
+_MOVED = {"FitReport": "TrainReport", "masked_mse": "masked_mse"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED or name == "evaluate_mse":
+        from attnuq import training
+
+        if name == "evaluate_mse":
+            return lambda model, batches: training.evaluate_masked_mse(model, batches, _forward)
+        return getattr(training, _MOVED[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -423,14 +433,6 @@ def _safe_sqrt(x: torch.Tensor) -> torch.Tensor:
     return torch.where(pos, torch.sqrt(torch.where(pos, x, 1)), 0)
 
 
-def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``(pred - target)^2`` over ``mask``; raises on an empty mask."""
-    n = mask.sum()
-    if int(n) == 0:
-        raise ValueError("masked_mse: the mask selects no element")
-    return ((pred - target) ** 2 * mask).sum() / n
-
-
 def _forward(model: nn.Module, b: _Batch) -> ForecastOutput:
     out: ForecastOutput = model(
         b.obs_times, b.obs_channels, b.obs_values, b.obs_mask, b.query_times, b.query_channels
@@ -438,33 +440,23 @@ def _forward(model: nn.Module, b: _Batch) -> ForecastOutput:
     return out
 
 
-@dataclass
-class FitReport:
-    """Training history: per-epoch train loss and validation MSE, best epoch, seconds."""
+def forward_batch(model: nn.Module, b: _Batch) -> ForecastOutput:
+    """``model(b.obs_times, b.obs_channels, b.obs_values, b.obs_mask, b.query_times,
+    b.query_channels)``: the ``forward_fn`` of either forecaster over a ``ForecastBatch``
+    (for :func:`attnuq.training.fit` and the methods' ``Task``).
 
-    train_loss: list[float] = field(default_factory=list)
-    val_mse: list[float] = field(default_factory=list)
-    best_epoch: int = -1
-    best_val_mse: float = float("inf")
-    seconds: float = 0.0
-    #: why training ended: ``"max_epochs"``, ``"patience"`` or ``"max_seconds"``
-    stopped_by: str = "max_epochs"
-
-
-@torch.no_grad()
-def evaluate_mse(model: nn.Module, batches: Iterable[_Batch]) -> float:
-    """Masked MSE of the model's mean over every forecast point of ``batches`` (eval mode)."""
-    was = model.training
-    model.eval()
-    se, n = 0.0, 0
-    for b in batches:
-        out = _forward(model, b)
-        se += float((((out.mean - b.targets) ** 2) * b.query_mask).sum())
-        n += int(b.query_mask.sum())
-    model.train(was)
-    if n == 0:
-        raise ValueError("evaluate_mse: no forecast points in the batches")
-    return se / n
+    Examples
+    --------
+    >>> import torch
+    >>> from types import SimpleNamespace
+    >>> m = SoftmaxForecaster(n_channels=2, d=16).eval()
+    >>> b = SimpleNamespace(obs_times=torch.rand(1, 3), obs_channels=torch.zeros(1, 3).long(),
+    ...                     obs_values=torch.rand(1, 3), obs_mask=torch.ones(1, 3).bool(),
+    ...                     query_times=torch.rand(1, 2), query_channels=torch.ones(1, 2).long())
+    >>> forward_batch(m, b).mean.shape
+    torch.Size([1, 2])
+    """
+    return _forward(model, b)
 
 
 def fit(
@@ -479,72 +471,31 @@ def fit(
     nll_weight: float = 0.0,
     max_seconds: float | None = None,
     progress: Callable[[str], None] | None = None,
-) -> FitReport:
-    """Train with Adam on masked MSE of ``mu`` (+ ``nll_weight`` x Gaussian NLL), early stopping.
+) -> Any:
+    """Deprecated alias: :func:`attnuq.training.fit` with the forecasters' recipe.
 
-    Parameters
-    ----------
-    train_batches
-        ``epoch -> iterable of batches`` (shuffle inside with the epoch as seed).
-    val_batches
-        ``() -> iterable of batches``; validation MSE after each epoch selects the best weights,
-        which are restored at the end.
-    nll_weight
-        weight of ``mean over points of 0.5 log(2 pi s^2) + (y - mu)^2 / (2 s^2)`` with
-        ``s^2 = sigma^2 + 1e-6`` (Levy model only; ignored when ``sigma`` is ``None``).
-    max_seconds
-        wall-clock cap on training (checked after each epoch).
+    Adam on the masked MSE of ``mu`` (+ ``nll_weight`` x Gaussian NLL,
+    :func:`attnuq.training.masked_mse_loss`), gradient norm clipped to 5, early stopping on the
+    validation masked MSE (:func:`attnuq.training.evaluate_masked_mse`), ``train_loss``
+    averaged per batch; bit-identical weights to the loop this name ran before
+    (``tests/test_training.py``). ``train_batches(epoch)`` and ``val_batches()`` give the
+    batches. Returns a :class:`~attnuq.training.TrainReport` (``val_mse``, ``best_val_mse``
+    and ``stopped_by`` read its fields).
     """
-    check_positive_int(max_epochs, "max_epochs")
-    check_positive_int(patience, "patience")
+    from attnuq import training
+
     if not (lr > 0 and math.isfinite(lr)):
         raise ValueError(f"lr must be a positive float, got {lr=}")
     if nll_weight < 0:
         raise ValueError(f"nll_weight must be >= 0, got {nll_weight=}")
-    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
-    rep = FitReport()
-    best_state = copy.deepcopy(model.state_dict())
-    bad = 0
-    t0 = time.perf_counter()
-    for epoch in range(max_epochs):
-        model.train()
-        tot, nb = 0.0, 0
-        for b in train_batches(epoch):
-            if int(b.query_mask.sum()) == 0:
-                continue
-            out = _forward(model, b)
-            loss = masked_mse(out.mean, b.targets, b.query_mask)
-            if nll_weight > 0 and out.sigma is not None:
-                s2 = out.sigma**2 + 1e-6
-                nll = 0.5 * torch.log(2 * math.pi * s2) + (b.targets - out.mean) ** 2 / (2 * s2)
-                loss = loss + nll_weight * (nll * b.query_mask).sum() / b.query_mask.sum()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
-            opt.step()
-            tot += float(loss.detach())
-            nb += 1
-        rep.train_loss.append(tot / max(nb, 1))
-        v = evaluate_mse(model, val_batches())
-        rep.val_mse.append(v)
-        if progress is not None:
-            progress(f"epoch {epoch}: train {rep.train_loss[-1]:.5f} val MSE {v:.5f}")
-        if v < rep.best_val_mse:
-            rep.best_val_mse, rep.best_epoch, bad = v, epoch, 0
-            best_state = copy.deepcopy(model.state_dict())
-        else:
-            bad += 1
-        if bad >= patience:
-            rep.stopped_by = "patience"
-            break
-        if (max_seconds is not None and time.perf_counter() - t0 > max_seconds
-                and epoch + 1 < max_epochs):
-            rep.stopped_by = "max_seconds"
-            break
-    model.load_state_dict(best_state)
-    model.eval()
-    rep.seconds = time.perf_counter() - t0
-    return rep
+    return training.fit(
+        model, train_batches, val_batches,
+        loss=training.masked_mse_loss(_forward, nll_weight), metric="masked_mse",
+        forward_fn=_forward, optimizer="adam", lr=lr, weight_decay=weight_decay,
+        clip_grad_norm=5.0, max_epochs=max_epochs, patience=patience, max_seconds=max_seconds,
+        loss_average="batches", count_val_forward=False,
+        progress=progress if progress is not None else False,
+    )
 
 
 def fit_temperature(

@@ -19,12 +19,7 @@ torch.Size([3, 8, 2])
 
 from __future__ import annotations
 
-import copy
-import math
 import os
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +30,22 @@ from attnuq._validation import check_finite, check_positive_int
 
 __all__ = [
     "PatchTSTForecaster",
-    "TrainReport",
     "build_patchtst",
     "load_patchtst",
-    "predict_batched",
     "save_patchtst",
     "train_forecaster",
 ]
+
+#: names moved to :mod:`attnuq.training` (read lazily: models never import training at load)
+_MOVED = ("TrainReport", "predict_batched")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        from attnuq import training
+
+        return getattr(training, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_patchtst(
@@ -202,35 +206,6 @@ def load_patchtst(path: str | os.PathLike[str], *, freeze: bool = True) -> Patch
     return f
 
 
-@dataclass
-class TrainReport:
-    """What :func:`train_forecaster` did: per-epoch losses, the best epoch, the time taken."""
-
-    train_loss: list[float] = field(default_factory=list)
-    val_loss: list[float] = field(default_factory=list)
-    best_epoch: int = -1
-    best_val: float = math.inf
-    epochs_run: int = 0
-    seconds: float = 0.0
-    steps: int = 0
-    #: example-forwards spent training (rows per step summed), for cost accounting
-    n_forward: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@torch.no_grad()
-def predict_batched(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int = 256
-) -> torch.Tensor:
-    """Apply ``fn`` to ``x`` in batches along axis 0 and concatenate."""
-    batch_size = check_positive_int(batch_size, "batch_size")
-    if x.shape[0] == 0:
-        raise ValueError("x is empty (0 rows)")
-    return torch.cat([fn(x[i : i + batch_size]) for i in range(0, x.shape[0], batch_size)])
-
-
 def train_forecaster(
     model: nn.Module,
     train: tuple[torch.Tensor, torch.Tensor],
@@ -245,27 +220,17 @@ def train_forecaster(
     seed: int = 0,
     progress: bool = True,
     desc: str = "train",
-) -> TrainReport:
-    """Train ``model`` (``forward(x) -> prediction``) on MSE with Adam and early stopping.
+) -> Any:
+    """Deprecated alias: :func:`attnuq.training.fit` with the settings this name trained with.
 
-    The weights of the epoch with the lowest validation MSE are restored at the end.
-
-    Parameters
-    ----------
-    model
-        Maps ``(B, ...)`` inputs to predictions with the targets' shape.
-    train, val
-        ``(inputs, targets)`` tensors, rows first.
-    epochs, patience
-        At most ``epochs`` epochs; stop after ``patience`` epochs without improvement.
-    max_steps_per_epoch
-        Optional cap on optimiser steps per epoch (random subset of batches), for CPU budgets.
+    MSE loss, AdamW over ``model.parameters()``, ``torch.manual_seed(seed)`` before training,
+    validation MSE over batches of 512 for early stopping, ``n_forward`` counting training rows
+    only; bit-identical weights to the loop this name ran before (``tests/test_training.py``).
+    Inputs must be finite ``(inputs, targets)`` tensors with the same non-zero number of rows.
+    Returns a :class:`~attnuq.training.TrainReport` (``val_loss`` reads ``val_metric``).
     """
-    from tqdm.auto import tqdm
+    from attnuq import training
 
-    epochs = check_positive_int(epochs, "epochs")
-    patience = check_positive_int(patience, "patience")
-    batch_size = check_positive_int(batch_size, "batch_size")
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr=}")
     xtr, ytr = train
@@ -273,59 +238,16 @@ def train_forecaster(
     for name, t in (("train inputs", xtr), ("train targets", ytr), ("val inputs", xva),
                     ("val targets", yva)):
         check_finite(t, name)
-    if xtr.shape[0] != ytr.shape[0] or xtr.shape[0] == 0:
-        raise ValueError(
-            f"train inputs/targets must have the same non-zero number of rows, got "
-            f"{xtr.shape[0]} and {ytr.shape[0]}"
-        )
-    if xva.shape[0] != yva.shape[0] or xva.shape[0] == 0:
-        raise ValueError(
-            f"val inputs/targets must have the same non-zero number of rows, got "
-            f"{xva.shape[0]} and {yva.shape[0]}"
-        )
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
+    for part, (a, b) in (("train", (xtr, ytr)), ("val", (xva, yva))):
+        if a.shape[0] != b.shape[0] or a.shape[0] == 0:
+            raise ValueError(
+                f"{part} inputs/targets must have the same non-zero number of rows, got "
+                f"{a.shape[0]} and {b.shape[0]}"
+            )
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    rep = TrainReport()
-    best_state = copy.deepcopy(model.state_dict())
-    bad = 0
-    t0 = time.perf_counter()
-    n = xtr.shape[0]
-    n_batches = math.ceil(n / batch_size)
-    steps = n_batches if max_steps_per_epoch is None else min(n_batches, max_steps_per_epoch)
-    for ep in range(epochs):
-        model.train()
-        perm = torch.randperm(n, generator=gen)
-        tot, cnt = 0.0, 0
-        bar = tqdm(range(steps), desc=f"{desc} ep{ep}", disable=not progress, leave=False)
-        for i in bar:
-            idx = perm[i * batch_size : (i + 1) * batch_size]
-            pred = model(xtr[idx])
-            loss = torch.nn.functional.mse_loss(pred, ytr[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            tot += float(loss.detach()) * len(idx)
-            cnt += len(idx)
-            rep.steps += 1
-            rep.n_forward += len(idx)
-        model.eval()
-        with torch.no_grad():
-            vp = predict_batched(model, xva, 512)
-            vl = float(torch.nn.functional.mse_loss(vp, yva))
-        rep.train_loss.append(tot / max(cnt, 1))
-        rep.val_loss.append(vl)
-        rep.epochs_run = ep + 1
-        if progress:
-            print(f"[{desc}] epoch {ep}: train {tot / max(cnt, 1):.4f} val {vl:.4f}", flush=True)
-        if vl < rep.best_val:
-            rep.best_val, rep.best_epoch, bad = vl, ep, 0
-            best_state = copy.deepcopy(model.state_dict())
-        else:
-            bad += 1
-            if bad >= patience:
-                break
-    model.load_state_dict(best_state)
-    model.eval()
-    rep.seconds = time.perf_counter() - t0
-    return rep
+    return training.fit(
+        model, (xtr, ytr), (xva, yva), loss="mse", metric="mse", optimizer=opt, lr=lr,
+        weight_decay=weight_decay, max_epochs=epochs, patience=patience, batch_size=batch_size,
+        val_batch_size=512, max_steps_per_epoch=max_steps_per_epoch, seed=seed,
+        seed_torch=True, count_val_forward=False, progress=progress, desc=desc,
+    )
