@@ -119,3 +119,15 @@ def test_torn_checkpoint_is_retrained_with_a_warning(tmp_path: Path) -> None:
     blob = torch.load(ck, weights_only=False)  # trained again and saved whole
     assert set(blob) == {"state", "info"} and blob["state"]
     assert not list(ck.parent.glob("*.tmp"))
+
+
+def test_committed_page_regenerates_from_its_json() -> None:
+    """docs/results/physionet.md is exactly what render makes of the stored physionet.json."""
+    from attnuq.bench.physionet import render
+
+    root = Path(__file__).resolve().parents[2] / "docs" / "results"
+    res = json.loads((root / "physionet" / "physionet.json").read_text())
+    assert render(res) == (root / "physionet.md").read_text()
+    # the stored Implementations block is what the page shows, not today's texts
+    res["implementations"]["rows"] = [[k, "changed"] for k, _ in res["implementations"]["rows"]]
+    assert "| softmax control (deterministic) | changed |" in render(res)
