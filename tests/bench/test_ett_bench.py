@@ -13,7 +13,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from attnuq.bench.ett import ResidualQuantiles, StreamScores
+from attnuq.bench._scoring import StreamScores
+from attnuq.bench.ett import ResidualQuantiles
 from attnuq.data.ett import ETT_CHANNELS
 from attnuq.predictive import GaussianPredictive, Predictive
 
@@ -77,11 +78,11 @@ def test_stream_scores_match_direct_metrics() -> None:
 
 def test_committed_page_regenerates_from_its_json() -> None:
     """docs/results/ett.md is byte for byte what ``render`` makes of ett/ett_results.json."""
-    from attnuq.bench.ett import render
+    from attnuq.bench.ett import render_page
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "results"
-    stored = json.loads((docs / "ett" / "ett_results.json").read_text())
-    assert render(stored) == (docs / "ett.md").read_text()
+    page = render_page(docs / "ett", docs / "ett.md")
+    assert page.markdown() == (docs / "ett.md").read_text()
 
 
 def _tiny_csv(path: Path, n: int = 520) -> Path:
@@ -128,9 +129,14 @@ def test_bench_ett_end_to_end(tmp_path: Path) -> None:
     md = (out / "ett.md").read_text()
     assert "attnuq bench ett" in md and "machine:" in md and "| sa-conformal |" in md
     # the page is a pure function of the JSON, Implementations block included
-    from attnuq.bench.ett import render
+    from attnuq.bench.ett import render_page
 
-    assert render(js) == md
+    assert render_page(out / "ett", out / "ett.md").markdown() == md
+    twin = json.loads((out / "ett.json").read_text())
+    assert twin["suite"] == "ett" and twin["headline"][0].startswith("Point forecasts:")
+    summary = json.loads((out / "summary.json").read_text())["ett"]["tiny"]
+    assert summary["backbone"]["value"] == res["frozen"]["mse"]
+    assert summary["methods"]["conformal"]["crps"] == res["conformal"]["crps"]
     assert [r[0] for r in js["implementations"]["rows"]] == [
         "sa-paper", "sa-crps", "sa-conformal", "mc-dropout", "ensemble", "swag", "conformal",
         "seasonal-naive"]

@@ -34,17 +34,19 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from attnuq._io import atomic_savefig, atomic_write_json, atomic_write_text, read_json_or_none
+from attnuq._io import atomic_savefig, atomic_write_json, read_json_or_none
 from attnuq._validation import check_finite, check_positive_int
 from attnuq.bench import register
 from attnuq.bench._members import cache_text, jobs_text
+from attnuq.bench._page import Page, Table, fmt
+from attnuq.bench._scoring import StreamScores, to_cpu
 from attnuq.predictive import GaussianPredictive, Predictive
 
 __all__ = [
@@ -52,7 +54,9 @@ __all__ = [
     "ResidualQuantiles",
     "StreamScores",
     "add_arguments",
+    "render_page",
     "run",
+    "summary",
 ]
 
 #: every method the suite knows, in table order
@@ -68,106 +72,6 @@ ALL_METHODS: tuple[str, ...] = (
 )
 
 AnyPred = Predictive | GaussianPredictive
-
-
-# ---------------------------------------------------------------------------------------------
-# scores accumulated over chunks of test windows
-
-
-def _normal_cdf(z: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (1.0 + torch.erf(z / math.sqrt(2.0)))
-
-
-@dataclass
-class StreamScores:
-    """Scores of a predictive distribution accumulated over chunks of targets ``(B, ...)``.
-
-    ``update(pred, y)`` adds a chunk; :meth:`result` returns MSE and MAE of the predictive mean,
-    coverage and mean width of the central ``level`` interval, W1 of the pooled PIT values to
-    U(0, 1) (:func:`attnuq.metrics.pit_w1`), mean CRPS (fair ensemble CRPS for samples,
-    closed form for a Gaussian) and the mean predictive standard deviation.
-
-    For a :class:`~attnuq.predictive.GaussianPredictive` the PIT is ``Phi((y - m) / s)`` (exact,
-    no randomisation needed); for samples it is the randomised PIT of
-    :func:`attnuq.metrics.pit_samples`.
-
-    Examples
-    --------
-    >>> import torch
-    >>> g = torch.Generator().manual_seed(0)
-    >>> sc = StreamScores()
-    >>> y = torch.randn(2000, generator=g)
-    >>> sc.update(GaussianPredictive(mean=torch.zeros(2000), std=torch.ones(2000)), y)
-    >>> abs(sc.result()["coverage"] - 0.95) < 0.03
-    True
-    """
-
-    level: float = 0.95
-    seed: int = 0
-    n: int = 0
-    se: float = 0.0
-    ae: float = 0.0
-    covered: float = 0.0
-    width: float = 0.0
-    crps: float = 0.0
-    spread: float = 0.0
-    pits: list[torch.Tensor] = field(default_factory=list)
-    _gen: torch.Generator | None = None
-
-    def update(self, pred: AnyPred, y: torch.Tensor) -> None:
-        from attnuq import metrics
-
-        if self._gen is None:
-            self._gen = torch.Generator().manual_seed(self.seed)
-        check_finite(y, "targets")
-        y = y.double()
-        if isinstance(pred, GaussianPredictive):
-            m, s = pred.mean.double(), pred.std.double()
-            if m.shape != y.shape:
-                raise ValueError(f"prediction {tuple(m.shape)} and targets {tuple(y.shape)} differ")
-            s = s.clamp_min(1e-12)
-            lo, hi = GaussianPredictive(mean=m, std=s).interval(self.level)
-            pit = _normal_cdf((y - m) / s)
-            crps = metrics.crps_normal(m, s, y, reduction="none")
-            spread = s
-        elif isinstance(pred, Predictive):
-            smp = pred.samples.double()
-            if smp.shape[1:] != y.shape:
-                raise ValueError(
-                    f"samples {tuple(smp.shape)} do not match targets {tuple(y.shape)}"
-                )
-            m = smp.mean(0)
-            lo, hi = Predictive(samples=smp).interval(self.level)
-            pit = metrics.pit_samples(smp, y, generator=self._gen)
-            crps = metrics.crps_samples(smp, y, reduction="none")
-            spread = smp.std(0) if smp.shape[0] > 1 else torch.zeros_like(m)
-        else:
-            raise TypeError(f"pred must be a Predictive or GaussianPredictive, got {type(pred)}")
-        self.n += y.numel()
-        self.se += float(((m - y) ** 2).sum())
-        self.ae += float((m - y).abs().sum())
-        self.covered += float(((y >= lo) & (y <= hi)).sum())
-        self.width += float((hi - lo).sum())
-        self.crps += float(crps.sum())
-        self.spread += float(spread.sum())
-        self.pits.append(pit.reshape(-1).float())
-
-    def result(self) -> dict[str, float]:
-        from attnuq import metrics
-
-        if self.n == 0:
-            raise ValueError("no predictions were scored (0 targets)")
-        pit = torch.cat(self.pits).double()
-        return {
-            "mse": self.se / self.n,
-            "mae": self.ae / self.n,
-            "coverage": self.covered / self.n,
-            "width": self.width / self.n,
-            "pit_w1": float(metrics.pit_w1(pit)),
-            "crps": self.crps / self.n,
-            "mean_std": self.spread / self.n,
-            "n_scored": float(self.n),
-        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,7 +280,7 @@ def _evaluate(
     for sl in tqdm(_chunks(x.shape[0], chunk), desc=desc, disable=not progress):
         with torch.no_grad():
             xs = x[sl] if device is None else x[sl].to(device)
-            preds = {k: _to_cpu(v) for k, v in predict_fn(xs).items()}
+            preds = {k: to_cpu(v) for k, v in predict_fn(xs).items()}
         rows = [i - sl.start for i in fan_idx if sl.start <= i < sl.stop]
         for name, pred in preds.items():
             scores.setdefault(name, StreamScores(seed=seed)).update(pred, y[sl])
@@ -385,13 +289,6 @@ def _evaluate(
                 for k, v in _fan_rows(pred, torch.tensor(rows), fan_channel).items():
                     fan.setdefault(k, []).extend(v)
     return {k: v.result() for k, v in scores.items()}, fans, time.perf_counter() - t0
-
-
-def _to_cpu(pred: AnyPred) -> AnyPred:
-    if isinstance(pred, GaussianPredictive):
-        return GaussianPredictive(mean=pred.mean.cpu(), std=pred.std.cpu())
-    return Predictive(samples=pred.samples.cpu(),
-                      frozen=None if pred.frozen is None else pred.frozen.cpu())
 
 
 @dataclass
@@ -629,7 +526,7 @@ def run(args: argparse.Namespace) -> Path:
                                seed=args.seed, progress=progress,
                                nu_range=(1, args.nu_max)).fit(task)
             t_fit = time.perf_counter() - t0
-            preds = [_as_samples(_to_cpu(base.predict(xc[sl])))
+            preds = [_as_samples(to_cpu(base.predict(xc[sl])))
                      for sl in _chunks(len(xc), args.chunk)]
             pc = Predictive(samples=torch.cat([p.samples for p in preds], dim=1))
             c = coverage_scale(pc, yc.cpu(), level=0.95)
@@ -778,6 +675,9 @@ _RESUME_FREE = ("methods", "resume", "merge", "note", "no_progress", "threads", 
                 "out", "model_dir", "rerun", "member_jobs")
 
 _COLS = ("mse", "mae", "coverage", "width", "pit_w1", "crps", "mean_std")
+_TITLE = "ETTh1: stochastic attention on a frozen PatchTST vs baselines"
+#: published PatchTST/42 test MSE on ETTh1 at horizon 96 (Nie et al. 2023, table 3)
+_REFERENCE = (0.375, "PatchTST/42 (Nie et al. 2023), ETTh1 horizon 96")
 
 
 def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, data: Any,
@@ -785,6 +685,9 @@ def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, data: 
            results: dict[str, Any], fans: dict[str, Any], xte: torch.Tensor,
            yte: torch.Tensor, fan_idx: Sequence[int], ot: int, n_test_all: int,
            final: bool = False) -> None:
+    from attnuq.bench._implementations import implementation_block
+    from attnuq.bench._page import update_summary
+
     cfg = {k: v for k, v in vars(args).items() if not k.startswith("_") and
            (isinstance(v, (int, float, str, bool, type(None))) or k in ("note", "merge"))}
     payload = {
@@ -795,12 +698,34 @@ def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, data: 
         "backbone": {"n_params": n_params, "attention_sites": sites, "train": train_report},
         "results": results,
         "fan_chart": {"channel": data.columns[ot], "window_index": list(fan_idx), **fans},
-        "implementations": _implementations(results),
+        "implementations": implementation_block(_scored(results), local=_IMPLEMENTATIONS),
     }
     atomic_write_json(res_dir / "ett_results.json", payload, indent=1)
     if fans and final:  # drawing is slow on a busy core: once, at the end
         _fan_plot(res_dir / "ett_fan_ot.png", fans, xte, yte, fan_idx, ot, data)
-    atomic_write_text(res_dir.parent / "ett.md", render(payload))
+    render_page(res_dir, res_dir.parent / "ett.md").write(res_dir.parent / "ett.md")
+    if "frozen" in results:
+        update_summary(res_dir.parent / "summary.json", "ett", summary(payload))
+
+
+def summary(p: dict[str, Any]) -> dict[str, Any]:
+    """The suite's key of ``summary.json`` (issue #19) from the stored results ``p``.
+
+    The data set is the CSV's stem (``ETTh1``); the backbone's metric is the frozen model's
+    test MSE, with PatchTST/42's published figure as reference for ETTh1 at horizon 96 and the
+    seasonal-naive (24 h) MSE otherwise; per method: MSE, CRPS, native PI-95 coverage, W1(PIT).
+    """
+    res, c = p["results"], p["config"]
+    name = Path(p["data"]["file"]).stem
+    ref, ref_name = _REFERENCE if (name, c["horizon"]) == ("ETTh1", 96) else (
+        res.get("seasonal-naive-point", {}).get("mse"), "seasonal naive (24 h)")
+    methods = {"frozen": {"mse": res["frozen"]["mse"]}}
+    for k, v in _scored(res).items():
+        methods[k] = {"mse": v["mse"], "crps": v["crps"], "coverage95_native": v["coverage"],
+                      "w1_native": v["pit_w1"]}
+    return {name: {"backbone": {"metric": "mse", "value": res["frozen"]["mse"], "reference": ref,
+                                "reference_name": ref_name},
+                   "splits": 1, "methods": methods}}
 
 
 def _ensemble_text(c: dict[str, Any], res: dict[str, Any]) -> str:
@@ -820,16 +745,6 @@ def _ensemble_text(c: dict[str, Any], res: dict[str, Any]) -> str:
     return text
 
 
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            return str(v)
-        return f"{v:.4f}" if abs(v) < 1000 else f"{v:.1f}"
-    return str(v)
-
-
 #: rows this suite computes itself (the others are registered methods: the registry's text)
 _IMPLEMENTATIONS: dict[str, str] = {
     "sa-conformal": "attnuq stochastic attention: sa-paper's nu and test draws, spread scaled by "
@@ -847,49 +762,31 @@ def _scored(res: dict[str, Any]) -> dict[str, Any]:
     return {k: res[k] for k in ALL_METHODS if k in res and "crps" in res[k]}
 
 
-def _implementations(res: dict[str, Any]) -> dict[str, Any]:
-    """The Implementations block of the scored rows, as text to store with the results."""
-    from attnuq.bench._implementations import implementation_lines
-
-    names = list(_scored(res))
-    lines = implementation_lines(names, local=_IMPLEMENTATIONS)
-    rows = [[k, x[len(f"| {k} | "):-2]] for k, x in zip(names, lines[6:], strict=False)]
-    return {"intro": lines[2], "rows": rows, "scores": lines[-2]}
-
-
-def _implementation_lines(block: dict[str, Any]) -> list[str]:
-    """The stored Implementations block as page lines."""
-    return ["## Implementations", "", block["intro"], "", "| row | implementation |",
-            "|---|---|", *[f"| {row} | {text} |" for row, text in block["rows"]], "",
-            block["scores"]]
-
-
-def render(p: dict[str, Any]) -> str:
-    """The markdown page ``ett.md``: a pure function of the stored ``ett_results.json``.
+def render_page(out: Path, table: Path) -> Page:
+    """The page ``table`` (``ett.md``) built from the stored ``<out>/ett_results.json`` alone.
 
     Examples
     --------
     The committed page of the checkout is what this makes of the committed JSON:
 
-    >>> import json
     >>> from pathlib import Path
     >>> docs = Path(__file__).resolve().parents[3] / "docs" / "results"
-    >>> stored = json.loads((docs / "ett" / "ett_results.json").read_text())
-    >>> render(stored) == (docs / "ett.md").read_text()
+    >>> page = render_page(docs / "ett", docs / "ett.md")
+    >>> page.markdown() == (docs / "ett.md").read_text()
     True
     """
+    p = read_json_or_none(Path(out) / "ett_results.json", "ETT results")
+    if p is None:
+        raise ValueError(f"no ETT results to render in {out} (run `attnuq bench ett` first)")
     r, c, d, b = p["run"], p["config"], p["data"], p["backbone"]
     tr = b["train"]
     res = p["results"]
-    lines = [
-        "# ETTh1: stochastic attention on a frozen PatchTST vs baselines",
-        "",
-        "Generated by `attnuq bench ett` -- do not edit by hand."
-        + ("" if p["complete"] else " **(partial: run still in progress or interrupted)**"),
-        "",
-        f"* command: `{r['command']}`",
-        f"* date: {r['date']}",
-        f"* machine: {r['machine']}",
+    page = Page("ett", _TITLE, state={"results": str(Path(out) / "ett_results.json")})
+    page.add("Generated by `attnuq bench ett` -- do not edit by hand."
+             + ("" if p["complete"] else " **(partial: run still in progress or interrupted)**"),
+             "")
+    page.provenance(r)
+    page.add(
         *[f"* methods {', '.join(m['methods'])} scored earlier by `{m['command']}` "
           f"({m['date']}), same config, merged from its JSON" for m in r.get("merged_runs", [])
           if m["methods"]],
@@ -906,56 +803,47 @@ def render(p: dict[str, Any]) -> str:
         f"{c['layers']} layers, {c['heads']} heads, ffn {c['ffn']}, patch {c['patch']} stride "
         f"{c['stride']}, dropout {c['dropout']}, {b['n_params']} parameters; trained here "
         f"({tr.get('epochs_run')} epochs, best epoch {tr.get('best_epoch')}, best val MSE "
-        f"{_fmt(tr.get('best_val'))}, {_fmt(tr.get('seconds'))} s"
+        f"{fmt(tr.get('best_val'))}, {fmt(tr.get('seconds'))} s"
         f"{', reused from disk' if tr.get('reused') else ''}), `save_pretrained` then "
         "`from_pretrained` (frozen)",
         f"* Monte Carlo samples per method: {c['n_samples']}; calibration passes per nu: "
         f"{c['n_passes']}, nu searched in [1, {c.get('nu_max')}] (BO); {_ensemble_text(c, res)}; "
         f"SWAG: {c['swag_epochs']} epochs x {c.get('swag_snapshots')} snapshots at lr/10",
         "",
-    ]
+    )
     if "frozen" in res:
-        lines.append(
-            f"Point forecasts: frozen PatchTST MSE {_fmt(res['frozen']['mse'])}, MAE "
-            f"{_fmt(res['frozen']['mae'])}; seasonal naive (24 h) MSE "
-            f"{_fmt(res.get('seasonal-naive-point', {}).get('mse'))}, MAE "
-            f"{_fmt(res.get('seasonal-naive-point', {}).get('mae'))}."
-        )
-        lines.append("")
-    lines += [
-        "| method | MSE | MAE | PI-95 coverage | PI-95 width | W1(PIT, U) | CRPS | mean std | "
-        "nu | fit s | predict s | passes/input |",
-        "|---|" + "---|" * 11,
-    ]
+        sn = res.get("seasonal-naive-point", {})
+        page.headline(f"Point forecasts: frozen PatchTST MSE {fmt(res['frozen']['mse'])}, MAE "
+                      f"{fmt(res['frozen']['mae'])}; seasonal naive (24 h) MSE "
+                      f"{fmt(sn.get('mse'))}, MAE {fmt(sn.get('mae'))}.")
+        page.add("")
+    t = Table(["method", "MSE", "MAE", "PI-95 coverage", "PI-95 width", "W1(PIT, U)", "CRPS",
+               "mean std", "nu", "fit s", "predict s", "passes/input"])
+    extra = ("nu", "fit_seconds", "predict_seconds", "forward_per_input")
     scored = _scored(res)
     for name, v in scored.items():
-        lines.append(
-            f"| {name} | " + " | ".join(_fmt(v.get(k)) for k in _COLS[:6]) + " | "
-            + " | ".join(_fmt(v.get(k)) for k in ("mean_std", "nu", "fit_seconds",
-                                                  "predict_seconds", "forward_per_input"))
-            + " |"
-        )
+        t.add(name, *[fmt(v.get(k)) for k in (*_COLS, *extra)],
+              values={k: v.get(k) for k in (*_COLS, *extra)})
+    page.table(t)
     if scored:
         best_crps = min(scored, key=lambda k: scored[k]["crps"])
         best_w1 = min(scored, key=lambda k: scored[k]["pit_w1"])
         closest = min(scored, key=lambda k: abs(scored[k]["coverage"] - 0.95))
-        lines += [
-            "",
-            f"Best CRPS: **{best_crps}**; lowest W1(PIT, U): **{best_w1}**; coverage closest to "
-            f"95 %: **{closest}**.",
-        ]
+        page.add("")
+        page.headline(f"Best CRPS: **{best_crps}**; lowest W1(PIT, U): **{best_w1}**; coverage "
+                      f"closest to 95 %: **{closest}**.")
         for sa in ("sa-paper", "sa-crps", "sa-conformal"):
             if sa in scored:
                 beaten = [k for k in scored if k != sa and scored[k]["crps"] < scored[sa]["crps"]]
-                lines.append(f"* {sa} CRPS is beaten by: {', '.join(beaten) or 'none'}.")
-    if scored:
-        lines += ["", *_implementation_lines(p["implementations"])]
+                page.add(f"* {sa} CRPS is beaten by: {', '.join(beaten) or 'none'}.")
+        page.add("")
+        page.implementations(p["implementations"], trailing_blank=False)
     notes = c.get("note") or []
     if notes:
-        lines += ["", "Notes:", *[f"* {n}" for n in notes]]
-    lines += ["", "Fan chart of OT: `ett/ett_fan_ot.png`; raw numbers: `ett/ett_results.json`.",
-              "", "![fan chart](ett/ett_fan_ot.png)", ""]
-    return "\n".join(lines)
+        page.add("", "Notes:", *[f"* {n}" for n in notes])
+    page.add("", "Fan chart of OT: `ett/ett_fan_ot.png`; raw numbers: `ett/ett_results.json`.",
+             "", "![fan chart](ett/ett_fan_ot.png)")
+    return page
 
 
 register(
