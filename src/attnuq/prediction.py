@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnuq._validation import check_nu, check_positive_int
+from attnuq._validation import check_positive_int
 from attnuq.predictive import Predictive
 
 __all__ = ["predict"]
@@ -161,7 +161,8 @@ def predict(
         every tensor with dim 0 equal to ``B`` is replicated, others are passed unchanged.
     nu
         Number of draws per query (int ``>= 1``; per-head or per-layer specs as in
-        :func:`attnuq.patch`).
+        :func:`attnuq.patch`, which validates every form: a bad ``nu`` is refused there, after
+        the frozen pass).
     n_samples
         ``S >= 2``, the number of stochastic passes.
     seed
@@ -201,8 +202,6 @@ def predict(
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(nu, int) or isinstance(nu, bool):
-        check_nu(nu)
     n = check_positive_int(n_samples, "n_samples")
     if n < 2:
         raise ValueError(

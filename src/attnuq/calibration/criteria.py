@@ -269,7 +269,7 @@ class CalibrationCriterion:
     ('scale', 'mean perturbation scale equals residual scale: |ln(s(nu) / s_0)|')
     """
 
-    name: str
+    name: Criterion
     description: str
     objective: Callable[[PassStats, float, float], CriterionValue]
 
@@ -292,11 +292,12 @@ _REGISTRY: Mapping[str, CalibrationCriterion] = MappingProxyType({
 })
 
 #: the criterion names, in registry order: the one list every caller reads
-CRITERIA: tuple[str, ...] = tuple(_REGISTRY)
+CRITERIA: tuple[Criterion, ...] = tuple(c.name for c in _REGISTRY.values())
 
 
 def get_criterion(name: str) -> CalibrationCriterion:
-    """The registered criterion ``name`` (one of :data:`CRITERIA`).
+    """The registered criterion ``name`` (one of :data:`CRITERIA`); its ``.name`` is typed as
+    the ``criterion=`` literal, so ``calibrate(..., criterion=get_criterion(s).name)`` checks.
 
     Examples
     --------

@@ -53,7 +53,7 @@ __all__ = ["SEARCHES", "SearchResult", "bo_search", "grid_search", "log_grid"]
 Search = Literal["bo", "grid"]
 
 #: the search names: the one list ``attnuq.calibrate`` and ``attnuq calibrate --search`` read
-SEARCHES: tuple[str, ...] = ("bo", "grid")
+SEARCHES: tuple[Search, ...] = ("bo", "grid")
 
 Evaluate = Callable[[int], "Evaluation"]
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from attnuq._runtime import version
+from attnuq.calibration import CRITERIA, SEARCHES, get_criterion
 
 __all__ = ["build_parser", "main"]
 
@@ -175,10 +176,12 @@ def build_parser(load_suite: str | None = None) -> argparse.ArgumentParser:
         "or none (the field is already (B, D)); default: mean",
     )
     cal.add_argument(
-        "--criterion", default="paper", choices=["paper", "scale", "crps", "coverage"],
-        help="calibration criterion (default: paper)",
+        "--criterion", default="paper", choices=list(CRITERIA),
+        help="calibration criterion (default: paper): " + "; ".join(
+            f"{name}: {get_criterion(name).description}".replace("%", "%%") for name in CRITERIA
+        ),
     )
-    cal.add_argument("--search", default="bo", choices=["bo", "grid"], help="default: bo")
+    cal.add_argument("--search", default="bo", choices=list(SEARCHES), help="default: bo")
     cal.add_argument("--n-passes", type=int, default=10, help="passes per input (default: 10)")
     cal.add_argument("--batch-size", type=int, default=64, help="default: 64")
     cal.add_argument("--out", default="attnuq-calibration", help="report folder")

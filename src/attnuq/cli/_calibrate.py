@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from attnuq._io import atomic_savefig, atomic_write_json, atomic_write_text, check_out_dir
+from attnuq.calibration import calibrate
 from attnuq.data import DataFormatError
 
 __all__ = ["calibrate_saved_model", "load_heldout", "load_saved_model", "make_output_fn"]
@@ -244,8 +245,6 @@ def _probe(model: nn.Module, batch: tuple[Any, torch.Tensor],
 
 def calibrate_saved_model(args: argparse.Namespace) -> Path:
     """Run the ``calibrate`` command; returns the report folder."""
-    import attnuq
-
     if args.n_passes < 2:
         raise ValueError(f"--n-passes must be at least 2, got {args.n_passes}")
     if args.batch_size < 1:
@@ -264,7 +263,7 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
               else inputs.to(dev))
     batches = _batches(inputs, y.to(dev), args.batch_size)
     _probe(model, batches[0], make_output_fn(args.output_key), args)
-    report = attnuq.calibrate(
+    report = calibrate(
         model,
         batches,
         criterion=args.criterion,
