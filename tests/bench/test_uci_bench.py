@@ -8,20 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from attnuq.bench.uci import add_arguments, run, write_table
-
-
-def main(argv: list[str]) -> int:
-    """``attnuq bench uci ...`` without building the whole CLI (which imports every suite)."""
-    assert argv[:2] == ["bench", "uci"]
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    try:
-        run(parser.parse_args(argv[2:]))
-    except ValueError as exc:
-        print(exc)
-        return 2
-    return 0
+from attnuq.bench.uci import write_table
+from attnuq.cli import main
 
 
 def test_bench_uci_tiny_end_to_end_and_resumable(tmp_path: Path) -> None:
@@ -52,11 +40,21 @@ def test_bench_uci_tiny_end_to_end_and_resumable(tmp_path: Path) -> None:
     stamps = {p: p.stat().st_mtime_ns for p in runs}
     assert main(argv) == 0
     assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())
-    # a bad method name fails with the name in the message
-    with pytest.raises(ValueError, match="'nope'"):
-        parser = argparse.ArgumentParser()
-        add_arguments(parser)
-        run(parser.parse_args([*argv[2:9], "nope", *argv[12:]]))
+    # the JSON twin of the page holds its tables as data and renders the same page again
+    from attnuq.bench.uci import render_page
+
+    twin = json.loads((tmp_path / "uci.json").read_text())
+    assert twin["suite"] == "uci" and twin["headline"][0].startswith("**Summary:** SA has")
+    (tab,) = [t for s in twin["sections"] if s["heading"] == "concrete" for t in s["tables"]]
+    assert [r[0] for r in tab["rows"]] == ["laplace", "conformal", "gaussian"]
+    assert render_page(out, tmp_path / "uci.md").markdown() == (tmp_path / "uci.md").read_text()
+
+
+def test_bad_method_name_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "uci", "--datasets", "concrete", "--splits", "1", "--data-dir", "bundled",
+            "--methods", "nope", "--out", str(tmp_path / "o"), "--no-progress"]
+    assert main(argv) == 2
+    assert "'nope'" in capsys.readouterr().err
 
 
 def _row(ds: str, method: str, split: int, width: float, crps: float) -> dict:

@@ -38,6 +38,7 @@ from attnuq.methods._base import Cost, load_member, save_member
 __all__ = [
     "MemberRecipe",
     "cache_text",
+    "cached_state",
     "check_member_jobs",
     "jobs_text",
     "load_or_train_backbone",
@@ -286,3 +287,55 @@ def cache_text(record: dict[str, Any], suite: str) -> str:
     return (f"; members {', '.join(map(str, cached))} loaded from the member cache "
             f"`{suite}/members` written by an earlier invocation (their fit time is the "
             "training time recorded then)")
+
+
+def cached_state(cache: str | Path, make: Callable[[], nn.Module],
+                 train: Callable[[nn.Module], dict[str, Any]], *,
+                 device: torch.device | str = "cpu") -> tuple[nn.Module, dict[str, Any]]:
+    """A backbone cached as a state dict: ``cache/backbone.pt`` + ``cache/backbone.json``.
+
+    When both read back and the weights fit ``make()``'s model, that model is returned with the
+    stored record; else (missing, torn or another architecture's weights: the latter two with a
+    :class:`~attnuq._io.CorruptFileWarning`) ``train(model)`` trains a fresh ``make()`` in place
+    and returns its record (a JSON-able dict with ``epochs_run``), and weights and record are
+    written atomically. The caller keys ``cache`` by everything that shapes the backbone.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> make = lambda: nn.Linear(2, 1)
+    >>> _, info = cached_state(d, make, lambda m: {"epochs_run": 1})
+    >>> cached_state(d, make, lambda m: {"epochs_run": 99})[1]  # read back, not trained
+    {'epochs_run': 1}
+    """
+    import warnings
+
+    from attnuq._io import (
+        CorruptFileWarning,
+        atomic_torch_save,
+        atomic_write_json,
+        describe_error,
+        read_json_or_none,
+        torch_load_or_none,
+    )
+
+    cache = Path(cache)
+    model = make()
+    wpath, ipath = cache / "backbone.pt", cache / "backbone.json"
+    info = read_json_or_none(ipath, "backbone record",
+                             validate=lambda r: isinstance(r, dict) and "epochs_run" in r)
+    state = (None if info is None else
+             torch_load_or_none(wpath, "backbone", map_location=device, weights_only=True))
+    if state is not None:
+        try:
+            model.load_state_dict(state)
+        except (RuntimeError, KeyError) as exc:  # keys or shapes unlike this recipe's model
+            warnings.warn(f"corrupt backbone {wpath} ({describe_error(exc)}); redoing it",
+                          CorruptFileWarning, stacklevel=2)
+            model, state = make(), None
+    if state is None or info is None:
+        info = train(model)
+        atomic_torch_save(model.state_dict(), wpath)
+        atomic_write_json(ipath, info)
+    return model, dict(info)

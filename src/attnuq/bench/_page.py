@@ -52,7 +52,8 @@ from typing import Any
 
 from attnuq._io import atomic_write_json, atomic_write_text, read_json_or_none
 
-__all__ = ["Page", "Table", "fmt", "read_twin", "twin_path", "update_summary"]
+__all__ = ["Page", "Table", "error_lines", "fmt", "gap_lines", "pit_figure", "read_twin",
+           "runs_lines", "twin_path", "update_summary"]
 
 #: keys every JSON twin has
 TWIN_KEYS = ("suite", "title", "provenance", "headline", "headline_table", "sections",
@@ -275,6 +276,91 @@ def read_twin(md: str | Path) -> dict[str, Any] | None:
     """The JSON twin of the page ``md``, or ``None`` when there is none (a torn or invalid one:
     ``None`` with a :class:`~attnuq._io.CorruptFileWarning`)."""
     return read_json_or_none(twin_path(md), "results page twin", validate=_valid_twin)
+
+
+def runs_lines(records: Sequence[Mapping[str, Any]], key_of: Any, *,
+               label: str = "run budgets") -> list[str]:
+    """Header lines on the stored records a page aggregates: the commands that produced them,
+    their date range and machines, and the distinct ``key_of(record)`` (budgets, configs).
+
+    >>> r = {"run_info": {"command": "c", "date": "d1", "machine": "m"}, "b": 1}
+    >>> runs_lines([r], lambda x: x["b"])
+    ['* runs produced by: `c`', '* run dates: d1 to d1; machines: m', '* run budgets: 1']
+    """
+    import json
+
+    if not records:
+        return []
+    info = [r.get("run_info") or {} for r in records]
+    dates = sorted(i.get("date", "?") for i in info)
+    keys = sorted({json.dumps(key_of(r)) for r in records})
+    return [f"* runs produced by: "
+            f"{', '.join(f'`{c}`' for c in sorted({i.get('command', '?') for i in info}))}",
+            f"* run dates: {dates[0]} to {dates[-1]}; machines: "
+            f"{'; '.join(sorted({i.get('machine', '?') for i in info}))}",
+            f"* {label}: {'; '.join(keys)}"]
+
+
+def gap_lines(have: Mapping[str, Mapping[str, set[int]]], *, min_splits: int = 5) -> list[str]:
+    """The page's line on what is below the full suite: sets with fewer than ``min_splits``
+    splits and methods lacking a split of their set (``have[set][method]`` = splits run).
+
+    >>> gap_lines({"a": {"m": {0, 1}, "n": {0}}})
+    ['Below the full suite (>= 5 splits, every method on every split): a has 2 split(s); \
+a/n lacks split(s) [1].', '']
+    """
+    short = []
+    for ds, by_m in have.items():
+        all_sp = set().union(*by_m.values()) if by_m else set()
+        if len(all_sp) < min_splits:
+            short.append(f"{ds} has {len(all_sp)} split(s)")
+        short += [f"{ds}/{m} lacks split(s) {sorted(all_sp - got)}" for m, got in by_m.items()
+                  if got != all_sp]
+    if not short:
+        return []
+    return [f"Below the full suite (>= {min_splits} splits, every method on every split): "
+            f"{'; '.join(short)}.", ""]
+
+
+def error_lines(errors: Sequence[Path], root: Path) -> list[str]:
+    """The page's list of failed items (their ``.err.txt``, first line), ``[]`` when none."""
+    if not errors:
+        return []
+    lines = ["Runs that failed (no JSON written; re-running the command retries them):", ""]
+    for e in errors:
+        first = (e.read_text(errors="replace").splitlines() or ["(empty)"])[0][:200]
+        lines.append(f"* `{e.relative_to(root)}`: {first}")
+    return [*lines, ""]
+
+
+def pit_figure(path: str | Path, title: str, panels: Mapping[str, Sequence[float]]) -> Path:
+    """One PNG of PIT histograms, one panel per ``label -> PIT values`` (10 bins, density, the
+    uniform density dashed), at most 4 per row; written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from attnuq._io import atomic_savefig
+
+    if not panels:
+        raise ValueError(f"no PIT panels for {str(path)!r}")
+    ncol = min(4, len(panels))
+    nrow = math.ceil(len(panels) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.2 * ncol, 2.4 * nrow), squeeze=False)
+    for ax, (label, pit) in zip(axes.flat, panels.items(), strict=False):
+        ax.hist(list(pit), bins=10, range=(0, 1), density=True, color="#3b6ea5",
+                edgecolor="white")
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_title(label, fontsize=9)
+        ax.set_xlim(0, 1)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    atomic_savefig(fig, path, dpi=90)
+    plt.close(fig)
+    return Path(path)
 
 
 #: the keys issue #19 names per method (lower is better except coverage)

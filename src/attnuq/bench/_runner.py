@@ -51,7 +51,12 @@ from typing import Any
 
 from attnuq._io import atomic_write_json, atomic_write_text, read_json_or_none
 
-__all__ = ["Group", "RunStore", "RunSummary", "credits", "reuse_key", "run_items"]
+__all__ = ["Group", "RunStore", "RunSummary", "SkipGroup", "credits", "reuse_key", "run_items"]
+
+
+class SkipGroup(Exception):
+    """Raised by a group's ``setup`` when the group cannot run here (an optional extra or a
+    data file is missing): its items are left undone, not failed, and the loop goes on."""
 
 
 @dataclass(frozen=True)
@@ -178,11 +183,13 @@ class RunStore:
 
 @dataclass
 class RunSummary:
-    """What :func:`run_items` did: items ``done`` now, ``reused`` from disk, ``failed``."""
+    """What :func:`run_items` did: items ``done`` now, ``reused`` from disk, ``failed``, and
+    the groups ``skipped`` (``parts -> reason``, from :class:`SkipGroup`)."""
 
     done: int = 0
     reused: int = 0
     failed: list[str] = field(default_factory=list)
+    skipped: dict[tuple[str, ...], str] = field(default_factory=dict)
 
 
 def reuse_key(config: Mapping[str, Any], free: Iterable[str] = ()) -> dict[str, Any]:
@@ -234,8 +241,9 @@ def run_items(
     to which the runner adds ``wall_seconds`` and ``run_info`` before saving it. Methods in
     ``rerun`` are run again even when stored. ``on_saved(group, method, record)`` is called
     after each save (e.g. to rewrite a partial page). Exceptions of ``run_one`` are recorded
-    (:meth:`RunStore.fail`) and printed; exceptions of ``setup`` and ``KeyboardInterrupt``
-    propagate (every item saved so far stays).
+    (:meth:`RunStore.fail`) and printed; ``setup`` may raise :class:`SkipGroup` to leave a group
+    undone; its other exceptions and ``KeyboardInterrupt`` propagate (every item saved so far
+    stays).
     """
     rerun = set(rerun)
     from tqdm.auto import tqdm
@@ -252,7 +260,12 @@ def run_items(
             bar.update(len(g.methods) - len(todo))
             if not todo:
                 continue
-            ctx = setup(g)
+            try:
+                ctx = setup(g)
+            except SkipGroup as exc:
+                summary.skipped[g.parts] = str(exc)
+                bar.update(len(todo))
+                continue
             for m in todo:
                 name = "/".join((*g.parts, m))
                 bar.set_postfix_str(name)

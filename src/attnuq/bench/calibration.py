@@ -22,8 +22,14 @@ Models (trained here in seconds, deterministic seeds):
 * ``ft-concrete``: an FT-Transformer (rtdl, 1 block) trained on UCI concrete, split 0
   (calibrated on the ``val`` part), when the data and ``rtdl_revisiting_models`` are available.
 
-Writes ``<out>/results.json``, one report JSON per run under ``<out>/reports/``, calibration
-curves ``<out>/<model>_<criterion>.png`` and the table ``--table`` (default ``<out>.md``).
+The criteria are the calibration registry's (:data:`attnuq.calibration.CRITERIA`). Runs on the
+bench spine: one JSON per (model, criterion, seed) item under ``<out>/runs/<model>/`` (reused
+when the settings that shape it match, so an interrupted run resumes; a model whose extras or
+data are missing is skipped and named on the page), the model's build record
+``runs/<model>/model.json``, one report JSON per search under ``<out>/reports/``, then
+``<out>/results.json`` (every row, the settings, the models), calibration curves
+``<out>/<model>_<criterion>.png`` and the table ``--table`` (default ``<out>.md``) with its JSON
+twin, written by :func:`render_page` from ``results.json`` (``--render-only``: only that).
 """
 
 from __future__ import annotations
@@ -33,19 +39,24 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 from torch import nn
 
-from attnuq._io import atomic_savefig, atomic_write_json, atomic_write_text
+from attnuq._io import atomic_savefig, atomic_write_json, read_json_or_none
 from attnuq.bench import register
+from attnuq.bench._page import Page, Table
+from attnuq.bench._runner import Group, RunStore, SkipGroup, reuse_key, run_items
+from attnuq.calibration import CRITERIA
 
-__all__ = ["MODELS", "build_model", "run"]
+if TYPE_CHECKING:
+    from attnuq.calibration import Criterion
+
+__all__ = ["MODELS", "build_model", "render_page", "run"]
 
 MODELS = ("uniform-mha", "encoder", "ft-concrete")
-CRITERIA = ("paper", "scale", "crps", "coverage")
 
 Data = list[tuple[Any, torch.Tensor]]
 
@@ -65,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="docs/results/calibration", help="results folder")
     p.add_argument("--table", default=None, help="markdown table (default: <out>.md)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--render-only", action="store_true",
+                   help="only write the table again from <out>/results.json")
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,67 +235,104 @@ def _compare(grid: Any, bo: Any) -> dict[str, Any]:
     }
 
 
+#: options that do not shape a row (which models/criteria/seeds run, where, how fast)
+_FREE = ("models", "criteria", "seeds", "out", "table", "threads", "device", "render_only",
+         "command", "suite", "no_progress", "data_dir")
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items()
+            if not k.startswith("_") and isinstance(v, (int, float, str, list, type(None)))}
+
+
 def run(args: argparse.Namespace) -> Path:
+    from attnuq._runtime import resolve_device, run_info
+    from attnuq.calibration import calibrate
+
+    out = Path(args.out)
+    table = Path(args.table) if args.table else out.with_suffix(".md")
+    if getattr(args, "render_only", False):
+        render_page(out, table).write(table)
+        return out
+    torch.set_num_threads(args.threads)
+    device = resolve_device(getattr(args, "device", "cpu"))
+    seed0 = int(getattr(args, "seed", 0))
+    seeds = range(seed0, seed0 + args.seeds)
+    (out / "reports").mkdir(parents=True, exist_ok=True)
+    info = run_info()
+    settings = _settings(args)
+    kw = {"n_passes": args.n_passes, "nu_range": (1, args.nu_max), "progress": False}
+    store = RunStore(out / "runs", suite="calibration", info=info)
+    groups = [Group(parts=(name,), methods=[f"{c}_seed{s}" for c in args.criteria for s in seeds],
+                    reuse=reuse_key(settings, _FREE)) for name in args.models]
+
+    def setup(g: Group) -> tuple[nn.Module, Data]:
+        t0 = time.perf_counter()
+        try:
+            model, data, minfo = build_model(g.parts[0], args.data_dir, seed=seed0)
+        except (ImportError, FileNotFoundError) as exc:
+            print(f"skipping {g.parts[0]}: {exc}")
+            raise SkipGroup(str(exc)) from exc
+        minfo["build_seconds"] = time.perf_counter() - t0
+        atomic_write_json(out / "runs" / g.parts[0] / "model.json", minfo, indent=1)
+        return _to_device(model, data, device)
+
+    def one(ctx: tuple[nn.Module, Data], g: Group, item: str) -> dict[str, Any]:
+        (model, data), name = ctx, g.parts[0]
+        crit_s, seed_s = item.rsplit("_seed", 1)
+        crit, seed = cast("Criterion", crit_s), int(seed_s)
+        grid = calibrate(model, data, criterion=crit, search="grid", seed=seed,
+                         grid_size=args.grid_size, **kw)
+        bo = calibrate(model, data, criterion=crit, search="bo", seed=seed,
+                       max_evals=args.max_evals, **kw)
+        grid.save(out / "reports" / f"{name}_{crit}_grid_seed{seed}.json")
+        bo.save(out / "reports" / f"{name}_{crit}_bo_seed{seed}.json")
+        row = {"model": name, "criterion": crit, "seed": seed, **_compare(grid, bo)}
+        print(f"{name:12s} {crit:9s} seed {seed}: grid nu={grid.nu} band={grid.noise_band} "
+              f"| bo nu={bo.nu} evals={row['bo_evaluated']} in_band={row['in_band']} "
+              f"passes {bo.forward_passes}/{grid.forward_passes}")
+        return {"method": item, "row": row}
+
+    done = run_items(store, groups, setup, one, progress=False)
+    rows: list[dict[str, Any]] = []
+    model_info: dict[str, Any] = {}
+    for g in groups:
+        name = g.parts[0]
+        if g.parts in done.skipped:
+            model_info[name] = {"skipped": done.skipped[g.parts]}
+            continue
+        model_info[name] = read_json_or_none(out / "runs" / name / "model.json", "model record")
+        for item in g.methods:
+            rec = store.load(g.parts, item, check=False)
+            if rec is not None and store.reuse_of(rec) == g.reuse:
+                rows.append(rec["row"])
+        for crit in args.criteria:
+            _plot(out, name, crit, seed0)
+    results = {"run": info, "settings": settings, "models": model_info, "rows": rows}
+    atomic_write_json(out / "results.json", results, indent=2, default=str)
+    render_page(out, table).write(table)
+    return out
+
+
+def _plot(out: Path, name: str, crit: str, seed: int) -> None:
+    """The calibration curves of one (model, criterion) at ``seed``: grid left, BO right."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from tqdm.auto import tqdm
 
-    from attnuq._runtime import resolve_device, run_info
-    from attnuq.calibration import calibrate
+    from attnuq.calibration import CalibrationReport
 
-    torch.set_num_threads(args.threads)
-    device = resolve_device(getattr(args, "device", "cpu"))
-    seed0 = int(getattr(args, "seed", 0))
-    out = Path(args.out)
-    (out / "reports").mkdir(parents=True, exist_ok=True)
-    info = run_info()
-    rows: list[dict[str, Any]] = []
-    model_info: dict[str, Any] = {}
-    kw = {"n_passes": args.n_passes, "nu_range": (1, args.nu_max), "progress": False}
-    for name in args.models:
-        t0 = time.perf_counter()
-        try:
-            model, data, minfo = build_model(name, args.data_dir, seed=seed0)
-            model, data = _to_device(model, data, device)
-        except (ImportError, FileNotFoundError) as exc:
-            print(f"skipping {name}: {exc}")
-            model_info[name] = {"skipped": str(exc)}
-            continue
-        minfo["build_seconds"] = time.perf_counter() - t0
-        model_info[name] = minfo
-        for crit in args.criteria:
-            fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-            seeds = range(seed0, seed0 + args.seeds)
-            for seed in tqdm(seeds, desc=f"{name}/{crit}", leave=False):
-                grid = calibrate(model, data, criterion=crit, search="grid", seed=seed,
-                                 grid_size=args.grid_size, **kw)
-                bo = calibrate(model, data, criterion=crit, search="bo", seed=seed,
-                               max_evals=args.max_evals, **kw)
-                grid.save(out / "reports" / f"{name}_{crit}_grid_seed{seed}.json")
-                bo.save(out / "reports" / f"{name}_{crit}_bo_seed{seed}.json")
-                row = {"model": name, "criterion": crit, "seed": seed, **_compare(grid, bo)}
-                rows.append(row)
-                print(f"{name:12s} {crit:9s} seed {seed}: grid nu={grid.nu} band={grid.noise_band} "
-                      f"| bo nu={bo.nu} evals={row['bo_evaluated']} in_band={row['in_band']} "
-                      f"passes {bo.forward_passes}/{grid.forward_passes}")
-                if seed == seed0:
-                    grid.plot(ax=axes[0], show_surrogate=False)
-                    bo.plot(ax=axes[1])
-            fig.suptitle(f"{name}: {crit}")
-            fig.tight_layout()
-            atomic_savefig(fig, out / f"{name}_{crit}.png", dpi=90)
-            plt.close(fig)
-    settings = {
-        k: v for k, v in vars(args).items()
-        if not k.startswith("_") and isinstance(v, (int, float, str, list, type(None)))
-    }
-    results = {"run": info, "settings": settings, "models": model_info, "rows": rows}
-    atomic_write_json(out / "results.json", results, indent=2, default=str)
-    table = Path(args.table) if args.table else out.with_suffix(".md")
-    write_table(results, table, out)
-    return out
+    paths = [out / "reports" / f"{name}_{crit}_{s}_seed{seed}.json" for s in ("grid", "bo")]
+    if not all(p.is_file() for p in paths):
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    CalibrationReport.load(paths[0]).plot(ax=axes[0], show_surrogate=False)
+    CalibrationReport.load(paths[1]).plot(ax=axes[1])
+    fig.suptitle(f"{name}: {crit}")
+    fig.tight_layout()
+    atomic_savefig(fig, out / f"{name}_{crit}.png", dpi=90)
+    plt.close(fig)
 
 
 def _fmt_band(band: list[int] | None) -> str:
@@ -291,63 +341,66 @@ def _fmt_band(band: list[int] | None) -> str:
     return f"{min(band)}-{max(band)} ({len(band)})" if len(band) > 1 else str(band[0])
 
 
-def write_table(results: dict[str, Any], path: Path, out: Path) -> Path:
-    """Markdown table from ``results.json`` content."""
-    r = results["run"]
-    s = results["settings"]
-    rows = results["rows"]
+_TEXT = ("Grid band: grid nu within 2 paired standard errors of the grid minimum (range and "
+         "count). *In band*: BO's nu equals the grid's choice or its measured objective exceeds "
+         "the grid minimum by at most 2 paired standard errors. Passes: passes over the "
+         "calibration set (1 frozen + M per evaluated nu). Produced by the command above; "
+         "raw numbers in `results.json`, per-run reports in `reports/`.")
+_HEADER = ("model", "criterion", "seed", "grid nu", "grid band", "grid passes", "BO nu",
+           "BO evaluated", "BO passes", "passes ratio", "excess / paired se", "in band")
+
+
+def build_page(results: dict[str, Any], out: Path) -> Page:
+    """The page of ``results`` (the content of ``results.json``); ``out`` names the figures."""
+    r, s, rows = results["run"], results["settings"], results["rows"]
     s0 = int(s.get("seed", 0))
-    lines = [
-        "# Calibration of nu: Bayesian optimisation vs grid",
-        "",
-        f"* command: `{r['command']}`",
-        f"* date: {r['date']}",
-        f"* machine: {r['machine']}",
-        f"* attnuq {r['attnuq']}; nu_range = (1, {s['nu_max']}), grid of {s['grid_size']} "
-        f"log-spaced points, M = {s['n_passes']} passes per evaluation, BO budget "
-        f"{s['max_evals']} evaluations, seeds {s0}..{s0 + s['seeds'] - 1}",
-        "",
-        "Grid band: grid nu within 2 paired standard errors of the grid minimum (range and "
-        "count). *In band*: BO's nu equals the grid's choice or its measured objective exceeds "
-        "the grid minimum by at most 2 paired standard errors. Passes: passes over the "
-        "calibration set (1 frozen + M per evaluated nu). Produced by the command above; "
-        "raw numbers in `results.json`, per-run reports in `reports/`.",
-        "",
-        "| model | criterion | seed | grid nu | grid band | grid passes | BO nu | BO evaluated "
-        "| BO passes | passes ratio | excess / paired se | in band |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    page = Page("calibration", "Calibration of nu: Bayesian optimisation vs grid",
+                state={"results": "results.json"})
+    page.provenance(r)
+    page.add(f"* attnuq {r['attnuq']}; nu_range = (1, {s['nu_max']}), grid of {s['grid_size']} "
+             f"log-spaced points, M = {s['n_passes']} passes per evaluation, BO budget "
+             f"{s['max_evals']} evaluations, seeds {s0}..{s0 + s['seeds'] - 1}", "", _TEXT, "")
+    t = Table(_HEADER, spaced=True)
     for row in rows:
         ratio = row["excess_objective"] / row["paired_se"] if row["paired_se"] > 0 else 0.0
-        lines.append(
-            f"| {row['model']} | {row['criterion']} | {row['seed']} | {row['grid_nu']} | "
-            f"{_fmt_band(row['grid_band'])} | {row['grid_passes']} | {row['bo_nu']} | "
-            f"{', '.join(map(str, row['bo_evaluated']))} | {row['bo_passes']} | "
-            f"{row['passes_ratio']:.2f} | {ratio:.2f} | {'yes' if row['in_band'] else '**no**'} |"
-        )
+        t.add(row["model"], row["criterion"], str(row["seed"]), str(row["grid_nu"]),
+              _fmt_band(row["grid_band"]), str(row["grid_passes"]), str(row["bo_nu"]),
+              ", ".join(map(str, row["bo_evaluated"])), str(row["bo_passes"]),
+              f"{row['passes_ratio']:.2f}", f"{ratio:.2f}", "yes" if row["in_band"] else "**no**",
+              values=row)
+    page.table(t)
     n = len(rows)
     ok = sum(r_["in_band"] for r_ in rows)
     cheap = sum(r_["passes_ratio"] <= 1 / 3 + 1e-12 for r_ in rows)
     both = sum(r_["in_band"] and r_["passes_ratio"] <= 1 / 3 + 1e-12 for r_ in rows)
-    lines += [
-        "",
-        f"Summary: BO in band in {ok}/{n} runs; at most a third of the grid's passes in "
-        f"{cheap}/{n}; both in {both}/{n}.",
-        "",
-        "Models:",
-        "",
-    ]
+    page.add("")
+    page.headline(f"Summary: BO in band in {ok}/{n} runs; at most a third of the grid's passes "
+                  f"in {cheap}/{n}; both in {both}/{n}.")
+    page.add("", "Models:", "")
     for name, mi in results["models"].items():
-        lines.append(f"* `{name}`: " + ", ".join(f"{k}={_short(v)}" for k, v in mi.items()))
-    lines += ["", "Calibration curves (seed 0; left grid, right BO with its surrogate):", ""]
+        page.add(f"* `{name}`: " + ", ".join(f"{k}={_short(v)}" for k, v in (mi or {}).items()))
+    page.add("", "Calibration curves (seed 0; left grid, right BO with its surrogate):", "")
     for name, mi in results["models"].items():
-        if "skipped" in mi:
+        if "skipped" in (mi or {}):
             continue
         for crit in sorted({r_["criterion"] for r_ in rows if r_["model"] == name}):
-            rel = Path(out.name) / f"{name}_{crit}.png"
-            lines.append(f"![{name} {crit}]({rel.as_posix()})")
-    atomic_write_text(path, "\n".join(lines) + "\n")
-    return path
+            page.add(f"![{name} {crit}]({(Path(out.name) / f'{name}_{crit}.png').as_posix()})")
+    return page
+
+
+def write_table(results: dict[str, Any], path: Path, out: Path) -> Path:
+    """Markdown table (and its JSON twin) from ``results.json`` content."""
+    return build_page(results, out).write(path)
+
+
+def render_page(out: Path, table: Path) -> Page:
+    """The page again from ``<out>/results.json`` (the twin of ``table`` is not needed: the
+    results file holds the provenance)."""
+    results = read_json_or_none(Path(out) / "results.json", "calibration results",
+                                validate=lambda d: isinstance(d, dict) and "rows" in d)
+    if results is None:
+        raise ValueError(f"no results.json under {str(out)!r} to render {str(table)!r} from")
+    return build_page(results, Path(out))
 
 
 def _short(v: Any) -> str:

@@ -18,27 +18,24 @@ seeds. Runs with ``S != 0`` are written to ``runs/<set>/split<K>/seed<S>/<method
 to ``_models/<set>/split<K>/seed<S>``), so seeds never mix; the table aggregates the runs of
 ``--seed`` only. ``--device`` moves the data and every model there (scoring runs on the CPU).
 Data sets may get their own ``--batch-size``/``--max-epochs`` by separate invocations; each run
-JSON records its budget and the page lists the budget per data set.
+JSON records its budget and the page lists the budget per data set. ``--batch-size auto`` (the
+default) takes 32 when the fit part has <= 2,000 rows, 128 when <= 20,000, else 256; the
+resolved number is what the budget and the backbone cache key record.
 
-Metrics on the test part (targets in original units for RMSE, width, CRPS and NLL):
+Scores on the test part (:func:`attnuq.bench._scoring.sample_scores`, targets in original
+units): ``rmse`` of the point prediction (the frozen/deterministic output where the method has
+one, else the predictive mean), PIT W1 native and after one pooled spread factor, native
+coverage and width of the central 95 % interval, ``coverage``/``width`` after *unified coverage
+calibration* (each interval scaled about its mean by the split-conformal factor fitted on the
+``cal`` part, :func:`attnuq.methods.coverage_scale`), CRPS, Gaussian NLL, and the cost
+(``fit_seconds``, ``fit_forward``, ``predict_forward_per_input``).
 
-* ``rmse``: of the point prediction (the frozen/deterministic output where the method has one,
-  else the predictive mean);
-* ``w1_native``: W1 distance of the PIT values to ``U(0, 1)`` (randomised PIT for samples,
-  ``Phi((y - m)/s)`` for Gaussians); ``w1_scaled``: the same after one pooled spread factor
-  (:func:`attnuq.metrics.pit_w1_scaled`; Gaussians are sampled with 1000 draws for it);
-* ``coverage_native`` / ``width_native``: the method's own central 95 % interval;
-* ``coverage`` / ``width``: after *unified coverage calibration*: every method's interval is
-  scaled about its mean by the split-conformal factor computed on the ``cal`` part
-  (:func:`attnuq.methods.coverage_scale`) so that cal coverage is 95 %; then test coverage and
-  mean width are reported;
-* ``crps``: fair ensemble CRPS for samples, closed form for Gaussians (native distribution);
-* ``nll``: Gaussian NLL; for sample-based methods of a Gaussian fitted to the samples (sample
-  mean and std, std floored at 1e-6 standardised units);
-* cost: ``fit_seconds``, ``fit_forward`` (example-forwards), ``predict_forward_per_input``.
-
-Writes ``<out>/runs/...json``, PIT histograms ``<out>/pit_<set>.png`` and the table
-``--table`` (default ``<out>.md``).
+Runs on the bench spine (:mod:`attnuq.bench._runner`: one JSON per (set, split, method);
+:mod:`attnuq.bench._page`). Writes ``<out>/runs/...json``, PIT histograms
+``<out>/pit_<set>.png``, the table ``--table`` (default ``<out>.md``) with its JSON twin
+(``.json``: provenance, headline, tables, the Implementations block each run recorded, the
+command's budget) and the ``uci`` key of ``<out>/../summary.json``. ``--render-only`` writes the
+table again from the stored run JSON and twin alone (:func:`render_page`).
 """
 
 from __future__ import annotations
@@ -46,28 +43,29 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
-import traceback
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from attnuq._io import (
-    CorruptFileWarning,
-    atomic_savefig,
-    atomic_torch_save,
-    atomic_write_json,
-    atomic_write_text,
-    cache_key,
-    describe_error,
-    read_json_or_none,
-    torch_load_or_none,
-)
+from attnuq._io import atomic_write_json, atomic_write_text, cache_key, read_json_or_none
 from attnuq.bench import register
+from attnuq.bench._members import cached_state
+from attnuq.bench._page import (
+    Page,
+    Table,
+    error_lines,
+    fmt,
+    gap_lines,
+    pit_figure,
+    read_twin,
+    runs_lines,
+    update_summary,
+)
+from attnuq.bench._runner import Group, RunStore, run_items
+from attnuq.bench._scoring import mean_std, sample_scores, to_cpu
 
-__all__ = ["DEFAULT_METHODS", "aggregate", "run", "run_one", "write_table"]
+__all__ = ["DEFAULT_METHODS", "aggregate", "render_page", "run", "run_one", "write_table"]
 
 DEFAULT_METHODS: tuple[str, ...] = (
     "sa-paper",
@@ -89,6 +87,41 @@ _SAMPLED = {"sa-paper", "sa-scale", "sa-crps", "sa-conformal", "mc-dropout", "sw
 _LEVEL = 0.95
 #: methods whose point prediction is not the frozen backbone's output
 _OWN_POINT = ("ensemble", "swag", "multiswag", "ivon", "hsa")
+#: backbone RMSE of the MC-dropout paper (Gal & Ghahramani 2016), per set folder name
+REFERENCE_RMSE = {"bostonHousing": 2.97, "concrete": 5.23, "energy": 1.66,
+                  "naval-propulsion-plant": 0.01, "power-plant": 4.02,
+                  "protein-tertiary-structure": 4.36}
+#: ``--batch-size auto``: (fit rows at most, batch size), else the last
+AUTO_BATCH = ((2_000, 32), (20_000, 128), (None, 256))
+_AUTO_TEXT = ("batch size auto: 32 when the fit part has <= 2,000 rows, 128 when <= 20,000, "
+              "else 256 (the resolved number is in each data set's budget)")
+
+
+def _batch_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--batch-size must be 'auto' or an int >= 1, got "
+                                         f"{text!r}")
+    return value
+
+
+def batch_size_for(batch_size: int | str, n_fit: int) -> int:
+    """The batch size of a data set whose fit part has ``n_fit`` rows (``"auto"``: see
+    :data:`AUTO_BATCH`; an int is kept).
+
+    >>> batch_size_for("auto", 741), batch_size_for("auto", 8592), batch_size_for("auto", 32925)
+    (32, 128, 256)
+    >>> batch_size_for(64, 10)
+    64
+    """
+    if batch_size != "auto":
+        return int(batch_size)
+    return next(b for cap, b in AUTO_BATCH if cap is None or n_fit <= cap)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,13 +142,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-blocks", type=int, default=3, help="FT-Transformer blocks (default 3)")
     p.add_argument("--max-epochs", type=int, default=100, help="training epoch budget")
     p.add_argument("--patience", type=int, default=16, help="early-stopping patience (epochs)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=_batch_arg, default="auto",
+                   help="training batch size, or 'auto' (default): 32 for a fit part of <= 2,000 "
+                        "rows, 128 for <= 20,000, else 256")
     p.add_argument("--n-samples", type=int, default=100, help="Monte Carlo samples per input")
     p.add_argument("--swag-epochs", type=int, default=10)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("--aggregate-only", action="store_true",
                    help="only rebuild the table and plots from existing JSON")
+    p.add_argument("--render-only", action="store_true",
+                   help="write the table again from the stored run JSON and the table's JSON "
+                        "twin (same provenance and budget lines), no plots")
 
 
 #: seed offset per unit of ``--seed``
@@ -126,10 +164,9 @@ def _seed(args: argparse.Namespace) -> int:
     return int(getattr(args, "seed", 0) or 0)
 
 
-def _run_dir(out: Path, name: str, split: int, seed: int) -> Path:
-    """Folder of the run JSONs of (data set, split, seed); seed 0 keeps the original layout."""
-    d = out / "runs" / name / f"split{split}"
-    return d if seed == 0 else d / f"seed{seed}"
+def _parts(name: str, split: int, seed: int) -> tuple[str, ...]:
+    """Folder parts of the run JSONs of (data set, split, seed) under ``runs/``."""
+    return (name, f"split{split}") if seed == 0 else (name, f"split{split}", f"seed{seed}")
 
 
 def _method_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -146,12 +183,12 @@ def _method_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def _budget(args: argparse.Namespace) -> dict[str, Any]:
+def _budget(args: argparse.Namespace, batch_size: int | str | None = None) -> dict[str, Any]:
     return {
         "n_blocks": args.n_blocks,
         "max_epochs": args.max_epochs,
         "patience": args.patience,
-        "batch_size": args.batch_size,
+        "batch_size": args.batch_size if batch_size is None else batch_size,
         "n_samples": args.n_samples,
         "swag_epochs": args.swag_epochs,
     }
@@ -164,8 +201,8 @@ _RECIPE = "FTTransformer rtdl defaults, train_regressor (AdamW, early stopping o
 def _cache_spec(data: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Everything that shapes the cached backbone and members of one (data set, split, seed).
 
-    The budget that reaches training (blocks, epochs, patience, batch), the seed offset, the
-    recipe, and the digest of the fit/val tensors (the data file and split identity).
+    The budget that reaches training (blocks, epochs, patience, resolved batch size), the seed
+    offset, the recipe, and the digest of the fit/val tensors (the data file and split identity).
     """
     from attnuq._io import tensor_digest
 
@@ -177,7 +214,7 @@ def _cache_spec(data: Any, args: argparse.Namespace) -> dict[str, Any]:
         "n_blocks": args.n_blocks,
         "max_epochs": args.max_epochs,
         "patience": args.patience,
-        "batch_size": args.batch_size,
+        "batch_size": batch_size_for(args.batch_size, len(data.y_fit)),
         "n_features": data.n_features,
         "data": tensor_digest(data.x_fit, data.y_fit, data.x_val, data.y_val),
     }
@@ -190,6 +227,7 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
     progress = not args.no_progress
     seed_base = 100 * data.split + _SEED_STRIDE * _seed(args)
     device = torch.device(getattr(args, "device", None) or "cpu")
+    batch_size = batch_size_for(args.batch_size, len(data.y_fit))
 
     def make_model(seed: int) -> torch.nn.Module:
         model = make_ft_transformer(data.n_features, n_blocks=args.n_blocks, seed=seed_base + seed)
@@ -198,7 +236,7 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
     def train_fn(model: torch.nn.Module, train: Any, val: Any, seed: int) -> Any:
         return train_regressor(
             model, train, val, max_epochs=args.max_epochs, patience=args.patience,
-            batch_size=args.batch_size, seed=seed_base + seed, progress=progress,
+            batch_size=batch_size, seed=seed_base + seed, progress=progress,
             desc=f"{data.name}/{data.split} seed {seed}",
         )
 
@@ -207,27 +245,13 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
     cache.mkdir(parents=True, exist_ok=True)
     if read_json_or_none(cache / "spec.json", "cache spec") != spec:
         atomic_write_json(cache / "spec.json", spec, indent=1)
-    model = make_model(0)
-    wpath, ipath = cache / "backbone.pt", cache / "backbone.json"
-    info = read_json_or_none(ipath, "backbone record",
-                             validate=lambda r: isinstance(r, dict) and "epochs_run" in r)
-    state = (None if info is None else
-             torch_load_or_none(wpath, "backbone", map_location=device, weights_only=True))
-    if state is not None:
-        try:
-            model.load_state_dict(state)
-        except (RuntimeError, KeyError) as exc:  # keys or shapes unlike this recipe's model
-            warnings.warn(f"corrupt backbone {wpath} ({describe_error(exc)}); redoing it",
-                          CorruptFileWarning, stacklevel=2)
-            model, state = make_model(0), None
-    if state is None:
+    def train(model: torch.nn.Module) -> dict[str, Any]:
         res = train_fn(model, (data.x_fit, data.y_fit), (data.x_val, data.y_val), 0)
-        info = {"best_epoch": res.best_epoch, "epochs_run": res.epochs_run,
+        return {"best_epoch": res.best_epoch, "epochs_run": res.epochs_run,
                 "best_val_rmse_std_units": res.best_val_rmse, "seconds": res.seconds,
                 "n_forward": res.n_forward}
-        atomic_torch_save(model.state_dict(), wpath)
-        atomic_write_json(ipath, info)
-    assert info is not None
+
+    model, info = cached_state(cache, lambda: make_model(0), train, device=device)
     info = {**info, "cache_key": cache.name}
     model.eval()
     for p in model.parameters():
@@ -235,49 +259,15 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
     task = Task(
         model=model, train=(data.x_fit, data.y_fit), val=(data.x_val, data.y_val),
         cal=(data.x_cal, data.y_cal), make_model=make_model, train_fn=train_fn,
-        batch_size=args.batch_size, member_dir=cache,
+        batch_size=batch_size, member_dir=cache,
     )
     return task, info
-
-
-def _scores(pred: Any, y: torch.Tensor, y_std: float, gen: torch.Generator) -> dict[str, Any]:
-    from attnuq import metrics
-    from attnuq.predictive import GaussianPredictive
-
-    y64 = y.double()
-    if isinstance(pred, GaussianPredictive):
-        m, s = pred.mean.double(), pred.std.double()
-        z = (y64 - m) / s.clamp_min(1e-12)
-        pit = 0.5 * (1 + torch.erf(z / math.sqrt(2.0)))
-        draws = pred.sample(1000, generator=gen).samples.double()
-        w1s = float(metrics.pit_w1_scaled(draws, y64, generator=gen))
-        crps = float(metrics.crps_normal(m, s.clamp_min(1e-12), y64))
-        nll = float(metrics.nll_normal(m, s.clamp_min(1e-6), y64))
-    else:
-        smp = pred.samples.double()
-        pit = metrics.pit_samples(smp, y64, generator=gen)
-        w1s = (
-            float(metrics.pit_w1_scaled(smp, y64, generator=gen))
-            if smp.shape[0] > 1 else math.nan
-        )
-        crps = float(metrics.crps_samples(smp, y64))
-        nll = float(metrics.nll_normal(smp.mean(0), smp.std(0).clamp_min(1e-6), y64))
-    lo, hi = pred.interval(_LEVEL)
-    return {
-        "pit": pit,
-        "w1_native": float(metrics.pit_w1(pit)),
-        "w1_scaled": w1s,
-        "coverage_native": float(metrics.coverage(lo.double(), hi.double(), y64)),
-        "width_native": float(metrics.interval_width(lo.double(), hi.double())) * y_std,
-        "crps": crps * y_std,
-        "nll": nll + math.log(y_std),
-    }
 
 
 def run_one(method_name: str, task: Any, data: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Fit ``method_name`` on ``task`` and score it on ``data``'s test part."""
     from attnuq import metrics
-    from attnuq.methods import coverage_scale, make_method
+    from attnuq.methods import coverage_scale, make_method, method_implementation
 
     off = _SEED_STRIDE * _seed(args)
     torch.manual_seed(1234 + data.split + off)
@@ -285,11 +275,11 @@ def run_one(method_name: str, task: Any, data: Any, args: argparse.Namespace) ->
     if off and hasattr(method, "seed"):
         method.seed = int(method.seed) + off
     method.fit(task)
-    pred_cal = _cpu(method.predict(data.x_cal))
-    pred = _cpu(method.predict(data.x_test))
+    pred_cal = to_cpu(method.predict(data.x_cal))
+    pred = to_cpu(method.predict(data.x_test))
     data = _split_to(data, torch.device("cpu"))
     gen = torch.Generator().manual_seed(4321 + data.split + off)
-    sc = _scores(pred, data.y_test, data.y_std, gen)
+    sc = sample_scores(pred, data.y_test, y_std=data.y_std, generator=gen, level=_LEVEL)
     point = getattr(pred, "frozen", None)
     point = pred.mean if point is None else point
     c = coverage_scale(pred_cal, data.y_cal, level=_LEVEL)
@@ -311,22 +301,12 @@ def run_one(method_name: str, task: Any, data: Any, args: argparse.Namespace) ->
         },
         "cost": method.cost.to_dict(),
         "info": method.info(),
-        "config": {**method.config(), "budget": _budget(args)},
+        "config": {**method.config(),
+                   "budget": _budget(args, batch_size_for(args.batch_size, len(data.y_fit)))},
         "sizes": data.sizes(),
         "pit": [round(float(u), 5) for u in pit.reshape(-1)],
+        "implementation": method_implementation(method_name),
     }
-
-
-def _cpu(pred: Any) -> Any:
-    """The predictive with its tensors on the CPU (scoring uses CPU generators)."""
-    from attnuq.predictive import GaussianPredictive, Predictive
-
-    if isinstance(pred, GaussianPredictive):
-        return GaussianPredictive(mean=pred.mean.cpu(), std=pred.std.cpu())
-    if isinstance(pred, Predictive):
-        fz = None if pred.frozen is None else pred.frozen.cpu()
-        return Predictive(samples=pred.samples.cpu(), frozen=fz)
-    return pred
 
 
 def _split_to(data: Any, device: torch.device) -> Any:
@@ -336,6 +316,16 @@ def _split_to(data: Any, device: torch.device) -> Any:
     moved = {f.name: getattr(data, f.name).to(device) for f in dataclasses.fields(data)
              if isinstance(getattr(data, f.name), torch.Tensor)}
     return dataclasses.replace(data, **moved)
+
+
+def _valid_run(r: Any) -> bool:
+    return (isinstance(r, dict) and isinstance(r.get("metrics"), dict)
+            and all(k in r for k in ("dataset", "split", "method", "cost", "pit")))
+
+
+def _store(out: Path, info: dict[str, Any] | None = None) -> RunStore:
+    return RunStore(out / "runs", suite="uci", info=info or {}, what="budget", valid=_valid_run,
+                    reuse_of=lambda r: (r.get("config") or {}).get("budget"))
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -348,6 +338,11 @@ def run(args: argparse.Namespace) -> Path:
     device = torch.device(getattr(args, "device", None) or "cpu")
     out = Path(args.out)
     table = Path(args.table) if args.table else out.with_suffix(".md")
+    if getattr(args, "render_only", False):
+        page = render_page(out, table)
+        page.write(table)
+        _write_summary(out, aggregate(out, int(page.state.get("seed", 0))))
+        return out
     known = available_methods()
     for m in args.methods:
         if m not in known:
@@ -360,79 +355,36 @@ def run(args: argparse.Namespace) -> Path:
     cache_root = Path(args.cache_dir) if args.cache_dir else out / "_models"
     info = run_info()
     if not args.aggregate_only:
-        jobs = []
+        groups = []
         for name in args.datasets:
-            total = n_splits(name, args.data_dir)
-            last = min(total, args.first_split + args.splits)
-            jobs += [(name, k) for k in range(args.first_split, last)]
-        bar = _tqdm(total=len(jobs) * len(args.methods), desc="uci runs",
-                    disable=args.no_progress)
-        for name, k in jobs:
-            rdir = _run_dir(out, name, k, seed)
-            todo = [m for m in args.methods
-                    if _load_run(rdir / f"{m}.json", m, _budget(args)) is None]
-            bar.update(len(args.methods) - len(todo))
-            if not todo:
-                continue
-            data = _split_to(load_uci(name, k, data_dir=args.data_dir), device)
+            last = min(n_splits(name, args.data_dir), args.first_split + args.splits)
+            for k in range(args.first_split, last):
+                held: dict[str, Any] = {}
+                bs = args.batch_size
+                if bs == "auto":  # the fit size decides the batch size, hence the budget
+                    held["data"] = load_uci(name, k, data_dir=args.data_dir)
+                    bs = batch_size_for(bs, len(held["data"].y_fit))
+                groups.append(Group(parts=_parts(name, k, seed), methods=list(args.methods),
+                                    reuse=_budget(args, bs), payload=(name, k, held)))
+
+        def setup(g: Group) -> tuple[Any, Any, dict[str, Any]]:
+            name, k, held = g.payload
+            data = held.pop("data", None) or load_uci(name, k, data_dir=args.data_dir)
+            data = _split_to(data, device)
             mdir = cache_root / name / f"split{k}"
             task, backbone = _make_task(data, args, mdir if seed == 0 else mdir / f"seed{seed}")
-            for m in todo:
-                path = rdir / f"{m}.json"
-                err = path.with_suffix(".err.txt")
-                bar.set_postfix_str(f"{name}/{k}/{m}")
-                t0 = time.perf_counter()
-                try:
-                    res = run_one(m, task, data, args)
-                except Exception as exc:  # recorded, reported in the table, retried next run
-                    atomic_write_text(
-                        err, f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
-                    print(f"[uci] {name}/split{k}/{m} failed: {type(exc).__name__}: {exc}")
-                    bar.update(1)
-                    continue
-                res["backbone"] = backbone
-                res["wall_seconds"] = time.perf_counter() - t0
-                res["run_info"] = {**info, "date": run_info()["date"]}
-                atomic_write_json(path, res, indent=1)
-                if err.exists():
-                    err.unlink()
-                bar.update(1)
-        bar.close()
+            return task, data, backbone
+
+        def one(ctx: tuple[Any, Any, dict[str, Any]], g: Group, m: str) -> dict[str, Any]:
+            task, data, backbone = ctx
+            return {**run_one(m, task, data, args), "backbone": backbone}
+
+        run_items(_store(out, info), groups, setup, one, progress=not args.no_progress,
+                  desc="uci runs")
     rows = aggregate(out, seed)
     plot_pits(out, rows)
     write_table(table, out, rows, info, args)
     return out
-
-
-def _tqdm(**kw: Any) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(**kw)
-
-
-def _valid_run(r: Any) -> bool:
-    return (isinstance(r, dict) and isinstance(r.get("metrics"), dict)
-            and all(k in r for k in ("dataset", "split", "method", "cost", "pit")))
-
-
-def _load_run(path: Path, method: str | None = None,
-              budget: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """A finished run JSON, or ``None`` when it has to be (re)done.
-
-    Missing: ``None``. Unreadable or not a run record (a torn file): ``None`` with a
-    :class:`~attnuq._io.CorruptFileWarning`. Written under another budget than ``budget``
-    (when given): ``None``, with a message, since its backbone is not this command's.
-    """
-    rec = read_json_or_none(path, "run", validate=lambda r: _valid_run(r) and (
-        method is None or r["method"] == method))
-    if rec is None or budget is None:
-        return rec
-    old = (rec.get("config") or {}).get("budget")
-    if old != budget:
-        print(f"[uci] {path} was run with budget {json.dumps(old)}; redoing it with "
-              f"{json.dumps(budget)}", flush=True)
-        return None
-    return dict(rec)
 
 
 def aggregate(out: Path, seed: int = 0) -> list[dict[str, Any]]:
@@ -442,53 +394,30 @@ def aggregate(out: Path, seed: int = 0) -> list[dict[str, Any]]:
     others in ``runs/<set>/split<K>/seed<S>/``.
     """
     pattern = "*/split*/*.json" if seed == 0 else f"*/split*/seed{seed}/*.json"
-    loaded = [_load_run(p) for p in sorted((out / "runs").glob(pattern))]
-    rows = [r for r in loaded if r is not None and int(r.get("seed", 0)) == seed]
+    rows = [r for r in _store(out).records(pattern) if int(r.get("seed", 0)) == seed]
     return sorted(rows, key=lambda r: (r["dataset"], r["method"], r["split"]))
 
 
-def _mean_std(vals: list[float]) -> tuple[float, float]:
-    v = [x for x in vals if x is not None and math.isfinite(x)]
-    if not v:
-        return math.nan, math.nan
-    m = sum(v) / len(v)
-    s = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else 0.0
-    return m, s
-
-
-def _order(methods: list[str]) -> list[str]:
+def _order(methods: Any) -> list[str]:
     rank = {m: i for i, m in enumerate(DEFAULT_METHODS)}
     return sorted(methods, key=lambda m: (rank.get(m, len(rank)), m))
 
 
+def _of(rows: list[dict[str, Any]], ds: str, m: str | None = None) -> list[dict[str, Any]]:
+    return [r for r in rows if r["dataset"] == ds and (m is None or r["method"] == m)]
+
+
 def plot_pits(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
     """One PNG per data set: a PIT histogram per method (test PIT pooled over splits)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     paths = []
     for ds in sorted({r["dataset"] for r in rows}):
-        methods = _order(sorted({r["method"] for r in rows if r["dataset"] == ds}))
-        ncol = min(4, len(methods))
-        nrow = math.ceil(len(methods) / ncol)
-        fig, axes = plt.subplots(nrow, ncol, figsize=(3.2 * ncol, 2.4 * nrow), squeeze=False)
-        for ax, m in zip(axes.flat, methods, strict=False):
-            pit = [u for r in rows if r["dataset"] == ds and r["method"] == m for u in r["pit"]]
-            ax.hist(pit, bins=10, range=(0, 1), density=True, color="#3b6ea5", edgecolor="white")
-            ax.axhline(1.0, color="k", lw=0.8, ls="--")
-            n_sp = len({r["split"] for r in rows if r["dataset"] == ds and r["method"] == m})
-            ax.set_title(f"{m} ({n_sp} split{'s' if n_sp != 1 else ''})", fontsize=9)
-            ax.set_xlim(0, 1)
-        for ax in list(axes.flat)[len(methods):]:
-            ax.axis("off")
-        fig.suptitle(f"UCI {ds}: test PIT histograms (native predictive)", fontsize=10)
-        fig.tight_layout()
-        p = out / f"pit_{ds}.png"
-        atomic_savefig(fig, p, dpi=90)
-        plt.close(fig)
-        paths.append(p)
+        panels = {}
+        for m in _order({r["method"] for r in _of(rows, ds)}):
+            n_sp = len({r["split"] for r in _of(rows, ds, m)})
+            panels[f"{m} ({n_sp} split{'s' if n_sp != 1 else ''})"] = [
+                u for r in _of(rows, ds, m) for u in r["pit"]]
+        paths.append(pit_figure(out / f"pit_{ds}.png",
+                                f"UCI {ds}: test PIT histograms (native predictive)", panels))
     return paths
 
 
@@ -502,195 +431,247 @@ _COLS: tuple[tuple[str, str, int], ...] = (
     ("crps", "CRPS", 3),
     ("nll", "NLL", 2),
 )
+_TITLE = "UCI regression: FT-Transformer, SA against the baselines"
+_TEXT = (
+    "Parts: each standard training split is cut at random (fixed seed) into fit (80 %), "
+    "validation (10 %: early stopping and each method's own post-hoc fitting, e.g. SA's nu "
+    "and IVON's hess_init) and calibration (10 %) parts; the standard test split is only "
+    "scored.",
+    "",
+    "Metrics: test part, mean ± std over splits. RMSE, PI-95 width and CRPS in target units; "
+    "NLL of a Gaussian (fitted to the samples for sample-based methods). "
+    "`cov (cal)` / `PI-95 width (cal)`: after unified coverage calibration, i.e. each "
+    "method's central 95 % interval scaled about its mean by the split-conformal factor "
+    "computed on the calibration part (10 % of the training split, unused by training), so "
+    "that calibration coverage is 95 %. W1 native / scaled: W1 distance of test PIT values to "
+    "U(0, 1) before / after one pooled spread factor. Cost: extra fit seconds beyond the "
+    "shared backbone, and forward passes per predicted input. "
+    "**Bold**: narrowest calibrated PI-95 and best CRPS per data set.",
+    "",
+)
 
 
-def _fmt(m: float, s: float, d: int) -> str:
-    if not math.isfinite(m):
-        return "n/a"
-    return f"{m:.{d}f} ± {s:.{d}f}"
+def _stats(rows: list[dict[str, Any]], ds: str) -> dict[str, dict[str, tuple[float, float]]]:
+    """method -> metric -> (mean, std) over the splits of ``ds`` (plus fit_s, fwd, n)."""
+    stats: dict[str, dict[str, tuple[float, float]]] = {}
+    for m in _order({r["method"] for r in _of(rows, ds)}):
+        rr = _of(rows, ds, m)
+        stats[m] = {k: mean_std([r["metrics"][k] for r in rr]) for k, _, _ in _COLS}
+        stats[m]["fit_s"] = mean_std([r["cost"]["fit_seconds"] for r in rr])
+        stats[m]["fwd"] = mean_std([r["cost"]["predict_forward_per_input"] for r in rr])
+        stats[m]["n"] = (float(len(rr)), 0.0)
+    return stats
 
 
-def write_table(
-    table: Path, out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
-    args: argparse.Namespace,
-) -> Path:
-    """Markdown table: mean ± std over splits per data set and method, with SA win/loss lines."""
-    lines = [
-        "# UCI regression: FT-Transformer, SA against the baselines",
-        "",
-        "Generated by `attnuq bench uci` (src/attnuq/bench/uci.py); do not edit by hand.",
-        "",
-        f"* table written by: `{info['command']}`",
-        f"* date: {info['date']}",
-        f"* machine: {info['machine']}",
-        f"* budget of this command: {json.dumps(_budget(args))}; seed {_seed(args)}",
-    ]
-    runs_by = sorted({(r.get("run_info") or {}).get("command", "?") for r in rows})
-    dates = sorted((r.get("run_info") or {}).get("date", "?") for r in rows)
-    machines = sorted({(r.get("run_info") or {}).get("machine", "?") for r in rows})
-    budgets = sorted({json.dumps((r.get("config") or {}).get("budget")) for r in rows})
-    if rows:
-        lines += [f"* runs produced by: {', '.join(f'`{c}`' for c in runs_by)}",
-                  f"* run dates: {dates[0]} to {dates[-1]}; machines: {'; '.join(machines)}",
-                  f"* run budgets: {'; '.join(budgets)}"]
-    run_b = [json.loads(b) for b in budgets if b != "null"] or [_budget(args)]
+def _best(d: dict[str, float]) -> str | None:
+    return min(d, key=d.__getitem__) if d else None
+
+
+def _verdict(ds: str, stats: dict[str, dict[str, tuple[float, float]]]) -> tuple[list[str],
+                                                                                   bool | None]:
+    """The SA win/loss lines of ``ds`` and whether SA wins (``None``: nothing to compare)."""
+    ms = list(stats)
+    widths = {m: stats[m]["width"][0] for m in ms if math.isfinite(stats[m]["width"][0])}
+    crpss = {m: stats[m]["crps"][0] for m in ms if math.isfinite(stats[m]["crps"][0])}
+    sa = {m: w for m, w in widths.items() if m.startswith("sa-")}
+    other = {m: w for m, w in widths.items() if not m.startswith("sa-")}
+    if not (sa and other):
+        return [], None
+    bs, bo = _best(sa), _best(other)
+    assert bs is not None and bo is not None
+    ratio = other[bo] / sa[bs]
+    win = sa[bs] <= other[bo]
+    if win:
+        verdict = (f"**SA wins** on calibrated PI-95 width: {bs} {sa[bs]:.3f} vs the "
+                   f"best baseline {bo} {other[bo]:.3f} (baseline {ratio:.2f}x wider)")
+    else:
+        verdict = (f"**SA loses** on calibrated PI-95 width: best baseline {bo} "
+                   f"{other[bo]:.3f} vs best SA {bs} {sa[bs]:.3f} (SA {1 / ratio:.2f}x wider)")
+    sa_c = {m: c for m, c in crpss.items() if m.startswith("sa-")}
+    ot_c = {m: c for m, c in crpss.items() if not m.startswith("sa-")}
+    if sa_c and ot_c:
+        bsc, boc = _best(sa_c), _best(ot_c)
+        assert bsc is not None and boc is not None
+        word = "wins" if sa_c[bsc] <= ot_c[boc] else "loses"
+        verdict += f"; on CRPS SA {word}: {bsc} {sa_c[bsc]:.3f} vs {boc} {ot_c[boc]:.3f}"
+    wider = sorted(f"{m} {w / sa[bs]:.2f}x" for m, w in other.items())
+    lines = [f"* {ds}: {verdict}.",
+             f"* width of each baseline relative to the best SA: {', '.join(wider)}."]
+    frozen_m = next((m for m in ("gaussian", "laplace", "conformal", "mc-dropout", bs)
+                     if m in stats), None)
+    if frozen_m is not None:
+        own = [f"{m} {stats[m]['rmse'][0]:.3f}" for m in ms
+               if m in _OWN_POINT and math.isfinite(stats[m]["rmse"][0])]
+        if own:
+            lines.append(f"* point predictions differ from the shared frozen backbone (RMSE "
+                         f"{stats[frozen_m]['rmse'][0]:.3f}) for {', '.join(own)}; interval "
+                         "widths after unified calibration also reflect these RMSE differences.")
+    return [*lines, ""], win
+
+
+def _budget_lines(rows: list[dict[str, Any]], budget: dict[str, Any]) -> list[str]:
+    """The header lines on the runs: commands, dates, machines, budgets, a low-budget note."""
+    def of(r: dict[str, Any]) -> Any:
+        return (r.get("config") or {}).get("budget")
+
+    lines = runs_lines(rows, of)
+    run_b = [b for b in (json.loads(x) for x in sorted({json.dumps(of(r)) for r in rows}))
+             if b is not None] or [budget]
     low = [b for b in run_b if b["n_blocks"] != 3 or b["max_epochs"] < 100 or b["patience"] < 16]
     if low:
-        desc = "; ".join(
-            f"{b['n_blocks']} block(s), at most {b['max_epochs']} epochs, patience "
-            f"{b['patience']}, batch {b['batch_size']}" for b in low
-        )
+        desc = "; ".join(f"{b['n_blocks']} block(s), at most {b['max_epochs']} epochs, patience "
+                         f"{b['patience']}, batch {b['batch_size']}" for b in low)
         lines.append(
             f"* NOTE: the backbone budget is below the default recipe (rtdl default config "
             f"for {desc}; default: 3 blocks, 100 epochs, patience 16) to fit the CPU time "
             f"of this session. Within a data set every method gets the same budget; the budget "
             f"of each data set is listed under 'What this covers'."
         )
-    lines.append("")
-    datasets = sorted({r["dataset"] for r in rows})
-    coverage_lines = []
+    return [*lines, ""]
+
+
+def _coverage_lines(rows: list[dict[str, Any]], out: Path, datasets: list[str]) -> list[str]:
+    """'What this covers': runs per data set, IVON's choices, what is missing or failed."""
+    from attnuq.data.uci import UCI_DATASETS
+
+    cov = []
     for ds in datasets:
-        sp = sorted({r["split"] for r in rows if r["dataset"] == ds})
-        ms = _order(sorted({r["method"] for r in rows if r["dataset"] == ds}))
-        ds_b = sorted({json.dumps((r.get("config") or {}).get("budget"))
-                       for r in rows if r["dataset"] == ds})
-        coverage_lines.append(f"* {ds}: splits {sp}; methods {ms}; budget {'; '.join(ds_b)}")
-        hi = {r["split"]: (r.get("info") or {}).get("hess_init") for r in rows
-              if r["dataset"] == ds and r["method"] == "ivon"}
+        rr = _of(rows, ds)
+        ds_b = sorted({json.dumps((r.get("config") or {}).get("budget")) for r in rr})
+        cov.append(f"* {ds}: splits {sorted({r['split'] for r in rr})}; methods "
+                   f"{_order({r['method'] for r in rr})}; budget {'; '.join(ds_b)}")
+        iv = _of(rows, ds, "ivon")
+        hi = {r["split"]: (r.get("info") or {}).get("hess_init") for r in iv}
         grid = ", ".join(sorted({" ".join(f"{h:g}" for h in (r.get("info") or {}).get(
-            "hess_inits", [])) for r in rows if r["dataset"] == ds and r["method"] == "ivon"}))
+            "hess_inits", [])) for r in iv}))
         if hi:
             chosen = ", ".join(f"split {k}: {v:g}" if isinstance(v, (int, float)) else
                                f"split {k}: fixed (old run)" for k, v in sorted(hi.items()))
-            coverage_lines.append(f"  * ivon hess_init chosen per split by validation RMSE of the "
-                                  f"predictive mean (grid {grid}): "
-                                  f"{chosen}")
-    from attnuq.data.uci import UCI_DATASETS
-
+            cov.append(f"  * ivon hess_init chosen per split by validation RMSE of the "
+                       f"predictive mean (grid {grid}): {chosen}")
+    lines = ["## What this covers", "", f"{len(rows)} runs (data set x split x method):", "",
+             *cov, ""]
     missing = [d for d in UCI_DATASETS if d not in datasets]
-    n_runs = len(rows)
-    lines += ["## What this covers", "", f"{n_runs} runs (data set x split x method):", "",
-              *coverage_lines, ""]
     if missing:
         lines += [f"Not covered by this table: {', '.join(missing)} (the full suite is 6 sets x "
                   ">= 5 splits; rerun the command with more --datasets/--splits, it resumes).", ""]
-    short = []
-    for ds in datasets:
-        all_sp = {int(r["split"]) for r in rows if r["dataset"] == ds}
-        if len(all_sp) < 5:
-            short.append(f"{ds} has {len(all_sp)} split(s)")
-        for m in _order(sorted({r["method"] for r in rows if r["dataset"] == ds})):
-            got = {int(r["split"]) for r in rows if r["dataset"] == ds and r["method"] == m}
-            if got != all_sp:
-                short.append(f"{ds}/{m} lacks split(s) {sorted(all_sp - got)}")
-    if short:
-        lines += [f"Below the full suite (>= 5 splits, every method on every split): "
-                  f"{'; '.join(short)}.", ""]
-    errs = sorted(out.glob("runs/*/split*/*.err.txt"))
-    if errs:
-        lines += ["Runs that failed (no JSON written; re-running the command retries them):", ""]
-        for e in errs:
-            first = (e.read_text(errors="replace").splitlines() or ["(empty)"])[0][:200]
-            lines.append(f"* `{e.relative_to(out)}`: {first}")
-        lines.append("")
-    lines += [
-        "Parts: each standard training split is cut at random (fixed seed) into fit (80 %), "
-        "validation (10 %: early stopping and each method's own post-hoc fitting, e.g. SA's nu "
-        "and IVON's hess_init) and calibration (10 %) parts; the standard test split is only "
-        "scored.",
-        "",
-        "Metrics: test part, mean ± std over splits. RMSE, PI-95 width and CRPS in target units; "
-        "NLL of a Gaussian (fitted to the samples for sample-based methods). "
-        "`cov (cal)` / `PI-95 width (cal)`: after unified coverage calibration, i.e. each "
-        "method's central 95 % interval scaled about its mean by the split-conformal factor "
-        "computed on the calibration part (10 % of the training split, unused by training), so "
-        "that calibration coverage is 95 %. W1 native / scaled: W1 distance of test PIT values to "
-        "U(0, 1) before / after one pooled spread factor. Cost: extra fit seconds beyond the "
-        "shared backbone, and forward passes per predicted input. "
-        "**Bold**: narrowest calibrated PI-95 and best CRPS per data set.",
-        "",
-    ]
-    sa_wins, n_sets = 0, 0
-    for ds in datasets:
-        ms = _order(sorted({r["method"] for r in rows if r["dataset"] == ds}))
-        stats: dict[str, dict[str, tuple[float, float]]] = {}
-        for m in ms:
-            rr = [r for r in rows if r["dataset"] == ds and r["method"] == m]
-            stats[m] = {k: _mean_std([r["metrics"][k] for r in rr]) for k, _, _ in _COLS}
-            stats[m]["fit_s"] = _mean_std([r["cost"]["fit_seconds"] for r in rr])
-            stats[m]["fwd"] = _mean_std([r["cost"]["predict_forward_per_input"] for r in rr])
-            stats[m]["n"] = (float(len(rr)), 0.0)
-        widths = {m: stats[m]["width"][0] for m in ms if math.isfinite(stats[m]["width"][0])}
-        crpss = {m: stats[m]["crps"][0] for m in ms if math.isfinite(stats[m]["crps"][0])}
-        best_w = min(widths, key=widths.__getitem__) if widths else None
-        best_c = min(crpss, key=crpss.__getitem__) if crpss else None
-        header = ["method", "splits", *[c for _, c, _ in _COLS], "fit s", "passes/input"]
-        lines += [f"## {ds}", "", "| " + " | ".join(header) + " |",
-                  "|" + "---|" * len(header)]
-        for m in ms:
-            cells = [m, str(int(stats[m]["n"][0]))]
-            for k, _, d in _COLS:
-                txt = _fmt(*stats[m][k], d)
-                if (k == "width" and m == best_w) or (k == "crps" and m == best_c):
-                    txt = f"**{txt}**"
-                cells.append(txt)
-            cells += [f"{stats[m]['fit_s'][0]:.1f}", f"{stats[m]['fwd'][0]:.0f}"]
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-        sa = {m: w for m, w in widths.items() if m.startswith("sa-")}
-        other = {m: w for m, w in widths.items() if not m.startswith("sa-")}
-        if sa and other:
-            n_sets += 1
-            bs = min(sa, key=sa.__getitem__)
-            bo = min(other, key=other.__getitem__)
-            ratio = other[bo] / sa[bs]
-            if sa[bs] <= other[bo]:
-                sa_wins += 1
-                verdict = (f"**SA wins** on calibrated PI-95 width: {bs} {sa[bs]:.3f} vs the "
-                           f"best baseline {bo} {other[bo]:.3f} (baseline {ratio:.2f}x wider)")
-            else:
-                verdict = (f"**SA loses** on calibrated PI-95 width: best baseline {bo} "
-                           f"{other[bo]:.3f} vs best SA {bs} {sa[bs]:.3f} "
-                           f"(SA {1 / ratio:.2f}x wider)")
-            sa_c = {m: c for m, c in crpss.items() if m.startswith("sa-")}
-            ot_c = {m: c for m, c in crpss.items() if not m.startswith("sa-")}
-            if sa_c and ot_c:
-                bsc, boc = min(sa_c, key=sa_c.__getitem__), min(ot_c, key=ot_c.__getitem__)
-                word = "wins" if sa_c[bsc] <= ot_c[boc] else "loses"
-                verdict += (f"; on CRPS SA {word}: {bsc} {sa_c[bsc]:.3f} vs {boc} "
-                            f"{ot_c[boc]:.3f}")
-            others_wider = sorted(
-                f"{m} {w / sa[bs]:.2f}x" for m, w in other.items()
-            )
-            lines += [f"* {ds}: {verdict}.",
-                      f"* width of each baseline relative to the best SA: "
-                      f"{', '.join(others_wider)}."]
-            frozen_m = next((m for m in ("gaussian", "laplace", "conformal", "mc-dropout", bs)
-                             if m in stats), None)
-            if frozen_m is not None:
-                f_rmse = stats[frozen_m]["rmse"][0]
-                own = [f"{m} {stats[m]['rmse'][0]:.3f}" for m in ms
-                       if m in _OWN_POINT and math.isfinite(stats[m]["rmse"][0])]
-                if own:
-                    lines.append(
-                        f"* point predictions differ from the shared frozen backbone (RMSE "
-                        f"{f_rmse:.3f}) for {', '.join(own)}; interval widths after unified "
-                        "calibration also reflect these RMSE differences."
-                    )
-            lines.append("")
-        lines.append(f"![PIT histograms {ds}](uci/pit_{ds}.png)" if out.name == "uci"
-                     else f"PIT histograms: `{out / f'pit_{ds}.png'}`")
-        lines.append("")
-    from attnuq.bench._implementations import implementation_lines
+    have = {ds: {m: {int(r["split"]) for r in _of(rows, ds, m)}
+                 for m in _order({r["method"] for r in _of(rows, ds)})} for ds in datasets}
+    lines += gap_lines(have)
+    lines += error_lines(_store(out).errors("*/split*/*.err.txt"), out)
+    return lines
 
-    lines += implementation_lines(_order(sorted({r["method"] for r in rows})))
-    lines.insert(
-        lines.index("## What this covers"),
-        f"**Summary:** SA has the narrowest calibrated PI-95 on {sa_wins} of {n_sets} data sets "
-        f"covered here (the paper: 7 of 8).\n",
-    )
-    atomic_write_text(table, "\n".join(lines) + "\n")
+
+def _block(rows: list[dict[str, Any]], previous: dict[str, Any] | None) -> dict[str, Any]:
+    """The Implementations block: the text each method's runs recorded (all alike), else the
+    previous block of this page, else today's registry text."""
+    from attnuq.bench._implementations import merge_block
+
+    names = _order({r["method"] for r in rows})
+    recorded: dict[str, str | None] = {}
+    for m in names:
+        texts = {r.get("implementation") for r in rows if r["method"] == m}
+        recorded[m] = (None if None in texts else " / ".join(sorted(t for t in texts if t)))
+    return merge_block(names, recorded, previous)
+
+
+def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
+               state: dict[str, Any], previous: dict[str, Any] | None = None) -> Page:
+    """The page of ``rows`` (the run records): ``info`` is the provenance of the command that
+    writes it, ``state`` its ``budget`` and ``seed``, ``previous`` the Implementations block
+    stored with an earlier rendering (texts for runs that did not record their own)."""
+    budget, seed = state["budget"], int(state.get("seed", 0))
+    page = Page("uci", _TITLE, state=state)
+    page.add("Generated by `attnuq bench uci` (src/attnuq/bench/uci.py); do not edit by hand.",
+             "")
+    page.provenance(info, label="table written by")
+    page.add(f"* budget of this command: {json.dumps(budget)}; seed {seed}")
+    if budget.get("batch_size") == "auto":
+        page.add(f"* {_AUTO_TEXT}")
+    page.add(*_budget_lines(rows, budget))
+    datasets = sorted({r["dataset"] for r in rows})
+    per_ds = {ds: _stats(rows, ds) for ds in datasets}
+    verdicts = {ds: _verdict(ds, per_ds[ds]) for ds in datasets}
+    wins = [w for _, w in verdicts.values() if w is not None]
+    page.headline(f"**Summary:** SA has the narrowest calibrated PI-95 on {sum(wins)} of "
+                  f"{len(wins)} data sets covered here (the paper: 7 of 8).")
+    page.add("")
+    cov = _coverage_lines(rows, out, datasets)
+    page.section(cov[0][3:])
+    page.add(*cov[2:], *_TEXT)
+    header = ["method", "splits", *[c for _, c, _ in _COLS], "fit s", "passes/input"]
+    for ds in datasets:
+        stats = per_ds[ds]
+        best = {k: _best({m: stats[m][k][0] for m in stats if math.isfinite(stats[m][k][0])})
+                for k in ("width", "crps")}
+        page.section(ds)
+        t = Table(header)
+        for m, st in stats.items():
+            cells = [m, str(int(st["n"][0]))]
+            for k, _, d in _COLS:
+                txt = fmt(st[k][0], d, std=st[k][1], nan="n/a", big=None)
+                cells.append(f"**{txt}**" if best.get(k) == m else txt)
+            t.add(*cells, f"{st['fit_s'][0]:.1f}", f"{st['fwd'][0]:.0f}",
+                  values={k: list(v) for k, v in st.items()})
+        page.table(t)
+        page.add("", *verdicts[ds][0])
+        page.add(f"![PIT histograms {ds}](uci/pit_{ds}.png)" if out.name == "uci"
+                 else f"PIT histograms: `{out / f'pit_{ds}.png'}`", "")
+    page.implementations(_block(rows, previous))
+    return page
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``uci`` key of summary.json (issue #19): per set the frozen backbone's RMSE beside
+    the MC-dropout paper's, and each method's mean scores over its splits."""
+    keys = (("rmse", "rmse"), ("crps", "crps"), ("pi95_width_cal", "width"),
+            ("coverage95_native", "coverage_native"), ("w1_native", "w1_native"))
+    out: dict[str, Any] = {}
+    for ds in sorted({r["dataset"] for r in rows}):
+        stats = _stats(rows, ds)
+        methods = {m: {k: st[src][0] for k, src in keys} for m, st in stats.items()}
+        frozen = next((m for m in ("gaussian", "laplace", "conformal", "mc-dropout")
+                       if m in stats), None)
+        value = None if frozen is None else stats[frozen]["rmse"][0]
+        if value is not None:
+            methods = {"frozen": {"rmse": value}, **methods}
+        out[ds] = {"backbone": {"metric": "rmse", "value": value,
+                                "reference": REFERENCE_RMSE.get(ds),
+                                "reference_name": "Gal & Ghahramani 2016 (MC dropout)"
+                                if ds in REFERENCE_RMSE else None},
+                   "splits": len({r["split"] for r in _of(rows, ds)}), "methods": methods}
+    return out
+
+
+def _write_summary(out: Path, rows: list[dict[str, Any]]) -> None:
+    if out.parent.is_dir():
+        update_summary(out.parent / "summary.json", "uci", _summary(rows))
+
+
+def write_table(
+    table: Path, out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
+    args: argparse.Namespace,
+) -> Path:
+    """Markdown table (and JSON twin, and the summary key): mean ± std over splits per data set
+    and method, with SA win/loss lines."""
+    twin = read_twin(table) if table.suffix == ".md" else None
+    page = build_page(out, rows, info, {"budget": _budget(args), "seed": _seed(args)},
+                      None if twin is None else twin.get("implementations"))
+    page.write(table)
+    _write_summary(out, rows)
     return table
+
+
+def render_page(out: Path, table: Path) -> Page:
+    """The page ``table`` again from the stored run JSON under ``out`` and the page's twin
+    (provenance, budget and seed of the command that wrote it, its Implementations block)."""
+    twin = read_twin(table)
+    if twin is None:
+        raise ValueError(f"no JSON twin of {str(table)!r} to render from: write the table with "
+                         "--aggregate-only first")
+    rows = aggregate(Path(out), int(twin["state"].get("seed", 0)))
+    return build_page(Path(out), rows, twin["provenance"], twin["state"],
+                      twin.get("implementations"))
 
 
 register(
