@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from attnuq.methods import IVONMethod, Task
-from attnuq.models.ft import make_ft_transformer, train_regressor
+from attnuq.models.ft import make_ft_transformer
+from attnuq.training import fit
 
 pytest.importorskip("ivon")
 
@@ -27,7 +28,7 @@ def _tiny(seed: int) -> nn.Module:
 
 
 def _train(model: nn.Module, train: Any, val: Any, seed: int) -> Any:
-    return train_regressor(model, train, val, max_epochs=1, patience=1, seed=seed, progress=False)
+    return fit(model, train, val, max_epochs=1, patience=1, seed=seed, progress=False)
 
 
 def _task(cal: tuple[torch.Tensor, torch.Tensor]) -> Task:

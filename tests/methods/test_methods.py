@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from pathlib import Path
@@ -25,11 +24,11 @@ from attnuq.methods import (
     make_method,
     method_implementation,
 )
+from attnuq.methods.sa import StochasticAttention
 from attnuq.methods.simple import dropout_active
-from attnuq.models.ft import make_ft_transformer, train_regressor
+from attnuq.models.ft import make_ft_transformer
 from attnuq.predictive import GaussianPredictive, Predictive
-
-_HAS_CALIBRATE = importlib.util.find_spec("attnuq.calibration") is not None
+from attnuq.training import fit
 
 
 def _data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +43,7 @@ def _tiny(seed: int) -> nn.Module:
 
 
 def _train(model: nn.Module, train: Any, val: Any, seed: int) -> Any:
-    return train_regressor(model, train, val, max_epochs=1, patience=1, seed=seed, progress=False)
+    return fit(model, train, val, max_epochs=1, patience=1, seed=seed, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +74,6 @@ _CHEAP_KW: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize("name", available_methods())
 def test_every_method_fits_and_predicts_the_target_shape(name: str, task: Task) -> None:
-    if name.startswith("sa-") and not _HAS_CALIBRATE:
-        pytest.skip("attnuq.calibrate (issue 4) not available yet")
     before = {k: v.clone() for k, v in task.model.state_dict().items()}
     m = make_method(name, **_CHEAP_KW.get(name, {}))
     assert m.name == name
@@ -222,3 +219,117 @@ def test_member_training_is_booked_once(monkeypatch, tmp_path, cached) -> None: 
     ens = DeepEnsemble(n_members=3).fit(task())
     assert ens.cost.fit_seconds == pytest.approx(20.0)
     assert clock[0] - clock_before == (0.0 if cached else 20.0)
+
+
+@pytest.mark.parametrize("name", [n for n in available_methods() if n.startswith("sa-")])
+def test_sa_methods_calibrate_nu_on_the_validation_part(name: str, task: Task) -> None:
+    """Replaces a find_spec skip that could never fire: each SA method really runs the
+    calibration search on ``val`` (its evaluations are recorded, the chosen nu is one of them,
+    the passes are booked) and predicts with that nu."""
+    m = make_method(name, **_CHEAP_KW[name], max_evals=3, nu_range=(1, 32))
+    m.fit(task)
+    info = m.info()
+    assert info["nu"] in info["evaluated_nu"] and 1 <= info["nu"] <= 32
+    assert len(info["evaluated_nu"]) >= 1 and info["calibration_passes"] > 0
+    n_val = sum(len(t) for _, t in task.val)
+    assert m.cost.fit_forward >= info["calibration_passes"] * n_val
+    assert m.report.n_examples == n_val
+    assert (m.scale != 1.0) == name.endswith("conformal")
+
+
+def test_sa_conformal_shares_the_base_draws_and_nu(task: Task) -> None:
+    kw = _CHEAP_KW["sa-paper"] | {"max_evals": 2, "nu_range": (1, 16)}
+    base = make_method("sa-paper", **kw).fit(task)
+    sc = make_method("sa-conformal", base=base).fit(task)
+    assert sc.nu == base.nu and sc.report is base.report and sc.derived_from == "sa-paper"
+    assert sc.info()["nu_from"] == "sa-paper" and sc.scale > 0 and sc.scale != 1.0
+    # no second search: only the conformal step's passes over cal are booked
+    n_cal = sum(len(t) for _, t in task.cal)
+    assert sc.cost.fit_forward == sc.n_samples * n_cal
+    x = _data(5, 7)[0]
+    derived, direct = sc.derive(base.predict(x)), sc.predict(x)
+    assert torch.equal(derived.samples, direct.samples)
+    assert torch.equal(derived.frozen, direct.frozen)
+    assert make_method("sa-paper").derived_from is None
+    with pytest.raises(ValueError, match="fitted StochasticAttention"):
+        make_method("sa-conformal", base=make_method("sa-paper"))
+    with pytest.raises(ValueError, match="criterion 'paper'"):
+        make_method("sa-conformal", base=sc)
+    other = Task(model=task.model, train=task.train, val=task.val, cal=task.cal)
+    with pytest.raises(ValueError, match="another Task"):
+        make_method("sa-conformal", base=base).fit(other)
+    with pytest.raises(NotImplementedError, match="derives from no"):
+        make_method("gaussian").derive(base.predict(x))
+    assert isinstance(sc, StochasticAttention)
+
+
+def test_conformal_is_per_output_coordinate() -> None:
+    """ETT/ERA5's multi-output case: q per (step, channel) is the finite-sample rank of
+    |residual| over the calibration rows, and the predictive interval is exactly f +- q."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(1), nn.Linear(6, 8), nn.Unflatten(1, (4, 2))).eval()
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(n, 3, 2, generator=g) for n in (60, 39)]
+    noise = torch.tensor([0.05, 2.0])  # channel 1 is 40x noisier
+    with torch.no_grad():
+        ys = [net(x) + torch.randn(len(x), 4, 2, generator=g) * noise for x in xs]
+    task = Task(model=net, train=(xs[0], ys[0]), val=(xs[0], ys[0]), cal=(xs[1], ys[1]),
+                batch_size=16)
+    m = make_method("conformal", alpha=0.1, n_quantiles=30).fit(task)
+    with torch.no_grad():
+        r = (ys[1] - net(xs[1])).abs().sort(dim=0).values  # (39, 4, 2)
+    k = math.ceil(40 * 0.9)  # n = 39: the 36th smallest
+    assert m.q_per_output is not None and m.q_per_output.shape == (4, 2)
+    torch.testing.assert_close(m.q_per_output, r[k - 1].double(), rtol=0, atol=0)
+    assert m.q == pytest.approx(float(r[k - 1].double().mean()))
+    assert bool((m.q_per_output[:, 1] > 10 * m.q_per_output[:, 0]).all())
+    pred = m.predict(xs[1][:5])
+    assert pred.samples.shape == (30, 5, 4, 2)
+    lo, hi = pred.interval(0.9)
+    with torch.no_grad():
+        f = net(xs[1][:5])
+    torch.testing.assert_close(hi - f, m.q_per_output.float().expand(5, 4, 2), rtol=1e-5,
+                               atol=1e-6)
+    torch.testing.assert_close(f - lo, m.q_per_output.float().expand(5, 4, 2), rtol=1e-5,
+                               atol=1e-6)
+    assert m.info()["q_max"] > m.info()["q_min"]
+
+
+class _FB:
+    """A ForecastBatch stand-in: the batch itself is the input, ``targets`` (B, Q)."""
+
+    def __init__(self, seed: int, B: int = 3, L: int = 6, Q: int = 4) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.obs_times = torch.rand(B, L, generator=g) * 24
+        self.obs_channels = torch.randint(0, 3, (B, L), generator=g)
+        self.obs_values = torch.rand(B, L, generator=g)
+        self.obs_mask = torch.ones(B, L, dtype=torch.bool)
+        self.query_times = 24 + torch.rand(B, Q, generator=g) * 24
+        self.query_channels = torch.randint(0, 3, (B, Q), generator=g)
+        self.targets = torch.rand(B, Q, generator=g)
+        self.query_mask = torch.ones(B, Q, dtype=torch.bool)
+
+
+def test_mc_dropout_runs_on_the_physionet_forecasters() -> None:
+    """The registered mc-dropout on a model whose forward takes ForecastBatch inputs and returns
+    a ForecastOutput (PhysioNet's softmax control): samples of the output's mean, the deterministic
+    mean as frozen, seeded draws, only dropout switched on."""
+    from attnuq.models.levy_forecaster import SoftmaxForecaster, forward_batch
+
+    torch.manual_seed(1)
+    model = SoftmaxForecaster(3, d=16, encoder_layers=1, dropout=0.3).eval()
+    batches = [_FB(s) for s in range(3)]
+    task = Task(model=model, train=batches[:2], val=batches[2:], cal=batches[2:],
+                forward_fn=forward_batch)
+    assert task.n_train == 6
+    mc = make_method("mc-dropout", n_samples=7, seed=4).fit(task)
+    b = batches[2]
+    pred = mc.predict(b)
+    assert pred.samples.shape == (7, 3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(pred.frozen, forward_batch(model, b).mean, rtol=0, atol=0)
+        torch.manual_seed(4)
+        with dropout_active(model):
+            ref = torch.stack([forward_batch(model, b).mean for _ in range(7)])
+    assert torch.equal(pred.samples, ref) and float(pred.samples.std(0).mean()) > 0
+    assert not model.training and torch.equal(mc.predict(b).samples, pred.samples)

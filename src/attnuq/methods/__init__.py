@@ -21,7 +21,7 @@ Registered names (:func:`available_methods`):
 ``ivon``       IVON variational training (``ivon-opt``)
 ``laplace``    exact closed-form last-layer Laplace (agrees with laplace-torch)
 ``hsa``        Gumbel-softmax attention trained end to end (after Pei et al. 2022)
-``conformal``  split conformal on absolute residuals
+``conformal``  split conformal on absolute residuals, per output coordinate
 ``gaussian``   homoscedastic Gaussian, sigma from validation residuals
 ============== =============================================================================
 
@@ -49,7 +49,12 @@ from attnuq.methods.hsa import HSA, gumbel_attention
 from attnuq.methods.ivon import IVONMethod
 from attnuq.methods.laplace import LastLayerLaplace
 from attnuq.methods.sa import StochasticAttention
-from attnuq.methods.simple import HomoscedasticGaussian, MCDropout, SplitConformal
+from attnuq.methods.simple import (
+    HomoscedasticGaussian,
+    MCDropout,
+    ResidualQuantiles,
+    SplitConformal,
+)
 from attnuq.methods.swag import SWAG, MultiSWAG, SWAGCollector
 
 register_method("sa-paper", StochasticAttention, criterion="paper")
@@ -78,6 +83,7 @@ __all__ = [
     "Method",
     "MultiSWAG",
     "PredictiveLike",
+    "ResidualQuantiles",
     "SWAGCollector",
     "SplitConformal",
     "StochasticAttention",

@@ -6,7 +6,11 @@ outputs ``(B, horizon, channels)``) and a ViT on ERA5 (outputs ``(B, lat, lon)``
 
 * ``model``: the trained, frozen backbone every post-hoc method uses,
 * ``train``, ``val``, ``cal``: re-iterable ``(inputs, targets)`` batches (or ``(X, Y)`` tensors),
-* ``forward_fn(model, inputs) -> prediction`` shaped like the targets,
+  or batch objects with a ``targets`` tensor (PhysioNet's ``ForecastBatch``: the batch itself is
+  the input),
+* ``forward_fn(model, inputs) -> prediction`` shaped like the targets (a tensor, or an output
+  with a ``mean`` tensor such as the Levy forecaster's ``ForecastOutput``: methods read its
+  mean, :func:`attnuq.training.output_mean`),
 * ``make_model(seed)`` and ``train_fn(model, train, val, seed)`` for methods that retrain
   (deep ensemble, MultiSWAG, IVON, HSA).
 
@@ -50,8 +54,8 @@ from attnuq._io import (
     read_json_or_none,
     torch_load_or_none,
 )
-from attnuq.models.ft import Batches, as_batches, default_forward
 from attnuq.predictive import GaussianPredictive, Predictive
+from attnuq.training import Batches, as_batches, count_rows, default_forward, output_mean
 
 __all__ = [
     "Cost",
@@ -63,6 +67,7 @@ __all__ = [
     "make_method",
     "method_implementation",
     "register_method",
+    "split_batch",
 ]
 
 PredictiveLike = Predictive | GaussianPredictive
@@ -197,13 +202,14 @@ class Task:
         self.val = as_batches(self.val, batch_size=self.batch_size)
         self.cal = as_batches(self.cal, batch_size=self.batch_size)
         if self.n_train is None:
-            self.n_train = sum(len(t) for _, t in self.train)
+            self.n_train = count_rows(self.train)
         if self.n_train < 1:
             raise ValueError(f"training data is empty, got n_train={self.n_train}")
 
     def forward(self, model: nn.Module, inputs: Any) -> torch.Tensor:
-        """``forward_fn(model, inputs)``."""
-        return self.forward_fn(model, inputs)
+        """The point prediction ``forward_fn(model, inputs)`` (its ``mean`` when the model
+        returns an output object, :func:`attnuq.training.output_mean`)."""
+        return output_mean(self.forward_fn(model, inputs))
 
     def require_retraining(
         self, method: str
@@ -264,6 +270,8 @@ def collect(
 
     The model runs in ``eval()`` mode without gradients (its previous mode is restored);
     returns ``(predictions, targets)``, both ``(N, ...)`` with ``N`` the total number of rows.
+    A batch is an ``(inputs, targets)`` pair or an object with ``targets`` (passed whole to
+    ``forward_fn``; padded positions are not masked out); an output object gives its ``mean``.
 
     Examples
     --------
@@ -279,8 +287,9 @@ def collect(
     was = model.training
     model.eval()
     with torch.no_grad():
-        for inputs, targets in as_batches(batches):
-            preds.append(forward_fn(model, inputs))
+        for batch in as_batches(batches):
+            inputs, targets = split_batch(batch)
+            preds.append(output_mean(forward_fn(model, inputs)))
             ys.append(targets)
     model.train(was)
     if not preds:
@@ -291,6 +300,27 @@ def collect(
             f"predictions {tuple(p.shape)} and targets {tuple(y.shape)} differ in shape"
         )
     return p, y
+
+
+def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
+    """``(inputs, targets)`` of a batch: a pair as it is, an object with ``targets`` as
+    ``(batch, batch.targets)``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from types import SimpleNamespace
+    >>> b = SimpleNamespace(targets=torch.zeros(2))
+    >>> split_batch(b)[0] is b, split_batch((1, torch.ones(3)))[1].shape
+    (True, torch.Size([3]))
+    """
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    targets = getattr(batch, "targets", None)
+    if isinstance(targets, torch.Tensor):
+        return batch, targets
+    raise TypeError(f"a batch must be an (inputs, targets) pair or have a .targets tensor, "
+                    f"got {type(batch).__name__}")
 
 
 class Method(ABC):
@@ -326,6 +356,10 @@ class Method(ABC):
     #: which code computes the method and how it was checked against a maintained library
     #: (results pages print it per row, see :func:`method_implementation`)
     implementation: str = "attnuq"
+    #: registry name of a method whose predictions :meth:`derive` maps to this method's (one
+    #: set of draws scores both rows, e.g. ``sa-conformal`` built with ``base=`` a fitted
+    #: ``sa-paper``); ``None``: :meth:`predict` only
+    derived_from: str | None = None
 
     def __init__(self) -> None:
         self.cost = Cost()
@@ -360,6 +394,11 @@ class Method(ABC):
         self.cost.predict_seconds += time.perf_counter() - t0
         self.cost.predict_forward_per_input = int(passes)
         return pred
+
+    def derive(self, pred: Any) -> PredictiveLike:
+        """This method's prediction from the prediction of :attr:`derived_from` on the same
+        inputs (only methods that set :attr:`derived_from` implement it)."""
+        raise NotImplementedError(f"method {self.name!r} derives from no other method")
 
     @abstractmethod
     def _fit(self, task: Task) -> Cost | None:

@@ -126,11 +126,12 @@ class HSA(Method):
     --------
     >>> import torch
     >>> from attnuq.methods import Task
-    >>> from attnuq.models.ft import make_ft_transformer, train_regressor
+    >>> from attnuq.models.ft import make_ft_transformer
+    >>> from attnuq.training import fit
     >>> def make_model(seed):
     ...     return make_ft_transformer(2, n_blocks=1, seed=seed)
     >>> def train_fn(model, train, val, seed):  # one epoch, to keep the example short
-    ...     return train_regressor(model, train, val, max_epochs=1, seed=seed, progress=False)
+    ...     return fit(model, train, val, max_epochs=1, seed=seed, progress=False)
     >>> _ = torch.manual_seed(0)
     >>> x, y = torch.randn(32, 2), torch.randn(32)
     >>> task = Task(model=make_model(0).eval(), train=(x, y), val=(x, y), cal=(x, y),

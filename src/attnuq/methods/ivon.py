@@ -51,8 +51,8 @@ from torch import nn
 
 from attnuq._validation import check_positive_int
 from attnuq.methods._base import Cost, Method, PredictiveLike, Task
-from attnuq.models.ft import _tqdm, as_batches, evaluate_rmse
 from attnuq.predictive import Predictive
+from attnuq.training import as_batches, evaluate_rmse, progress_bar
 
 __all__ = ["IVONMethod"]
 
@@ -114,8 +114,8 @@ class IVONMethod(Method):
         batches = as_batches(task.train, shuffle=True, seed=self.seed)
         best, bad, best_state, best_epoch = math.inf, 0, None, -1
         torch.manual_seed(self.seed)
-        for epoch in _tqdm(range(self.max_epochs), desc=f"ivon h={hess_init:g}",
-                           disable=not self.progress):
+        for epoch in progress_bar(range(self.max_epochs), desc=f"ivon h={hess_init:g}",
+                                  enable=self.progress):
             model.train()
             for inputs, targets in batches:
                 with opt.sampled_params(train=True):

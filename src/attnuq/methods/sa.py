@@ -11,6 +11,12 @@ is scaled by the conformal factor of :func:`attnuq.methods.calibration.coverage_
 (normalised by the SA interval), which gives finite-sample coverage ``>= 1 - alpha`` of the
 central interval at ``level = 1 - alpha``.
 
+Sharing one calibration (what ETT and ERA5 need): ``make_method("sa-conformal", base=sa)`` with
+``sa`` a fitted ``sa-paper`` reuses its ``nu`` (no second search) and fits only the conformal
+factor; its draws are ``sa``'s (same ``nu``, ``seed`` and ``n_samples``), so
+``sa_conf.derive(sa.predict(x))`` equals ``sa_conf.predict(x)`` and one set of test draws scores
+both rows (:attr:`Method.derived_from` names the method whose predictions :meth:`derive` maps).
+
 Examples
 --------
 >>> from attnuq.methods import make_method
@@ -28,10 +34,10 @@ import torch
 from torch import nn
 
 from attnuq._validation import check_positive_int
-from attnuq.methods._base import Cost, Method, PredictiveLike, Task
+from attnuq.methods._base import Cost, Method, PredictiveLike, Task, split_batch
 from attnuq.methods.calibration import coverage_scale
-from attnuq.models.ft import default_forward
 from attnuq.predictive import Predictive
+from attnuq.training import default_forward
 
 __all__ = ["StochasticAttention"]
 
@@ -71,6 +77,12 @@ class StochasticAttention(Method):
     """
 
     implementation = "attnuq stochastic attention (the method of this package)"
+    criterion: str
+    conformal: bool
+    n_samples: int
+    n_passes: int
+    search: str
+    seed: int
 
     def __init__(
         self,
@@ -82,9 +94,20 @@ class StochasticAttention(Method):
         n_passes: int = 10,
         seed: int = 0,
         progress: bool = True,
+        base: StochasticAttention | None = None,
         **calibrate_kwargs: Any,
     ) -> None:
         super().__init__()
+        if base is not None:
+            if not isinstance(base, StochasticAttention) or base.nu is None:
+                raise ValueError(f"base must be a fitted StochasticAttention, got {base!r}")
+            if base.conformal or base.criterion != criterion:
+                raise ValueError(
+                    f"base must be an unconformalised SA of criterion {criterion!r}, got "
+                    f"criterion={base.criterion!r}, conformal={base.conformal}"
+                )
+            n_samples, seed = base.n_samples, base.seed
+            n_passes, search = base.n_passes, base.search
         if criterion not in _CRITERIA:
             raise ValueError(f"criterion must be one of {_CRITERIA}, got {criterion=!r}")
         if not 0 < alpha < 1:
@@ -98,6 +121,9 @@ class StochasticAttention(Method):
         self.seed = int(seed)
         self.progress = bool(progress)
         self.calibrate_kwargs = calibrate_kwargs
+        self._base = base
+        if base is not None:
+            self.derived_from = base.name
         self.nu: int | None = None
         self.scale: float = 1.0
         self.report: Any = None
@@ -105,19 +131,26 @@ class StochasticAttention(Method):
     def _fit(self, task: Task) -> Cost | None:
         from attnuq.calibration import calibrate
 
-        model = _sa_model(task)
-        self.report = calibrate(
-            model, task.val, criterion=self.criterion, search=self.search,  # type: ignore[arg-type]
-            n_passes=self.n_passes, seed=self.seed, progress=self.progress,
-            **self.calibrate_kwargs,
-        )
-        self.nu = int(self.report.nu)
-        # passes over the validation part (1 frozen + n_passes per evaluated nu) x examples
-        self.cost.fit_forward += int(self.report.forward_passes) * int(self.report.n_examples)
+        if self._base is not None:  # share the base's nu: no second search, no cost booked twice
+            if self._base._task is not task:
+                raise ValueError("base was fitted on another Task")
+            self.report, self.nu = self._base.report, self._base.nu
+        else:
+            model = _sa_model(task)
+            self.report = calibrate(
+                model, task.val, criterion=self.criterion,  # type: ignore[arg-type]
+                search=self.search,  # type: ignore[arg-type]
+                n_passes=self.n_passes, seed=self.seed,
+                progress=self.progress, **self.calibrate_kwargs,
+            )
+            self.nu = int(self.report.nu)
+            # passes over the validation part (1 frozen + n_passes per evaluated nu) x examples
+            self.cost.fit_forward += int(self.report.forward_passes) * int(self.report.n_examples)
         self.scale = 1.0
         if self.conformal:
             preds, ys = [], []
-            for inputs, targets in task.cal:
+            for batch in task.cal:
+                inputs, targets = split_batch(batch)
                 preds.append(self._sa(task, inputs))
                 ys.append(targets)
             pred = Predictive(samples=torch.cat([p.samples for p in preds], dim=1))
@@ -136,13 +169,23 @@ class StochasticAttention(Method):
         return Predictive(samples=pred.samples, frozen=pred.frozen)
 
     def _predict(self, task: Task, inputs: Any) -> tuple[PredictiveLike, int]:
-        pred = self._sa(task, inputs)
-        if self.scale != 1.0:
-            pred = pred.scaled(self.scale)
-        return pred, self.n_samples
+        return self.derive(self._sa(task, inputs)), self.n_samples
+
+    def derive(self, pred: Predictive) -> Predictive:
+        """This method's prediction from the unscaled SA draws ``pred`` (of the same ``nu``,
+        ``seed`` and inputs): ``pred`` spread by the conformal factor (unchanged without one).
+
+        ``make_method("sa-conformal", base=sa).fit(task).derive(sa.predict(x))`` equals its
+        ``predict(x)`` (the test suite checks it bit for bit).
+        """
+        if not isinstance(pred, Predictive):
+            raise TypeError(f"pred must be a Predictive, got {type(pred).__name__}")
+        return pred.scaled(self.scale) if self.scale != 1.0 else pred
 
     def info(self) -> dict[str, Any]:
         out: dict[str, Any] = {"nu": self.nu, "conformal_scale": self.scale}
+        if self.derived_from is not None:
+            out["nu_from"] = self.derived_from
         if self.report is not None:
             out["calibration_passes"] = int(self.report.forward_passes)
             out["calibration_seconds"] = float(self.report.wall_time)

@@ -52,8 +52,8 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from attnuq._validation import check_finite, check_positive_int
 from attnuq.methods._base import Cost, Method, PredictiveLike, Task
-from attnuq.models.ft import _tqdm, as_batches, make_optimizer
 from attnuq.predictive import Predictive
+from attnuq.training import as_batches, make_optimizer, progress_bar
 
 __all__ = ["SWAG", "MultiSWAG", "SWAGCollector", "fit_swag"]
 
@@ -199,7 +199,7 @@ def fit_swag(
     }
     torch.manual_seed(seed)
     n_fwd = 0
-    for _ in _tqdm(range(epochs), desc="swag", disable=not progress):
+    for _ in progress_bar(range(epochs), desc="swag", enable=progress):
         net.train()
         for step, (inputs, targets) in enumerate(batches, start=1):
             opt.zero_grad(set_to_none=True)
