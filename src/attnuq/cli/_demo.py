@@ -144,8 +144,9 @@ def _run_demo(
     from attnuq.data.uci import load_uci
     from attnuq.methods import Task, make_method
     from attnuq.metrics import pit_samples
-    from attnuq.models.ft import make_ft_transformer, train_regressor
+    from attnuq.models.ft import make_ft_transformer
     from attnuq.report import render_report
+    from attnuq.training import fit
 
     t_start = time.perf_counter()
     out = Path(out_dir)
@@ -182,7 +183,7 @@ def _run_demo(
         reused = True
         print(f"[attnuq demo] reusing the model trained before ({ckpt})")
     else:
-        res = train_regressor(
+        res = fit(
             model, (to(s.x_fit), to(s.y_fit)), (to(s.x_val), to(s.y_val)),
             max_epochs=max_epochs, patience=16, seed=seed, desc="train FT-Transformer",
             batch_size=64, lr=3e-4,
