@@ -39,7 +39,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,10 +49,7 @@ from attnuq._io import atomic_savefig, atomic_write_json, read_json_or_none
 from attnuq.bench import register
 from attnuq.bench._page import Page, Table
 from attnuq.bench._runner import Group, RunStore, SkipGroup, reuse_key, run_items
-from attnuq.calibration import CRITERIA
-
-if TYPE_CHECKING:
-    from attnuq.calibration import Criterion
+from attnuq.calibration import CRITERIA, get_criterion
 
 __all__ = ["MODELS", "build_model", "render_page", "run"]
 
@@ -147,7 +144,7 @@ def _synthetic_sequences(n: int, g: torch.Generator) -> tuple[torch.Tensor, torc
 
 
 def _encoder(seed: int = 0) -> tuple[nn.Module, Data, dict[str, Any]]:
-    from attnuq.models.ft import evaluate_rmse, train_regressor
+    from attnuq.training import evaluate_rmse, fit
 
     g = torch.Generator().manual_seed(1234)
     x_tr, y_tr = _synthetic_sequences(3000, g)
@@ -155,8 +152,8 @@ def _encoder(seed: int = 0) -> tuple[nn.Module, Data, dict[str, Any]]:
     x_ca, y_ca = _synthetic_sequences(256, g)
     torch.manual_seed(seed)
     model = _EncoderRegressor(4)
-    train_regressor(model, (x_tr, y_tr), (x_va, y_va), max_epochs=40, patience=8, lr=1e-3,
-                    batch_size=128, seed=seed, progress=False)
+    fit(model, (x_tr, y_tr), (x_va, y_va), max_epochs=40, patience=8, lr=1e-3, batch_size=128,
+        seed=seed, progress=False)
     model.eval()
     data = [(x_ca[i : i + 128], y_ca[i : i + 128]) for i in range(0, 256, 128)]
     rmse = float(evaluate_rmse(model, (x_ca, y_ca)))
@@ -167,12 +164,13 @@ def _ft_concrete(
     seed: int = 0, data_dir: str | None = None
 ) -> tuple[nn.Module, Data, dict[str, Any]]:
     from attnuq.data.uci import load_uci
-    from attnuq.models.ft import evaluate_rmse, make_ft_transformer, train_regressor
+    from attnuq.models.ft import make_ft_transformer
+    from attnuq.training import evaluate_rmse, fit
 
     d = load_uci("concrete", 0, data_dir=data_dir)
     model = make_ft_transformer(d.n_features, n_blocks=1, seed=seed)
-    train_regressor(model, (d.x_fit, d.y_fit), (d.x_val, d.y_val), max_epochs=150, patience=16,
-                    lr=1e-3, batch_size=128, seed=seed, progress=False)
+    fit(model, (d.x_fit, d.y_fit), (d.x_val, d.y_val), max_epochs=150, patience=16, lr=1e-3,
+        batch_size=128, seed=seed, progress=False)
     model.eval()
     x = torch.cat([d.x_val, d.x_cal])
     y = torch.cat([d.y_val, d.y_cal])
@@ -280,7 +278,7 @@ def run(args: argparse.Namespace) -> Path:
     def one(ctx: tuple[nn.Module, Data], g: Group, item: str) -> dict[str, Any]:
         (model, data), name = ctx, g.parts[0]
         crit_s, seed_s = item.rsplit("_seed", 1)
-        crit, seed = cast("Criterion", crit_s), int(seed_s)
+        crit, seed = get_criterion(crit_s).name, int(seed_s)
         grid = calibrate(model, data, criterion=crit, search="grid", seed=seed,
                          grid_size=args.grid_size, **kw)
         bo = calibrate(model, data, criterion=crit, search="bo", seed=seed,

@@ -222,7 +222,8 @@ def _cache_spec(data: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, dict[str, Any]]:
     from attnuq.methods import Task
-    from attnuq.models.ft import make_ft_transformer, train_regressor
+    from attnuq.models.ft import make_ft_transformer
+    from attnuq.training import fit
 
     progress = not args.no_progress
     seed_base = 100 * data.split + _SEED_STRIDE * _seed(args)
@@ -234,7 +235,7 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
         return model.to(device)
 
     def train_fn(model: torch.nn.Module, train: Any, val: Any, seed: int) -> Any:
-        return train_regressor(
+        return fit(  # the FT recipe: AdamW, lr 1e-4, wd 1e-5, early stopping on val RMSE
             model, train, val, max_epochs=args.max_epochs, patience=args.patience,
             batch_size=batch_size, seed=seed_base + seed, progress=progress,
             desc=f"{data.name}/{data.split} seed {seed}",
