@@ -491,6 +491,27 @@ def test_sampled_attention_module():
         SampledAttention(nu=1, empty_rows="x")  # type: ignore[arg-type]
 
 
+def test_sampled_attention_module_validates_settings_when_they_are_set():
+    """The module checks nu, block_size and empty_rows once, when set (also by assignment after
+    construction, with the operator's messages); forward then passes them on unchecked, so a
+    bad value never reaches the kernel."""
+    q, k, v = _qkv(1, 2, 2, 4, 4, 4, seed=25)
+    layer = SampledAttention(nu=3)
+    with pytest.raises(ValueError, match=r"nu must be a positive int, got nu=0"):
+        layer.nu = 0
+    with pytest.raises(TypeError, match=r"nu must be a positive int, got nu=2\.5"):
+        layer.nu = 2.5  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"block_size must be a positive int, got block_size=0"):
+        layer.block_size = 0
+    with pytest.raises(ValueError, match="empty_rows='x'"):
+        layer.empty_rows = "x"  # type: ignore[assignment]
+    assert (layer.nu, layer.block_size, layer.empty_rows) == (3, None, "error")  # unchanged
+    layer.nu, layer.block_size, layer.empty_rows = 6, 2, "zero"
+    assert "nu=6, enable_gqa=False, block_size=2, empty_rows='zero'" in repr(layer)
+    want = sampled_attention(q, k, v, nu=6, block_size=2, empty_rows="zero", generator=_gen(3))
+    assert torch.equal(layer(q, k, v, generator=_gen(3)), want)
+
+
 @pytest.mark.parametrize("bound", ["cheap", "norms"])
 def test_dense_paths_with_and_without_max_shift_agree(bound):
     """Small scores skip the row-max shift (bound |q||k| scale <= 64 in log2 units); an additive

@@ -6,7 +6,12 @@ import torch
 from torch import nn
 
 from attnuq._validation import check_nu, check_positive_int
-from attnuq.ops.sampled import EmptyRows, attention_moments, sampled_attention
+from attnuq.ops._attn_common import check_empty_rows
+from attnuq.ops.sampled import (
+    EmptyRows,
+    attention_moments_unchecked,
+    sampled_attention_unchecked,
+)
 
 __all__ = ["SampledAttention"]
 
@@ -21,6 +26,10 @@ class SampledAttention(nn.Module):
     ``F.scaled_dot_product_attention``: ``q`` ``(B, Hq, Lq, D)``, ``k`` ``(B, Hk, Lk, D)``,
     ``v`` ``(B, Hk, Lk, Dv)`` -> ``(B, Hq, Lq, Dv)``. The output has mean ``pi^T V`` and covariance
     ``(1/nu) V^T (diag(pi) - pi pi^T) V`` per query.
+
+    ``nu``, ``block_size`` and ``empty_rows`` are validated when set (in the constructor or by
+    assignment later, with the messages of :func:`attnuq.ops.sampled_attention`), so
+    ``forward`` passes them to the operator without checking them again.
 
     Parameters
     ----------
@@ -55,15 +64,38 @@ class SampledAttention(nn.Module):
         stochastic: bool = True,
     ) -> None:
         super().__init__()
-        self.nu = check_nu(nu)
+        self.nu = nu
         self.enable_gqa = bool(enable_gqa)
-        self.block_size = (
-            None if block_size is None else check_positive_int(block_size, "block_size")
-        )
-        if empty_rows not in ("error", "zero"):
-            raise ValueError(f"empty_rows must be 'error' or 'zero', got {empty_rows=!r}")
-        self.empty_rows: EmptyRows = empty_rows
+        self.block_size = block_size
+        self.empty_rows = empty_rows
         self.stochastic = bool(stochastic)
+
+    @property
+    def nu(self) -> int:
+        """Draws per query (an int ``>= 1``, checked when set)."""
+        return self._nu
+
+    @nu.setter
+    def nu(self, value: int) -> None:
+        self._nu = check_nu(value)
+
+    @property
+    def block_size(self) -> int | None:
+        """Key block size of the streaming computation, or None (checked when set)."""
+        return self._block_size
+
+    @block_size.setter
+    def block_size(self, value: int | None) -> None:
+        self._block_size = None if value is None else check_positive_int(value, "block_size")
+
+    @property
+    def empty_rows(self) -> EmptyRows:
+        """``"error"`` or ``"zero"`` for queries whose every key is masked (checked when set)."""
+        return self._empty_rows
+
+    @empty_rows.setter
+    def empty_rows(self, value: EmptyRows) -> None:
+        self._empty_rows = check_empty_rows(value)
 
     def extra_repr(self) -> str:
         return (
@@ -82,14 +114,12 @@ class SampledAttention(nn.Module):
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         if not self.stochastic:
-            mean, _ = attention_moments(
-                q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                enable_gqa=self.enable_gqa, block_size=self.block_size,
-                empty_rows=self.empty_rows,
-            )
+            mean, _ = attention_moments_unchecked(
+                q, k, v, attn_mask, is_causal, scale, self.enable_gqa, self._block_size,
+                self._empty_rows,
+            )  # fmt: skip
             return mean
-        return sampled_attention(
-            q, k, v, nu=self.nu, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-            enable_gqa=self.enable_gqa, block_size=self.block_size, generator=generator,
-            empty_rows=self.empty_rows,
-        )
+        return sampled_attention_unchecked(
+            q, k, v, self._nu, attn_mask, is_causal, scale, self.enable_gqa, self._block_size,
+            generator, self._empty_rows,
+        )  # fmt: skip

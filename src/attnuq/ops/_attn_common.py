@@ -16,19 +16,75 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from attnuq._validation import check_finite
 
-__all__ = ["LOG2E", "Attn", "compute_dtype", "empty_rows_error", "prepare"]
+__all__ = [
+    "LOG2E",
+    "MAX_NU",
+    "Attn",
+    "EmptyRows",
+    "check_empty_rows",
+    "compute_dtype",
+    "empty_rows_error",
+    "max_bytes",
+    "prepare",
+]
+
+#: what an operator does with a query whose every key is masked
+EmptyRows = Literal["error", "zero"]
+#: Largest ``nu``: the draws of one query are summed by one ``embedding_bag`` call, which takes
+#: fewer than ``2**31`` indices (torch's CPU kernel counts a call's indices in a C ``int``).
+MAX_NU = 2**31 - 1
+_MAX_BYTES_ENV = "ATTNUQ_MAX_BYTES"
+_DEFAULT_MAX_BYTES = 1 << 32
 
 LOG2E = 1.0 / math.log(2.0)
 # masks up to this many elements are checked for being the same for every query (one pass)
 _MASK_DEDUP_ELEMS = 1 << 24
 # a per-query mask is converted to one (G, M, Lk) bias per call up to this many elements
 _FULL_BIAS_ELEMS = 1 << 22
+
+
+def max_bytes() -> int:
+    """The memory budget of one sampled-attention call, in bytes.
+
+    ``$ATTNUQ_MAX_BYTES`` (a positive integer, e.g. ``8000000000``) when set, else 4 GiB
+    (``2**32``). :func:`sampled_attention` estimates the bytes a call allocates besides its
+    inputs (output, one chunk of scores, uniforms and indices, the gather buffer; with a gradient
+    for ``v`` every drawn index) and refuses a call that needs more, before allocating.
+
+    Examples
+    --------
+    >>> from attnuq.ops import max_bytes
+    >>> max_bytes() > 0
+    True
+    """
+    raw = os.environ.get(_MAX_BYTES_ENV, "").strip()
+    if not raw:
+        return _DEFAULT_MAX_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            f"{_MAX_BYTES_ENV} must be a positive integer number of bytes, got "
+            f"{_MAX_BYTES_ENV}={raw!r}"
+        )
+    return value
+
+
+def check_empty_rows(empty_rows: object) -> EmptyRows:
+    """``empty_rows`` if it is ``"error"`` or ``"zero"``, else ``ValueError`` naming it."""
+    if empty_rows not in ("error", "zero"):
+        raise ValueError(f"empty_rows must be 'error' or 'zero', got {empty_rows=!r}")
+    return empty_rows  # type: ignore[return-value]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

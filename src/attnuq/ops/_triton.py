@@ -44,16 +44,25 @@ from typing import Any
 import torch
 
 from attnuq._validation import check_nu
-from attnuq.ops._attn_common import Attn, empty_rows_error, prepare
-from attnuq.ops.sampled import MAX_NU, _check_empty_rows, max_bytes
+from attnuq.ops._attn_common import (
+    MAX_NU,
+    Attn,
+    EmptyRows,
+    check_empty_rows,
+    empty_rows_error,
+    max_bytes,
+    prepare,
+)
 
 __all__ = [
     "attention_moments",
+    "attention_moments_unchecked",
     "available",
     "flash_lse",
     "levy_flash",
     "sample_indices",
     "sampled_attention",
+    "sampled_attention_unchecked",
     "usable",
 ]
 
@@ -278,8 +287,26 @@ def sampled_attention(
     """Triton sampled attention with the signature and conventions of
     :func:`attnuq.ops.sampled_attention` (no ``block_size``: the kernel always streams over key
     tiles). No gradient flows (a forward for inference). ``(*batch, Hq, Lq, Dv)``."""
-    nu = check_nu(nu)
-    empty_rows = _check_empty_rows(empty_rows)
+    return sampled_attention_unchecked(
+        q, k, v, check_nu(nu), attn_mask, is_causal, scale, enable_gqa, generator,
+        check_empty_rows(empty_rows),
+    )  # fmt: skip
+
+
+def sampled_attention_unchecked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    nu: int,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    generator: torch.Generator | None,
+    empty_rows: EmptyRows,
+) -> torch.Tensor:
+    """:func:`sampled_attention` with ``nu`` (an int ``>= 1``) and ``empty_rows`` validated by
+    the caller (:func:`attnuq.ops.sampled.sampled_attention_unchecked`)."""
     att = _prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     if _no_work(att, empty_rows):
         return torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
@@ -325,7 +352,23 @@ def attention_moments(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton mean and per-dimension variance, as :func:`attnuq.ops.attention_moments` (one
     online-softmax pass over key tiles; no gradient)."""
-    empty_rows = _check_empty_rows(empty_rows)
+    return attention_moments_unchecked(
+        q, k, v, attn_mask, is_causal, scale, enable_gqa, check_empty_rows(empty_rows)
+    )
+
+
+def attention_moments_unchecked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    empty_rows: EmptyRows,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_moments` with ``empty_rows`` validated by the caller
+    (:func:`attnuq.ops.sampled.attention_moments_unchecked`)."""
     att = _prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     if _no_work(att, empty_rows):
         z = torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)

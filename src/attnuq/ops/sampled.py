@@ -69,20 +69,26 @@ otherwise an exact count is made for the message).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from attnuq._validation import check_nu, check_positive_int
-from attnuq.ops import _native
-from attnuq.ops._attn_common import Attn, empty_rows_error, prepare
+from attnuq.ops import _native, _triton
+from attnuq.ops._attn_common import (
+    _MAX_BYTES_ENV,
+    MAX_NU,
+    Attn,
+    EmptyRows,
+    check_empty_rows,
+    empty_rows_error,
+    max_bytes,
+    prepare,
+)
 
 __all__ = ["MAX_NU", "EmptyRows", "attention_moments", "max_bytes", "sampled_attention"]
 
-EmptyRows = Literal["error", "zero"]
 Chunk = tuple[int, int, int, int]  # (g0, g1, i0, i1): rows i0:i1 of groups g0:g1
 
 # Dense path: elements of the score/CDF buffer per chunk (about L2-sized: the CDF is searched
@@ -103,42 +109,9 @@ _CHUNK_MAX_ELEMS = 1 << 24
 # many (int32: 16 MiB); one call per small chunk measured 5-10 % slower at B, H, L, D = 8, 8,
 # 512, 64, nu = 8 than a single call.
 _GATHER_ELEMS = 1 << 22
-# Most indices one embedding_bag call may receive: torch's CPU kernel counts them in a C int.
-_MAX_BAG_INDICES = 2**31 - 1
-#: Largest ``nu``: the draws of one query are summed by one ``embedding_bag`` call, which takes
-#: fewer than ``2**31`` indices.
-MAX_NU = _MAX_BAG_INDICES
-_MAX_BYTES_ENV = "ATTNUQ_MAX_BYTES"
-_DEFAULT_MAX_BYTES = 1 << 32
-
-
-def max_bytes() -> int:
-    """The memory budget of one sampled-attention call, in bytes.
-
-    ``$ATTNUQ_MAX_BYTES`` (a positive integer, e.g. ``8000000000``) when set, else 4 GiB
-    (``2**32``). :func:`sampled_attention` estimates the bytes a call allocates besides its
-    inputs (output, one chunk of scores, uniforms and indices, the gather buffer; with a gradient
-    for ``v`` every drawn index) and refuses a call that needs more, before allocating.
-
-    Examples
-    --------
-    >>> from attnuq.ops import max_bytes
-    >>> max_bytes() > 0
-    True
-    """
-    raw = os.environ.get(_MAX_BYTES_ENV, "").strip()
-    if not raw:
-        return _DEFAULT_MAX_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(
-            f"{_MAX_BYTES_ENV} must be a positive integer number of bytes, got "
-            f"{_MAX_BYTES_ENV}={raw!r}"
-        )
-    return value
+# Most indices one embedding_bag call may receive: torch's CPU kernel counts them in a C int
+# (hence MAX_NU, :mod:`attnuq.ops._attn_common`).
+_MAX_BAG_INDICES = MAX_NU
 
 
 def _check_budget(att: Attn, nu: int, block_size: int | None, keep_all: bool, what: str) -> None:
@@ -216,12 +189,6 @@ def _blocked_chunks(att: Attn, nu: int, block_size: int) -> list[Chunk]:
     per_row = block_size + nu
     cap = max(1, _CHUNK_MAX_ELEMS // per_row)
     return att.chunks(per_row, _BLOCKED_SAMPLE_ELEMS, _BLOCKED_MIN_ROWS, cap)
-
-
-def _check_empty_rows(empty_rows: object) -> EmptyRows:
-    if empty_rows not in ("error", "zero"):
-        raise ValueError(f"empty_rows must be 'error' or 'zero', got {empty_rows=!r}")
-    return empty_rows  # type: ignore[return-value]
 
 
 def _check_block_size(block_size: object) -> int | None:
@@ -524,17 +491,35 @@ def sampled_attention(
     >>> torch.allclose(y[..., 0, :], v[..., 0, :])  # the first query can only see key 0
     True
     """
-    nu = check_nu(nu)
-    block_size = _check_block_size(block_size)
-    empty_rows = _check_empty_rows(empty_rows)
-    if isinstance(q, torch.Tensor) and q.device.type == "cuda":  # Triton when it imports
-        from attnuq.ops import _triton
+    return sampled_attention_unchecked(
+        q, k, v, check_nu(nu), attn_mask, is_causal, scale, enable_gqa,
+        _check_block_size(block_size), generator, check_empty_rows(empty_rows),
+    )  # fmt: skip
 
+
+def sampled_attention_unchecked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    nu: int,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    block_size: int | None,
+    generator: torch.Generator | None,
+    empty_rows: EmptyRows,
+) -> torch.Tensor:
+    """:func:`sampled_attention` for callers that validated ``nu``, ``block_size`` and
+    ``empty_rows`` at their own public boundary (:func:`attnuq.patch`,
+    :class:`attnuq.nn.SampledAttention`): ``nu`` an int ``>= 1``, ``block_size`` None or an int
+    ``>= 1``, ``empty_rows`` ``"error"`` or ``"zero"``; they are not checked again. The tensors
+    are (by :func:`~attnuq.ops._attn_common.prepare`)."""
+    if isinstance(q, torch.Tensor) and q.device.type == "cuda":  # Triton when it imports
         if _triton.usable(q, torch.is_grad_enabled() and bool(getattr(v, "requires_grad", 0))):
-            return _triton.sampled_attention(
-                q, k, v, nu=nu, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                enable_gqa=enable_gqa, generator=generator, empty_rows=empty_rows,
-            )  # fmt: skip
+            return _triton.sampled_attention_unchecked(
+                q, k, v, nu, attn_mask, is_causal, scale, enable_gqa, generator, empty_rows
+            )
     att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     if att.groups * att.rows == 0 or att.lk == 0:
         if att.groups * att.rows > 0 and empty_rows == "error":  # no keys at all
@@ -735,17 +720,32 @@ def attention_moments(
     >>> bool(torch.allclose(mean, ref)), var.shape
     (True, torch.Size([2, 4, 16, 8]))
     """
-    block_size = _check_block_size(block_size)
-    empty_rows = _check_empty_rows(empty_rows)
-    if isinstance(q, torch.Tensor) and q.device.type == "cuda":  # Triton when it imports
-        from attnuq.ops import _triton
+    return attention_moments_unchecked(
+        q, k, v, attn_mask, is_causal, scale, enable_gqa, _check_block_size(block_size),
+        check_empty_rows(empty_rows),
+    )  # fmt: skip
 
+
+def attention_moments_unchecked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    block_size: int | None,
+    empty_rows: EmptyRows,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_moments` for callers that validated ``block_size`` (None or an int
+    ``>= 1``) and ``empty_rows`` (``"error"`` or ``"zero"``) at their own public boundary
+    (:class:`attnuq.nn.SampledAttention`); they are not checked again."""
+    if isinstance(q, torch.Tensor) and q.device.type == "cuda":  # Triton when it imports
         grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", 0) for t in (q, k, v))
         if _triton.usable(q, grad):
-            return _triton.attention_moments(
-                q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                enable_gqa=enable_gqa, empty_rows=empty_rows,
-            )  # fmt: skip
+            return _triton.attention_moments_unchecked(
+                q, k, v, attn_mask, is_causal, scale, enable_gqa, empty_rows
+            )
     att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     if att.groups * att.rows == 0 or att.lk == 0 or att.dv == 0:
         if att.groups * att.rows > 0 and att.lk == 0 and empty_rows == "error":
