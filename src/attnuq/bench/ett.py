@@ -333,17 +333,21 @@ class _MemberRecipe:
         )).to(self.device)
 
     def train(self, model: Any, _train: Any, _val: Any, index: int) -> Any:
-        from attnuq.models.patchtst import train_forecaster
+        from attnuq.training import fit
 
         dev = torch.device(self.device)
-        # the Task's batches wrap exactly these tensors; train on the tensors directly
-        return train_forecaster(
+        # the Task's batches wrap exactly these tensors; train on the tensors directly (MSE,
+        # AdamW without weight decay, torch seeded, val MSE over batches of 512)
+        return fit(
             model, (self.train_xy[0].to(dev), self.train_xy[1].to(dev)),
-            (self.val_xy[0].to(dev), self.val_xy[1].to(dev)),
-            epochs=self.epochs if index == 0 else self.member_epochs, lr=self.lr,
-            batch_size=self.batch_size, patience=self.patience,
+            (self.val_xy[0].to(dev), self.val_xy[1].to(dev)), metric="mse",
+            optimizer=torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.0),
+            lr=self.lr, weight_decay=0.0,
+            max_epochs=self.epochs if index == 0 else self.member_epochs,
+            patience=self.patience, batch_size=self.batch_size, val_batch_size=512,
             max_steps_per_epoch=self.max_steps_per_epoch, seed=self.seed + index,
-            progress=self.progress, desc="backbone" if index == 0 else f"member{index}",
+            seed_torch=True, count_val_forward=False, progress=self.progress,
+            desc="backbone" if index == 0 else f"member{index}",
         )
 
 
@@ -369,7 +373,8 @@ def run(args: argparse.Namespace) -> Path:
     )
     from attnuq.data.ett import load_ett, resolve_ett_path, seasonal_naive
     from attnuq.methods import Task, coverage_scale, make_method
-    from attnuq.models.patchtst import load_patchtst, predict_batched, save_patchtst
+    from attnuq.models.patchtst import load_patchtst, save_patchtst
+    from attnuq.training import predict_batched
 
     torch.set_num_threads(check_positive_int(args.threads, "threads"))
     device = resolve_device(getattr(args, "device", "cpu"))
