@@ -392,7 +392,7 @@ def test_object_with_custom_state_is_refused_with_a_clear_error() -> None:
 
 
 def test_shared_attribute_with_two_values_at_once_is_refused() -> None:
-    from attnuq.patching._core import set_attr_shared
+    from attnuq.patching._install import set_attr_shared
 
     class Cfg:
         pass

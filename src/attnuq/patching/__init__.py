@@ -14,6 +14,13 @@ handle.remove()``. Backends (one module each, hooked the way each library allows
 
 :func:`find_attention` lists what was found and what cannot be patched, with the reason.
 
+Inside, by responsibility, bottom first (each imports only those above it in this list):
+``_undo`` (undo primitives), ``_frozen`` (pickling a patched object stores the frozen one),
+``_install`` (attribute, forward and hook changes with their undos), ``_sites`` (sites and
+per-site state), ``_nu`` (``nu`` resolved and validated once), ``_adapter`` (the one adapter onto
+:func:`attnuq.ops.sampled_attention`), the backends, ``_registry`` (backend registry and
+:func:`find_attention`), ``_handle`` (:class:`PatchHandle`, :func:`patch`, :func:`stochastic`).
+
 ``attnuq.patching`` is both this subpackage and the function :func:`patch`: once the subpackage is
 imported, Python binds ``attnuq.patching`` to the module, so the module itself is made callable
 (calling it calls :func:`patch`).
@@ -23,7 +30,9 @@ import sys
 import types
 from typing import Any
 
-from attnuq.patching._core import AttentionSite, PatchHandle, find_attention, patch, stochastic
+from attnuq.patching._handle import PatchHandle, patch, stochastic
+from attnuq.patching._registry import find_attention
+from attnuq.patching._sites import AttentionSite
 
 __all__ = ["AttentionSite", "PatchHandle", "find_attention", "patch", "stochastic"]
 

@@ -16,7 +16,7 @@ backend
    The internal attribute is written directly, not through ``set_attn_implementation``, so that
    sub-configs are not rewritten and the exact previous values (instance ``__dict__`` entries)
    come back on removal. The switch is reference-counted per config object
-   (:func:`~attnuq.patching._core.set_attr_shared`): models sharing one config (or threads with
+   (:func:`~attnuq.patching._install.set_attr_shared`): models sharing one config (or threads with
    overlapping blocks) each hold it, and the previous value comes back when the last handle
    on that config is removed, in any order. While a config is held, modules that read it but
    are not stochastic sites of an active handle run HF's SDPA attention (below);
@@ -41,17 +41,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnuq.patching._core import (
-    AttentionSite,
-    SharedInstall,
-    SiteState,
-    Undo,
-    chain,
-    check_no_dropout,
-    forward_names,
-    sampled_sdpa,
-    set_attr_shared,
-)
+from attnuq.patching._adapter import sampled_sdpa
+from attnuq.patching._install import set_attr_shared
+from attnuq.patching._sites import AttentionSite, SiteState, check_no_dropout, forward_names
+from attnuq.patching._undo import SharedInstall, Undo, chain
 
 __all__ = ["BACKEND", "IMPLEMENTATION", "sampled_attention_forward"]
 

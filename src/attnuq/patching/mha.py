@@ -5,7 +5,7 @@ How it hooks
 ``nn.MultiheadAttention.forward`` is replaced on each selected instance (an instance attribute
 ``forward``; removed again on exit, or the previous instance attribute put back) by
 :func:`_mha_forward`, which does the in-projection, the (stochastic) attention through
-:func:`attnuq.patching._core.sampled_sdpa` and the out-projection exactly as
+:func:`attnuq.patching._adapter.sampled_sdpa` and the out-projection exactly as
 ``F.multi_head_attention_forward`` does.
 
 ``nn.TransformerEncoderLayer`` in ``eval()`` mode normally bypasses ``self_attn.forward``
@@ -35,17 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnuq.patching._core import (
-    AttentionSite,
-    SiteState,
-    Undo,
-    chain,
-    check_no_dropout,
-    sampled_sdpa,
-    set_attr_shared,
-    swap_forward,
-    track_hook,
-)
+from attnuq.patching._adapter import sampled_sdpa
+from attnuq.patching._install import set_attr_shared, swap_forward, track_hook
+from attnuq.patching._sites import AttentionSite, SiteState, check_no_dropout
+from attnuq.patching._undo import Undo, chain
 
 __all__ = ["BACKEND"]
 

@@ -6,8 +6,8 @@ How it hooks
 ``softmax(q k^T / sqrt(d_head)) v`` inline, so there is no function to swap. Each selected
 instance gets an instance ``forward`` (removed on exit) that performs the same projections,
 the optional Linformer key/value compression, and replaces the inline softmax-times-values by
-:func:`attnuq.patching._core.sampled_sdpa`; the output ("mixing") projection ``W_out`` follows as in
-the original. FT-Transformer's last block may attend from the [CLS] token only
+:func:`attnuq.patching._adapter.sampled_sdpa`; the output ("mixing") projection ``W_out``
+follows as in the original. FT-Transformer's last block may attend from the [CLS] token only
 (``x_q = x[:, -1:]``); that is cross-attention here and is supported.
 """
 
@@ -19,15 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnuq.patching._core import (
-    AttentionSite,
-    SiteState,
-    Undo,
-    chain,
-    check_no_dropout,
-    sampled_sdpa,
-    swap_forward,
-)
+from attnuq.patching._adapter import sampled_sdpa
+from attnuq.patching._install import swap_forward
+from attnuq.patching._sites import AttentionSite, SiteState, check_no_dropout
+from attnuq.patching._undo import Undo, chain
 
 __all__ = ["BACKEND"]
 

@@ -29,19 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnuq.patching._core import (
-    ORIGINAL_SDPA,
-    AttentionSite,
-    SharedInstall,
-    SiteState,
-    Undo,
-    chain,
-    check_no_dropout,
-    forward_names,
-    sampled_sdpa,
-    set_attr,
-    track_hook,
-)
+from attnuq.patching._adapter import ORIGINAL_SDPA, sampled_sdpa
+from attnuq.patching._install import set_attr, track_hook
+from attnuq.patching._sites import AttentionSite, SiteState, check_no_dropout, forward_names
+from attnuq.patching._undo import SharedInstall, Undo, chain
 
 __all__ = ["BACKEND", "scoped_sdpa"]
 
@@ -72,7 +63,7 @@ def scoped_sdpa(
 
     Same signature and conventions as torch's function. Outside the forward of a selected
     site (see the module docstring) it calls torch's function unchanged; inside it returns the
-    stochastic attention :func:`attnuq.patching._core.sampled_sdpa` with the site's ``nu``.
+    stochastic attention :func:`attnuq.patching._adapter.sampled_sdpa` with the site's ``nu``.
     Shapes as in torch: ``query`` ``(B, H, Lq, D)``, ``key``/``value`` ``(B, Hkv, Lk, D)``
     / ``(B, Hkv, Lk, Dv)``; returns ``(B, H, Lq, Dv)``.
 

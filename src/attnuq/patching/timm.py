@@ -3,9 +3,9 @@ r"""timm backend: ``timm.layers.Attention`` (ViT, DeiT, ...) and Swin's ``Window
 How it hooks
 ------------
 Each claimed module gets a per-instance ``forward`` (removed on exit) that repeats timm's own
-steps and sends the attention through :func:`attnuq.patching._core.sampled_sdpa` (SDPA conventions:
-bool mask True = attend, float mask added to the scores). timm computes the attention either with
-``F.scaled_dot_product_attention`` (``module.fused_attn`` True) or inline,
+steps and sends the attention through :func:`attnuq.patching._adapter.sampled_sdpa` (SDPA
+conventions: bool mask True = attend, float mask added to the scores). timm computes the
+attention either with ``F.scaled_dot_product_attention`` (``module.fused_attn`` True) or inline,
 ``softmax(q * scale @ k^T + bias) @ v`` (``fused_attn`` False, also after
 ``timm.layers.set_fused_attn(False)`` or ``TIMM_FUSED_ATTN=0``); the replacement covers both
 paths, so the flag does not matter while the patch is on.
@@ -47,15 +47,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnuq.patching._core import (
-    AttentionSite,
-    SiteState,
-    Undo,
-    chain,
-    check_no_dropout,
-    sampled_sdpa,
-    swap_forward,
-)
+from attnuq.patching._adapter import sampled_sdpa
+from attnuq.patching._install import swap_forward
+from attnuq.patching._sites import AttentionSite, SiteState, check_no_dropout
+from attnuq.patching._undo import Undo, chain
 
 __all__ = ["BACKEND", "register_class"]
 

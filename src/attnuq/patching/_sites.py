@@ -1,0 +1,185 @@
+"""Attention sites and what a patched site holds at call time (private to the patcher).
+
+:class:`AttentionSite` is what a backend's ``detect`` reports for a module; :class:`SiteState` is
+what the code a backend installs reads when the model runs (the site's ``nu``, validated by
+:func:`attnuq.patch`, and the handle's generators). :func:`forward_names` and
+:func:`check_no_dropout` are the detection and call-time checks the backends share.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["AttentionSite", "SiteState", "check_no_dropout", "forward_names"]
+
+
+# sites and per-site state
+@dataclass(frozen=True)
+class AttentionSite:
+    """One attention module found in a model.
+
+    Attributes
+    ----------
+    name : str
+        Qualified module name as in ``model.named_modules()`` (``""`` for the root).
+    backend : str
+        ``"hf"``, ``"mha"``, ``"rtdl"``, ``"timm"`` or ``"sdpa"``.
+    module_type : str
+        Class name of the module.
+    num_heads : int or None
+        Number of query heads when the backend can tell (needed for per-head ``nu``).
+    reason : str or None
+        ``None`` if the site can be patched, otherwise why not.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from attnuq.patching import find_attention
+    >>> layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    >>> enc = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    >>> site = find_attention(enc)[0]
+    >>> site.name, site.backend, site.module_type, site.num_heads, site.patchable
+    ('layers.0.self_attn', 'mha', 'MultiheadAttention', 2, True)
+
+    A module that computes softmax attention inline is listed, with the reason:
+
+    >>> class MyAttention(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return torch.softmax(x @ x.transpose(-1, -2), -1) @ x
+    >>> site = find_attention(torch.nn.Sequential(MyAttention()))[0]
+    >>> site.backend, site.patchable, site.reason.startswith("no attnuq backend recognises")
+    ('none', False, True)
+    """
+
+    name: str
+    backend: str
+    module_type: str
+    num_heads: int | None = None
+    reason: str | None = None
+
+    @property
+    def patchable(self) -> bool:
+        """Whether :func:`patch` can make this site stochastic."""
+        return self.reason is None
+
+
+class _GeneratorPool:
+    """One ``torch.Generator`` per device, all seeded with the handle's seed (lazily created)."""
+
+    def __init__(self, seed: int | None) -> None:
+        self.seed = seed
+        self._gens: dict[str, torch.Generator] = {}
+
+    def get(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        key = str(device)
+        g = self._gens.get(key)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self._gens[key] = g
+        return g
+
+    def reseed(self, seed: int | None) -> None:
+        self.seed = seed
+        self._gens.clear()
+
+
+@dataclass
+class SiteState:
+    """What a patched site needs at call time: its ``nu`` and the handle's generators.
+
+    :func:`patch` builds one per site (all sharing the handle's generator pool) and hands them
+    to the backend's ``apply``; the code a backend installs reads ``state.nu`` and draws with
+    ``state.generator(device)`` (``None`` when the handle has no seed: torch's global RNG).
+
+    Every backend asks for the generator exactly once per stochastic attention computation at
+    the site, so :meth:`generator` also counts them (``calls``, thread-safe): this is how
+    :meth:`PatchHandle.require_calls` tells that the model's forward never reached the site,
+    without looking at output differences (which float rounding makes nonzero anyway).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from attnuq.patching._sites import _GeneratorPool  # what patch(..., seed=0) creates
+    >>> state = SiteState(name="attn", backend="mha", nu=4, pool=_GeneratorPool(seed=0))
+    >>> g = state.generator(torch.device("cpu"))
+    >>> g.initial_seed(), state.generator(torch.device("cpu")) is g  # one per device
+    (0, True)
+    >>> state.calls  # two attention computations asked for their generator
+    2
+    >>> state
+    SiteState(name='attn', backend='mha', nu=4)
+    """
+
+    name: str
+    backend: str
+    nu: int | tuple[int | None, ...] | None
+    pool: _GeneratorPool = field(repr=False)
+    calls: int = field(default=0, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The generator for one attention computation at this site (counted in ``calls``)."""
+        with self._lock:
+            self.calls += 1
+        return self.pool.get(device)
+
+
+def forward_names(cls: type) -> frozenset[str]:
+    """Global/attribute names used by ``cls.forward`` (after unwrapping decorators), cached.
+
+    Examples
+    --------
+    >>> import torch
+    >>> class Block(torch.nn.Module):
+    ...     def forward(self, q, k, v):
+    ...         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    >>> "scaled_dot_product_attention" in forward_names(Block)
+    True
+    >>> "scaled_dot_product_attention" in forward_names(torch.nn.Linear)
+    False
+    """
+    cached = _NAMES_CACHE.get(cls)
+    if cached is not None:
+        return cached
+    fwd = getattr(cls, "forward", None)
+    names: frozenset[str] = frozenset()
+    if fwd is not None:
+        try:
+            fn = inspect.unwrap(fwd)
+            code = getattr(fn, "__code__", None)
+            if code is not None:
+                names = frozenset(code.co_names)
+        except ValueError:  # pragma: no cover - unwrap cycle
+            pass
+    _NAMES_CACHE[cls] = names
+    return names
+
+
+_NAMES_CACHE: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def check_no_dropout(p: float, site: str) -> None:
+    """SA is an inference-time method: refuse attention dropout in training mode.
+
+    Examples
+    --------
+    >>> check_no_dropout(0.0, "attn")  # eval mode: the backends pass 0.0
+    >>> try:
+    ...     check_no_dropout(0.1, "attn")
+    ... except RuntimeError as e:
+    ...     print(str(e).split(";")[0])
+    attention dropout is active at site 'attn' (p=0.1, module in training mode)
+    """
+    if p > 0.0:
+        raise RuntimeError(
+            f"attention dropout is active at site {site!r} (p={p}, module in training mode); "
+            "stochastic attention is for inference: call model.eval() first"
+        )
