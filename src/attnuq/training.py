@@ -199,7 +199,14 @@ def as_batches(
 
 def count_rows(batches: Iterable[Any]) -> int:
     """Rows (examples) in ``batches``: ``N`` of :class:`TensorBatches`, else summed per batch
-    (``len(targets)`` of a pair, ``len(batch.targets)`` of a batch object)."""
+    (``len(targets)`` of a pair, ``len(batch.targets)`` of a batch object).
+
+    Examples
+    --------
+    >>> import torch
+    >>> count_rows([(None, torch.zeros(3)), (None, torch.zeros(2))])
+    5
+    """
     if isinstance(batches, TensorBatches):
         return len(batches.x)
     return sum(_rows(b) for b in batches)
@@ -236,7 +243,13 @@ def predict_batched(
 
 
 def progress_bar(it: Sequence[int] | range, *, desc: str = "", enable: bool = True) -> Any:
-    """``tqdm(it, desc=desc, leave=False)`` when ``enable`` and tqdm imports, else ``it``."""
+    """``tqdm(it, desc=desc, leave=False)`` when ``enable`` and tqdm imports, else ``it``.
+
+    Examples
+    --------
+    >>> progress_bar(range(3), enable=False)
+    range(0, 3)
+    """
     if not enable:
         return it
     try:
@@ -265,7 +278,15 @@ def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> 
 
 
 def mse_loss(forward_fn: ForwardFn = default_forward) -> LossFn:
-    """``loss(model, (inputs, targets)) = mean((forward_fn(model, inputs) - targets)^2)``."""
+    """``loss(model, (inputs, targets)) = mean((forward_fn(model, inputs) - targets)^2)``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> float(mse_loss()(nn.Identity(), (torch.zeros(2), torch.tensor([1.0, 3.0]))))
+    5.0
+    """
 
     def loss(model: nn.Module, batch: Any) -> torch.Tensor:
         inputs, targets = batch
@@ -282,6 +303,18 @@ def masked_mse_loss(forward_fn: ForwardFn, nll_weight: float = 0.0) -> LossFn:
     mean over masked points of :math:`\tfrac12 \log(2\pi s^2) + (y - \mu)^2 / (2 s^2)`,
     ``s^2 = sigma^2 + 1e-6``. A batch with no masked point returns ``None`` (skipped) before
     any forward pass.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from types import SimpleNamespace
+    >>> b = SimpleNamespace(x=torch.zeros(1, 2), targets=torch.tensor([[1.0, 9.0]]),
+    ...                     query_mask=torch.tensor([[True, False]]))
+    >>> loss = masked_mse_loss(lambda model, batch: batch.x)
+    >>> float(loss(None, b))
+    1.0
+    >>> loss(None, SimpleNamespace(query_mask=torch.zeros(1, 2, dtype=torch.bool))) is None
+    True
     """
     if not (math.isfinite(nll_weight) and nll_weight >= 0):
         raise ValueError(f"nll_weight must be a finite float >= 0, got {nll_weight=}")
@@ -377,6 +410,16 @@ def evaluate_masked_mse(
 
     ``sum (mean - y)^2 mask / sum mask``; ``forward_fn(model, batch)`` returns a tensor or an
     object with a ``mean`` ``(B, Q)``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from types import SimpleNamespace
+    >>> b = SimpleNamespace(targets=torch.tensor([[2.0, 5.0]]),
+    ...                     query_mask=torch.tensor([[True, False]]))
+    >>> evaluate_masked_mse(nn.Identity(), [b], lambda m, batch: torch.zeros(1, 2))
+    4.0
     """
     was = model.training
     model.eval()
@@ -698,6 +741,25 @@ def fit(
         On a non-finite training loss (naming the epoch).
     ValueError
         On a bad setting (named), or a checkpoint written under other settings.
+
+    Examples
+    --------
+    PatchTST-style: validation MSE, the ``"type3"`` schedule, a checkpoint to resume from.
+
+    >>> import tempfile, torch
+    >>> from pathlib import Path
+    >>> from torch import nn
+    >>> _ = torch.manual_seed(0)
+    >>> net = nn.Sequential(nn.Linear(4, 2), nn.Dropout(0.1))
+    >>> x = torch.randn(40, 4)
+    >>> y = x[:, :2] * 2
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     rep = fit(net, (x, y), (x, y), metric="mse", lr=1e-2, schedule="type3",
+    ...               max_epochs=3, batch_size=8, progress=False, checkpoint=Path(d) / "ck.pt")
+    ...     again = fit(net, (x, y), (x, y), metric="mse", lr=1e-2, schedule="type3",
+    ...                 max_epochs=3, batch_size=8, progress=False, checkpoint=Path(d) / "ck.pt")
+    >>> rep.steps, again.resumed_from, again.val_metric == rep.val_metric
+    (15, 3, True)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")

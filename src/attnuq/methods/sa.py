@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from attnuq._validation import check_positive_int
+from attnuq.calibration import CRITERIA, get_criterion
 from attnuq.methods._base import Cost, Method, PredictiveLike, Task, split_batch
 from attnuq.methods.calibration import coverage_scale
 from attnuq.predictive import Predictive
@@ -41,7 +42,6 @@ from attnuq.training import default_forward
 
 __all__ = ["StochasticAttention"]
 
-_CRITERIA = ("paper", "scale", "crps", "coverage")
 
 
 class StochasticAttention(Method):
@@ -108,8 +108,8 @@ class StochasticAttention(Method):
                 )
             n_samples, seed = base.n_samples, base.seed
             n_passes, search = base.n_passes, base.search
-        if criterion not in _CRITERIA:
-            raise ValueError(f"criterion must be one of {_CRITERIA}, got {criterion=!r}")
+        if criterion not in CRITERIA:
+            raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion=!r}")
         if not 0 < alpha < 1:
             raise ValueError(f"alpha must lie in (0, 1), got {alpha=}")
         self.criterion = criterion
@@ -138,7 +138,7 @@ class StochasticAttention(Method):
         else:
             model = _sa_model(task)
             self.report = calibrate(
-                model, task.val, criterion=self.criterion,  # type: ignore[arg-type]
+                model, task.val, criterion=get_criterion(self.criterion).name,
                 search=self.search,  # type: ignore[arg-type]
                 n_passes=self.n_passes, seed=self.seed,
                 progress=self.progress, **self.calibrate_kwargs,
@@ -159,8 +159,6 @@ class StochasticAttention(Method):
         return None
 
     def _sa(self, task: Task, inputs: Any) -> Predictive:
-        # NOTE: ``attnuq.predict`` is shadowed by the submodule ``attnuq.predict`` once that is
-        # imported, so import the function from its module.
         from attnuq.prediction import predict
 
         assert self.nu is not None
