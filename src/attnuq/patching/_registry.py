@@ -1,9 +1,8 @@
 """The backend registry, above the backends: detection runs the backends in registration order.
 
 Every backend (one module each: :mod:`~attnuq.patching.hf`, :mod:`~attnuq.patching.mha`,
-:mod:`~attnuq.patching.rtdl`, :mod:`~attnuq.patching.timm`,
-:mod:`~attnuq.patching.sdpa`) implements two
-things:
+:mod:`~attnuq.patching.rtdl`, :mod:`~attnuq.patching.timm`, :mod:`~attnuq.patching.sdpa`)
+implements two things:
 
 * ``detect(name, module) -> AttentionSite | None``: whether it recognises ``module`` as an attention
   site (patchable, or recognisable but not patchable with a reason);

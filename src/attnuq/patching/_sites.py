@@ -18,7 +18,6 @@ import torch
 __all__ = ["AttentionSite", "SiteState", "check_no_dropout", "forward_names"]
 
 
-# sites and per-site state
 @dataclass(frozen=True)
 class AttentionSite:
     """One attention module found in a model.
@@ -95,14 +94,15 @@ class _GeneratorPool:
 class SiteState:
     """What a patched site needs at call time: its ``nu`` and the handle's generators.
 
-    :func:`patch` builds one per site (all sharing the handle's generator pool) and hands them
-    to the backend's ``apply``; the code a backend installs reads ``state.nu`` and draws with
+    :func:`attnuq.patch` builds one per site (all sharing the handle's generator pool) and hands
+    them to the backend's ``apply``; the code a backend installs reads ``state.nu`` and draws with
     ``state.generator(device)`` (``None`` when the handle has no seed: torch's global RNG).
 
     Every backend asks for the generator exactly once per stochastic attention computation at
     the site, so :meth:`generator` also counts them (``calls``, thread-safe): this is how
-    :meth:`PatchHandle.require_calls` tells that the model's forward never reached the site,
-    without looking at output differences (which float rounding makes nonzero anyway).
+    :meth:`attnuq.patching.PatchHandle.require_calls` tells that the model's forward never
+    reached the site, without looking at output differences (which float rounding makes nonzero
+    anyway).
 
     Examples
     --------
