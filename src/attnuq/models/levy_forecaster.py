@@ -20,10 +20,12 @@ the variance), the evidence ``Lambda_q`` and ``sqrt(Sigma_V,cc)`` (``sigma`` wit
 dot-product softmax attention with attention dropout, no uncertainty of its own (MC dropout and
 ensembles give it one).
 
-Training: :func:`fit` minimises the masked MSE of ``mu`` over every forecast point of a batch
-(exact gradients through the expected output), plus ``nll_weight`` times the Gaussian NLL of
-``N(mu, sigma^2 + eps)`` for the Levy model (``nll_weight = 0`` by default: MSE only), with Adam and
-early stopping on validation MSE. :func:`fit_temperature` fits the one temperature ``T`` of
+Training goes through :func:`attnuq.training.fit` (``forward_fn=``:func:`forward_batch`, the
+masked MSE of ``mu`` over every forecast point of a batch, exact gradients through the expected
+output, plus ``nll_weight`` times the Gaussian NLL of ``N(mu, sigma^2 + eps)`` for the Levy model:
+:func:`attnuq.training.masked_mse_loss`; Adam, gradient norm clipped to 5, early stopping on
+validation masked MSE); :func:`fit` here is that call under its old name, kept for one
+transition. :func:`fit_temperature` fits the one temperature ``T`` of
 ``N(mu, (T sigma)^2)`` on validation in closed form, ``T^2 = mean((y - mu)^2 / sigma^2)``, which is
 the exact minimiser of the Gaussian NLL over ``T``.
 
