@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from attnuq.cli import main
+from attnuq.methods import method_implementation
 
 
 def _write_stays(root: Path, n: int) -> None:
@@ -40,7 +41,7 @@ def test_bench_physionet_end_to_end(tmp_path: Path) -> None:
     assert main([*common, "--only-seed", "1"]) == 0
     seed1 = json.loads((out / "seed_1.json").read_text())
     (out / "seed_1.json").write_bytes(b"")  # torn by a crash: redone with a warning
-    with pytest.warns(UserWarning, match="corrupt seed results"):
+    with pytest.warns(UserWarning, match="corrupt run"):
         assert main([*common, "--reuse"]) == 0
     seed1 = json.loads((out / "seed_1.json").read_text())
     assert main([*common, "--reuse"]) == 0
@@ -69,6 +70,25 @@ def test_bench_physionet_end_to_end(tmp_path: Path) -> None:
     info = res["plot_info"][0]
     assert info["channel"] in ("HR", "Temp") and info["gap_ratio"] >= 1
     assert f"stay {info['record_id']}" in md
+    # the twin, the stored Implementations block (MC dropout and the ensemble: the registry's
+    # classes) and this suite's key of summary.json
+    twin = json.loads((tmp_path / "res" / "physionet.json").read_text())
+    assert twin["suite"] == "physionet" and twin["headline_table"][0].startswith("| method |")
+    rows = dict(res["implementations"]["rows"])
+    assert rows["softmax control, MC dropout (2 passes) [subset: 2 test stays]"] == (
+        method_implementation("mc-dropout"))
+    assert rows["softmax deep ensemble (2 members, one ensemble)"] == (
+        method_implementation("ensemble"))
+    entry = json.loads((tmp_path / "res" / "summary.json").read_text())["physionet"]
+    assert entry["physionet2012"]["backbone"]["value"] == summ["levy"]["mse"][0]
+    assert entry["physionet2012"]["backbone"]["reference"] == pytest.approx(
+        1.03 * summ["softmax"]["mse"][0])
+    assert set(entry["physionet2012"]["methods"]) >= {"frozen", "levy", "softmax_mcdropout",
+                                                      "ensemble", "gp"}
+    # --render-only rewrites the same page from physionet.json alone
+    (tmp_path / "res" / "physionet.md").write_text("")
+    assert main([*common, "--render-only"]) == 0
+    assert (tmp_path / "res" / "physionet.md").read_text() == md
 
 
 def test_bench_physionet_rejects_unavailable_device(
@@ -123,11 +143,14 @@ def test_torn_checkpoint_is_retrained_with_a_warning(tmp_path: Path) -> None:
 
 def test_committed_page_regenerates_from_its_json() -> None:
     """docs/results/physionet.md is exactly what render makes of the stored physionet.json."""
-    from attnuq.bench.physionet import render
+    from attnuq.bench._physionet_page import build_page
+    from attnuq.bench.physionet import render_page
 
     root = Path(__file__).resolve().parents[2] / "docs" / "results"
-    res = json.loads((root / "physionet" / "physionet.json").read_text())
-    assert render(res) == (root / "physionet.md").read_text()
+    page = render_page(root / "physionet", root / "physionet.md")
+    assert page.markdown() == (root / "physionet.md").read_text()
+    assert page.to_dict() == json.loads((root / "physionet.json").read_text())  # the twin
     # the stored Implementations block is what the page shows, not today's texts
+    res = json.loads((root / "physionet" / "physionet.json").read_text())
     res["implementations"]["rows"] = [[k, "changed"] for k, _ in res["implementations"]["rows"]]
-    assert "| softmax control (deterministic) | changed |" in render(res)
+    assert "| softmax control (deterministic) | changed |" in build_page(res).markdown()
