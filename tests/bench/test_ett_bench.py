@@ -14,8 +14,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
 from attnuq.bench._scoring import StreamScores
-from attnuq.bench.ett import ResidualQuantiles
 from attnuq.data.ett import ETT_CHANNELS
+from attnuq.methods import ResidualQuantiles
 from attnuq.predictive import GaussianPredictive, Predictive
 
 
