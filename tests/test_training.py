@@ -406,8 +406,13 @@ def test_bad_data_is_named() -> None:
         fit(net, (tr[0], tr[1][:5]), tr, progress=False)
     with pytest.raises(TypeError, match=r"nn\.Module"):
         fit(lambda x: x, tr, tr, progress=False)  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match="non-finite training loss at epoch 0"):
+    with pytest.raises(ValueError, match="train targets contains non-finite"):
         fit(net, (tr[0], tr[1] * math.inf), tr, progress=False)
+    with pytest.raises(ValueError, match="val inputs contains non-finite"):
+        fit(net, tr, (tr[0] * math.nan, tr[1]), progress=False)
+    with pytest.raises(RuntimeError, match="non-finite training loss at epoch 0"):
+        fit(net, tr, tr, progress=False,
+            loss=lambda m, b: (m(b[0]) * math.inf).sum())
 
 
 def test_report_aliases_and_round_trip() -> None:

@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from attnuq._io import atomic_torch_save, torch_load_or_none
-from attnuq._validation import check_positive_int
+from attnuq._validation import check_finite, check_positive_int
 
 __all__ = [
     "Batches",
@@ -740,7 +740,8 @@ def fit(
     RuntimeError
         On a non-finite training loss (naming the epoch).
     ValueError
-        On a bad setting (named), or a checkpoint written under other settings.
+        On a bad setting (named), non-finite ``(X, Y)`` tensors (named), or a checkpoint
+        written under other settings.
 
     Examples
     --------
@@ -776,6 +777,10 @@ def fit(
     if loss_average not in ("rows", "batches"):
         raise ValueError(f"loss_average must be 'rows' or 'batches', got {loss_average=!r}")
     schedule_factor(schedule, 0)  # validates the schedule
+    for part, data in (("train", train), ("val", val)):
+        if _is_pair(data):
+            check_finite(data[0], f"{part} inputs")
+            check_finite(data[1], f"{part} targets")
     lossf = _resolve_loss(loss, forward_fn)
     metric_name, metricf = _resolve_metric(metric, forward_fn, val_batch_size)
     if isinstance(optimizer, torch.optim.Optimizer):

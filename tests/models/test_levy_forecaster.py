@@ -11,12 +11,26 @@ from attnuq.models.gp_irregular import ChannelGP, fit_channel_gps, predict_chann
 from attnuq.models.levy_forecaster import (
     LevyForecaster,
     SoftmaxForecaster,
-    fit,
     fit_temperature,
-    masked_mse,
+    forward_batch,
 )
+from attnuq.training import evaluate_masked_mse, masked_mse, masked_mse_loss
+from attnuq.training import fit as train_fit
 
 C = 3
+
+
+def fit(model, train_batches, val_batches, *, lr=1e-3, nll_weight=0.0, **kw):  # type: ignore[no-untyped-def]
+    """The forecasters' recipe (what physionet trains with) through attnuq.training.fit."""
+    return train_fit(model, train_batches, val_batches,
+                     loss=masked_mse_loss(forward_batch, nll_weight), metric="masked_mse",
+                     forward_fn=forward_batch, optimizer="adam", lr=lr, weight_decay=0.0,
+                     clip_grad_norm=5.0, loss_average="batches", count_val_forward=False,
+                     progress=False, **kw)
+
+
+def evaluate_mse(model, batches):  # type: ignore[no-untyped-def]
+    return evaluate_masked_mse(model, batches, forward_batch)
 
 
 def _inputs(B: int = 2, L: int = 6, Q: int = 4, seed: int = 0, dtype=torch.float64):
@@ -166,8 +180,6 @@ def test_fit_reduces_validation_mse_and_restores_best() -> None:
         y = x[2].mean(1, keepdim=True).expand(-1, 5).clone()
         batches.append(_B(x, y, torch.ones(8, 5, dtype=torch.bool)))
     m = LevyForecaster(C, d=8, encoder_layers=0, dropout=0.0)
-    from attnuq.models.levy_forecaster import evaluate_mse
-
     before = evaluate_mse(m, batches[3:])
     rep = fit(m, lambda e: batches[:3], lambda: batches[3:], max_epochs=4, patience=4, lr=2e-2)
     assert rep.best_val_mse < before

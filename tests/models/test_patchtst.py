@@ -14,8 +14,8 @@ from attnuq.models.patchtst import (
     build_patchtst,
     load_patchtst,
     save_patchtst,
-    train_forecaster,
 )
+from attnuq.training import fit
 
 KW = dict(context_length=32, prediction_length=8, d_model=16, num_layers=1, num_heads=2,
           ffn_dim=16, patch_length=8, patch_stride=4)
@@ -35,7 +35,8 @@ def test_train_improves_and_roundtrip(tmp_path: Path) -> None:
     with torch.no_grad():
         model.eval()
         before = float(torch.nn.functional.mse_loss(model(va[0]), va[1]))
-    rep = train_forecaster(model, tr, va, epochs=3, batch_size=16, lr=1e-2, progress=False)
+    rep = fit(model, tr, va, metric="mse", max_epochs=3, patience=3, batch_size=16, lr=1e-2,
+              weight_decay=0.0, progress=False)
     assert rep.epochs_run >= 1 and rep.best_epoch >= 0 and rep.steps > 0
     # the best restored weights give the reported best validation loss
     with torch.no_grad():
@@ -107,4 +108,4 @@ def test_errors(tmp_path: Path) -> None:
     y = torch.randn(4, 8, 2)
     y[0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="train targets"):
-        train_forecaster(f, (x, y), (x, y), epochs=1, progress=False)
+        fit(f, (x, y), (x, y), metric="mse", max_epochs=1, progress=False)

@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from attnuq.models.patchtst import train_forecaster
 from attnuq.models.vit_field import ViTFieldForecaster, load_vit_field, save_vit_field
+from attnuq.training import fit
 
 KW = dict(in_channels=2, out_channels=2, patch_size=2, hidden_size=16, num_layers=1,
           num_heads=2, mlp_size=16, mean=280.0, std=3.0)
@@ -60,8 +60,8 @@ def test_learns_a_shift() -> None:
     x = 280 + 3 * torch.randn(96, 2, 5, 7, generator=g)
     y = x[:, :1].expand(-1, 2, -1, -1) + 2.0
     m = ViTFieldForecaster((5, 7), **KW)
-    rep = train_forecaster(m, (x[:64], y[:64]), (x[64:], y[64:]), epochs=4, batch_size=16,
-                           lr=1e-2, progress=False)
+    rep = fit(m, (x[:64], y[:64]), (x[64:], y[64:]), metric="mse", max_epochs=4, patience=3,
+              batch_size=16, lr=1e-2, weight_decay=0.0, progress=False)
     assert rep.best_val < 1.0, rep.val_loss
 
 
