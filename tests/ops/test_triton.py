@@ -286,6 +286,27 @@ def test_triton_cuda_dispatch() -> None:
     assert vg.grad is not None
 
 
+def test_public_operators_pass_their_arguments_to_the_triton_entries(monkeypatch) -> None:
+    """Where the public operators take the Triton path (forced here with ``usable``, so that
+    the wiring is also checked under the interpreter), they pass every argument through: the
+    same output as the Triton functions called directly with the same (non-default) options."""
+    monkeypatch.setattr(_triton, "usable", lambda q, needs_grad: True)
+    q, k, v = _inputs(hq=2, hk=2, lq=6, seed=4)
+    mask = torch.rand(1, 1, 6, LK, generator=torch.Generator().manual_seed(5)) > 0.3
+    mask[..., 0] = True
+    opts = {"attn_mask": mask.to(q.device), "is_causal": True, "scale": 0.3, "enable_gqa": False}
+    g1 = torch.Generator(device=q.device).manual_seed(9)
+    g2 = torch.Generator(device=q.device).manual_seed(9)
+    y = sampled_attention(q, k, v, nu=5, generator=g1, empty_rows="zero", **opts)
+    ref = _triton.sampled_attention(q, k, v, nu=5, generator=g2, empty_rows="zero", **opts)
+    assert torch.equal(y, ref)
+    plain = _triton.sampled_attention(q, k, v, nu=5, generator=g2.manual_seed(9))
+    assert not torch.equal(y, plain)  # the options changed the output: they were not dropped
+    mean, var = attention_moments(q, k, v, empty_rows="zero", **opts)
+    mt, vt = _triton.attention_moments(q, k, v, empty_rows="zero", **opts)
+    assert torch.equal(mean, mt) and torch.equal(var, vt)
+
+
 def test_triton_kernels_compile_for_sm90(tmp_path) -> None:
     """The kernels go through triton's compiler down to a cubin for sm_90 (no GPU needed; the
     interpreter checks none of this): bfloat16 with a boolean mask and float32 with an additive

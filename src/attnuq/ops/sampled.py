@@ -515,11 +515,12 @@ def sampled_attention_unchecked(
     :class:`attnuq.nn.SampledAttention`): ``nu`` an int ``>= 1``, ``block_size`` None or an int
     ``>= 1``, ``empty_rows`` ``"error"`` or ``"zero"``; they are not checked again. The tensors
     are (by :func:`~attnuq.ops._attn_common.prepare`)."""
-    if isinstance(q, torch.Tensor) and q.device.type == "cuda":  # Triton when it imports
-        if _triton.usable(q, torch.is_grad_enabled() and bool(getattr(v, "requires_grad", 0))):
-            return _triton.sampled_attention_unchecked(
-                q, k, v, nu, attn_mask, is_causal, scale, enable_gqa, generator, empty_rows
-            )
+    grad = torch.is_grad_enabled() and bool(getattr(v, "requires_grad", 0))
+    if isinstance(q, torch.Tensor) and _triton.usable(q, grad):  # CUDA, when triton imports
+        return _triton.sampled_attention_unchecked(
+            q, k, v, nu=nu, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa, generator=generator, empty_rows=empty_rows,
+        )  # fmt: skip
     att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     if att.groups * att.rows == 0 or att.lk == 0:
         if att.groups * att.rows > 0 and empty_rows == "error":  # no keys at all
@@ -740,12 +741,12 @@ def attention_moments_unchecked(
     """:func:`attention_moments` for callers that validated ``block_size`` (None or an int
     ``>= 1``) and ``empty_rows`` (``"error"`` or ``"zero"``) at their own public boundary
     (:class:`attnuq.nn.SampledAttention`); they are not checked again."""
-    if isinstance(q, torch.Tensor) and q.device.type == "cuda":  # Triton when it imports
-        grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", 0) for t in (q, k, v))
-        if _triton.usable(q, grad):
-            return _triton.attention_moments_unchecked(
-                q, k, v, attn_mask, is_causal, scale, enable_gqa, empty_rows
-            )
+    grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", 0) for t in (q, k, v))
+    if isinstance(q, torch.Tensor) and _triton.usable(q, grad):  # CUDA, when triton imports
+        return _triton.attention_moments_unchecked(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa, empty_rows=empty_rows,
+        )  # fmt: skip
     att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     if att.groups * att.rows == 0 or att.lk == 0 or att.dv == 0:
         if att.groups * att.rows > 0 and att.lk == 0 and empty_rows == "error":
