@@ -154,3 +154,13 @@ def test_committed_page_regenerates_from_its_json() -> None:
     res = json.loads((root / "physionet" / "physionet.json").read_text())
     res["implementations"]["rows"] = [[k, "changed"] for k, _ in res["implementations"]["rows"]]
     assert "| softmax control (deterministic) | changed |" in build_page(res).markdown()
+    # the committed seed records are runner items (``--reuse`` takes them without a warning)
+    import warnings
+
+    from attnuq.bench._runner import RunStore
+
+    store = RunStore(root / "physionet", suite="physionet",
+                     valid=lambda r: isinstance(r, dict) and "metrics" in r)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [store.load((), f"seed_{s}", check=False) for s in range(3)] == res["per_seed"]

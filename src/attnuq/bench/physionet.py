@@ -464,11 +464,5 @@ def render_page(out: Path, table: Path) -> Page:
     return build_page(json.loads((Path(out) / "physionet.json").read_text()))
 
 
-def _write_md(md: Path, out: Path, results: dict[str, Any], per_seed: list[dict[str, Any]]
-              ) -> None:
-    """Transition wrapper (tests/bench/test_implementations.py): the page of ``results``."""
-    build_page({**results, "per_seed": per_seed}).write(md)
-
-
 register("physionet", help="Levy-attention forecaster on PhysioNet 2012 (t-PatchGNN protocol)",
          add_arguments=add_arguments, run=run)
