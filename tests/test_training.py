@@ -346,6 +346,10 @@ def test_max_steps_per_epoch_and_counts() -> None:
     rep = fit(net, tr, va, batch_size=10, max_epochs=1, count_val_forward=False,
               progress=False)
     assert rep.steps == 10 and rep.n_forward == 100
+    # a lazy validation factory (a generator per call) is counted right too
+    lazy = lambda: ((va[0][i : i + 7], va[1][i : i + 7]) for i in range(0, 30, 7))  # noqa: E731
+    rep = fit(net, tr, lazy, batch_size=50, max_epochs=2, patience=2, progress=False)
+    assert rep.n_forward == 2 * 100 + 2 * 30 and len(rep.val_metric) == 2
 
 
 def test_restore_best_and_patience() -> None:

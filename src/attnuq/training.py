@@ -829,6 +829,7 @@ def fit(
         torch.manual_seed(seed)
 
     t0 = time.perf_counter()
+    n_val_rows: int | None = None
     rep.stopped_by = "max_epochs"
     epochs = range(start, max_epochs)
     bar: Any = progress_bar(epochs, desc=desc, enable=progress is True)
@@ -861,10 +862,11 @@ def fit(
             steps += 1
             rep.n_forward += rows
         rep.steps += steps
-        vb = val_src(epoch)
-        v = float(metricf(model, vb))
+        v = float(metricf(model, val_src(epoch)))
         if count_val_forward:
-            rep.n_forward += count_rows(vb)
+            if n_val_rows is None:  # counted once, on a fresh iterable (a factory may be lazy)
+                n_val_rows = count_rows(val_src(epoch))
+            rep.n_forward += n_val_rows
         rep.train_loss.append(tot / max(cnt, 1))
         rep.val_metric.append(v)
         rep.epochs_run = epoch + 1
