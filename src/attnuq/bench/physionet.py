@@ -19,9 +19,11 @@ calibrated on validation (:func:`attnuq.conformal.conformal_scale`, one pooled f
   draws) at ``alpha`` as trained, against the closed form at that ``alpha``
   (``levy_sub_alpha_trained``): draws cost ``O(Lambda)`` atoms, out of reach for a large fitted
   ``alpha``, and a small one leaves most draws empty;
-* ``softmax_mcdropout``: the matched softmax control with dropout active, 20 passes;
-* ``softmax_ensemble``: 5 independently initialised controls (seeds ``0..M-1``; one ensemble,
-  its metrics are not averaged over seeds);
+* ``softmax_mcdropout``: the registered ``"mc-dropout"`` on the matched softmax control (only
+  its dropout modules active), 20 passes, mean and std of the draws;
+* ``ensemble``: the registered ``"ensemble"`` of 5 independently initialised controls (seeds
+  ``--seed + k``, from the checkpoint cache; one ensemble, its metrics are not averaged over
+  seeds);
 * ``gp``: per-stay, per-channel exact GP (:mod:`attnuq.models.gp_irregular`);
 * ``softmax`` (the control's deterministic output) enters the MSE/MAE comparison only.
 
