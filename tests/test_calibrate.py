@@ -210,3 +210,24 @@ def test_sizes_are_refused_with_a_reason(problem, monkeypatch) -> None:  # type:
     monkeypatch.setenv("ATTNUQ_MAX_BYTES", "4096")
     with pytest.raises(ValueError, match=r"needs about [\d,]+ bytes .*budget of 4,096 bytes"):
         calibrate(model, data, **KW)
+
+
+def test_public_names_are_the_package_objects() -> None:
+    """README's ``attnuq.calibrate(...)`` / ``attnuq.CalibrationReport`` are the calibration
+    package's objects, and the package imports plotting only downward (plots never imports it)."""
+    import ast
+    import inspect
+
+    import attnuq
+    import attnuq.calibration as cal
+    import attnuq.plots as plots
+    from attnuq.calibration.report import CalibrationReport as Report
+    from attnuq.calibration.search import bo_search, grid_search
+
+    assert attnuq.calibrate is cal.calibrate is calibrate
+    assert attnuq.CalibrationReport is cal.CalibrationReport is CalibrationReport is Report
+    assert cal.grid_search is grid_search and cal.bo_search is bo_search
+    tree = ast.parse(inspect.getsource(plots))
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in imported if m and m.startswith("attnuq.calibration")]

@@ -2,16 +2,16 @@
 
 ``report = attnuq.calibrate(model, data, criterion="paper", search="bo")``; ``report.nu``.
 
-The package, bottom up (each module imports only the ones above it):
+The package, bottom up (each module imports only ones listed before it):
 
 * :mod:`~attnuq.calibration.criteria`: the one registry of criteria (:data:`CRITERIA`,
   :func:`get_criterion`): name, description and the function of the passes' statistics
   (:class:`~attnuq.calibration.criteria.PassStats`) giving the objective, its per-example
   influence and the target scale ``s_*``;
-* :mod:`~attnuq.calibration.search`: the searches (:func:`grid_search`, :func:`bo_search`,
-  :data:`SEARCHES`) as plain functions of an ``evaluate(nu) -> Evaluation`` callable;
 * :mod:`~attnuq.calibration.report`: :class:`Evaluation` and :class:`CalibrationReport` with
   their JSON I/O (plotting is :func:`attnuq.plots.calibration_curve`);
+* :mod:`~attnuq.calibration.search`: the searches (:func:`grid_search`, :func:`bo_search`,
+  :data:`SEARCHES`) as plain functions of an ``evaluate(nu) -> Evaluation`` callable;
 * ``_passes``: the model side -- the frozen pass over the held-out batches and the ``M``
   stochastic passes at one ``nu``;
 * here, :func:`calibrate`: validates the settings, builds ``evaluate`` from the model and the

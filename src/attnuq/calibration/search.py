@@ -38,14 +38,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from attnuq._validation import check_positive_int
-
-if TYPE_CHECKING:  # pragma: no cover - the report module is a sibling; only its type is needed
-    from attnuq.calibration.report import Evaluation
+from attnuq.calibration.report import Evaluation
 
 __all__ = ["SEARCHES", "SearchResult", "bo_search", "grid_search", "log_grid"]
 
@@ -55,7 +53,7 @@ Search = Literal["bo", "grid"]
 #: the search names: the one list ``attnuq.calibrate`` and ``attnuq calibrate --search`` read
 SEARCHES: tuple[Search, ...] = ("bo", "grid")
 
-Evaluate = Callable[[int], "Evaluation"]
+Evaluate = Callable[[int], Evaluation]
 
 
 @dataclass
@@ -391,8 +389,6 @@ def bo_search(
 def _demo_evaluate(nu: int) -> Evaluation:
     """Synthetic evaluation for the examples: ``s(nu) = 4 / sqrt(nu)``, ``s_* = 1``,
     objective ``(ln nu - ln 16)^2`` (minimum at ``nu* = 16``)."""
-    from attnuq.calibration.report import Evaluation
-
     obj = (math.log(nu) - math.log(16)) ** 2
     return Evaluation(
         nu=nu, objective=obj, se=0.01, scale=4 / math.sqrt(nu), scale_se=0.0, target_scale=1.0,
