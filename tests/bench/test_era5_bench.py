@@ -152,3 +152,47 @@ def test_bench_era5_member_jobs_match_serial_training(tmp_path: Path) -> None:
     assert [(r["methods"], r["date"]) for r in js2["run"]["resumed_runs"]] == [
         (["ensemble"], js["run"]["date"]), (["persistence"], runs[0]["date"])]
     assert main([*_tiny_argv(nc, serial), "--member-jobs", "0", "--methods", "persistence"]) == 2
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+
+
+def test_committed_page_regenerates_from_its_json() -> None:
+    """era5.md is exactly what render_page makes of the stored era5_results.json (#18)."""
+    from attnuq.bench import era5
+
+    page = era5.render_page(RESULTS / "era5", RESULTS / "era5.md")
+    assert page.markdown() == (RESULTS / "era5.md").read_text()
+    assert page.to_dict() == json.loads((RESULTS / "era5.json").read_text())
+
+
+def test_render_only_writes_page_twin_and_summary(tmp_path: Path) -> None:
+    """--render-only needs nothing but the stored JSON; the summary key follows issue #19."""
+    import shutil
+
+    from attnuq.bench import era5
+    from attnuq.cli import main
+
+    (tmp_path / "era5").mkdir()
+    shutil.copy(RESULTS / "era5" / "era5_results.json", tmp_path / "era5")
+    (tmp_path / "summary.json").write_text(json.dumps({"uci": {"kept": 1}}))
+    assert main(["bench", "era5", "--out", str(tmp_path), "--render-only"]) == 0
+    assert (tmp_path / "era5.md").read_text() == (RESULTS / "era5.md").read_text()
+    twin = json.loads((tmp_path / "era5.json").read_text())
+    assert twin["headline"][0].startswith("Lead +6h: Best CRPS: **")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["uci"] == {"kept": 1} and sorted(summary["era5"]) == ["t2m+24h", "t2m+6h"]
+    res = json.loads((RESULTS / "era5" / "era5_results.json").read_text())["results"]
+    for lead in ("+6h", "+24h"):
+        e = summary["era5"][f"t2m{lead}"]
+        refs = {k: res[f"{k}-point"]["per_lead"][lead]["rmse_lat"]
+                for k in ("persistence", "climatology")}
+        best = min(refs, key=lambda k: refs[k])
+        assert e["backbone"] == {"metric": "rmse", "reference_name": best,
+                                 "value": res["frozen"]["per_lead"][lead]["rmse_lat"],
+                                 "reference": refs[best]}
+        assert e["splits"] == 1 and e["methods"]["sa-paper"]["crps"] == (
+            res["sa-paper"]["per_lead"][lead]["crps"])
+    assert main(["bench", "era5", "--out", str(tmp_path / "empty"), "--render-only"]) == 2
+    with pytest.raises(ValueError, match="no ERA5 results"):
+        era5.render_page(tmp_path / "empty" / "era5", tmp_path / "empty" / "era5.md")

@@ -1,26 +1,23 @@
 """``attnuq bench era5``: SA on a small frozen ViT forecaster of ERA5 2 m temperature.
 
-Pipeline (recorded in the JSON next to the markdown table):
+Data + backbone + config on the bench spine; methods by registry name.
 
-1. :func:`attnuq.data.era5.load_field` (GRIB through cfgrib, or NetCDF); the hourly fields are
-   cut into consecutive blocks of whole days: train / val / cal / test (default 18 / 5 / 4 /
-   the rest, i.e. 1-18, 19-23, 24-27 and 28-31 March 2019). Every example's time span
-   ``[t - history, t + max lead]`` lies inside its block, so the parts share no field.
-2. Inputs at issue time ``t`` (every hour): the field at ``t`` and at ``t - 6 h`` and, by default,
-   the hour-of-day training climatology at the two valid times (hour features); targets: the
-   field at ``t + 6 h`` and ``t + 24 h``.
-3. Backbone: :class:`attnuq.models.vit_field.ViTFieldForecaster` (Hugging Face ViT blocks,
-   patch 4 on the 33 x 49 grid padded to 36 x 52, linear per-patch head) trained here with
-   early stopping on val, saved, reloaded and frozen.
-4. Methods: ``sa-paper`` (calibration-first), ``sa-crps`` (score-first), ``sa-conformal``
-   (``sa-paper``'s draws with a conformal spread factor from cal), ``mc-dropout``, ``ensemble``
-   (member 0 = the backbone), and the references ``persistence`` and ``climatology``
-   (hour-of-day mean of the training days), each with the per-grid-point distribution of its
-   val residuals so that they get probabilistic scores too.
-5. Scores per lead on the test days: latitude-weighted RMSE (of the predictive mean), ACC against
-   the hour-of-day training climatology (WeatherBench/ClimaX pooled definition), native and
-   scaled W1 of the PIT, PI-95 width and coverage, CRPS, extra cost; maps of the mean error and of
-   the predicted spread.
+* Data: :func:`attnuq.data.era5.load_field` (GRIB or NetCDF) in consecutive blocks of whole days,
+  train / val / cal / test (default 18 / 5 / 4 / the rest of March 2019), each example's span
+  ``[t - history, t + max lead]`` inside its block. Inputs at issue time ``t`` (hourly): the
+  field at ``t`` and ``t - 6 h`` and, by default, the hour-of-day training climatology at the
+  valid times; targets: the field at ``t + 6 h`` and ``t + 24 h``.
+* Backbone: :class:`attnuq.models.vit_field.ViTFieldForecaster` (HF ViT blocks, patch 4),
+  trained by :func:`attnuq.training.fit` with early stopping on val, saved, reloaded, frozen.
+* Methods: ``sa-paper``, ``sa-crps``, ``sa-conformal``, ``mc-dropout``, ``ensemble`` (member 0 =
+  the backbone) from :mod:`attnuq.methods`; the references ``persistence`` and ``climatology``
+  with the per-grid-point quantiles of their val residuals. Scores per lead on the test days:
+  :func:`attnuq.bench._fields.field_scores`, maps of mean error and predicted spread.
+
+Each method is one run record ``<out>/era5/runs/<method>.json`` (+ maps ``<method>.npz``), reused
+by ``--resume`` under the same config. The page ``<out>/era5.md`` (+ twin ``era5.json``) and the
+``era5`` key of ``<out>/summary.json`` are functions of ``era5/era5_results.json`` alone
+(:func:`render_page`; ``--render-only``).
 
 Examples
 --------
@@ -32,10 +29,7 @@ Examples
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,177 +37,86 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnuq._io import (
-    CorruptFileWarning,
-    atomic_np_savez,
-    atomic_savefig,
-    atomic_write_json,
-    atomic_write_text,
-    read_json_or_none,
-)
+import attnuq
+from attnuq._io import atomic_np_savez, atomic_write_json, read_json_or_none
+from attnuq._runtime import resolve_device, run_info
 from attnuq._validation import check_positive_int
+from attnuq.bench import _members as mb
 from attnuq.bench import register
+from attnuq.bench._fields import error_maps, field_scores, load_maps, maps_png, point_scores
+from attnuq.bench._implementations import implementation_texts, merge_block
 from attnuq.bench._members import cache_text, jobs_text
-from attnuq.bench.ett import ResidualQuantiles, StreamScores
+from attnuq.bench._page import Page, Table, fmt, update_summary
+from attnuq.bench._runner import Group, RunStore, reuse_key, run_items
+from attnuq.bench._scoring import ResidualQuantiles, to_cpu
+from attnuq.data import era5 as data
+from attnuq.methods import Task, make_method
 from attnuq.predictive import GaussianPredictive, Predictive
+from attnuq.training import fit, predict_batched
 
-__all__ = ["ALL_METHODS", "add_arguments", "field_scores", "run"]
+__all__ = ["ALL_METHODS", "add_arguments", "field_scores", "render", "render_page", "run"]
 
 ALL_METHODS: tuple[str, ...] = (
-    "sa-paper",
-    "sa-crps",
-    "sa-conformal",
-    "mc-dropout",
-    "ensemble",
-    "persistence",
-    "climatology",
-)
+    "sa-paper", "sa-crps", "sa-conformal", "mc-dropout", "ensemble", "persistence", "climatology")
 _RUN_ORDER = ("sa-paper", "sa-conformal", "persistence", "climatology", "sa-crps", "mc-dropout",
               "ensemble")
+#: rows this suite computes itself (the others are registered methods: the registry's text)
+_IMPLEMENTATIONS = {
+    "persistence": "this suite: the field at issue time plus val residual quantiles per (lead, "
+                   "grid point)",
+    "climatology": "this suite: hour-of-day training climatology plus val residual quantiles per "
+                   "(lead, grid point)",
+}
+_RESUME_FREE = ("methods", "resume", "note", "no_progress", "threads", "retrain", "out",
+                "model_dir", "rerun", "member_jobs")
+_COLS = ("rmse_lat", "acc", "pit_w1", "pit_w1_scaled", "width", "coverage", "crps", "mean_std")
+_EXTRA = ("nu", "fit_seconds", "predict_seconds", "forward_per_input")
+_HEAD = ("method", "RMSE (lat-w)", "ACC", "W1(PIT) native", "W1(PIT) scaled", "PI-95 width",
+         "PI-95 coverage", "CRPS", "mean std", "nu", "fit s", "predict s", "passes")
+_TITLE = "ERA5 2 m temperature: stochastic attention on a frozen ViT forecaster vs baselines"
 AnyPred = Predictive | GaussianPredictive
 
 
-def _lead_slice(pred: AnyPred, i: int) -> AnyPred:
-    if isinstance(pred, GaussianPredictive):
-        return GaussianPredictive(mean=pred.mean[:, i], std=pred.std[:, i])
-    return Predictive(samples=pred.samples[:, :, i])
-
-
-def _mean(pred: AnyPred) -> torch.Tensor:
-    return pred.mean if isinstance(pred, GaussianPredictive) else pred.samples.mean(0)
-
-
-def _spread(pred: AnyPred) -> torch.Tensor:
-    if isinstance(pred, GaussianPredictive):
-        return pred.std
-    return pred.samples.std(0) if pred.samples.shape[0] > 1 else torch.zeros_like(pred.samples[0])
-
-
-def _scaled_w1(pred: AnyPred, y: torch.Tensor, seed: int) -> float:
-    """W1 of the PIT after one pooled spread factor (see :func:`attnuq.metrics.pit_w1_scaled`).
-
-    For a Gaussian the factor is ``k^2 = mean (y - m)^2 / mean s^2`` and the PIT is exact,
-    ``Phi((y - m) / (k s))``.
-    """
-    from attnuq import metrics
-
-    if isinstance(pred, GaussianPredictive):
-        m, s = pred.mean.double(), pred.std.double().clamp_min(1e-12)
-        k = math.sqrt(float(((y.double() - m) ** 2).mean() / (s**2).mean()))
-        pit = 0.5 * (1 + torch.erf((y.double() - m) / (k * s) / math.sqrt(2.0)))
-        return float(metrics.pit_w1(pit.reshape(-1)))
-    if pred.samples.shape[0] < 2 or float(pred.samples.std(0).max()) == 0.0:
-        return float("nan")
-    g = torch.Generator().manual_seed(seed)
-    return float(metrics.pit_w1_scaled(pred.samples.double(), y.double(), generator=g))
-
-
-def _acc(f: torch.Tensor, y: torch.Tensor, clim: torch.Tensor, lat: torch.Tensor) -> float:
-    """Latitude-weighted ACC; NaN when the forecast anomaly is identically zero (the
-    climatology forecast itself), where the correlation is undefined."""
-    from attnuq import metrics
-
-    try:
-        return float(metrics.lat_weighted_acc(f.double(), y.double(), clim.double(), lat))
-    except ValueError:
-        return float("nan")
-
-
-def field_scores(
-    pred: AnyPred,
-    y: torch.Tensor,
-    *,
-    lat: torch.Tensor,
-    clim: torch.Tensor,
-    leads: tuple[int, ...],
-    seed: int = 0,
-) -> dict[str, dict[str, float]]:
-    """Scores per lead of a predictive distribution of fields.
-
-    Parameters
-    ----------
-    pred
-        Samples ``(S, B, L, n_lat, n_lon)`` or a Gaussian with ``(B, L, n_lat, n_lon)`` moments.
-    y
-        ``(B, L, n_lat, n_lon)`` observed fields; ``L`` = number of leads.
-    lat
-        ``(n_lat,)`` degrees (for the latitude weights of RMSE and ACC).
-    clim
-        ``(B, L, n_lat, n_lon)`` climatology at each valid time (ACC reference).
-
-    Returns
-    -------
-    ``{"+6h": {...}, "+24h": {...}}`` with ``rmse_lat``, ``acc``, ``mse``, ``mae``, ``coverage``,
-    ``width`` (PI-95), ``pit_w1`` (native), ``pit_w1_scaled``, ``crps``, ``mean_std``.
-    """
-    from attnuq import metrics
-
-    if y.dim() != 4 or y.shape[1] != len(leads):
-        raise ValueError(f"y must be (B, {len(leads)}, n_lat, n_lon), got {tuple(y.shape)}")
-    if clim.shape != y.shape:
-        raise ValueError(f"clim must have y's shape {tuple(y.shape)}, got {tuple(clim.shape)}")
-    out: dict[str, dict[str, float]] = {}
-    for i, lead in enumerate(leads):
-        p = _lead_slice(pred, i)
-        yi = y[:, i].double()
-        sc = StreamScores(seed=seed)
-        sc.update(p, yi)
-        r = sc.result()
-        m = _mean(p).double()
-        r["rmse_lat"] = float(metrics.lat_weighted_rmse(m, yi, lat))
-        r["acc"] = _acc(m, yi, clim[:, i], lat)
-        r["pit_w1_scaled"] = _scaled_w1(p, yi, seed)
-        out[f"+{lead}h"] = r
-    return out
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-dir", default=None, help="data root (holds era5/<file>)")
-    p.add_argument("--file", default="era5-2mt-2019-03-uk.grib",
-                   help="GRIB or NetCDF file with (time, latitude, longitude)")
-    p.add_argument("--variable", default=None, help="variable name (default: the only one)")
-    p.add_argument("--out", default="docs/results", help="results root (writes era5.md, era5/)")
-    p.add_argument("--model-dir", default=None,
-                   help="backbone folder (default <out>/era5/backbone)")
-    p.add_argument("--retrain", action="store_true")
-    p.add_argument("--split", default="18,5,4,-1",
-                   help="days in train,val,cal,test (consecutive; -1 = the rest)")
-    p.add_argument("--history", type=int, default=6, help="hours back of the second input field")
-    p.add_argument("--leads", default="6,24", help="lead times in hours")
-    p.add_argument("--no-clim-features", action="store_true",
-                   help="inputs = current and previous field only (no climatology channels)")
-    p.add_argument("--patch", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--mlp", type=int, default=128)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--epochs", type=int, default=40)
-    p.add_argument("--patience", type=int, default=6)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--ensemble", type=int, default=5)
-    p.add_argument("--member-jobs", type=int, default=1,
-                   help="train the ensemble members in this many worker processes (spawn, one "
-                        "thread each; same recipe, seeds and weights as 1 = one after the other)")
-    p.add_argument("--n-samples", type=int, default=30)
-    p.add_argument("--n-passes", type=int, default=10)
-    p.add_argument("--nu-max", type=int, default=1024, help="upper end of SA's nu search")
-    p.add_argument("--methods", default=",".join(ALL_METHODS),
-                   help=f"comma-separated subset of {','.join(ALL_METHODS)}")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the backbone; ensemble member k uses seed + k")
-    p.add_argument("--device", default="cpu",
-                   help="torch device: cpu, cuda, cuda:N or auto (default: cpu)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the methods already scored in <out>/era5/era5_results.json (and "
-                        "their maps) when written with the same config; run only the rest")
-    p.add_argument("--rerun", default="", metavar="METHODS",
-                   help="comma-separated methods to score again even when --resume holds them")
-    p.add_argument("--note", action="append", default=None, metavar="TEXT",
-                   help="provenance note printed in the markdown; repeatable")
+    a = p.add_argument
+    a("--data-dir", default=None, help="data root (holds era5/<file>)")
+    a("--file", default="era5-2mt-2019-03-uk.grib",
+      help="GRIB or NetCDF file with (time, latitude, longitude)")
+    a("--variable", default=None, help="variable name (default: the only one)")
+    a("--out", default="docs/results", help="results root (writes era5.md, era5/)")
+    a("--model-dir", default=None, help="backbone folder (default <out>/era5/backbone)")
+    a("--retrain", action="store_true")
+    a("--split", default="18,5,4,-1",
+      help="days in train,val,cal,test (consecutive; -1 = the rest)")
+    a("--history", type=int, default=6, help="hours back of the second input field")
+    a("--leads", default="6,24", help="lead times in hours")
+    a("--no-clim-features", action="store_true",
+      help="inputs = current and previous field only (no climatology channels)")
+    for name, v in (("patch", 4), ("hidden", 64), ("layers", 3), ("heads", 4), ("mlp", 128),
+                    ("dropout", 0.1), ("epochs", 40), ("patience", 6), ("batch-size", 16),
+                    ("lr", 1e-3), ("ensemble", 5)):
+        a(f"--{name}", type=type(v), default=v)
+    a("--member-jobs", type=int, default=1,
+      help="train the ensemble members in this many worker processes (spawn, one thread each; "
+           "same recipe, seeds and weights as 1 = one after the other)")
+    a("--n-samples", type=int, default=30)
+    a("--n-passes", type=int, default=10)
+    a("--nu-max", type=int, default=1024, help="upper end of SA's nu search")
+    a("--methods", default=",".join(ALL_METHODS),
+      help=f"comma-separated subset of {','.join(ALL_METHODS)}")
+    a("--seed", type=int, default=0, help="seed of the backbone; ensemble member k uses seed + k")
+    a("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or auto (default: cpu)")
+    a("--threads", type=int, default=1)
+    a("--no-progress", action="store_true")
+    a("--resume", action="store_true",
+      help="keep the methods already scored in <out>/era5/runs (and their maps) when written "
+           "with the same config; run only the rest")
+    a("--rerun", default="", metavar="METHODS",
+      help="comma-separated methods to score again even when --resume holds them")
+    a("--note", action="append", default=None, metavar="TEXT",
+      help="provenance note printed in the markdown; repeatable")
+    a("--render-only", action="store_true",
+      help="write era5.md, its twin and the summary key again from <out>/era5/era5_results.json")
 
 
 def _parse_ints(spec: str, name: str) -> list[int]:
@@ -236,24 +139,14 @@ class _Inputs:
         idx = [(hours + lead) % 24 for lead in self.leads]
         return torch.stack([self.clim[torch.from_numpy(i)] for i in idx], dim=1)
 
-    def for_examples(self, e: Any) -> torch.Tensor:
-        """Climatology forecast ``(N, L, H, W)`` of an :class:`~attnuq.data.era5.Examples`."""
-        return self.valid_clim(e.hours)
-
     def __call__(self, fields: torch.Tensor, hours: np.ndarray) -> torch.Tensor:
-        if not self.use_clim:
-            return fields
-        return torch.cat([fields, self.valid_clim(hours)], dim=1)
+        return torch.cat([fields, self.valid_clim(hours)], dim=1) if self.use_clim else fields
 
 
 @dataclass
 class _MemberRecipe:
-    """The backbone's recipe (picklable, for :func:`attnuq.bench._members.train_members`).
-
-    Member ``k`` (``k = 0`` is the backbone) is initialised and trained with seed ``seed + k``.
-    Holds the training and validation tensors on the CPU; ``make`` and ``train`` put the model
-    and the data on ``device``.
-    """
+    """The backbone's recipe (picklable, for :mod:`attnuq.bench._members`): member ``k`` (0 =
+    the backbone) is made and trained with seed ``seed + k``, on ``device``, from CPU tensors."""
 
     grid: tuple[int, int]
     in_channels: int
@@ -290,264 +183,201 @@ class _MemberRecipe:
         return m.to(self.device)
 
     def train(self, model: Any, _train: Any, _val: Any, index: int) -> Any:
-        from attnuq.models.patchtst import train_forecaster
-
+        """MSE, AdamW (no weight decay), early stopping on val MSE (PatchTST's old loop)."""
         dev = torch.device(self.device)
-        return train_forecaster(
-            model, tuple(t.to(dev) for t in self.train_xy),  # type: ignore[arg-type]
-            tuple(t.to(dev) for t in self.val_xy),  # type: ignore[arg-type]
-            epochs=self.epochs, lr=self.lr, batch_size=self.batch_size,
-            patience=self.patience, seed=self.seed + index, progress=self.progress,
-            desc=f"member{index}",
-        )
+        return fit(model, tuple(t.to(dev) for t in self.train_xy),
+                   tuple(t.to(dev) for t in self.val_xy), metric="mse", optimizer="adamw",
+                   lr=self.lr, weight_decay=0.0, max_epochs=self.epochs, patience=self.patience,
+                   batch_size=self.batch_size, val_batch_size=512, seed=self.seed + index,
+                   seed_torch=True, count_val_forward=False, progress=self.progress,
+                   desc=f"member{index}")
 
 
-def _to_cpu(pred: AnyPred) -> AnyPred:
-    if isinstance(pred, GaussianPredictive):
-        return GaussianPredictive(mean=pred.mean.cpu(), std=pred.std.cpu())
-    return Predictive(samples=pred.samples.cpu(),
-                      frozen=None if pred.frozen is None else pred.frozen.cpu())
+def _check(args: argparse.Namespace) -> tuple[list[str], list[str], tuple[int, ...], list[int]]:
+    """Validated ``(methods, rerun, leads, split)`` of the command line."""
+    methods, rerun = ([m.strip() for m in (v or "").split(",") if m.strip()]
+                      for v in (args.methods, getattr(args, "rerun", "")))
+    bad = [m for m in methods + rerun if m not in ALL_METHODS]
+    if bad or not methods or any(m not in methods for m in rerun):
+        raise ValueError(f"unknown methods {bad} in --methods={args.methods!r} / --rerun="
+                         f"{getattr(args, 'rerun', '')!r} (a subset of --methods); known: "
+                         f"{list(ALL_METHODS)}")
+    for name in ("history", "n_samples", "n_passes", "ensemble", "epochs", "patience",
+                 "batch_size", "threads"):
+        check_positive_int(getattr(args, name), name)
+    if args.n_samples < 2:
+        raise ValueError(f"n_samples must be >= 2, got {args.n_samples=}")
+    split = _parse_ints(args.split, "--split")
+    if len(split) != 4:
+        raise ValueError(f"--split needs 4 day counts (train,val,cal,test), got {args.split!r}")
+    return methods, rerun, tuple(_parse_ints(args.leads, "--leads")), split
 
 
 def run(args: argparse.Namespace) -> Path:
     """Run the ERA5 suite; returns ``<out>/era5``."""
-    import attnuq
-    from attnuq._runtime import resolve_device, run_info
-    from attnuq.bench._members import (
-        check_member_jobs,
-        load_or_train_backbone,
-        member_cache_dir,
-        train_members,
-    )
-    from attnuq.data.era5 import (
-        day_blocks,
-        hourly_climatology,
-        load_field,
-        make_examples,
-        resolve_era5_path,
-    )
-    from attnuq.methods import Task, coverage_scale, make_method
-    from attnuq.models.patchtst import predict_batched
-    from attnuq.models.vit_field import load_vit_field, save_vit_field
+    from attnuq.models.vit_field import load_vit_field, save_vit_field  # extra: transformers
 
-    torch.set_num_threads(check_positive_int(args.threads, "threads"))
-    device = resolve_device(getattr(args, "device", "cpu"))
-    member_jobs = check_member_jobs(getattr(args, "member_jobs", 1))
-    progress = not args.no_progress
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    rerun = [m.strip() for m in (getattr(args, "rerun", "") or "").split(",") if m.strip()]
-    bad = [m for m in methods + rerun if m not in ALL_METHODS]
-    if bad or not methods:
-        raise ValueError(f"unknown methods {bad} in --methods={args.methods!r} / "
-                         f"--rerun={getattr(args, 'rerun', '')!r}; known: {list(ALL_METHODS)}")
-    if any(m not in methods for m in rerun):
-        raise ValueError(f"--rerun={args.rerun!r} names methods missing from "
-                         f"--methods={args.methods!r}")
-    for name in ("history", "n_samples", "n_passes", "ensemble", "epochs", "patience",
-                 "batch_size"):
-        check_positive_int(getattr(args, name), name)
-    if args.n_samples < 2:
-        raise ValueError(f"n_samples must be >= 2, got {args.n_samples=}")
-    leads = tuple(_parse_ints(args.leads, "--leads"))
-    split = _parse_ints(args.split, "--split")
-    if len(split) != 4:
-        raise ValueError(f"--split needs 4 day counts (train,val,cal,test), got {args.split!r}")
-    info = run_info()
     res_dir = Path(args.out) / "era5"
+    if getattr(args, "render_only", False):
+        _write_page(res_dir, _stored(res_dir))
+        return res_dir
+    methods, rerun, leads, split = _check(args)
+    torch.set_num_threads(args.threads)
+    device = resolve_device(getattr(args, "device", "cpu"))
+    member_jobs = mb.check_member_jobs(getattr(args, "member_jobs", 1))
+    progress, info = not args.no_progress, run_info()
     res_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "render_only"
+           and (isinstance(v, (int, float, str, bool, type(None))) or k == "note")}
+    key = reuse_key(cfg, free=_RESUME_FREE)
+    prev = (read_json_or_none(res_dir / "era5_results.json", "ERA5 results", validate=lambda r:
+                              isinstance(r, dict) and isinstance(r.get("config"), dict))
+            if args.resume else None) or {}  # a torn file: warned about, the records decide
+    same = {k: v for k, v in prev.get("config", {}).items() if k not in _RESUME_FREE}
+    if same != (now := {k: cfg.get(k) for k in same}):
+        raise ValueError(f"--resume: {res_dir / 'era5_results.json'} was written with another "
+                         f"config: {same} vs {now}")
 
-    path = resolve_era5_path(args.file, args.data_dir)
-    field = load_field(path, args.variable)
-    blocks = day_blocks(field.times, list(zip(("train", "val", "cal", "test"), split,
-                                              strict=True)))
-    ex = {k: make_examples(field, b, history=args.history, leads=leads)
+    field = data.load_field(path := data.resolve_era5_path(args.file, args.data_dir), args.variable)
+    blocks = data.day_blocks(field.times, list(zip(("train", "val", "cal", "test"), split,
+                                                   strict=True)))
+    ex = {k: data.make_examples(field, b, history=args.history, leads=leads)
           for k, b in blocks.items()}
-    clim = hourly_climatology(field, blocks["train"])  # (24, H, W)
-    build = _Inputs(clim=clim, leads=leads, use_clim=not args.no_clim_features)
+    build = _Inputs(clim=data.hourly_climatology(field, blocks["train"]), leads=leads,
+                    use_clim=not args.no_clim_features)
     X_cpu = {k: build(e.inputs, e.hours) for k, e in ex.items()}
     # models and their inputs live on `device`; scores are computed on the CPU
     X = {k: v.to(device) for k, v in X_cpu.items()}
     Y = {k: e.targets for k, e in ex.items()}
+    Yd = {k: v.to(device) for k, v in Y.items()}
     lat = torch.from_numpy(np.array(field.lat, dtype=np.float64))
     tr_vals = field.values[blocks["train"]].double()
-    mean, std = float(tr_vals.mean()), float(tr_vals.std())
     day = {k: (str(field.times[b[0]])[:10], str(field.times[b[-1]])[:10])
            for k, b in blocks.items()}
     print(f"[era5] {path.name}: {field.values.shape} {field.variable}; examples "
           + ", ".join(f"{k} {len(e)} ({day[k][0]}..{day[k][1]})" for k, e in ex.items()),
           flush=True)
-
-    grid = (int(field.values.shape[1]), int(field.values.shape[2]))
-    in_ch = X["train"].shape[1]
-
     recipe = _MemberRecipe(
-        grid=grid, in_channels=in_ch, out_channels=len(leads), patch=args.patch,
+        grid=(int(field.values.shape[1]), int(field.values.shape[2])),
+        in_channels=X["train"].shape[1], out_channels=len(leads), patch=args.patch,
         hidden=args.hidden, layers=args.layers, heads=args.heads, mlp=args.mlp,
-        dropout=args.dropout, mean=mean, std=std, epochs=args.epochs, lr=args.lr,
-        batch_size=args.batch_size, patience=args.patience, seed=args.seed, progress=progress,
-        device=str(device), train_xy=(X_cpu["train"], Y["train"]),
-        val_xy=(X_cpu["val"], Y["val"]),
-    )
-
-    member_dir = member_cache_dir(res_dir / "members", recipe)  # keyed by the recipe
-    model_dir = Path(args.model_dir) if args.model_dir else res_dir / "backbone"
-    frozen, train_report = load_or_train_backbone(
-        recipe, model_dir, retrain=args.retrain, save=save_vit_field, load=load_vit_field,
-        device=device,
-    )
-    n_params = sum(p.numel() for p in frozen.parameters())
-    sites = [s.name for s in attnuq.find_attention(frozen)]
-    Yd = {k: v.to(device) for k, v in Y.items()}
+        dropout=args.dropout, mean=float(tr_vals.mean()), std=float(tr_vals.std()),
+        epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, patience=args.patience,
+        seed=args.seed, progress=progress, device=str(device),
+        train_xy=(X_cpu["train"], Y["train"]), val_xy=(X_cpu["val"], Y["val"]))
+    member_dir = mb.member_cache_dir(res_dir / "members", recipe)  # keyed by the recipe
+    frozen, train_report = mb.load_or_train_backbone(
+        recipe, Path(args.model_dir) if args.model_dir else res_dir / "backbone",
+        retrain=args.retrain, save=save_vit_field, load=load_vit_field, device=device)
     task = Task(model=frozen, train=(X["train"], Yd["train"]), val=(X["val"], Yd["val"]),
                 cal=(X["cal"], Yd["cal"]), make_model=recipe.make, train_fn=recipe.train,
                 batch_size=args.batch_size * 4, member_dir=member_dir)
-    S = args.n_samples
     xte, yte = X["test"], Y["test"]
     clim_te = build.valid_clim(ex["test"].hours)  # (N, L, H, W)
-    results: dict[str, Any] = {}
-    maps: dict[str, dict[str, np.ndarray]] = {}
-    old = res_dir / "era5_results.json"
-    prev = (read_json_or_none(old, "ERA5 results", validate=lambda r: isinstance(r, dict)
-                              and isinstance(r.get("results"), dict) and "run" in r)
-            if args.resume else None)  # a torn file: warned about, every method is redone
-    if prev is not None:
-        same = {k: v for k, v in prev.get("config", {}).items() if k not in _RESUME_FREE}
-        now = {k: getattr(args, k, None) for k in same}
-        if same != now:
-            raise ValueError(f"--resume: {old} was written with another config: {same} vs {now}")
-        results = {k: v for k, v in prev["results"].items()
-                   if k in ALL_METHODS and k not in rerun}
-        if results and (res_dir / "era5_maps.npz").is_file():
-            try:
-                with np.load(res_dir / "era5_maps.npz") as z:
-                    for key in z.files:
-                        n, kind = key.split("__")
-                        if n in results:
-                            maps.setdefault(n, {})[kind] = z[key]
-            except Exception as exc:  # torn maps: the methods they belong to are redone
-                warnings.warn(f"corrupt ERA5 maps {res_dir / 'era5_maps.npz'} "
-                              f"({type(exc).__name__}: {exc}); redoing the methods",
-                              CorruptFileWarning, stacklevel=2)
-                results, maps = {}, {}
-        info["resumed_runs"] = _resumed_runs(prev["run"], set(results))
-        print(f"[era5] resuming: already scored {sorted(results)}", flush=True)
-
-    def record(name: str, pred: AnyPred, extra: dict[str, Any]) -> None:
-        pred = _to_cpu(pred)
-        sc = field_scores(pred, yte, lat=lat, clim=clim_te, leads=leads, seed=args.seed)
-        results[name] = {"per_lead": sc, **extra}
-        m = _mean(pred)
-        maps[name] = {"error": (m - yte).mean(0).numpy(), "spread": _spread(pred).mean(0).numpy()}
-        print(f"[era5] {name}: " + "; ".join(
-            f"{ld}: " + ", ".join(f"{k}={v:.4g}" for k, v in r.items() if k != "n_scored")
-            for ld, r in sc.items()), flush=True)
-        _write(res_dir, info, args, field, day, {k: len(e) for k, e in ex.items()},
-               train_report, n_params, sites, results, maps, leads, in_ch)
-
-    # frozen deterministic forecast and point references
     with torch.no_grad():
         f_te = predict_batched(frozen, xte, 64).cpu()
-    pers = ex["test"].inputs[:, :1].expand_as(yte)
-    point = {"frozen": f_te, "persistence-point": pers, "climatology-point": clim_te}
-    for name, fc in point.items():
-        results[name] = {"per_lead": {
-            f"+{ld}h": {
-                "rmse_lat": float(attnuq.metrics.lat_weighted_rmse(fc[:, i].double(),
-                                                                   yte[:, i].double(), lat)),
-                "acc": _acc(fc[:, i], yte[:, i], clim_te[:, i], lat),
-            } for i, ld in enumerate(leads)}}
-    print("[era5] point: " + json.dumps({k: v["per_lead"] for k, v in results.items()}),
-          flush=True)
+    static = {
+        "data": {"file": str(field.path), "variable": field.variable,
+                 "grid": list(field.values.shape[1:]), "days": day,
+                 "examples": {k: len(e) for k, e in ex.items()}},
+        "backbone": {"n_params": sum(p.numel() for p in frozen.parameters()),
+                     "attention_sites": [s.name for s in attnuq.find_attention(frozen)],
+                     "in_channels": recipe.in_channels, "train": train_report}}
+    points = {name: {"per_lead": point_scores(fc, yte, clim_te, lat, leads)} for name, fc in (
+        ("frozen", f_te), ("persistence-point", _persistence(ex["test"])),
+        ("climatology-point", clim_te))}
+    store = RunStore(res_dir / "runs", suite="era5", info={
+        **info, "started": info["date"], "invocation": time.time_ns()})
+    maps: dict[str, dict[str, Any]] = {}
+    recs = {m: r for m in ALL_METHODS if args.resume and m not in rerun
+            and (r := store.load((), m, key)) is not None
+            and (mp := load_maps(store.path((), m).with_suffix(".npz"))) is not None
+            and maps.setdefault(m, mp) is mp}
+    kept = set(recs)
+    sa = {"n_samples": args.n_samples, "n_passes": args.n_passes, "seed": args.seed,
+          "progress": progress, "nu_range": (1, args.nu_max)}
+    kwargs = {"sa-paper": sa, "sa-crps": sa, "sa-conformal": sa, "ensemble": {
+        "n_members": args.ensemble}, "mc-dropout": {"n_samples": args.n_samples, "seed": args.seed}}
 
-    for name in sorted(methods, key=_RUN_ORDER.index):
-        if name in results:
-            continue
-        t0 = time.perf_counter()
-        if name == "sa-crps" or (name == "sa-paper" and "sa-conformal" not in methods):
-            m = make_method(name, n_samples=S, n_passes=args.n_passes, seed=args.seed,
-                            progress=progress, nu_range=(1, args.nu_max)).fit(task)
-            t_fit = time.perf_counter() - t0
-            t1 = time.perf_counter()
+    def run_one(_ctx: Any, _g: Group, name: str) -> dict[str, Any]:
+        t0, trained = time.perf_counter(), []
+        if name in ("persistence", "climatology"):
+            fn = _persistence if name == "persistence" else (lambda e: build.valid_clim(e.hours))
+            pred: AnyPred = ResidualQuantiles.fit(Y["val"] - fn(ex["val"]), n_quantiles=50
+                                                  ).predictive(fn(ex["test"]))
+            extra = {"fit_seconds": time.perf_counter() - t0, "forward_per_input": 0,
+                     "note": "point reference + val residual quantiles per (lead, grid point)"}
+        else:
+            if name == "ensemble":  # members first, so that the fit books their training once
+                trained = mb.train_members(recipe, list(range(1, args.ensemble)), member_dir,
+                                           jobs=member_jobs)
+            m = make_method(name, **kwargs[name]).fit(task)
             pred = m.predict(xte)
-            record(name, pred, {"fit_seconds": t_fit, "predict_seconds":
-                                time.perf_counter() - t1, "forward_per_input": S,
-                                **_info(m)})
-        elif name in ("sa-paper", "sa-conformal"):
-            base = make_method("sa-paper", n_samples=S, n_passes=args.n_passes, seed=args.seed,
-                               progress=progress, nu_range=(1, args.nu_max)).fit(task)
-            t_fit = time.perf_counter() - t0
-            pc = base.predict(X["cal"])
-            assert isinstance(pc, Predictive)
-            c = coverage_scale(pc, Yd["cal"], level=0.95)
-            t_conf = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            pred = base.predict(xte)
-            assert isinstance(pred, Predictive)
-            t_pred = time.perf_counter() - t1
-            record("sa-paper", pred, {"fit_seconds": t_fit, "predict_seconds": t_pred,
-                                      "forward_per_input": S, **_info(base)})
-            record("sa-conformal", pred.scaled(c), {
-                "fit_seconds": t_conf, "predict_seconds": t_pred, "forward_per_input": S,
-                "nu": _info(base).get("nu"), "conformal_scale": c,
-                "note": "sa-paper's nu and test draws, spread scaled by a conformal factor "
-                        "fitted on the cal days"})
-        elif name == "mc-dropout":
-            m = make_method(name, n_samples=S, seed=args.seed).fit(task)
-            t1 = time.perf_counter()
-            pred = m.predict(xte)
-            record(name, pred, {"fit_seconds": t1 - t0,
-                                "predict_seconds": time.perf_counter() - t1,
-                                "forward_per_input": S})
-        elif name == "ensemble":
-            # train (or find) the members first, so that the fit books their training once
-            trained = train_members(recipe, list(range(1, args.ensemble)), member_dir,
-                                    jobs=member_jobs)
-            m = make_method(name, n_members=args.ensemble).fit(task)
-            t1 = time.perf_counter()
-            pred = m.predict(xte)
-            record(name, pred, {"fit_seconds": m.cost.fit_seconds,
-                                "fit_forward": m.cost.fit_forward,
-                                "predict_seconds": time.perf_counter() - t1,
-                                "forward_per_input": args.ensemble,
-                                "member_jobs": member_jobs,
-                                "members_trained_here": trained,
-                                "members_from_cache": [k for k in range(1, args.ensemble)
-                                                       if k not in trained],
-                                "member_seeds": [args.seed + k for k in range(args.ensemble)],
-                                "note": "fit s = sum of the members' training times"})
-        elif name in ("persistence", "climatology"):
-            fn = _persistence if name == "persistence" else build.for_examples
-            rq = ResidualQuantiles.fit(Y["val"] - fn(ex["val"]), n_quantiles=50)
-            record(name, rq.predictive(fn(ex["test"])), {
-                "fit_seconds": time.perf_counter() - t0, "forward_per_input": 0,
-                "note": "point reference + val residual quantiles per (lead, grid point)"})
-    _write(res_dir, info, args, field, day, {k: len(e) for k, e in ex.items()}, train_report,
-           n_params, sites, results, maps, leads, in_ch, final=True)
+            extra = {"fit_seconds": m.cost.fit_seconds, "predict_seconds": m.cost.predict_seconds,
+                     "forward_per_input": m.cost.predict_forward_per_input, **{
+                         k: v for k, v in m.info().items() if isinstance(v, (int, float, str))}}
+            if name == "ensemble":
+                extra.update(fit_forward=m.cost.fit_forward, member_jobs=member_jobs,
+                             members_trained_here=trained, members_from_cache=[
+                                 k for k in range(1, args.ensemble) if k not in trained],
+                             member_seeds=[args.seed + k for k in range(args.ensemble)],
+                             note="fit s = sum of the members' training times")
+        pred = to_cpu(pred)
+        sc = field_scores(pred, yte, lat=lat, clim=clim_te, leads=leads, seed=args.seed)
+        maps[name] = error_maps(pred, yte)
+        atomic_np_savez(store.path((), name).with_suffix(".npz"), **maps[name])
+        print(f"[era5] {name}: " + "; ".join(f"{ld}: " + ", ".join(
+            f"{k}={v:.4g}" for k, v in r.items() if k != "n_scored") for ld, r in sc.items()),
+            flush=True)
+        return {"method": name, "per_lead": sc, **extra,
+                "implementation": implementation_texts([name], _IMPLEMENTATIONS)[name]}
+
+    def write(_g: Any = None, name: str = "", rec: dict[str, Any] | None = None, *,
+              final: bool = False) -> None:  # also the runner's on_saved callback
+        if rec is not None:
+            recs[name] = rec
+        done = [m for m in ALL_METHODS if m in recs]
+        credit = _credits([recs[m] for m in done if m in kept])
+        payload = {
+            "run": {**info, **({"resumed_runs": credit} if credit else {})}, "config": cfg,
+            "complete": final, **static, "results": {**points, **{m: {
+                k: v for k, v in recs[m].items() if k not in (
+                    "method", "reuse", "run_info", "implementation", "wall_seconds")}
+                for m in done}},
+            "implementations": merge_block(done, {m: recs[m].get("implementation")
+                                                  for m in done}, local=_IMPLEMENTATIONS)}
+        atomic_write_json(res_dir / "era5_results.json", payload, indent=1)
+        if done:
+            atomic_np_savez(res_dir / "era5_maps.npz", **{
+                f"{n}__{k}": v for n in done for k, v in maps[n].items()})
+        if final and done:
+            maps_png(res_dir / "era5_maps.png", {n: maps[n] for n in done}, field, leads)
+        _write_page(res_dir, payload)
+
+    if kept:
+        print(f"[era5] resuming: already scored {sorted(kept)}", flush=True)
+    order = sorted(methods, key=_RUN_ORDER.index)
+    summary = run_items(store, [Group(parts=(), methods=order, reuse=key)], lambda g: None,
+                        run_one, progress=False, rerun=[m for m in order if m not in kept],
+                        on_saved=write)
+    if summary.failed:  # recorded in runs/<method>.err.txt; the page shows the others
+        write()
+        raise RuntimeError(f"ERA5 methods failed: {summary.failed} (see {store.root}/*.err.txt)")
+    write(final=True)
     return res_dir
 
 
-def _resumed_runs(prev_run: dict[str, Any], kept: set[str]) -> list[dict[str, Any]]:
-    """Which earlier invocation scored each kept method, following a chain of resumes.
-
-    ``prev_run`` is the ``run`` record of the results file being resumed; methods that it had
-    itself resumed are credited to the invocations it names (``resumed_runs``, or the older
-    single ``resumed_from``), the rest to ``prev_run``. Runs left with no kept method are dropped.
-    """
-    earlier = list(prev_run.get("resumed_runs", []))
-    if "resumed_from" in prev_run:
-        earlier.append(prev_run["resumed_from"])
-    out: list[dict[str, Any]] = []
-    credited: set[str] = set()
-    for r in earlier:
-        ms = sorted(set(r.get("methods", [])) & kept - credited)
-        credited |= set(ms)
-        if ms:
-            out.append({**r, "methods": ms})
-    own = sorted(kept - credited)
-    if own:
-        base = {k: v for k, v in prev_run.items() if k not in ("resumed_runs", "resumed_from")}
-        out.insert(0, {**base, "methods": own})
-    return out
+def _credits(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Which earlier invocation scored which kept record, latest first (the page's "scored
+    earlier by" lines): grouped by invocation, dated by its start."""
+    by: dict[Any, tuple[dict[str, Any], list[str]]] = {}
+    for r in records:
+        i = r.get("run_info") or {}
+        by.setdefault((i.get("invocation"), i.get("command")), (i, []))[1].append(r["method"])
+    runs = sorted(by.values(), key=lambda e: (e[0].get("started", ""),
+                                              e[0].get("invocation") or 0), reverse=True)
+    return [{"command": i.get("command", "?"), "date": i.get("started", i.get("date", "?")),
+             "machine": i.get("machine", "?"), "methods": sorted(ms)} for i, ms in runs]
 
 
 def _persistence(e: Any) -> torch.Tensor:
@@ -555,111 +385,59 @@ def _persistence(e: Any) -> torch.Tensor:
     return e.inputs[:, :1].expand_as(e.targets)
 
 
-def _info(m: Any) -> dict[str, Any]:
-    return {k: v for k, v in (m.info() or {}).items()
-            if isinstance(v, (int, float, str, bool)) or v is None}
+def _summary(p: dict[str, Any]) -> dict[str, Any]:
+    """The ``era5`` key of ``summary.json`` (issue #19): per ``<variable>+<lead>h``, the frozen
+    backbone's latitude-weighted RMSE against the best point reference's, and each method's
+    RMSE, CRPS, native PI-95 coverage and native W1 (no calibrated width: this suite has none)."""
+    res, out = p["results"], {}
+    for ld in _parse_ints(p["config"]["leads"], "leads"):
+        key = f"+{ld}h"
+        refs = {k.removesuffix("-point"): res[k]["per_lead"][key]["rmse_lat"]
+                for k in ("persistence-point", "climatology-point") if k in res}
+        best = min(refs, key=lambda k: refs[k]) if refs else None
+        methods: dict[str, Any] = {"frozen": {"rmse": res["frozen"]["per_lead"][key]["rmse_lat"]}}
+        for m, v in ((m, res[m]["per_lead"][key]) for m in ALL_METHODS if m in res):
+            methods[m] = {"rmse": v["rmse_lat"], "crps": v["crps"],
+                          "coverage95_native": v["coverage"], "w1_native": v["pit_w1"]}
+        out[f"{p['data']['variable']}{key}"] = {"backbone": {
+            "metric": "rmse", "value": methods["frozen"]["rmse"], "reference": refs.get(best or ""),
+            "reference_name": best}, "splits": 1, "methods": methods}
+    return out
 
 
-def _maps_png(path: Path, maps: dict[str, dict[str, np.ndarray]], field: Any,
-              leads: tuple[int, ...]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(maps)
-    ext = (float(field.lon.min()), float(field.lon.max()), float(field.lat.min()),
-           float(field.lat.max()))
-    origin = "upper" if field.lat[0] > field.lat[-1] else "lower"
-    ncol = 2 * len(leads)
-    fig, axes = plt.subplots(len(names), ncol, figsize=(3.2 * ncol, 2.1 * len(names)),
-                             squeeze=False, layout="constrained")
-    emax = max(float(np.abs(maps[n]["error"]).max()) for n in names) or 1.0
-    for r, n in enumerate(names):
-        for i, ld in enumerate(leads):
-            ax = axes[r, i]
-            im = ax.imshow(maps[n]["error"][i], extent=ext, origin=origin, cmap="RdBu_r",
-                           vmin=-emax, vmax=emax)
-            ax.set_title(f"{n}: mean error +{ld}h (K)", fontsize=7)
-            ax.tick_params(labelsize=5)
-            fig.colorbar(im, ax=ax, shrink=0.8).ax.tick_params(labelsize=5)
-            ax2 = axes[r, len(leads) + i]
-            sp = maps[n]["spread"][i]
-            im2 = ax2.imshow(sp, extent=ext, origin=origin, cmap="viridis", vmin=0,
-                             vmax=float(sp.max()) or 1.0)
-            ax2.set_title(f"{n}: mean predicted std +{ld}h (K)", fontsize=7)
-            ax2.tick_params(labelsize=5)
-            fig.colorbar(im2, ax=ax2, shrink=0.8).ax.tick_params(labelsize=5)
-    atomic_savefig(fig, path, dpi=100)
-    plt.close(fig)
+def _write_page(res_dir: Path, payload: dict[str, Any]) -> None:
+    """Write ``era5.md`` + twin from ``payload`` (the stored results) and the summary key."""
+    render(payload).write(res_dir.parent / "era5.md")
+    update_summary(res_dir.parent / "summary.json", "era5", _summary(payload))
 
 
-_RESUME_FREE = ("methods", "resume", "note", "no_progress", "threads", "retrain", "out",
-                "model_dir", "rerun", "member_jobs")
-
-_COLS = ("rmse_lat", "acc", "pit_w1", "pit_w1_scaled", "width", "coverage", "crps", "mean_std")
-
-
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return "nan" if not math.isfinite(v) else (f"{v:.4f}" if abs(v) < 1000 else f"{v:.1f}")
-    return str(v)
+def _stored(res_dir: Path) -> dict[str, Any]:
+    p = read_json_or_none(Path(res_dir) / "era5_results.json", "ERA5 results",
+                          validate=lambda r: isinstance(r, dict) and "results" in r)
+    if p is None:
+        raise ValueError(f"no ERA5 results to render in {Path(res_dir) / 'era5_results.json'}")
+    return p
 
 
-def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, field: Any,
-           day: dict[str, tuple[str, str]], n_ex: dict[str, int], train_report: dict[str, Any],
-           n_params: int, sites: list[str], results: dict[str, Any],
-           maps: dict[str, dict[str, np.ndarray]], leads: tuple[int, ...], in_ch: int,
-           final: bool = False) -> None:
-    cfg = {k: v for k, v in vars(args).items() if not k.startswith("_")
-           and (isinstance(v, (int, float, str, bool, type(None))) or k == "note")}
-    payload = {
-        "run": info, "config": cfg, "complete": final,
-        "data": {"file": str(field.path), "variable": field.variable,
-                 "grid": list(field.values.shape[1:]), "days": day, "examples": n_ex},
-        "backbone": {"n_params": n_params, "attention_sites": sites, "in_channels": in_ch,
-                     "train": train_report},
-        "results": results,
-    }
-    atomic_write_json(res_dir / "era5_results.json", payload, indent=1)
-    if maps:
-        arrays: dict[str, Any] = {f"{n}__{k}": v for n, d in maps.items() for k, v in d.items()}
-        atomic_np_savez(res_dir / "era5_maps.npz", **arrays)
-    if final and maps:
-        _maps_png(res_dir / "era5_maps.png", maps, field, leads)
-    atomic_write_text(res_dir.parent / "era5.md", _markdown(payload))
+def render_page(out: Path, table: Path) -> Page:
+    """The page ``table`` (``era5.md``) again from ``out/era5_results.json`` alone."""
+    return render(_stored(out))
 
 
-#: rows this suite computes itself (the others are registered methods: the registry's text)
-_IMPLEMENTATIONS: dict[str, str] = {
-    "sa-conformal": "attnuq stochastic attention: sa-paper's nu and test draws, spread scaled by "
-                    "attnuq.methods.coverage_scale fitted on cal (this suite)",
-    "persistence": "this suite: the field at issue time plus val residual quantiles per (lead, "
-                   "grid point)",
-    "climatology": "this suite: hour-of-day training climatology plus val residual quantiles per "
-                   "(lead, grid point)",
-}
-
-
-def _markdown(p: dict[str, Any]) -> str:
+def render(p: dict[str, Any]) -> Page:
+    """The results page of the stored results ``p`` (pure: no data, no training)."""
     r, c, d, b = p["run"], p["config"], p["data"], p["backbone"]
-    tr = b["train"]
-    res = p["results"]
-    lines = [
-        "# ERA5 2 m temperature: stochastic attention on a frozen ViT forecaster vs baselines",
-        "",
-        "Generated by `attnuq bench era5` -- do not edit by hand."
-        + ("" if p["complete"] else " **(partial: run still in progress or interrupted)**"),
-        "",
-        f"* command: `{r['command']}`",
-        f"* date: {r['date']}",
-        f"* machine: {r['machine']}",
+    tr, res = b["train"], p["results"]
+    page = Page("era5", _TITLE, state={"results": "era5/era5_results.json"})
+    page.add("Generated by `attnuq bench era5` -- do not edit by hand."
+             + ("" if p["complete"] else " **(partial: run still in progress or interrupted)**"),
+             "")
+    page.provenance(r)
+    leads = _parse_ints(c["leads"], "leads")
+    page.add(
         *[f"* methods {', '.join(m['methods'])} scored earlier by `{m['command']}` "
           f"({m['date']}), same config, kept with --resume"
-          for m in [*r.get("resumed_runs", []), *([r["resumed_from"]] if "resumed_from" in r
-                                                    else [])] if m.get("methods")],
+          for m in r.get("resumed_runs", []) if m.get("methods")],
         f"* data: `{Path(d['file']).name}` ({d['variable']}, grid {d['grid']}); consecutive "
         "day blocks " + ", ".join(f"{k} {v[0]}..{v[1]} ({d['examples'][k]} issue times)"
                                   for k, v in d["days"].items())
@@ -671,7 +449,7 @@ def _markdown(p: dict[str, Any]) -> str:
         f"{c['layers']} layers, {c['heads']} heads, mlp {c['mlp']}, dropout {c['dropout']}, "
         f"{b['n_params']} parameters, predicts the change from persistence; trained here "
         f"({tr.get('epochs_run')} epochs, best {tr.get('best_epoch')}, best val MSE "
-        f"{_fmt(tr.get('best_val'))} K^2, {_fmt(tr.get('seconds'))} s"
+        f"{fmt(tr.get('best_val'), nan='nan')} K^2, {fmt(tr.get('seconds'), nan='nan')} s"
         f"{', reused from disk' if tr.get('reused') else ''}), frozen",
         f"* Monte Carlo samples {c['n_samples']}; calibration passes per nu {c['n_passes']}, "
         f"nu searched in [1, {c.get('nu_max', 1024)}] (BO); "
@@ -683,58 +461,48 @@ def _markdown(p: dict[str, Any]) -> str:
         "* RMSE and ACC are latitude-weighted (ACC: anomalies against the hour-of-day mean of "
         "the training days, pooled WeatherBench/ClimaX definition); PIT, W1, coverage, width "
         "and CRPS are plain means over grid points and issue times; units K",
-        "",
-    ]
+        "")
     pt = [k for k in ("frozen", "persistence-point", "climatology-point") if k in res]
     if pt:
-        lines += ["| point forecast | " + " | ".join(
-            f"RMSE +{ld}h | ACC +{ld}h" for ld in _parse_ints(c["leads"], "leads")) + " |",
-            "|---|" + "---|---|" * len(_parse_ints(c["leads"], "leads"))]
+        t = Table(["point forecast", *[f"{m} +{ld}h" for ld in leads for m in ("RMSE", "ACC")]])
         for k in pt:
-            lines.append(f"| {k} | " + " | ".join(
-                f"{_fmt(v['rmse_lat'])} | {_fmt(v['acc'])}" for v in res[k]["per_lead"].values())
-                + " |")
-        lines.append("")
+            t.add(k, *[fmt(v[m], nan="nan") for v in res[k]["per_lead"].values()
+                       for m in ("rmse_lat", "acc")], values=res[k]["per_lead"])
+        page.table(t)
+        page.add("")
     scored = [k for k in ALL_METHODS if k in res]
-    for ld in _parse_ints(c["leads"], "leads"):
+    for ld in leads:
         key = f"+{ld}h"
-        lines += [f"## Lead {key}", "",
-                  "| method | RMSE (lat-w) | ACC | W1(PIT) native | W1(PIT) scaled | PI-95 width "
-                  "| PI-95 coverage | CRPS | mean std | nu | fit s | predict s | passes |",
-                  "|---|" + "---|" * 12]
+        page.section(f"Lead {key}")
+        t = Table(_HEAD)
         for k in scored:
             v = res[k]["per_lead"][key]
-            lines.append(f"| {k} | " + " | ".join(_fmt(v.get(col)) for col in _COLS) + " | "
-                         + " | ".join(_fmt(res[k].get(e)) for e in (
-                             "nu", "fit_seconds", "predict_seconds", "forward_per_input"))
-                         + " |")
+            t.add(k, *[fmt(v.get(col), nan="nan") for col in _COLS],
+                  *[fmt(res[k].get(e), nan="nan") for e in _EXTRA],
+                  values={col: v.get(col) for col in _COLS})
+        page.table(t)
         if scored:
             sc = {k: res[k]["per_lead"][key] for k in scored}
             best = min(sc, key=lambda k: sc[k]["crps"])
             closest = min(sc, key=lambda k: abs(sc[k]["coverage"] - 0.95))
             w1 = min(sc, key=lambda k: sc[k]["pit_w1"])
-            lines += ["", f"Best CRPS: **{best}**; coverage closest to 95 %: **{closest}**; "
-                          f"lowest native W1: **{w1}**."]
+            text = (f"Best CRPS: **{best}**; coverage closest to 95 %: **{closest}**; "
+                    f"lowest native W1: **{w1}**.")
+            page.add("")
+            page.headline(text, readme=f"Lead {key}: {text}")
             for sa in ("sa-paper", "sa-crps", "sa-conformal"):
                 if sa in sc:
                     beaten = [k for k in sc if k != sa and sc[k]["crps"] < sc[sa]["crps"]]
-                    lines.append(f"* {sa} CRPS beaten by: {', '.join(beaten) or 'none'}.")
-            lines.append("")
+                    page.add(f"* {sa} CRPS beaten by: {', '.join(beaten) or 'none'}.")
+            page.add("")
     if scored:
-        from attnuq.bench._implementations import implementation_lines
-
-        lines += implementation_lines(scored, local=_IMPLEMENTATIONS)
-    notes = c.get("note") or []
-    if notes:
-        lines += ["Notes:", *[f"* {n}" for n in notes], ""]
-    lines += ["Maps of mean error and predicted spread: `era5/era5_maps.png`; raw numbers: "
-              "`era5/era5_results.json`.", "", "![maps](era5/era5_maps.png)", ""]
-    return "\n".join(lines)
+        page.implementations(p["implementations"])
+    if c.get("note"):
+        page.add("Notes:", *[f"* {n}" for n in c["note"]], "")
+    page.add("Maps of mean error and predicted spread: `era5/era5_maps.png`; raw numbers: "
+             "`era5/era5_results.json`.", "", "![maps](era5/era5_maps.png)")
+    return page
 
 
-register(
-    "era5",
-    help="ERA5 2 m temperature: SA on a small frozen HF-ViT forecaster vs baselines",
-    add_arguments=add_arguments,
-    run=run,
-)
+register("era5", help="ERA5 2 m temperature: SA on a small frozen HF-ViT forecaster vs baselines",
+         add_arguments=add_arguments, run=run)
