@@ -164,3 +164,44 @@ def test_committed_page_regenerates_from_its_json() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert [store.load((), f"seed_{s}", check=False) for s in range(3)] == res["per_seed"]
+
+
+def test_interrupted_training_resumes_to_the_same_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model's training keeps fit's per-epoch state beside its checkpoint: a run killed after
+    its first epoch resumes there and ends with the weights of an uninterrupted run."""
+    import torch
+
+    import attnuq.training
+
+    data = tmp_path / "data" / "physionet2012"
+    _write_stays(data, 9)
+
+    def train(cache: str) -> dict[str, torch.Tensor]:
+        assert main(["bench", "physionet", "--data-dir", str(tmp_path / "data"), "--d", "4",
+                     "--max-epochs", "3", "--patience", "3", "--out", str(tmp_path / "res"),
+                     "--cache-dir", str(tmp_path / cache), "--train-only", "levy:0"]) == 0
+        (ck,) = (tmp_path / cache / "physionet-runs").glob("*/levy_0.pt")
+        assert not list(ck.parent.glob("*.train.pt"))  # the per-epoch state is dropped at the end
+        blob = torch.load(ck, weights_only=False)
+        assert blob["info"]["epochs"] == 3
+        return blob["state"]
+
+    straight = train("a")
+    real, calls = attnuq.training.atomic_torch_save, []
+
+    def dies_at_the_second_epoch(obj: object, path: object) -> None:
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(obj, path)
+
+    with monkeypatch.context() as m:
+        m.setattr(attnuq.training, "atomic_torch_save", dies_at_the_second_epoch)
+        with pytest.raises(KeyboardInterrupt):
+            train("b")
+    assert str(calls[0]).endswith("levy_0.train.pt")
+    resumed = train("b")
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -248,9 +248,10 @@ def _model(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[
         log(f"loaded {kind} seed {seed} from {ck}" + (f" (same run: {why})" if why else ""))
         return model, info
     ck = here / f"{kind}_{seed}.pt"
-    model, info = _train(kind, seed, ds, tr, val_b, args)
-    ck.parent.mkdir(parents=True, exist_ok=True)
+    partial = ck.with_suffix(".train.pt")  # per-epoch state: an interrupted training resumes
+    model, info = _train(kind, seed, ds, tr, val_b, args, checkpoint=partial)
     atomic_torch_save({"state": model.state_dict(), "info": info}, ck)
+    partial.unlink(missing_ok=True)
     return model, info
 
 
@@ -265,10 +266,11 @@ def _new_model(kind: str, ds: PhysioNet2012, args: argparse.Namespace) -> torch.
 
 
 def _train(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[ForecastBatch],
-           args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, Any]]:
+           args: argparse.Namespace, checkpoint: Path | None = None
+           ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Train ``kind`` of ``seed``: Adam on the masked MSE of ``mu`` (+ ``--nll-weight`` x NLL for
     Levy), early stopping on validation MSE (:func:`attnuq.training.fit`, the recipe of the old
-    ``levy_forecaster.fit``, bit for bit)."""
+    ``levy_forecaster.fit``, bit for bit); ``checkpoint``: fit's per-epoch state (resumed)."""
     from attnuq.models.levy_forecaster import forward_batch
     from attnuq.training import fit, masked_mse_loss
 
@@ -286,7 +288,7 @@ def _train(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[
               metric="masked_mse", forward_fn=forward_batch, optimizer="adam", lr=args.lr,
               weight_decay=0.0, clip_grad_norm=5.0, max_epochs=args.max_epochs,
               patience=args.patience, max_seconds=args.max_train_seconds,
-              loss_average="batches", count_val_forward=False,
+              loss_average="batches", count_val_forward=False, checkpoint=checkpoint,
               progress=lambda s: log(f"{kind} seed {seed} {s}"))
     info = {"epochs": len(rep.val_metric), "best_epoch": rep.best_epoch,
             "best_val_mse": rep.best_val, "seconds": rep.seconds,
