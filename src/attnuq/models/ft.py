@@ -9,8 +9,8 @@ patchers find its ``MultiheadAttention`` modules, and offers rtdl's parameter gr
 
 Training lives in :mod:`attnuq.training`: ``fit(model, (x, y), (x_val, y_val))`` with its
 defaults is the FT-Transformer recipe (AdamW over the parameter groups, lr 1e-4, weight decay
-1e-5, early stopping on validation RMSE). ``train_regressor`` and the batching helpers are kept
-here for one transition as deprecated aliases delegating to :mod:`attnuq.training`.
+1e-5, early stopping on validation RMSE), bit-identical to ``train_regressor``, the loop that
+lived here until 0.3 (``tests/test_training.py``).
 
 Examples
 --------
@@ -26,7 +26,6 @@ torch.Size([64])
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,21 +36,7 @@ from attnuq._validation import check_positive_int
 __all__ = [
     "FTRegressor",
     "make_ft_transformer",
-    "train_regressor",
 ]
-
-#: names moved to :mod:`attnuq.training` (read lazily: models never import training at load)
-_MOVED = ("Batches", "TrainResult", "as_batches", "default_forward", "evaluate_rmse",
-          "make_optimizer")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from attnuq import training
-
-        return training.TrainReport if name == "TrainResult" else getattr(training, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 class FTRegressor(nn.Module):
     """``rtdl_revisiting_models.FTTransformer`` on continuous features, ``forward(x) -> (B,)``.
@@ -112,49 +97,3 @@ def make_ft_transformer(
         torch.manual_seed(seed)
     ft = FTTransformer(n_cont_features=n_features, cat_cardinalities=[], d_out=d_out, **kwargs)
     return FTRegressor(ft, d_out=d_out)
-
-
-def train_regressor(
-    model: nn.Module,
-    train: Any,
-    val: Any,
-    *,
-    max_epochs: int = 100,
-    patience: int = 16,
-    batch_size: int = 256,
-    lr: float = 1e-4,
-    weight_decay: float = 1e-5,
-    optimizer: torch.optim.Optimizer | None = None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    forward_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    seed: int = 0,
-    progress: bool = True,
-    desc: str = "train",
-    on_epoch_end: Callable[[nn.Module, int], None] | None = None,
-    restore_best: bool = True,
-) -> Any:
-    """Deprecated alias: :func:`attnuq.training.fit` with the FT-Transformer recipe.
-
-    The same as ``fit(model, train, val, metric="rmse", ...)`` with these arguments (AdamW,
-    ``loss_fn(pred, target)`` in place of the MSE when given); bit-identical weights to the
-    loop this name ran before (``tests/test_training.py``). Returns a
-    :class:`~attnuq.training.TrainReport` (``best_val_rmse``, ``val_rmse`` read its fields).
-    """
-    from attnuq import training
-
-    fwd = training.default_forward if forward_fn is None else forward_fn
-    loss: Any = "mse"
-    if loss_fn is not None:
-        lf = loss_fn
-
-        def loss(m: nn.Module, batch: Any) -> torch.Tensor:
-            inputs, targets = batch
-            return lf(fwd(m, inputs), targets)
-
-    return training.fit(
-        model, train, val, loss=loss, metric="rmse", forward_fn=fwd,
-        optimizer="adamw" if optimizer is None else optimizer, lr=lr,
-        weight_decay=weight_decay, max_epochs=max_epochs, patience=patience,
-        batch_size=batch_size, val_batch_size=1024, seed=seed, progress=progress, desc=desc,
-        on_epoch_end=on_epoch_end, restore_best=restore_best,
-    )

@@ -24,8 +24,8 @@ Training goes through :func:`attnuq.training.fit` (``forward_fn=``:func:`forward
 masked MSE of ``mu`` over every forecast point of a batch, exact gradients through the expected
 output, plus ``nll_weight`` times the Gaussian NLL of ``N(mu, sigma^2 + eps)`` for the Levy model:
 :func:`attnuq.training.masked_mse_loss`; Adam, gradient norm clipped to 5, early stopping on
-validation masked MSE); :func:`fit` here is that call under its old name, kept for one
-transition. :func:`fit_temperature` fits the one temperature ``T`` of
+validation masked MSE; ``fit``, here until 0.3, did the same bit for bit).
+:func:`fit_temperature` fits the one temperature ``T`` of
 ``N(mu, (T sigma)^2)`` on validation in closed form, ``T^2 = mean((y - mu)^2 / sigma^2)``, which is
 the exact minimiser of the Gaussian NLL over ``T``.
 
@@ -53,9 +53,8 @@ Examples
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -69,25 +68,10 @@ __all__ = [
     "ForecastOutput",
     "LevyForecaster",
     "SoftmaxForecaster",
-    "fit",
     "fit_alpha_temperature",
     "fit_temperature",
     "forward_batch",
 ]
-
-#: names moved to :mod:`attnuq.training` (read lazily: models never import training at load)
-_MOVED = {"FitReport": "TrainReport", "masked_mse": "masked_mse"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED or name == "evaluate_mse":
-        from attnuq import training
-
-        if name == "evaluate_mse":
-            return lambda model, batches: training.evaluate_masked_mse(model, batches, _forward)
-        return getattr(training, _MOVED[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 @dataclass(frozen=True)
 class ForecastOutput:
@@ -459,45 +443,6 @@ def forward_batch(model: nn.Module, b: _Batch) -> ForecastOutput:
     torch.Size([1, 2])
     """
     return _forward(model, b)
-
-
-def fit(
-    model: nn.Module,
-    train_batches: Callable[[int], Iterable[_Batch]],
-    val_batches: Callable[[], Iterable[_Batch]],
-    *,
-    max_epochs: int = 20,
-    patience: int = 3,
-    lr: float = 1e-3,
-    weight_decay: float = 0.0,
-    nll_weight: float = 0.0,
-    max_seconds: float | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> Any:
-    """Deprecated alias: :func:`attnuq.training.fit` with the forecasters' recipe.
-
-    Adam on the masked MSE of ``mu`` (+ ``nll_weight`` x Gaussian NLL,
-    :func:`attnuq.training.masked_mse_loss`), gradient norm clipped to 5, early stopping on the
-    validation masked MSE (:func:`attnuq.training.evaluate_masked_mse`), ``train_loss``
-    averaged per batch; bit-identical weights to the loop this name ran before
-    (``tests/test_training.py``). ``train_batches(epoch)`` and ``val_batches()`` give the
-    batches. Returns a :class:`~attnuq.training.TrainReport` (``val_mse``, ``best_val_mse``
-    and ``stopped_by`` read its fields).
-    """
-    from attnuq import training
-
-    if not (lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"lr must be a positive float, got {lr=}")
-    if nll_weight < 0:
-        raise ValueError(f"nll_weight must be >= 0, got {nll_weight=}")
-    return training.fit(
-        model, train_batches, val_batches,
-        loss=training.masked_mse_loss(_forward, nll_weight), metric="masked_mse",
-        forward_fn=_forward, optimizer="adam", lr=lr, weight_decay=weight_decay,
-        clip_grad_norm=5.0, max_epochs=max_epochs, patience=patience, max_seconds=max_seconds,
-        loss_average="batches", count_val_forward=False,
-        progress=progress if progress is not None else False,
-    )
 
 
 def fit_temperature(

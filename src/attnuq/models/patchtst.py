@@ -1,7 +1,9 @@
 """Build, train, save and reload a Hugging Face ``PatchTSTForPrediction`` forecaster.
 
 This is the ETT backbone: a small multivariate PatchTST (channel-independent patches of length
-16 with stride 8, a few transformer layers) trained here with early stopping, written with
+16 with stride 8, a few transformer layers) trained with early stopping
+(:func:`attnuq.training.fit`; ``train_forecaster``, here until 0.3, is ``fit(..., metric="mse",
+seed_torch=True, val_batch_size=512, count_val_forward=False)``), written with
 ``save_pretrained`` and read back with ``from_pretrained`` -- the same code path a user takes with
 a hub checkpoint. The reloaded model is then frozen and perturbed only at inference time.
 
@@ -26,27 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnuq._validation import check_finite, check_positive_int
+from attnuq._validation import check_positive_int
 
 __all__ = [
     "PatchTSTForecaster",
     "build_patchtst",
     "load_patchtst",
     "save_patchtst",
-    "train_forecaster",
 ]
-
-#: names moved to :mod:`attnuq.training` (read lazily: models never import training at load)
-_MOVED = ("TrainReport", "predict_batched")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from attnuq import training
-
-        return getattr(training, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 def build_patchtst(
     *,
@@ -204,50 +193,3 @@ def load_patchtst(path: str | os.PathLike[str], *, freeze: bool = True) -> Patch
     for prm in f.parameters():
         prm.requires_grad_(not freeze)
     return f
-
-
-def train_forecaster(
-    model: nn.Module,
-    train: tuple[torch.Tensor, torch.Tensor],
-    val: tuple[torch.Tensor, torch.Tensor],
-    *,
-    epochs: int = 10,
-    lr: float = 1e-3,
-    weight_decay: float = 0.0,
-    batch_size: int = 64,
-    patience: int = 3,
-    max_steps_per_epoch: int | None = None,
-    seed: int = 0,
-    progress: bool = True,
-    desc: str = "train",
-) -> Any:
-    """Deprecated alias: :func:`attnuq.training.fit` with the settings this name trained with.
-
-    MSE loss, AdamW over ``model.parameters()``, ``torch.manual_seed(seed)`` before training,
-    validation MSE over batches of 512 for early stopping, ``n_forward`` counting training rows
-    only; bit-identical weights to the loop this name ran before (``tests/test_training.py``).
-    Inputs must be finite ``(inputs, targets)`` tensors with the same non-zero number of rows.
-    Returns a :class:`~attnuq.training.TrainReport` (``val_loss`` reads ``val_metric``).
-    """
-    from attnuq import training
-
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr=}")
-    xtr, ytr = train
-    xva, yva = val
-    for name, t in (("train inputs", xtr), ("train targets", ytr), ("val inputs", xva),
-                    ("val targets", yva)):
-        check_finite(t, name)
-    for part, (a, b) in (("train", (xtr, ytr)), ("val", (xva, yva))):
-        if a.shape[0] != b.shape[0] or a.shape[0] == 0:
-            raise ValueError(
-                f"{part} inputs/targets must have the same non-zero number of rows, got "
-                f"{a.shape[0]} and {b.shape[0]}"
-            )
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    return training.fit(
-        model, (xtr, ytr), (xva, yva), loss="mse", metric="mse", optimizer=opt, lr=lr,
-        weight_decay=weight_decay, max_epochs=epochs, patience=patience, batch_size=batch_size,
-        val_batch_size=512, max_steps_per_epoch=max_steps_per_epoch, seed=seed,
-        seed_torch=True, count_val_forward=False, progress=progress, desc=desc,
-    )
