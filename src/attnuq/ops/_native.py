@@ -47,6 +47,8 @@ from typing import NamedTuple
 
 import torch
 
+from attnuq.ops import phi as _phi
+
 __all__ = ["available", "disabled", "levy_forward", "sample_rows", "status"]
 
 _CSRC = Path(__file__).with_name("csrc")
@@ -313,8 +315,6 @@ def _dispatch(
 @functools.cache
 def _phi_table() -> torch.Tensor:
     """The tables of :mod:`attnuq.ops.phi` in the layout of ``phi_eval`` in ``csrc/levy.c``."""
-    from attnuq.ops import phi as _phi
-
     tab = torch.tensor(
         [*_phi._TAYLOR, *(c for piece in _phi._MONO_VAL for c in piece),
          *_phi._FACT[: _phi._N_ASYMPTOTIC + 1]],
