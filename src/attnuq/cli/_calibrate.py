@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -215,10 +215,6 @@ def _batches(
         xb = {k: v[sl] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[sl]
         out.append((xb, y[sl]))
     return out
-
-
-def _iter(batches: list[tuple[Any, torch.Tensor]]) -> Iterator[tuple[Any, torch.Tensor]]:
-    yield from batches
 
 
 def _probe(model: nn.Module, batch: tuple[Any, torch.Tensor],
