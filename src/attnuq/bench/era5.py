@@ -48,9 +48,9 @@ from attnuq.bench._implementations import implementation_texts, merge_block
 from attnuq.bench._members import cache_text, jobs_text
 from attnuq.bench._page import Page, Table, fmt, update_summary
 from attnuq.bench._runner import Group, RunStore, reuse_key, run_items
-from attnuq.bench._scoring import ResidualQuantiles, to_cpu
+from attnuq.bench._scoring import to_cpu
 from attnuq.data import era5 as data
-from attnuq.methods import Task, make_method
+from attnuq.methods import ResidualQuantiles, Task, make_method
 from attnuq.predictive import GaussianPredictive, Predictive
 from attnuq.training import fit, predict_batched
 
@@ -231,10 +231,9 @@ def run(args: argparse.Namespace) -> Path:
            and (isinstance(v, (int, float, str, bool, type(None))) or k == "note")}
     key = reuse_key(cfg, free=_RESUME_FREE)
     prev = (read_json_or_none(res_dir / "era5_results.json", "ERA5 results", validate=lambda r:
-                              isinstance(r, dict) and isinstance(r.get("config"), dict))
-            if args.resume else None) or {}  # a torn file: warned about, the records decide
-    same = {k: v for k, v in prev.get("config", {}).items() if k not in _RESUME_FREE}
-    if same != (now := {k: cfg.get(k) for k in same}):
+            isinstance(r, dict) and isinstance(r.get("config"), dict)) if args.resume else None)
+    same = {k: v for k, v in (prev or {"config": {}})["config"].items() if k not in _RESUME_FREE}
+    if same != (now := {k: cfg.get(k) for k in same}):  # as before the run records: refuse
         raise ValueError(f"--resume: {res_dir / 'era5_results.json'} was written with another "
                          f"config: {same} vs {now}")
 
@@ -296,6 +295,7 @@ def run(args: argparse.Namespace) -> Path:
     kept = set(recs)
     sa = {"n_samples": args.n_samples, "n_passes": args.n_passes, "seed": args.seed,
           "progress": progress, "nu_range": (1, args.nu_max)}
+    fitted: dict[str, Any] = {}
     kwargs = {"sa-paper": sa, "sa-crps": sa, "sa-conformal": sa, "ensemble": {
         "n_members": args.ensemble}, "mc-dropout": {"n_samples": args.n_samples, "seed": args.seed}}
 
@@ -311,10 +311,16 @@ def run(args: argparse.Namespace) -> Path:
             if name == "ensemble":  # members first, so that the fit books their training once
                 trained = mb.train_members(recipe, list(range(1, args.ensemble)), member_dir,
                                            jobs=member_jobs)
-            m = make_method(name, **kwargs[name]).fit(task)
-            pred = m.predict(xte)
-            extra = {"fit_seconds": m.cost.fit_seconds, "predict_seconds": m.cost.predict_seconds,
-                     "forward_per_input": m.cost.predict_forward_per_input, **{
+            # sa-conformal after sa-paper: its nu and test draws, only the factor fitted on cal
+            shared = name == "sa-conformal" and "sa-paper" in fitted
+            base, bp = fitted["sa-paper"] if shared else (None, None)
+            m = make_method(name, **({"base": base} if base else kwargs[name])).fit(task)
+            pred = m.derive(bp) if base else m.predict(xte)  # type: ignore[attr-defined]
+            if name == "sa-paper":
+                fitted[name] = (m, pred)
+            c = [m.cost, *([base.cost] if base else [])]
+            extra = {"fit_seconds": sum(x.fit_seconds for x in c), "predict_seconds": c[-1]
+                     .predict_seconds, "forward_per_input": c[-1].predict_forward_per_input, **{
                          k: v for k, v in m.info().items() if isinstance(v, (int, float, str))}}
             if name == "ensemble":
                 extra.update(fit_forward=m.cost.fit_forward, member_jobs=member_jobs,
