@@ -1,8 +1,8 @@
 """Contract case of ``attnuq bench ett`` (tests/bench/test_suite_contract.py): every method on a
 tiny synthetic ETT-layout CSV (520 hourly rows), a one-layer PatchTST trained for one epoch, an
-ensemble of two, a few samples. The run is interrupted at its second results write (after the
-first scored methods) and resumed with ``--resume`` (part of both argvs: a fresh folder has
-nothing to resume)."""
+ensemble of two, a few samples. The run is interrupted at its second stored record (sa-paper is
+stored, sa-conformal, scored from the same draws, is not) and resumed with ``--resume`` (part of
+both argvs: a fresh folder has nothing to resume)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from attnuq.data.ett import ETT_CHANNELS
 SUITE = "ett"
 METHODS = list(ALL_METHODS)
 VOLATILE = ("fit s", "predict s")
-INTERRUPT = "attnuq.bench.ett._write"
+INTERRUPT = "attnuq.bench._runner.RunStore.save"
 
 
 def _csv(path: Path, n: int = 520) -> Path:

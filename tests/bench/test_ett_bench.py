@@ -214,8 +214,9 @@ def test_bench_ett_member_jobs_match_serial_and_rerun(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_bench_ett_torn_results_and_another_budget(tmp_path: Path) -> None:
-    """Issue #23: a 0-byte ``ett_results.json`` made ``--resume`` fail ("Expecting value", no
-    file named); another ``--epochs`` reused the saved backbone as if it were the new budget's.
+    """Issue #23: a 0-byte results file made ``--resume`` fail ("Expecting value", no file
+    named); another ``--epochs`` reused the saved backbone as if it were the new budget's. The
+    stored record of a method is now its own JSON under ``ett/runs``: a torn one is redone.
     """
     from attnuq.cli import main
 
@@ -226,9 +227,12 @@ def test_bench_ett_torn_results_and_another_budget(tmp_path: Path) -> None:
     results = out / "ett" / "ett_results.json"
     first = json.loads(results.read_text())["backbone"]["train"]
     assert not first["reused"] and first["epochs_run"] == 2
-    results.write_bytes(b"")
-    with pytest.warns(UserWarning, match="corrupt ETT results"):
+    item = out / "ett" / "runs" / "tiny" / "seasonal-naive.json"
+    assert json.loads(item.read_text())["method"] == "seasonal-naive"
+    item.write_bytes(b"")
+    with pytest.warns(UserWarning, match="corrupt run"):
         assert main([*argv, "--resume"]) == 0
+    assert json.loads(item.read_text())["method"] == "seasonal-naive"
     js = json.loads(results.read_text())
     assert "seasonal-naive" in js["results"] and js["backbone"]["train"]["reused"]
     i = argv.index("--epochs")

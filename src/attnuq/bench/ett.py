@@ -1,22 +1,23 @@
 """``attnuq bench ett``: SA on a frozen Hugging Face PatchTST against the baselines on ETTh1.
 
-Pipeline (every step is recorded in the JSON written next to the markdown table):
+The suite is data + backbone + config on the bench spine (:mod:`attnuq.bench._runner`,
+``_page``, ``_scoring``); every step is recorded in the JSON written next to the page.
 
-1. :func:`attnuq.data.ett.load_ett` with the standard borders (train 12 months, val 4, test 4;
-   val/test windows start ``context`` rows early; scaler fitted on train). All metrics are on the
-   standardised scale, as in the PatchTST/Informer tables.
-2. The val windows are cut in time: the first half (``val``) is used for early stopping and for
-   fitting each method's own parameter (SA's ``nu``, the residual distributions), the second half
-   (``cal``) for the split-conformal steps.
-3. Backbone: ``PatchTSTForPrediction`` trained here with early stopping, written with
-   ``save_pretrained`` and read back with ``from_pretrained`` (frozen). The deep ensemble retrains
-   the same recipe with other seeds (member 0 is the frozen backbone).
-4. Methods (``attnuq.methods`` interface): ``sa-paper`` (calibration-first, the paper's
-   ``L_SA``), ``sa-crps`` (score-first), ``sa-conformal`` (``sa-paper``'s ``nu`` + a conformal
-   spread factor on ``cal``), ``mc-dropout``, ``ensemble``, ``swag``; here: ``conformal``
-   (split conformal per horizon step and channel) and ``seasonal-naive`` (24 h).
-5. Scores over the test windows: MSE, MAE (of the predictive mean), coverage and width of the
-   central 95 % interval, W1 of the PIT to U(0, 1), CRPS, extra cost; fan chart of ``OT``.
+1. Data: :func:`attnuq.data.ett.load_ett` with the standard borders (train 12 months, val 4,
+   test 4; val/test windows start ``context`` rows early; scaler fitted on train); metrics on
+   the standardised scale, as in the PatchTST/Informer tables. The val windows are cut in time:
+   the first half (``val``) for early stopping and each method's own fit (SA's ``nu``, the
+   residual distributions), the second half (``cal``) for the split-conformal steps.
+2. Backbone: ``PatchTSTForPrediction`` trained here through :func:`attnuq.training.fit` with
+   early stopping, written with ``save_pretrained`` and read back with ``from_pretrained``
+   (frozen). The deep ensemble retrains the same recipe with other seeds (member 0 = backbone).
+3. Methods by name from :mod:`attnuq.methods` (``sa-conformal`` shares ``sa-paper``'s ``nu``
+   and test draws), plus the suite's own reference row ``seasonal-naive`` (24 h). Scores over
+   the test windows (:class:`~attnuq.bench._scoring.StreamScores`): MSE, MAE, coverage and width
+   of the central 95 % interval, W1 of the PIT to U(0, 1), CRPS, extra cost; fan chart of ``OT``.
+4. One JSON per scored method under ``<out>/ett/runs/<csv stem>/`` (``--resume`` reuses those of
+   the same config), the assembled ``<out>/ett/ett_results.json`` that :func:`render_page` turns
+   into ``ett.md`` and its JSON twin, and the ``ett`` key of ``summary.json``.
 
 Examples
 --------
@@ -50,33 +51,33 @@ from attnuq.bench._scoring import StreamScores, to_cpu
 from attnuq.methods import ResidualQuantiles  # re-exported until era5 imports it from there
 from attnuq.predictive import GaussianPredictive, Predictive
 
-__all__ = [
-    "ALL_METHODS",
-    "ResidualQuantiles",
-    "StreamScores",
-    "add_arguments",
-    "render_page",
-    "run",
-    "summary",
-]
+__all__ = ["ALL_METHODS", "ResidualQuantiles", "StreamScores", "add_arguments", "render_page",
+           "run", "summary"]
 
 #: every method the suite knows, in table order
-ALL_METHODS: tuple[str, ...] = (
-    "sa-paper",
-    "sa-crps",
-    "sa-conformal",
-    "mc-dropout",
-    "ensemble",
-    "swag",
-    "conformal",
-    "seasonal-naive",
-)
+ALL_METHODS: tuple[str, ...] = ("sa-paper", "sa-crps", "sa-conformal", "mc-dropout", "ensemble",
+                                "swag", "conformal", "seasonal-naive")
+#: cheap and central methods first, the retraining ones last (partial results stay useful)
+_RUN_ORDER = ("sa-paper", "sa-conformal", "conformal", "seasonal-naive", "sa-crps", "mc-dropout",
+              "swag", "ensemble")
+#: config keys that do not shape a result
+_RESUME_FREE = ("methods", "resume", "merge", "note", "no_progress", "threads", "retrain", "chunk",
+                "out", "model_dir", "rerun", "member_jobs", "render_only")
+#: config keys that change only these methods (checked only for a record of one of them)
+_METHOD_KEYS: dict[str, tuple[str, ...]] = {
+    "member_epochs": ("ensemble",), "ensemble": ("ensemble",), "swag_epochs": ("swag",),
+    "swag_snapshots": ("swag",)}
+_COLS = ("mse", "mae", "coverage", "width", "pit_w1", "crps", "mean_std")
+_TITLE = "ETTh1: stochastic attention on a frozen PatchTST vs baselines"
+#: published PatchTST/42 test MSE on ETTh1 at horizon 96 (Nie et al. 2023, table 3)
+_REFERENCE = (0.375, "PatchTST/42 (Nie et al. 2023), ETTh1 horizon 96")
+#: rows this suite computes itself (the others are registered methods: the registry's text)
+_IMPLEMENTATIONS: dict[str, str] = {
+    "seasonal-naive": "this suite: the last 24 h repeated (attnuq.data.ett.seasonal_naive) plus "
+                      "val residual quantiles per (horizon step, channel)",
+}
 
 AnyPred = Predictive | GaussianPredictive
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,14 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="folder for the save_pretrained backbone (default <out>/ett/backbone; "
                         "reused when it exists and --retrain is not given)")
     p.add_argument("--retrain", action="store_true", help="train the backbone even if saved")
-    p.add_argument("--context", type=int, default=336)
-    p.add_argument("--horizon", type=int, default=96)
-    p.add_argument("--d-model", type=int, default=32)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--ffn", type=int, default=64)
-    p.add_argument("--patch", type=int, default=16)
-    p.add_argument("--stride", type=int, default=8)
+    for flag, default in (("context", 336), ("horizon", 96), ("d-model", 32), ("layers", 2),
+                          ("heads", 2), ("ffn", 64), ("patch", 16), ("stride", 8)):
+        p.add_argument(f"--{flag}", type=int, default=default)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--patience", type=int, default=2)
@@ -133,8 +129,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also take the methods scored in another ett_results.json written with "
                         "the same config (parallel runs); repeatable")
     p.add_argument("--resume", action="store_true",
-                   help="keep the methods already scored in <out>/ett/ett_results.json (same "
-                        "config apart from --methods/--resume) and run only the missing ones")
+                   help="keep the methods already scored in <out>/ett/runs (same config apart "
+                        "from --methods/--resume) and run only the missing ones")
     p.add_argument("--render-only", action="store_true",
                    help="only write ett.md and its JSON twin again from <out>/ett/ett_results.json")
     p.add_argument("--rerun", default="", metavar="METHODS",
@@ -165,31 +161,19 @@ def _chunks(n: int, size: int) -> list[slice]:
 
 def _fan_rows(pred: AnyPred, rows: torch.Tensor, ch: int) -> dict[str, list[list[float]]]:
     """Quantiles of channel ``ch`` for the chosen rows of a chunk, for the fan chart."""
-    out: dict[str, list[list[float]]] = {}
     if isinstance(pred, GaussianPredictive):
         sub: AnyPred = GaussianPredictive(mean=pred.mean[rows][..., ch],
                                           std=pred.std[rows][..., ch])
     else:
         sub = Predictive(samples=pred.samples[:, rows][..., ch])
-    for name, q in (("q025", 0.025), ("q25", 0.25), ("q50", 0.5), ("q75", 0.75),
-                    ("q975", 0.975)):
-        out[name] = sub.quantile(q).tolist()
-    return out
+    return {name: sub.quantile(q).tolist() for name, q in (
+        ("q025", 0.025), ("q25", 0.25), ("q50", 0.5), ("q75", 0.75), ("q975", 0.975))}
 
 
-def _evaluate(
-    predict_fn: Callable[[torch.Tensor], dict[str, AnyPred]],
-    x: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    chunk: int,
-    fan_idx: Sequence[int],
-    fan_channel: int,
-    seed: int,
-    desc: str,
-    progress: bool,
-    device: torch.device | None = None,
-) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, list[list[float]]]], float]:
+def _evaluate(predict_fn: Callable[[torch.Tensor], dict[str, AnyPred]], x: torch.Tensor,
+              y: torch.Tensor, *, chunk: int, fan_idx: Sequence[int], fan_channel: int,
+              seed: int, desc: str, progress: bool, device: torch.device | None = None,
+              ) -> tuple[dict[str, dict[str, float]], dict[str, Any], float]:
     """Score every named predictive that ``predict_fn`` returns per chunk (shared samples).
 
     ``x`` and ``y`` stay on the CPU; each chunk of inputs goes to ``device`` for the prediction
@@ -274,14 +258,40 @@ class _MemberRecipe:
         )
 
 
-#: config keys that change only these methods: a merged/resumed method is checked against the
-#: rest of the config plus the keys that concern it
-_METHOD_KEYS: dict[str, tuple[str, ...]] = {
-    "member_epochs": ("ensemble",),
-    "ensemble": ("ensemble",),
-    "swag_epochs": ("swag",),
-    "swag_snapshots": ("swag",),
-}
+def _reuse(cfg: dict[str, Any], method: str) -> dict[str, Any]:
+    """The config a stored record of ``method`` must have been run with to be reused."""
+    return {k: v for k, v in cfg.items() if k not in _RESUME_FREE
+            and (k not in _METHOD_KEYS or method in _METHOD_KEYS[k])}
+
+
+def _merged(files: Sequence[str], cfg: dict[str, Any], rerun: Sequence[str]
+            ) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """Results, fan-chart quantiles and provenance taken from other runs' ett_results.json."""
+    results: dict[str, Any] = {}
+    fans: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
+    for src in map(Path, files):
+        prev = read_json_or_none(src, "ETT results", validate=lambda r: isinstance(r, dict)
+                                 and isinstance(r.get("results"), dict) and "run" in r)
+        if prev is None:
+            raise ValueError(f"--merge: {src} is missing or not an ETT results file")
+        got = {k: v for k, v in prev["results"].items() if k in ALL_METHODS and k not in rerun}
+        old = prev.get("config", {})
+        for m in got:
+            same = {k: v for k, v in _reuse(old, m).items()}
+            now = {k: cfg.get(k) for k in same}
+            if same != now:
+                raise ValueError(f"--resume/--merge: {src} was written with another config: "
+                                 f"{same} vs {now}")
+        results.update(got)
+        fans.update({k: v for k, v in prev.get("fan_chart", {}).items() if k in got})
+        earlier = prev["run"].get("merged_runs", [])
+        by_earlier = {m for r in earlier for m in r.get("methods", [])}
+        run_prev = {k: v for k, v in prev["run"].items() if k != "merged_runs"}
+        runs += [{**run_prev, "file": str(src),
+                  "methods": sorted(k for k in got if k not in by_earlier)}, *earlier]
+        print(f"[ett] from {src}: already scored {sorted(got)}", flush=True)
+    return results, fans, runs
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -294,6 +304,7 @@ def run(args: argparse.Namespace) -> Path:
         member_cache_dir,
         train_members,
     )
+    from attnuq.bench._runner import Group, RunStore, run_items
     from attnuq.data.ett import load_ett, resolve_ett_path, seasonal_naive
     from attnuq.methods import Task, make_method
     from attnuq.models.patchtst import load_patchtst, save_patchtst
@@ -319,9 +330,12 @@ def run(args: argparse.Namespace) -> Path:
         check_positive_int(getattr(args, name), name)
     if args.n_samples < 2:
         raise ValueError(f"n_samples must be >= 2 for intervals and CRPS, got {args.n_samples=}")
+    cfg = {k: v for k, v in vars(args).items() if not k.startswith("_") and
+           (isinstance(v, (int, float, str, bool, type(None))) or k in ("note", "merge"))}
     info = run_info()
     res_dir.mkdir(parents=True, exist_ok=True)
 
+    # ---- data ---------------------------------------------------------------------------------
     path = resolve_ett_path(args.file, args.data_dir)
     data = load_ett(path, context=args.context)
     H = args.horizon
@@ -333,7 +347,11 @@ def run(args: argparse.Namespace) -> Path:
     ot = data.channel_index("OT") if "OT" in data.columns else data.n_channels - 1
     print(f"[ett] {path.name}: train {len(xtr)}, val {len(xv)}, cal {len(xc)}, "
           f"test {len(xte)} of {n_test_all} windows", flush=True)
+    # two consecutive 96-h forecasts (a week with the context shown) when the stride allows
+    fan_idx = [0, H // args.test_stride] if H % args.test_stride == 0 else [0]
+    fan_idx = [i for i in fan_idx if i < len(xte)]
 
+    # ---- backbone: train + save_pretrained, then from_pretrained (the hub user's path) --------
     recipe = _MemberRecipe(
         n_channels=data.n_channels, context=args.context, horizon=H, d_model=args.d_model,
         layers=args.layers, heads=args.heads, ffn=args.ffn, patch=args.patch,
@@ -343,8 +361,6 @@ def run(args: argparse.Namespace) -> Path:
         max_steps_per_epoch=args.max_steps_per_epoch, seed=args.seed, progress=progress,
         device=str(device), train_xy=(xtr, ytr), val_xy=(xv, yv),
     )
-
-    # ---- backbone: train + save_pretrained, then from_pretrained (the hub user's path) --------
     member_dir = member_cache_dir(res_dir / "members", recipe)  # keyed by the recipe
     model_dir = Path(args.model_dir) if args.model_dir else res_dir / "backbone"
     frozen, train_report = load_or_train_backbone(
@@ -353,96 +369,59 @@ def run(args: argparse.Namespace) -> Path:
     )
     if train_report["reused"]:
         print(f"[ett] reusing saved backbone {model_dir}", flush=True)
-    n_params = sum(p.numel() for p in frozen.parameters())
-    sites = [s.name for s in attnuq.find_attention(frozen)]
-
+    backbone = {"n_params": sum(p.numel() for p in frozen.parameters()),
+                "attention_sites": [s.name for s in attnuq.find_attention(frozen)],
+                "train": train_report}
     # the methods fit on `device`; the test windows stay on the CPU (moved chunk by chunk)
     xtr_d, ytr_d, xv, yv, xc, yc = (t.to(device) for t in (xtr, ytr, xv, yv, xc, yc))
-    task = Task(
-        model=frozen, train=(xtr_d, ytr_d), val=(xv, yv), cal=(xc, yc),
-        make_model=recipe.make, train_fn=recipe.train, batch_size=args.chunk,
-        member_dir=member_dir,
-    )
-    S = args.n_samples
-    # two consecutive 96-h forecasts (a week with the context shown) when the stride allows
-    fan_idx = [0, H // args.test_stride] if H % args.test_stride == 0 else [0]
-    fan_idx = [i for i in fan_idx if i < len(xte)]
-    results: dict[str, Any] = {}
-    fans: dict[str, Any] = {}
-    old = res_dir / "ett_results.json"
-    sources = [old] if args.resume and old.is_file() else []
-    sources += [Path(m) for m in (args.merge or [])]
-    for src in sources:
-        prev = read_json_or_none(src, "ETT results", validate=lambda r: isinstance(r, dict)
-                                 and isinstance(r.get("results"), dict) and "run" in r)
-        if prev is None:
-            if src != old:  # a --merge file the user named: bad input, not something to redo
-                raise ValueError(f"--merge: {src} is missing or not an ETT results file")
-            continue  # our own torn results file: warned about, every method is redone
-        got = {k: v for k, v in prev["results"].items()
-               if k not in ("frozen", "seasonal-naive-point") and k not in rerun}
-        # keys that only concern methods not taken from this file need not match
-        skip = {k for k, ms in _METHOD_KEYS.items() if not set(ms) & set(got)}
-        same = {k: v for k, v in prev.get("config", {}).items()
-                if k not in _RESUME_FREE and k not in skip}
-        now = {k: getattr(args, k, None) for k in same}
-        if same != now:
-            raise ValueError(f"--resume/--merge: {src} was written with another config: "
-                             f"{same} vs {now}")
-        w = prev.get("fan_chart", {}).get("window_index")
-        if got and w is not None:
-            if fans and list(w) != list(fan_idx):
-                raise ValueError(f"--resume/--merge: {src} has fan-chart windows {w}, "
-                                 f"others {fan_idx}")
-            fan_idx = list(w)  # the stored fan-chart quantiles are for these windows
-        results.update(got)
-        fans.update({k: v for k, v in prev.get("fan_chart", {}).items()
-                     if k in got})
-        earlier = prev["run"].get("merged_runs", [])
-        by_earlier = {m for r in earlier for m in r.get("methods", [])}
-        own = sorted(k for k in got if k in ALL_METHODS and k not in by_earlier)
-        run_prev = {k: v for k, v in prev["run"].items() if k != "merged_runs"}
-        info.setdefault("merged_runs", []).extend(
-            [{**run_prev, "file": str(src), "methods": own}, *earlier])
-        print(f"[ett] from {src}: already scored {sorted(got)}", flush=True)
-
-    def record(names: Sequence[str], predict_fn: Callable[[torch.Tensor], dict[str, AnyPred]],
-               extras: dict[str, dict[str, Any]]) -> None:
-        scores, fan, sec = _evaluate(
-            predict_fn, xte, yte, chunk=args.chunk, fan_idx=fan_idx, fan_channel=ot,
-            seed=args.seed, desc="+".join(names), progress=progress, device=device,
-        )
-        for name in names:
-            results[name] = {**scores[name], "predict_seconds": sec, **extras[name]}
-            fans[name] = fan[name]
-            print(f"[ett] {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in scores[name].items()),
-                  flush=True)
-        _write(res_dir, info, args, data, train_report, n_params, sites, results, fans, xte, yte,
-               fan_idx, ot, n_test_all)
-
-    def one(name: str, fn: Callable[[torch.Tensor], AnyPred], extra: dict[str, Any]) -> None:
-        record([name], lambda xb: {name: fn(xb)}, {name: extra})
+    task = Task(model=frozen, train=(xtr_d, ytr_d), val=(xv, yv), cal=(xc, yc),
+                make_model=recipe.make, train_fn=recipe.train, batch_size=args.chunk,
+                member_dir=member_dir)
 
     # frozen point forecast (no uncertainty): MSE/MAE only, shared by the post-hoc methods
     with torch.no_grad():
         f_test = torch.cat([predict_batched(frozen, xte[sl].to(device), args.chunk).cpu()
                             for sl in _chunks(len(xte), args.chunk)])
-    results["frozen"] = {
-        "mse": float(((f_test - yte) ** 2).mean()),
-        "mae": float((f_test - yte).abs().mean()),
-    }
     sn = seasonal_naive(xte, H, season=24)
-    results["seasonal-naive-point"] = {
-        "mse": float(((sn - yte) ** 2).mean()),
-        "mae": float((sn - yte).abs().mean()),
-    }
-    print(f"[ett] frozen: {results['frozen']}; seasonal naive: {results['seasonal-naive-point']}",
+    points = {name: {"mse": float(((f - yte) ** 2).mean()), "mae": float((f - yte).abs().mean())}
+              for name, f in (("frozen", f_test), ("seasonal-naive-point", sn))}
+    print(f"[ett] frozen: {points['frozen']}; seasonal naive: {points['seasonal-naive-point']}",
           flush=True)
 
-    # cheap and central methods first, the retraining ones last (partial results stay useful)
-    for name in sorted(methods, key=_RUN_ORDER.index):
-        if name in results:
-            continue
+    # ---- methods: one stored record per method (the runner), merged runs' files -----------------
+    merged, merged_fans, merged_runs = _merged(args.merge or [], cfg, rerun)
+    store = RunStore(res_dir / "runs", suite="ett", info={**info, "started": info["date"]})
+    parts = (path.stem,)
+    order = sorted(methods, key=_RUN_ORDER.index)
+    group = Group(parts=parts, methods=[m for m in order if m not in merged], reuse=None,
+                  method_reuse={m: _reuse(cfg, m) for m in ALL_METHODS})
+    if args.resume:  # a stored record of another config is an error, not something to redo
+        for m in ALL_METHODS:
+            rec = store.load(parts, m, check=False)
+            if rec is not None and m not in rerun and rec.get("reuse") != group.reuse_for(m):
+                raise ValueError(f"--resume/--merge: {store.path(parts, m)} was written with "
+                                 f"another config: {rec.get('reuse')} vs {group.reuse_for(m)}")
+    S = args.n_samples
+    pending: dict[str, dict[str, Any]] = {}
+
+    def score(names: Sequence[str], predict_fn: Callable[[torch.Tensor], dict[str, AnyPred]],
+              extras: dict[str, dict[str, Any]]) -> None:
+        scores, fan, sec = _evaluate(
+            predict_fn, xte, yte, chunk=args.chunk, fan_idx=fan_idx, fan_channel=ot,
+            seed=args.seed, desc="+".join(names), progress=progress, device=device,
+        )
+        for name in names:
+            pending[name] = {"method": name, "fan": fan[name],
+                             "scores": {**scores[name], "predict_seconds": sec, **extras[name]}}
+            print(f"[ett] {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in scores[name].items()),
+                  flush=True)
+
+    def one(name: str, fn: Callable[[torch.Tensor], AnyPred], extra: dict[str, Any]) -> None:
+        score([name], lambda xb: {name: fn(xb)}, {name: extra})
+
+    def run_one(_ctx: Any, _group: Group, name: str) -> dict[str, Any]:
+        if name in pending:  # scored with the draws of another row (sa-conformal)
+            return pending.pop(name)
         t0 = time.perf_counter()
         if name == "sa-crps" or (name == "sa-paper" and "sa-conformal" not in methods):
             m = make_method(name, n_samples=S, n_passes=args.n_passes, seed=args.seed,
@@ -457,7 +436,7 @@ def run(args: argparse.Namespace) -> Path:
                                nu_range=(1, args.nu_max)).fit(task)
             t_fit = time.perf_counter() - t0
             sc = make_method("sa-conformal", base=base).fit(task)
-            record(["sa-paper", "sa-conformal"], functools.partial(_with_derived, base, sc), {
+            score(["sa-paper", "sa-conformal"], functools.partial(_with_derived, base, sc), {
                 "sa-paper": {"fit_seconds": t_fit, "forward_per_input": S, **_info(base)},
                 "sa-conformal": {"fit_seconds": time.perf_counter() - t0,
                                  "forward_per_input": S, **_info(sc)},
@@ -465,7 +444,7 @@ def run(args: argparse.Namespace) -> Path:
         elif name == "mc-dropout":
             m = make_method(name, n_samples=S, seed=args.seed).fit(task)
             one(name, m.predict, {"fit_seconds": time.perf_counter() - t0,
-                                     "forward_per_input": S, **_info(m)})
+                                  "forward_per_input": S, **_info(m)})
         elif name == "ensemble":
             # train (or find) the members first, so that the fit books their training once
             trained = train_members(recipe, list(range(1, args.ensemble)), member_dir,
@@ -489,20 +468,57 @@ def run(args: argparse.Namespace) -> Path:
                             snapshots_per_epoch=args.swag_snapshots, seed=args.seed,
                             progress=progress).fit(swag_task)
             one(name, m.predict, {"fit_seconds": m.cost.fit_seconds, "forward_per_input": S,
-                                     "fit_forward": m.cost.fit_forward,
-                                     "swag_epochs": args.swag_epochs, "swag_lr": args.lr / 10})
+                                  "fit_forward": m.cost.fit_forward,
+                                  "swag_epochs": args.swag_epochs, "swag_lr": args.lr / 10})
         elif name == "conformal":
             m = make_method(name).fit(task)
             one(name, m.predict, {"fit_seconds": time.perf_counter() - t0,
                                   "forward_per_input": 1, **_info(m)})
-        elif name == "seasonal-naive":
+        else:  # seasonal-naive: the suite's reference forecast
             rsn = ResidualQuantiles.fit(yv - seasonal_naive(xv, H, season=24))
             one(name, _Residual(rsn, functools.partial(seasonal_naive, horizon=H, season=24)),
-                   {"fit_seconds": time.perf_counter() - t0, "forward_per_input": 0,
-                    "note": "repeat the last 24 h; distribution = val residual quantiles per "
-                            "(horizon step, channel)"})
-    _write(res_dir, info, args, data, train_report, n_params, sites, results, fans, xte, yte,
-           fan_idx, ot, n_test_all, final=True)
+                {"fit_seconds": time.perf_counter() - t0, "forward_per_input": 0,
+                 "note": "repeat the last 24 h; distribution = val residual quantiles per "
+                         "(horizon step, channel)"})
+        return pending.pop(name)
+
+    def write(final: bool = False) -> None:
+        now = info["command"], info["date"]
+        recs: dict[str, dict[str, Any]] = {}
+        earlier: dict[Any, dict[str, Any]] = {}  # records of earlier invocations (--resume)
+        for m in ALL_METHODS:
+            r = None if m in merged else store.load(parts, m, check=False)
+            if r is None or r.get("reuse") != group.reuse_for(m):
+                continue
+            ri = r.get("run_info", {})
+            key = ri.get("command"), ri.get("started")
+            if key == now or args.resume:
+                recs[m] = r
+            if key != now and args.resume:
+                earlier.setdefault(key, {"command": key[0], "date": key[1],
+                                         "machine": ri.get("machine"), "file": str(store.root),
+                                         "methods": []})["methods"].append(m)
+        runs = merged_runs + list(earlier.values())
+        payload = {
+            "run": {**info, **({"merged_runs": runs} if runs else {})},
+            "config": cfg, "complete": final,
+            "data": {"file": str(data.path), "split_rule": data.split_rule,
+                     "borders": data.borders, "n_test_windows": int(xte.shape[0]),
+                     "n_test_windows_all": int(n_test_all), "columns": list(data.columns)},
+            "backbone": backbone,
+            "results": {**points, **merged, **{m: r["scores"] for m, r in recs.items()}},
+            "fan_chart": {"channel": data.columns[ot], "window_index": list(fan_idx),
+                          **merged_fans, **{m: r["fan"] for m, r in recs.items()}},
+        }
+        _write(res_dir, payload, final=final,
+               fan=lambda p, fans: _fan_plot(p, fans, xte, yte, fan_idx, ot, data))
+
+    done = run_items(store, [group], lambda g: None, run_one, progress=False,
+                     rerun=group.methods if not args.resume else rerun,
+                     on_saved=lambda g, m, r: write())
+    write(final=not done.failed)
+    if done.failed:
+        raise RuntimeError(f"methods failed: {done.failed} (see {store.root}/**/*.err.txt)")
     return res_dir
 
 
@@ -581,42 +597,21 @@ def _fan_plot(path: Path, fans: dict[str, Any], xte: torch.Tensor, yte: torch.Te
     plt.close(fig)
 
 
-_RUN_ORDER = ("sa-paper", "sa-conformal", "conformal", "seasonal-naive", "sa-crps", "mc-dropout",
-              "swag", "ensemble")
-_RESUME_FREE = ("methods", "resume", "merge", "note", "no_progress", "threads", "retrain", "chunk",
-                "out", "model_dir", "rerun", "member_jobs", "render_only")
-
-_COLS = ("mse", "mae", "coverage", "width", "pit_w1", "crps", "mean_std")
-_TITLE = "ETTh1: stochastic attention on a frozen PatchTST vs baselines"
-#: published PatchTST/42 test MSE on ETTh1 at horizon 96 (Nie et al. 2023, table 3)
-_REFERENCE = (0.375, "PatchTST/42 (Nie et al. 2023), ETTh1 horizon 96")
-
-
-def _write(res_dir: Path, info: dict[str, Any], args: argparse.Namespace, data: Any,
-           train_report: dict[str, Any], n_params: int, sites: list[str],
-           results: dict[str, Any], fans: dict[str, Any], xte: torch.Tensor,
-           yte: torch.Tensor, fan_idx: Sequence[int], ot: int, n_test_all: int,
-           final: bool = False) -> None:
+def _write(res_dir: Path, payload: dict[str, Any], *, final: bool,
+           fan: Callable[[Path, dict[str, Any]], None]) -> None:
+    """``ett_results.json`` (with today's Implementations block), the fan chart (at the end),
+    ``ett.md`` and its twin, and the ``ett`` key of ``summary.json``."""
     from attnuq.bench._implementations import implementation_block
     from attnuq.bench._page import update_summary
 
-    cfg = {k: v for k, v in vars(args).items() if not k.startswith("_") and
-           (isinstance(v, (int, float, str, bool, type(None))) or k in ("note", "merge"))}
-    payload = {
-        "run": info, "config": cfg, "complete": final,
-        "data": {"file": str(data.path), "split_rule": data.split_rule,
-                 "borders": data.borders, "n_test_windows": int(xte.shape[0]),
-                 "n_test_windows_all": int(n_test_all), "columns": list(data.columns)},
-        "backbone": {"n_params": n_params, "attention_sites": sites, "train": train_report},
-        "results": results,
-        "fan_chart": {"channel": data.columns[ot], "window_index": list(fan_idx), **fans},
-        "implementations": implementation_block(_scored(results), local=_IMPLEMENTATIONS),
-    }
+    res = payload["results"]
+    payload["implementations"] = implementation_block(_scored(res), local=_IMPLEMENTATIONS)
     atomic_write_json(res_dir / "ett_results.json", payload, indent=1)
+    fans = {m: v for m, v in payload["fan_chart"].items() if m in ALL_METHODS}
     if fans and final:  # drawing is slow on a busy core: once, at the end
-        _fan_plot(res_dir / "ett_fan_ot.png", fans, xte, yte, fan_idx, ot, data)
+        fan(res_dir / "ett_fan_ot.png", fans)
     render_page(res_dir, res_dir.parent / "ett.md").write(res_dir.parent / "ett.md")
-    if "frozen" in results:
+    if "frozen" in res:
         update_summary(res_dir.parent / "summary.json", "ett", summary(payload))
 
 
@@ -655,13 +650,6 @@ def _ensemble_text(c: dict[str, Any], res: dict[str, Any]) -> str:
         text += (f" -- **members 1..{k} had an epoch cap of {m_ep}, the backbone's recipe "
                  f"{c['epochs']}: they are not trained like the backbone**")
     return text
-
-
-#: rows this suite computes itself (the others are registered methods: the registry's text)
-_IMPLEMENTATIONS: dict[str, str] = {
-    "seasonal-naive": "this suite: the last 24 h repeated (attnuq.data.ett.seasonal_naive) plus "
-                      "val residual quantiles per (horizon step, channel)",
-}
 
 
 def _scored(res: dict[str, Any]) -> dict[str, Any]:
