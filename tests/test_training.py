@@ -436,3 +436,26 @@ def test_helpers() -> None:
     assert training.evaluate_mse(nn.Identity(), [(torch.zeros(3), torch.ones(3))]) == 1.0
     b = _B((torch.zeros(1, 1),) * 6, torch.ones(1, 2), torch.tensor([[True, False]]))
     assert training.evaluate_masked_mse(nn.Identity(), [b], lambda m, x: torch.zeros(1, 2)) == 1.0
+
+
+def test_task_members_train_on_the_batch_order_they_always_had() -> None:
+    """A Task over (X, Y) tensors shares one shuffling generator between its members; counting
+    n_train draws one shuffle from it (as before 0.3), so a member trained now on a seed equals
+    the one the old code trained (and cached) on that seed."""
+    from attnuq.methods import Task
+
+    tr = _xy(64, seed=9)
+
+    def train_fn(model: nn.Module, train: Any, val: Any, seed: int) -> Any:
+        return fit(model, train, val, max_epochs=2, patience=2, seed=seed, progress=False)
+
+    task = Task(model=_ft(0).eval(), train=tr, val=tr, cal=tr, make_model=_ft,
+                train_fn=train_fn, batch_size=16)
+    torch.manual_seed(3)
+    member, _ = task.member(1)
+    old_train = ref._TensorBatches(*tr, batch_size=16, shuffle=True, seed=0)
+    assert sum(len(t) for _, t in old_train) == 64  # the old Task.__post_init__ count
+    old = _ft(1)  # make_model seeds the global RNG itself (make_ft_transformer(seed=...))
+    ref.train_regressor(old, old_train, ref.as_batches(tr, batch_size=16), max_epochs=2,
+                        patience=2, seed=1, progress=False)
+    _same_weights(old, member)

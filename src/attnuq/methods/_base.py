@@ -55,7 +55,7 @@ from attnuq._io import (
     torch_load_or_none,
 )
 from attnuq.predictive import GaussianPredictive, Predictive
-from attnuq.training import Batches, as_batches, count_rows, default_forward, output_mean
+from attnuq.training import Batches, as_batches, default_forward, output_mean
 
 __all__ = [
     "Cost",
@@ -202,7 +202,10 @@ class Task:
         self.val = as_batches(self.val, batch_size=self.batch_size)
         self.cal = as_batches(self.cal, batch_size=self.batch_size)
         if self.n_train is None:
-            self.n_train = count_rows(self.train)
+            # counted by iterating, as always: for (X, Y) tensors this draws one shuffle from
+            # the training batches' generator, which every member trained on task.train then
+            # continues from (changing it would change members trained on the same seed)
+            self.n_train = sum(len(split_batch(b)[1]) for b in self.train)
         if self.n_train < 1:
             raise ValueError(f"training data is empty, got n_train={self.n_train}")
 
