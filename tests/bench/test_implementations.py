@@ -1,29 +1,23 @@
-"""Every results page says which implementation produced each row, and says it currently."""
+"""Every results page says which implementation produced each row, as stored with its results."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from attnuq.bench._implementations import implementation_lines
+from attnuq.bench._implementations import (
+    INTRO_TEXT,
+    block_from_page,
+    block_lines,
+    implementation_block,
+    implementation_lines,
+    merge_block,
+)
 from attnuq.methods import method_implementation
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
-
-
-def _local(suite: str) -> dict[str, str]:
-    if suite == "ett":
-        from attnuq.bench import ett
-
-        return ett._IMPLEMENTATIONS
-    if suite == "era5":
-        from attnuq.bench import era5
-
-        return era5._IMPLEMENTATIONS
-    return {}  # uci: every row is a registered method
 
 
 def _method_rows(lines: list[str]) -> list[str]:
@@ -54,29 +48,34 @@ def test_implementation_lines_registry_local_and_errors() -> None:
 
 
 @pytest.mark.parametrize("suite", ["uci", "ett", "era5", "physionet"])
-def test_committed_page_lists_the_current_implementation_of_every_row(suite: str) -> None:
+def test_committed_page_lists_every_row_and_its_block_round_trips(suite: str) -> None:
     lines = (RESULTS / f"{suite}.md").read_text().splitlines()
     assert "## Implementations" in lines, f"{suite}.md has no Implementations block"
     start = lines.index("## Implementations")
-    block = lines[start:]
-    block = block[: next(i for i, x in enumerate(block) if x.startswith("Scores:")) + 1]
-    listed = [x.split("|")[1].strip() for x in block if x.startswith("| ")][1:]
+    block = block_from_page(lines)
+    assert block is not None and block["rows"]
+    listed = [name for name, _ in block["rows"]]
     rows = _method_rows(lines[:start])
-    assert rows and set(rows) <= set(listed), (suite, sorted(set(rows) - set(listed)))
-    # the block is what today's registry and suite texts give for these rows (re-render if not);
-    # physionet's rows are labels built inside its page function: the render test below
-    if suite != "physionet":
-        assert block == implementation_lines(listed, local=_local(suite))[:-1]
+    if suite != "physionet":  # physionet's method column holds labels, its block the same labels
+        assert rows and set(rows) <= set(listed), (suite, sorted(set(rows) - set(listed)))
+    # the block as data renders back to the page's lines (the stored form loses nothing)
+    assert block_lines(block)[:-1] == lines[start:start + len(block_lines(block)) - 1]
 
 
-def test_era5_and_physionet_pages_render_from_their_json(tmp_path: Path) -> None:
-    """These two pages are exactly what their page functions make of the stored JSON."""
-    from attnuq.bench import era5, physionet
-
-    p = json.loads((RESULTS / "era5" / "era5_results.json").read_text())
-    assert era5._markdown(p) == (RESULTS / "era5.md").read_text()
-    res = json.loads((RESULTS / "physionet" / "physionet.json").read_text())
-    per_seed = res.pop("per_seed")
-    md = tmp_path / "physionet.md"
-    physionet._write_md(md, RESULTS / "physionet", res, per_seed)
-    assert md.read_text() == (RESULTS / "physionet.md").read_text()
+def test_block_is_data_and_stored_texts_win() -> None:
+    today = implementation_block(["swag", "naive"], local={"naive": "own"})
+    assert today["intro"] == INTRO_TEXT and today["rows"] == [
+        ["swag", method_implementation("swag")], ["naive", "own"]]
+    assert block_lines(today) == implementation_lines(["swag", "naive"], local={"naive": "own"})
+    # rows as a mapping read the same as rows as pairs
+    assert block_lines({**today, "rows": dict(today["rows"])}) == block_lines(today)
+    prev = {"intro": "old intro", "rows": [["swag", "old swag text"]], "scores": "old scores"}
+    # a text the runs recorded wins; else the earlier stored block's; else today's registry
+    got = merge_block(["swag", "laplace"], {"swag": None, "laplace": "recorded"}, prev)
+    assert got == {"intro": "old intro", "scores": "old scores",
+                   "rows": [["swag", "old swag text"], ["laplace", "recorded"]]}
+    fresh = merge_block(["swag"], {"swag": None}, None)
+    assert fresh["rows"] == [["swag", method_implementation("swag")]]
+    assert fresh["intro"] == INTRO_TEXT
+    with pytest.raises(ValueError, match="string pairs"):
+        block_lines({"intro": "i", "rows": [["a"]], "scores": None})

@@ -10,6 +10,7 @@ import pytest
 
 from attnuq.bench.uci import write_table
 from attnuq.cli import main
+from attnuq.methods import method_implementation
 
 
 def test_bench_uci_tiny_end_to_end_and_resumable(tmp_path: Path) -> None:
@@ -28,6 +29,7 @@ def test_bench_uci_tiny_end_to_end_and_resumable(tmp_path: Path) -> None:
         assert m["width"] > 0 and m["rmse"] > 0 and m["crps"] > 0 and m["scale_factor"] > 0
         assert 0 <= m["w1_native"] <= 0.5
         assert r["backbone"]["epochs_run"] == 1
+        assert r["implementation"] == method_implementation(r["method"])  # stored with the run
     # the three post-hoc methods share the frozen backbone, hence the point prediction
     rm = {json.loads(p.read_text())["metrics"]["rmse"] for p in runs}
     assert len(rm) == 1
