@@ -25,6 +25,15 @@ Registered names (:func:`available_methods`):
 ``gaussian``   homoscedastic Gaussian, sigma from validation residuals
 ============== =============================================================================
 
+One name is one method in every suite (UCI, ETT, ERA5, PhysioNet choose methods by name only):
+``conformal`` is per output coordinate, so the multi-output suites use it as it is;
+``make_method("sa-conformal", base=sa)`` shares a fitted ``sa-paper``'s ``nu`` and its test
+draws (``derive``: one set of draws scores both rows); batches may be objects with ``targets``
+(PhysioNet's ``ForecastBatch``) and model outputs objects with ``mean`` (the Levy
+forecaster's ``ForecastOutput``), so ``mc-dropout`` and ``ensemble`` run on the PhysioNet
+forecasters. Methods train backbones through :mod:`attnuq.training` and never import
+:mod:`attnuq.models`.
+
 Examples
 --------
 >>> from attnuq.methods import make_method
