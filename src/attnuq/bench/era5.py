@@ -14,10 +14,9 @@ Data + backbone + config on the bench spine; methods by registry name.
   with the per-grid-point quantiles of their val residuals. Scores per lead on the test days:
   :func:`attnuq.bench._fields.field_scores`, maps of mean error and predicted spread.
 
-Each method is one run record ``<out>/era5/runs/<method>.json`` (+ maps ``<method>.npz``), reused
-by ``--resume`` under the same config. The page ``<out>/era5.md`` (+ twin ``era5.json``) and the
-``era5`` key of ``<out>/summary.json`` are functions of ``era5/era5_results.json`` alone
-(:func:`render_page`; ``--render-only``).
+Each method is one run record ``<out>/era5/runs/<method>.json`` (+ maps ``.npz``), reused by
+``--resume`` under the same config; the page ``<out>/era5.md``, its twin and the ``era5`` key of
+``<out>/summary.json`` are functions of ``era5/era5_results.json`` (:func:`render_page`).
 
 Examples
 --------
@@ -45,13 +44,11 @@ from attnuq.bench import _members as mb
 from attnuq.bench import register
 from attnuq.bench._fields import error_maps, field_scores, load_maps, maps_png, point_scores
 from attnuq.bench._implementations import implementation_texts, merge_block
-from attnuq.bench._members import cache_text, jobs_text
 from attnuq.bench._page import Page, Table, fmt, update_summary
 from attnuq.bench._runner import Group, RunStore, reuse_key, run_items
 from attnuq.bench._scoring import to_cpu
 from attnuq.data import era5 as data
 from attnuq.methods import ResidualQuantiles, Task, make_method
-from attnuq.predictive import GaussianPredictive, Predictive
 from attnuq.training import fit, predict_batched
 
 __all__ = ["ALL_METHODS", "add_arguments", "field_scores", "render", "render_page", "run"]
@@ -74,14 +71,12 @@ _EXTRA = ("nu", "fit_seconds", "predict_seconds", "forward_per_input")
 _HEAD = ("method", "RMSE (lat-w)", "ACC", "W1(PIT) native", "W1(PIT) scaled", "PI-95 width",
          "PI-95 coverage", "CRPS", "mean std", "nu", "fit s", "predict s", "passes")
 _TITLE = "ERA5 2 m temperature: stochastic attention on a frozen ViT forecaster vs baselines"
-AnyPred = Predictive | GaussianPredictive
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--data-dir", default=None, help="data root (holds era5/<file>)")
-    a("--file", default="era5-2mt-2019-03-uk.grib",
-      help="GRIB or NetCDF file with (time, latitude, longitude)")
+    a("--file", default="era5-2mt-2019-03-uk.grib", help="GRIB or NetCDF: (time, lat, lon)")
     a("--variable", default=None, help="variable name (default: the only one)")
     a("--out", default="docs/results", help="results root (writes era5.md, era5/)")
     a("--model-dir", default=None, help="backbone folder (default <out>/era5/backbone)")
@@ -90,15 +85,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="days in train,val,cal,test (consecutive; -1 = the rest)")
     a("--history", type=int, default=6, help="hours back of the second input field")
     a("--leads", default="6,24", help="lead times in hours")
-    a("--no-clim-features", action="store_true",
-      help="inputs = current and previous field only (no climatology channels)")
+    a("--no-clim-features", action="store_true", help="inputs: the two fields only")
     for name, v in (("patch", 4), ("hidden", 64), ("layers", 3), ("heads", 4), ("mlp", 128),
                     ("dropout", 0.1), ("epochs", 40), ("patience", 6), ("batch-size", 16),
                     ("lr", 1e-3), ("ensemble", 5)):
         a(f"--{name}", type=type(v), default=v)
-    a("--member-jobs", type=int, default=1,
-      help="train the ensemble members in this many worker processes (spawn, one thread each; "
-           "same recipe, seeds and weights as 1 = one after the other)")
+    a("--member-jobs", type=int, default=1, help="train the ensemble members in this many "
+      "worker processes (one thread each; same weights as 1 = one after the other)")
     a("--n-samples", type=int, default=30)
     a("--n-passes", type=int, default=10)
     a("--nu-max", type=int, default=1024, help="upper end of SA's nu search")
@@ -108,15 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or auto (default: cpu)")
     a("--threads", type=int, default=1)
     a("--no-progress", action="store_true")
-    a("--resume", action="store_true",
-      help="keep the methods already scored in <out>/era5/runs (and their maps) when written "
-           "with the same config; run only the rest")
-    a("--rerun", default="", metavar="METHODS",
-      help="comma-separated methods to score again even when --resume holds them")
-    a("--note", action="append", default=None, metavar="TEXT",
-      help="provenance note printed in the markdown; repeatable")
-    a("--render-only", action="store_true",
-      help="write era5.md, its twin and the summary key again from <out>/era5/era5_results.json")
+    a("--resume", action="store_true", help="keep the methods already scored in "
+      "<out>/era5/runs under the same config (and their maps); run only the rest")
+    a("--rerun", default="", metavar="METHODS", help="methods to score again despite --resume")
+    a("--note", action="append", default=None, metavar="TEXT", help="a note for the page")
+    a("--render-only", action="store_true", help="the page again from era5/era5_results.json")
 
 
 def _parse_ints(spec: str, name: str) -> list[int]:
@@ -178,8 +167,7 @@ class _MemberRecipe:
                 self.grid, in_channels=self.in_channels, out_channels=self.out_channels,
                 patch_size=self.patch, hidden_size=self.hidden, num_layers=self.layers,
                 num_heads=self.heads, mlp_size=self.mlp, dropout=self.dropout,
-                attention_dropout=self.dropout, mean=self.mean, std=self.std,
-            )
+                attention_dropout=self.dropout, mean=self.mean, std=self.std)
         return m.to(self.device)
 
     def train(self, model: Any, _train: Any, _val: Any, index: int) -> Any:
@@ -303,8 +291,8 @@ def run(args: argparse.Namespace) -> Path:
         t0, trained = time.perf_counter(), []
         if name in ("persistence", "climatology"):
             fn = _persistence if name == "persistence" else (lambda e: build.valid_clim(e.hours))
-            pred: AnyPred = ResidualQuantiles.fit(Y["val"] - fn(ex["val"]), n_quantiles=50
-                                                  ).predictive(fn(ex["test"]))
+            rq = ResidualQuantiles.fit(Y["val"] - fn(ex["val"]), n_quantiles=50)
+            pred: Any = rq.predictive(fn(ex["test"]))
             extra = {"fit_seconds": time.perf_counter() - t0, "forward_per_input": 0,
                      "note": "point reference + val residual quantiles per (lead, grid point)"}
         else:
@@ -366,10 +354,9 @@ def run(args: argparse.Namespace) -> Path:
     summary = run_items(store, [Group(parts=(), methods=order, reuse=key)], lambda g: None,
                         run_one, progress=False, rerun=[m for m in order if m not in kept],
                         on_saved=write)
-    if summary.failed:  # recorded in runs/<method>.err.txt; the page shows the others
-        write()
+    write(final=not summary.failed)  # failures: recorded in runs/<method>.err.txt, page partial
+    if summary.failed:
         raise RuntimeError(f"ERA5 methods failed: {summary.failed} (see {store.root}/*.err.txt)")
-    write(final=True)
     return res_dir
 
 
@@ -433,13 +420,11 @@ def render_page(out: Path, table: Path) -> Page:
 def render(p: dict[str, Any]) -> Page:
     """The results page of the stored results ``p`` (pure: no data, no training)."""
     r, c, d, b = p["run"], p["config"], p["data"], p["backbone"]
-    tr, res = b["train"], p["results"]
+    tr, res, leads = b["train"], p["results"], _parse_ints(c["leads"], "leads")
     page = Page("era5", _TITLE, state={"results": "era5/era5_results.json"})
-    page.add("Generated by `attnuq bench era5` -- do not edit by hand."
-             + ("" if p["complete"] else " **(partial: run still in progress or interrupted)**"),
-             "")
+    page.add("Generated by `attnuq bench era5` -- do not edit by hand." + ("" if p["complete"]
+             else " **(partial: run still in progress or interrupted)**"), "")
     page.provenance(r)
-    leads = _parse_ints(c["leads"], "leads")
     page.add(
         *[f"* methods {', '.join(m['methods'])} scored earlier by `{m['command']}` "
           f"({m['date']}), same config, kept with --resume"
@@ -462,8 +447,8 @@ def render(p: dict[str, Any]) -> Page:
         f"deep ensemble {c['ensemble']} members (member 0 = the backbone, members 1.."
         f"{c['ensemble'] - 1} retrained by this suite with the backbone's recipe and seeds "
         f"{c['seed']}+k, "
-        f"{jobs_text(res.get('ensemble', {}).get('member_jobs', c.get('member_jobs', 1)))}"
-        f"{cache_text(res.get('ensemble', {}), 'era5')})",
+        f"{mb.jobs_text(res.get('ensemble', {}).get('member_jobs', c.get('member_jobs', 1)))}"
+        f"{mb.cache_text(res.get('ensemble', {}), 'era5')})",
         "* RMSE and ACC are latitude-weighted (ACC: anomalies against the hour-of-day mean of "
         "the training days, pooled WeatherBench/ClimaX definition); PIT, W1, coverage, width "
         "and CRPS are plain means over grid points and issue times; units K",
