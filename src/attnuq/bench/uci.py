@@ -41,8 +41,6 @@ table again from the stored run JSON and twin alone (:func:`render_page`).
 from __future__ import annotations
 
 import argparse
-import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -51,50 +49,21 @@ import torch
 from attnuq._io import atomic_write_json, atomic_write_text, cache_key, read_json_or_none
 from attnuq.bench import register
 from attnuq.bench._members import cached_state
-from attnuq.bench._page import (
-    Page,
-    Table,
-    error_lines,
-    fmt,
-    gap_lines,
-    pit_figure,
-    read_twin,
-    runs_lines,
-    update_summary,
-)
+from attnuq.bench._page import Page, pit_figure, read_twin, update_summary
 from attnuq.bench._runner import Group, RunStore, run_items
-from attnuq.bench._scoring import mean_std, sample_scores, to_cpu
+from attnuq.bench._scoring import sample_scores, to_cpu
+from attnuq.bench._uci_page import build_page, summary
 
 __all__ = ["DEFAULT_METHODS", "aggregate", "render_page", "run", "run_one", "write_table"]
 
 DEFAULT_METHODS: tuple[str, ...] = (
-    "sa-paper",
-    "sa-scale",
-    "sa-crps",
-    "sa-conformal",
-    "mc-dropout",
-    "ensemble",
-    "swag",
-    "multiswag",
-    "ivon",
-    "laplace",
-    "hsa",
-    "conformal",
-    "gaussian",
-)
+    "sa-paper", "sa-scale", "sa-crps", "sa-conformal", "mc-dropout", "ensemble", "swag",
+    "multiswag", "ivon", "laplace", "hsa", "conformal", "gaussian")
 _SAMPLED = {"sa-paper", "sa-scale", "sa-crps", "sa-conformal", "mc-dropout", "swag", "multiswag",
             "ivon", "hsa"}
 _LEVEL = 0.95
-#: methods whose point prediction is not the frozen backbone's output
-_OWN_POINT = ("ensemble", "swag", "multiswag", "ivon", "hsa")
-#: backbone RMSE of the MC-dropout paper (Gal & Ghahramani 2016), per set folder name
-REFERENCE_RMSE = {"bostonHousing": 2.97, "concrete": 5.23, "energy": 1.66,
-                  "naval-propulsion-plant": 0.01, "power-plant": 4.02,
-                  "protein-tertiary-structure": 4.36}
 #: ``--batch-size auto``: (fit rows at most, batch size), else the last
 AUTO_BATCH = ((2_000, 32), (20_000, 128), (None, 256))
-_AUTO_TEXT = ("batch size auto: 32 when the fit part has <= 2,000 rows, 128 when <= 20,000, "
-              "else 256 (the resolved number is in each data set's budget)")
 
 
 def _batch_arg(text: str) -> int | str:
@@ -422,231 +391,13 @@ def plot_pits(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
     return paths
 
 
-_COLS: tuple[tuple[str, str, int], ...] = (
-    ("rmse", "RMSE", 3),
-    ("w1_native", "W1 native", 3),
-    ("w1_scaled", "W1 scaled", 3),
-    ("coverage_native", "cov native", 3),
-    ("coverage", "cov (cal)", 3),
-    ("width", "PI-95 width (cal)", 3),
-    ("crps", "CRPS", 3),
-    ("nll", "NLL", 2),
-)
-_TITLE = "UCI regression: FT-Transformer, SA against the baselines"
-_TEXT = (
-    "Parts: each standard training split is cut at random (fixed seed) into fit (80 %), "
-    "validation (10 %: early stopping and each method's own post-hoc fitting, e.g. SA's nu "
-    "and IVON's hess_init) and calibration (10 %) parts; the standard test split is only "
-    "scored.",
-    "",
-    "Metrics: test part, mean ± std over splits. RMSE, PI-95 width and CRPS in target units; "
-    "NLL of a Gaussian (fitted to the samples for sample-based methods). "
-    "`cov (cal)` / `PI-95 width (cal)`: after unified coverage calibration, i.e. each "
-    "method's central 95 % interval scaled about its mean by the split-conformal factor "
-    "computed on the calibration part (10 % of the training split, unused by training), so "
-    "that calibration coverage is 95 %. W1 native / scaled: W1 distance of test PIT values to "
-    "U(0, 1) before / after one pooled spread factor. Cost: extra fit seconds beyond the "
-    "shared backbone, and forward passes per predicted input. "
-    "**Bold**: narrowest calibrated PI-95 and best CRPS per data set.",
-    "",
-)
-
-
-def _stats(rows: list[dict[str, Any]], ds: str) -> dict[str, dict[str, tuple[float, float]]]:
-    """method -> metric -> (mean, std) over the splits of ``ds`` (plus fit_s, fwd, n)."""
-    stats: dict[str, dict[str, tuple[float, float]]] = {}
-    for m in _order({r["method"] for r in _of(rows, ds)}):
-        rr = _of(rows, ds, m)
-        stats[m] = {k: mean_std([r["metrics"][k] for r in rr]) for k, _, _ in _COLS}
-        stats[m]["fit_s"] = mean_std([r["cost"]["fit_seconds"] for r in rr])
-        stats[m]["fwd"] = mean_std([r["cost"]["predict_forward_per_input"] for r in rr])
-        stats[m]["n"] = (float(len(rr)), 0.0)
-    return stats
-
-
-def _best(d: dict[str, float]) -> str | None:
-    return min(d, key=d.__getitem__) if d else None
-
-
-def _verdict(ds: str, stats: dict[str, dict[str, tuple[float, float]]]) -> tuple[list[str],
-                                                                                   bool | None]:
-    """The SA win/loss lines of ``ds`` and whether SA wins (``None``: nothing to compare)."""
-    ms = list(stats)
-    widths = {m: stats[m]["width"][0] for m in ms if math.isfinite(stats[m]["width"][0])}
-    crpss = {m: stats[m]["crps"][0] for m in ms if math.isfinite(stats[m]["crps"][0])}
-    sa = {m: w for m, w in widths.items() if m.startswith("sa-")}
-    other = {m: w for m, w in widths.items() if not m.startswith("sa-")}
-    if not (sa and other):
-        return [], None
-    bs, bo = _best(sa), _best(other)
-    assert bs is not None and bo is not None
-    ratio = other[bo] / sa[bs]
-    win = sa[bs] <= other[bo]
-    if win:
-        verdict = (f"**SA wins** on calibrated PI-95 width: {bs} {sa[bs]:.3f} vs the "
-                   f"best baseline {bo} {other[bo]:.3f} (baseline {ratio:.2f}x wider)")
-    else:
-        verdict = (f"**SA loses** on calibrated PI-95 width: best baseline {bo} "
-                   f"{other[bo]:.3f} vs best SA {bs} {sa[bs]:.3f} (SA {1 / ratio:.2f}x wider)")
-    sa_c = {m: c for m, c in crpss.items() if m.startswith("sa-")}
-    ot_c = {m: c for m, c in crpss.items() if not m.startswith("sa-")}
-    if sa_c and ot_c:
-        bsc, boc = _best(sa_c), _best(ot_c)
-        assert bsc is not None and boc is not None
-        word = "wins" if sa_c[bsc] <= ot_c[boc] else "loses"
-        verdict += f"; on CRPS SA {word}: {bsc} {sa_c[bsc]:.3f} vs {boc} {ot_c[boc]:.3f}"
-    wider = sorted(f"{m} {w / sa[bs]:.2f}x" for m, w in other.items())
-    lines = [f"* {ds}: {verdict}.",
-             f"* width of each baseline relative to the best SA: {', '.join(wider)}."]
-    frozen_m = next((m for m in ("gaussian", "laplace", "conformal", "mc-dropout", bs)
-                     if m in stats), None)
-    if frozen_m is not None:
-        own = [f"{m} {stats[m]['rmse'][0]:.3f}" for m in ms
-               if m in _OWN_POINT and math.isfinite(stats[m]["rmse"][0])]
-        if own:
-            lines.append(f"* point predictions differ from the shared frozen backbone (RMSE "
-                         f"{stats[frozen_m]['rmse'][0]:.3f}) for {', '.join(own)}; interval "
-                         "widths after unified calibration also reflect these RMSE differences.")
-    return [*lines, ""], win
-
-
-def _budget_lines(rows: list[dict[str, Any]], budget: dict[str, Any]) -> list[str]:
-    """The header lines on the runs: commands, dates, machines, budgets, a low-budget note."""
-    def of(r: dict[str, Any]) -> Any:
-        return (r.get("config") or {}).get("budget")
-
-    lines = runs_lines(rows, of)
-    run_b = [b for b in (json.loads(x) for x in sorted({json.dumps(of(r)) for r in rows}))
-             if b is not None] or [budget]
-    low = [b for b in run_b if b["n_blocks"] != 3 or b["max_epochs"] < 100 or b["patience"] < 16]
-    if low:
-        desc = "; ".join(f"{b['n_blocks']} block(s), at most {b['max_epochs']} epochs, patience "
-                         f"{b['patience']}, batch {b['batch_size']}" for b in low)
-        lines.append(
-            f"* NOTE: the backbone budget is below the default recipe (rtdl default config "
-            f"for {desc}; default: 3 blocks, 100 epochs, patience 16) to fit the CPU time "
-            f"of this session. Within a data set every method gets the same budget; the budget "
-            f"of each data set is listed under 'What this covers'."
-        )
-    return [*lines, ""]
-
-
-def _coverage_lines(rows: list[dict[str, Any]], out: Path, datasets: list[str]) -> list[str]:
-    """'What this covers': runs per data set, IVON's choices, what is missing or failed."""
-    from attnuq.data.uci import UCI_DATASETS
-
-    cov = []
-    for ds in datasets:
-        rr = _of(rows, ds)
-        ds_b = sorted({json.dumps((r.get("config") or {}).get("budget")) for r in rr})
-        cov.append(f"* {ds}: splits {sorted({r['split'] for r in rr})}; methods "
-                   f"{_order({r['method'] for r in rr})}; budget {'; '.join(ds_b)}")
-        iv = _of(rows, ds, "ivon")
-        hi = {r["split"]: (r.get("info") or {}).get("hess_init") for r in iv}
-        grid = ", ".join(sorted({" ".join(f"{h:g}" for h in (r.get("info") or {}).get(
-            "hess_inits", [])) for r in iv}))
-        if hi:
-            chosen = ", ".join(f"split {k}: {v:g}" if isinstance(v, (int, float)) else
-                               f"split {k}: fixed (old run)" for k, v in sorted(hi.items()))
-            cov.append(f"  * ivon hess_init chosen per split by validation RMSE of the "
-                       f"predictive mean (grid {grid}): {chosen}")
-    lines = ["## What this covers", "", f"{len(rows)} runs (data set x split x method):", "",
-             *cov, ""]
-    missing = [d for d in UCI_DATASETS if d not in datasets]
-    if missing:
-        lines += [f"Not covered by this table: {', '.join(missing)} (the full suite is 6 sets x "
-                  ">= 5 splits; rerun the command with more --datasets/--splits, it resumes).", ""]
-    have = {ds: {m: {int(r["split"]) for r in _of(rows, ds, m)}
-                 for m in _order({r["method"] for r in _of(rows, ds)})} for ds in datasets}
-    lines += gap_lines(have)
-    lines += error_lines(_store(out).errors("*/split*/*.err.txt"), out)
-    return lines
-
-
-def _block(rows: list[dict[str, Any]], previous: dict[str, Any] | None) -> dict[str, Any]:
-    """The Implementations block: the text each method's runs recorded (all alike), else the
-    previous block of this page, else today's registry text."""
-    from attnuq.bench._implementations import merge_block
-
-    names = _order({r["method"] for r in rows})
-    recorded: dict[str, str | None] = {}
-    for m in names:
-        texts = {r.get("implementation") for r in rows if r["method"] == m}
-        recorded[m] = (None if None in texts else " / ".join(sorted(t for t in texts if t)))
-    return merge_block(names, recorded, previous)
-
-
-def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
-               state: dict[str, Any], previous: dict[str, Any] | None = None) -> Page:
-    """The page of ``rows`` (the run records): ``info`` is the provenance of the command that
-    writes it, ``state`` its ``budget`` and ``seed``, ``previous`` the Implementations block
-    stored with an earlier rendering (texts for runs that did not record their own)."""
-    budget, seed = state["budget"], int(state.get("seed", 0))
-    page = Page("uci", _TITLE, state=state)
-    page.add("Generated by `attnuq bench uci` (src/attnuq/bench/uci.py); do not edit by hand.",
-             "")
-    page.provenance(info, label="table written by")
-    page.add(f"* budget of this command: {json.dumps(budget)}; seed {seed}")
-    if budget.get("batch_size") == "auto":
-        page.add(f"* {_AUTO_TEXT}")
-    page.add(*_budget_lines(rows, budget))
-    datasets = sorted({r["dataset"] for r in rows})
-    per_ds = {ds: _stats(rows, ds) for ds in datasets}
-    verdicts = {ds: _verdict(ds, per_ds[ds]) for ds in datasets}
-    wins = [w for _, w in verdicts.values() if w is not None]
-    page.headline(f"**Summary:** SA has the narrowest calibrated PI-95 on {sum(wins)} of "
-                  f"{len(wins)} data sets covered here (the paper: 7 of 8).")
-    page.add("")
-    cov = _coverage_lines(rows, out, datasets)
-    page.section(cov[0][3:])
-    page.add(*cov[2:], *_TEXT)
-    header = ["method", "splits", *[c for _, c, _ in _COLS], "fit s", "passes/input"]
-    for ds in datasets:
-        stats = per_ds[ds]
-        best = {k: _best({m: stats[m][k][0] for m in stats if math.isfinite(stats[m][k][0])})
-                for k in ("width", "crps")}
-        page.section(ds)
-        t = Table(header)
-        for m, st in stats.items():
-            cells = [m, str(int(st["n"][0]))]
-            for k, _, d in _COLS:
-                txt = fmt(st[k][0], d, std=st[k][1], nan="n/a", big=None)
-                cells.append(f"**{txt}**" if best.get(k) == m else txt)
-            t.add(*cells, f"{st['fit_s'][0]:.1f}", f"{st['fwd'][0]:.0f}",
-                  values={k: list(v) for k, v in st.items()})
-        page.table(t)
-        page.add("", *verdicts[ds][0])
-        page.add(f"![PIT histograms {ds}](uci/pit_{ds}.png)" if out.name == "uci"
-                 else f"PIT histograms: `{out / f'pit_{ds}.png'}`", "")
-    page.implementations(_block(rows, previous))
-    return page
-
-
-def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ``uci`` key of summary.json (issue #19): per set the frozen backbone's RMSE beside
-    the MC-dropout paper's, and each method's mean scores over its splits."""
-    keys = (("rmse", "rmse"), ("crps", "crps"), ("pi95_width_cal", "width"),
-            ("coverage95_native", "coverage_native"), ("w1_native", "w1_native"))
-    out: dict[str, Any] = {}
-    for ds in sorted({r["dataset"] for r in rows}):
-        stats = _stats(rows, ds)
-        methods = {m: {k: st[src][0] for k, src in keys} for m, st in stats.items()}
-        frozen = next((m for m in ("gaussian", "laplace", "conformal", "mc-dropout")
-                       if m in stats), None)
-        value = None if frozen is None else stats[frozen]["rmse"][0]
-        if value is not None:
-            methods = {"frozen": {"rmse": value}, **methods}
-        out[ds] = {"backbone": {"metric": "rmse", "value": value,
-                                "reference": REFERENCE_RMSE.get(ds),
-                                "reference_name": "Gal & Ghahramani 2016 (MC dropout)"
-                                if ds in REFERENCE_RMSE else None},
-                   "splits": len({r["split"] for r in _of(rows, ds)}), "methods": methods}
-    return out
-
-
 def _write_summary(out: Path, rows: list[dict[str, Any]]) -> None:
     if out.parent.is_dir():
-        update_summary(out.parent / "summary.json", "uci", _summary(rows))
+        update_summary(out.parent / "summary.json", "uci", summary(rows, DEFAULT_METHODS))
+
+
+def _errors(out: Path) -> list[Path]:
+    return _store(out).errors("*/split*/*.err.txt")
 
 
 def write_table(
@@ -657,7 +408,8 @@ def write_table(
     and method, with SA win/loss lines."""
     twin = read_twin(table) if table.suffix == ".md" else None
     page = build_page(out, rows, info, {"budget": _budget(args), "seed": _seed(args)},
-                      None if twin is None else twin.get("implementations"))
+                      None if twin is None else twin.get("implementations"),
+                      order=DEFAULT_METHODS, errors=_errors(out))
     page.write(table)
     _write_summary(out, rows)
     return table
@@ -672,7 +424,7 @@ def render_page(out: Path, table: Path) -> Page:
                          "--aggregate-only first")
     rows = aggregate(Path(out), int(twin["state"].get("seed", 0)))
     return build_page(Path(out), rows, twin["provenance"], twin["state"],
-                      twin.get("implementations"))
+                      twin.get("implementations"), order=DEFAULT_METHODS, errors=_errors(Path(out)))
 
 
 register(
