@@ -423,17 +423,12 @@ def run(args: argparse.Namespace) -> Path:
         if name in pending:  # scored with the draws of another row (sa-conformal)
             return pending.pop(name)
         t0 = time.perf_counter()
-        if name == "sa-crps" or (name == "sa-paper" and "sa-conformal" not in methods):
-            m = make_method(name, n_samples=S, n_passes=args.n_passes, seed=args.seed,
-                            progress=progress, nu_range=(1, args.nu_max)).fit(task)
-            one(name, m.predict, {"fit_seconds": time.perf_counter() - t0,
-                                  "forward_per_input": S, **_info(m)})
-        elif name in ("sa-paper", "sa-conformal"):
+        sa = {"n_samples": S, "n_passes": args.n_passes, "seed": args.seed, "progress": progress,
+              "nu_range": (1, args.nu_max)}
+        if name in ("sa-paper", "sa-conformal") and "sa-conformal" in methods:
             # one set of SA draws on the test windows scores both rows: the registry's
             # sa-conformal shares sa-paper's nu and draws (base=, derive) and fits its factor on cal
-            base = make_method("sa-paper", n_samples=S, n_passes=args.n_passes,
-                               seed=args.seed, progress=progress,
-                               nu_range=(1, args.nu_max)).fit(task)
+            base = make_method("sa-paper", **sa).fit(task)
             t_fit = time.perf_counter() - t0
             sc = make_method("sa-conformal", base=base).fit(task)
             score(["sa-paper", "sa-conformal"], functools.partial(_with_derived, base, sc), {
@@ -441,45 +436,41 @@ def run(args: argparse.Namespace) -> Path:
                 "sa-conformal": {"fit_seconds": time.perf_counter() - t0,
                                  "forward_per_input": S, **_info(sc)},
             })
-        elif name == "mc-dropout":
-            m = make_method(name, n_samples=S, seed=args.seed).fit(task)
-            one(name, m.predict, {"fit_seconds": time.perf_counter() - t0,
-                                  "forward_per_input": S, **_info(m)})
-        elif name == "ensemble":
-            # train (or find) the members first, so that the fit books their training once
-            trained = train_members(recipe, list(range(1, args.ensemble)), member_dir,
-                                    jobs=member_jobs)
-            m = make_method(name, n_members=args.ensemble).fit(task)
-            one(name, m.predict, {"fit_seconds": m.cost.fit_seconds,
-                                  "forward_per_input": args.ensemble,
-                                  "fit_forward": m.cost.fit_forward,
-                                  "member_epochs": recipe.member_epochs,
-                                  "member_jobs": member_jobs,
-                                  "members_trained_here": trained,
-                                  "members_from_cache": [k for k in range(1, args.ensemble)
-                                                         if k not in trained],
-                                  "member_seeds": [args.seed + k for k in range(args.ensemble)],
-                                  "note": "fit s = sum of the members' training times"})
-        elif name == "swag":
-            # SWAG continues training a copy: give it the same weights with gradients on
-            swag_task = dataclasses.replace(
-                task, model=load_patchtst(model_dir, freeze=False).to(device))
-            m = make_method(name, n_samples=S, epochs=args.swag_epochs, lr=args.lr / 10,
-                            snapshots_per_epoch=args.swag_snapshots, seed=args.seed,
-                            progress=progress).fit(swag_task)
-            one(name, m.predict, {"fit_seconds": m.cost.fit_seconds, "forward_per_input": S,
-                                  "fit_forward": m.cost.fit_forward,
-                                  "swag_epochs": args.swag_epochs, "swag_lr": args.lr / 10})
-        elif name == "conformal":
-            m = make_method(name).fit(task)
-            one(name, m.predict, {"fit_seconds": time.perf_counter() - t0,
-                                  "forward_per_input": 1, **_info(m)})
-        else:  # seasonal-naive: the suite's reference forecast
+            return pending.pop(name)
+        if name == "seasonal-naive":  # the suite's reference forecast
             rsn = ResidualQuantiles.fit(yv - seasonal_naive(xv, H, season=24))
             one(name, _Residual(rsn, functools.partial(seasonal_naive, horizon=H, season=24)),
                 {"fit_seconds": time.perf_counter() - t0, "forward_per_input": 0,
                  "note": "repeat the last 24 h; distribution = val residual quantiles per "
                          "(horizon step, channel)"})
+            return pending.pop(name)
+        kw: dict[str, Any] = {
+            "sa-paper": sa, "sa-crps": sa, "mc-dropout": {"n_samples": S, "seed": args.seed},
+            "conformal": {}, "ensemble": {"n_members": args.ensemble},
+            "swag": {"n_samples": S, "epochs": args.swag_epochs, "lr": args.lr / 10,
+                     "snapshots_per_epoch": args.swag_snapshots, "seed": args.seed,
+                     "progress": progress}}[name]
+        fit_task, extra = task, {}
+        if name == "ensemble":
+            # train (or find) the members first, so that the fit books their training once
+            trained = train_members(recipe, list(range(1, args.ensemble)), member_dir,
+                                    jobs=member_jobs)
+            extra = {"member_epochs": recipe.member_epochs, "member_jobs": member_jobs,
+                     "members_trained_here": trained,
+                     "members_from_cache": [k for k in range(1, args.ensemble) if k not in trained],
+                     "member_seeds": [args.seed + k for k in range(args.ensemble)],
+                     "note": "fit s = sum of the members' training times"}
+        elif name == "swag":
+            # SWAG continues training a copy: give it the same weights with gradients on
+            fit_task = dataclasses.replace(
+                task, model=load_patchtst(model_dir, freeze=False).to(device))
+            extra = {"swag_epochs": args.swag_epochs, "swag_lr": args.lr / 10}
+        m = make_method(name, **kw).fit(fit_task)
+        booked = name in ("ensemble", "swag")  # their fit time is the cost the method books
+        one(name, m.predict, {
+            "fit_seconds": m.cost.fit_seconds if booked else time.perf_counter() - t0,
+            "forward_per_input": {"ensemble": args.ensemble, "conformal": 1}.get(name, S),
+            **({"fit_forward": m.cost.fit_forward} if booked else _info(m)), **extra})
         return pending.pop(name)
 
     def write(final: bool = False) -> None:
