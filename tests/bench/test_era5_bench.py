@@ -196,3 +196,31 @@ def test_render_only_writes_page_twin_and_summary(tmp_path: Path) -> None:
     assert main(["bench", "era5", "--out", str(tmp_path / "empty"), "--render-only"]) == 2
     with pytest.raises(ValueError, match="no ERA5 results"):
         era5.render_page(tmp_path / "empty" / "era5", tmp_path / "empty" / "era5.md")
+
+
+def test_committed_run_records_hold_the_committed_results() -> None:
+    """docs/results/era5/runs (migrated from era5_results.json) is what --resume keeps: each
+    record is its method's stored result under the committed config's reuse key, with its maps."""
+    from attnuq.bench import era5
+    from attnuq.bench._fields import load_maps
+    from attnuq.bench._runner import RunStore, reuse_key
+
+    p = json.loads((RESULTS / "era5" / "era5_results.json").read_text())
+    store = RunStore(RESULTS / "era5" / "runs", suite="era5")
+    key = reuse_key(p["config"], free=era5._RESUME_FREE)
+    scored = [m for m in era5.ALL_METHODS if m in p["results"]]
+    with np.load(RESULTS / "era5" / "era5_maps.npz") as z:
+        for m in scored:
+            rec = store.load((), m, key)
+            assert rec is not None, m
+            assert {k: v for k, v in rec.items() if k not in (
+                "method", "reuse", "run_info", "implementation")} == p["results"][m]
+            assert [rec["implementation"]] == [t for r, t in p["implementations"]["rows"]
+                                               if r == m]
+            maps = load_maps(store.path((), m).with_suffix(".npz"))
+            assert maps is not None and all(np.array_equal(maps[k], z[f"{m}__{k}"])
+                                            for k in ("error", "spread"))
+    kept = era5._credits([store.load((), m, key) for m in scored])
+    assert [(c["methods"], c["date"]) for c in kept] == [
+        (["ensemble"], p["run"]["date"]), (p["run"]["resumed_runs"][0]["methods"],
+                                           p["run"]["resumed_runs"][0]["date"])]
