@@ -196,3 +196,32 @@ def test_other_budget_or_depth_retrains_the_backbone(tmp_path: Path) -> None:
     assert main(_tiny_argv(out)) == 0
     again = json.loads(run_json.read_text())
     assert again["backbone"] == first["backbone"]
+
+
+def test_batch_size_auto_resolves_by_fit_rows_and_keeps_the_cache_key(tmp_path: Path) -> None:
+    """``--batch-size auto`` (default): 32 / 128 / 256 by the fit part's rows; the backbone cache
+    spec records the resolved number, so auto on a small set hits the cache of ``32``."""
+    from attnuq._io import cache_key
+    from attnuq.bench.uci import _cache_spec, batch_size_for
+    from attnuq.data.uci import load_uci
+
+    assert [batch_size_for("auto", n) for n in (1, 2000, 2001, 20000, 20001)] == [
+        32, 32, 128, 128, 256]
+    assert batch_size_for(64, 10**6) == 64
+    data = load_uci("concrete", 0, data_dir="bundled")
+    base = dict(n_blocks=1, max_epochs=1, patience=1, seed=0)
+    auto = _cache_spec(data, argparse.Namespace(**base, batch_size="auto"))
+    fixed = _cache_spec(data, argparse.Namespace(**base, batch_size=32))
+    assert auto["batch_size"] == 32 and cache_key(auto) == cache_key(fixed)
+    assert cache_key(_cache_spec(data, argparse.Namespace(**base, batch_size=128))) != \
+        cache_key(fixed)
+    # the page states the rule when the command ran with auto
+    args = argparse.Namespace(n_blocks=3, max_epochs=100, patience=16, batch_size="auto",
+                              n_samples=10, swag_epochs=1)
+    info = {"command": "attnuq bench uci", "date": "d", "machine": "m"}
+    text = write_table(tmp_path / "t.md", tmp_path, [_row("a", "sa-paper", 0, 2.0, 1.0)], info,
+                       args).read_text()
+    assert "batch size auto: 32 when the fit part has <= 2,000 rows, 128 when <= 20,000, " \
+           "else 256" in text
+    with pytest.raises(SystemExit):
+        main(["bench", "uci", "--batch-size", "0"])
