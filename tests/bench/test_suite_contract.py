@@ -71,7 +71,9 @@ def _comparable(twin: dict[str, Any], volatile: tuple[str, ...]) -> dict[str, An
             keep = [i for i, c in enumerate(t["columns"]) if c not in volatile]
             tables.append((sec["heading"], [t["columns"][i] for i in keep],
                            [[r[i] for i in keep] for r in t["rows"]]))
-    return {"headline": twin["headline"], "headline_table": twin["headline_table"],
+    # a headline table is also one of the section tables (Page.table(t, headline=True)), where
+    # its volatile columns are dropped; here only whether there is one
+    return {"headline": twin["headline"], "headline_table": twin["headline_table"] is not None,
             "tables": tables, "implementations": twin["implementations"]}
 
 
