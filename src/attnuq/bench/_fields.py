@@ -8,7 +8,6 @@
   after one pooled spread factor;
 * :func:`error_maps` / :func:`load_maps` / :func:`maps_png`: maps of the mean error and of the
   mean predicted spread per method and lead, read back, and their figure.
-
 """
 
 from __future__ import annotations
@@ -136,7 +135,7 @@ def load_maps(path: Path) -> dict[str, np.ndarray] | None:
 
 
 def maps_png(path: Path, maps: dict[str, dict[str, np.ndarray]], field: Any,
-              leads: tuple[int, ...]) -> None:
+             leads: tuple[int, ...]) -> None:
     """One row per method: mean error per lead (shared diverging scale), then mean predicted std
     per lead; ``maps[name]`` holds ``"error"`` and ``"spread"`` ``(L, n_lat, n_lon)``, ``field``
     the grid (``lat``, ``lon``). Written atomically to ``path``."""
