@@ -61,6 +61,7 @@ def _check_twin(twin: dict[str, Any], suite: str) -> None:
     for sec in twin["sections"]:
         for t in sec["tables"]:
             assert all(len(r) == len(t["columns"]) for r in t["rows"])
+    json.dumps(twin, allow_nan=False)  # strict JSON: no NaN
 
 
 def _comparable(twin: dict[str, Any], volatile: tuple[str, ...]) -> dict[str, Any]:

@@ -46,14 +46,15 @@ Best CRPS: **sa-paper**.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from attnuq._io import atomic_write_json, atomic_write_text, read_json_or_none
 
-__all__ = ["Page", "Table", "error_lines", "fmt", "gap_lines", "pit_figure", "read_twin",
-           "runs_lines", "twin_path", "update_summary"]
+__all__ = ["Page", "Table", "error_lines", "fmt", "gap_lines", "pit_figure", "plain",
+           "read_twin", "runs_lines", "twin_path", "update_summary"]
 
 #: keys every JSON twin has
 TWIN_KEYS = ("suite", "title", "provenance", "headline", "headline_table", "sections",
@@ -240,20 +241,43 @@ class Page:
         return "\n".join(self.lines) + end
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON twin (keys :data:`TWIN_KEYS`)."""
-        return {"suite": self.suite, "title": self.title, "provenance": self.prov,
-                "headline": self.heads, "headline_table": self.head_table,
-                "sections": [s for s in self.sections if s["heading"] is not None or s["tables"]],
-                "implementations": self.impl, "state": self.state}
+        """The JSON twin (keys :data:`TWIN_KEYS`), strict JSON data (:func:`plain`)."""
+        return plain({"suite": self.suite, "title": self.title, "provenance": self.prov,
+                      "headline": self.heads, "headline_table": self.head_table,
+                      "sections": [s for s in self.sections
+                                   if s["heading"] is not None or s["tables"]],
+                      "implementations": self.impl, "state": self.state})
 
     def write(self, md: str | Path, twin: str | Path | None = None, *, end: str = "\n") -> Path:
         """Write the page to ``md`` and its twin to ``twin`` (default: ``md`` with ``.json``),
         both atomically; returns ``md``."""
         md = Path(md)
         atomic_write_json(twin_path(md) if twin is None else Path(twin), self.to_dict(),
-                          indent=1, default=float)
+                          indent=1, allow_nan=False)
         atomic_write_text(md, self.markdown(end=end))
         return md
+
+
+def plain(obj: Any) -> Any:
+    """``obj`` as strict JSON data: non-finite floats become ``None`` (JSON has no NaN), tuples
+    lists, mapping keys strings; numpy scalars and other numbers become floats.
+
+    >>> plain({"a": float("nan"), "b": (1, 2.5), 3: [float("inf")]})
+    {'a': None, 'b': [1, 2.5], '3': [None]}
+    """
+    if isinstance(obj, Mapping):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    if obj is None or isinstance(obj, (str, bool, int)):
+        return obj
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    try:
+        v = float(obj)
+    except (TypeError, ValueError):
+        return str(obj)
+    return v if math.isfinite(v) else None
 
 
 def twin_path(md: str | Path) -> Path:
@@ -391,6 +415,6 @@ def update_summary(path: str | Path, suite: str, datasets: Mapping[str, Any]) ->
             raise ValueError(f"backbone metric of {ds!r} must be 'rmse' or 'mse': {e['backbone']}")
     path = Path(path)
     old = read_json_or_none(path, "results summary", validate=lambda d: isinstance(d, dict))
-    new = {**(old or {}), suite: dict(datasets)}
-    atomic_write_json(path, dict(sorted(new.items())), indent=1, default=float)
+    new = {**(old or {}), suite: plain(datasets)}
+    atomic_write_json(path, dict(sorted(new.items())), indent=1, allow_nan=False)
     return path
