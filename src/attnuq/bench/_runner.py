@@ -105,7 +105,9 @@ class RunStore:
         Name used in messages.
     info
         Provenance of this invocation (:func:`attnuq._runtime.run_info`); each saved record
-        gets it with the date of its own save.
+        gets it with the date of its own save, plus ``started`` (the invocation's own date) and
+        ``invocation`` (an id telling two invocations of one command apart), which
+        :func:`credits` groups by.
     reuse_of
         Where a record keeps its reuse key (default: ``record["reuse"]``, which
         :meth:`save` sets from the group when the record has none).
@@ -124,6 +126,9 @@ class RunStore:
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
+        if self.info:
+            self.info = {"started": self.info.get("date"), "invocation": time.time_ns(),
+                         **self.info}
 
     def path(self, parts: Sequence[str], method: str) -> Path:
         return self.root.joinpath(*parts) / f"{method}.json"
@@ -204,20 +209,24 @@ def reuse_key(config: Mapping[str, Any], free: Iterable[str] = ()) -> dict[str, 
 
 
 def credits(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Which invocation produced which records: one entry per distinct ``run_info`` command
-    (in order of first date) with its first ``date``, ``machine`` and the sorted ``methods``.
+    """Which invocation produced which records: one entry per invocation (``run_info``
+    command and ``invocation`` id; records without an id: per command), in order of date, with
+    its ``date`` (the invocation's ``started``, else its records' first date), ``machine`` and
+    the sorted ``methods``.
 
     >>> credits([{"method": "b", "run_info": {"command": "c1", "date": "2", "machine": "m"}},
     ...          {"method": "a", "run_info": {"command": "c1", "date": "1", "machine": "m"}}])
     [{'command': 'c1', 'date': '1', 'machine': 'm', 'methods': ['a', 'b']}]
     """
-    by: dict[str, dict[str, Any]] = {}
+    by: dict[tuple[str, Any], dict[str, Any]] = {}
     for r in records:
         info = r.get("run_info") or {}
         cmd = str(info.get("command", "?"))
-        e = by.setdefault(cmd, {"command": cmd, "date": info.get("date", "?"),
-                                "machine": info.get("machine", "?"), "methods": set()})
-        e["date"] = min(e["date"], info.get("date", "?"))
+        date = info.get("started") or info.get("date", "?")
+        e = by.setdefault((cmd, info.get("invocation")), {
+            "command": cmd, "date": date, "machine": info.get("machine", "?"),
+            "methods": set()})
+        e["date"] = min(e["date"], date)
         e["methods"].add(r.get("method", "?"))
     out = [{**e, "methods": sorted(e["methods"])} for e in by.values()]
     return sorted(out, key=lambda e: e["date"])
