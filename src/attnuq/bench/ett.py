@@ -1,23 +1,21 @@
 """``attnuq bench ett``: SA on a frozen Hugging Face PatchTST against the baselines on ETTh1.
 
-The suite is data + backbone + config on the bench spine (:mod:`attnuq.bench._runner`,
-``_page``, ``_scoring``); every step is recorded in the JSON written next to the page.
+Data + backbone + config on the bench spine; every step is recorded in the JSON next to the page.
 
-1. Data: :func:`attnuq.data.ett.load_ett` with the standard borders (train 12 months, val 4,
-   test 4; val/test windows start ``context`` rows early; scaler fitted on train); metrics on
-   the standardised scale, as in the PatchTST/Informer tables. The val windows are cut in time:
-   the first half (``val``) for early stopping and each method's own fit (SA's ``nu``, the
-   residual distributions), the second half (``cal``) for the split-conformal steps.
-2. Backbone: ``PatchTSTForPrediction`` trained here through :func:`attnuq.training.fit` with
-   early stopping, written with ``save_pretrained`` and read back with ``from_pretrained``
-   (frozen). The deep ensemble retrains the same recipe with other seeds (member 0 = backbone).
+1. Data: :func:`attnuq.data.ett.load_ett`, standard borders (train 12 months, val 4, test 4;
+   scaler fitted on train; metrics on the standardised scale, as in the PatchTST tables). The
+   val windows are cut in time: the first half (``val``) for early stopping and each method's
+   own fit (SA's ``nu``, residual distributions), the second half (``cal``) for the conformal
+   steps.
+2. Backbone: ``PatchTSTForPrediction`` trained through :func:`attnuq.training.fit` with early
+   stopping, ``save_pretrained`` then ``from_pretrained`` (frozen); the deep ensemble retrains
+   the recipe with seeds ``seed + k`` (member 0 = the backbone).
 3. Methods by name from :mod:`attnuq.methods` (``sa-conformal`` shares ``sa-paper``'s ``nu``
-   and test draws), plus the suite's own reference row ``seasonal-naive`` (24 h). Scores over
-   the test windows (:class:`~attnuq.bench._scoring.StreamScores`): MSE, MAE, coverage and width
-   of the central 95 % interval, W1 of the PIT to U(0, 1), CRPS, extra cost; fan chart of ``OT``.
-4. One JSON per scored method under ``<out>/ett/runs/<csv stem>/`` (``--resume`` reuses those of
-   the same config), the assembled ``<out>/ett/ett_results.json`` that :func:`render_page` turns
-   into ``ett.md`` and its JSON twin, and the ``ett`` key of ``summary.json``.
+   and test draws) and the suite's reference row ``seasonal-naive`` (24 h), scored over the test
+   windows (:class:`~attnuq.bench._scoring.StreamScores`); one record per method under
+   ``<out>/ett/runs/<csv stem>/`` (``--resume`` reuses those of the same config), assembled in
+   ``<out>/ett/ett_results.json``, from which :mod:`attnuq.bench._ett_page` renders ``ett.md``,
+   its JSON twin, the fan chart of ``OT`` and the ``ett`` key of ``summary.json``.
 
 Examples
 --------
@@ -25,38 +23,37 @@ Run the full suite (a few tens of minutes on a laptop core)::
 
     attnuq bench ett --data-dir ../shared/data --out docs/results
 """
-
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import functools
-import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from attnuq._io import atomic_savefig, atomic_write_json, read_json_or_none
+from attnuq._io import atomic_write_json, read_json_or_none
 from attnuq._validation import check_positive_int
 from attnuq.bench import register
-from attnuq.bench._members import cache_text, jobs_text
-from attnuq.bench._page import Page, Table, fmt
-from attnuq.bench._scoring import StreamScores, to_cpu
-from attnuq.methods import ResidualQuantiles  # re-exported until era5 imports it from there
+from attnuq.bench._ett_page import (
+    ALL_METHODS,
+    IMPLEMENTATIONS,
+    chunks,
+    fan_plot,
+    render_page,
+    score_chunks,
+    scored,
+    summary,
+)
+from attnuq.methods import ResidualQuantiles
 from attnuq.predictive import GaussianPredictive, Predictive
 
-__all__ = ["ALL_METHODS", "ResidualQuantiles", "StreamScores", "add_arguments", "render_page",
-           "run", "summary"]
+__all__ = ["ALL_METHODS", "add_arguments", "render_page", "run", "summary"]
 
-#: every method the suite knows, in table order
-ALL_METHODS: tuple[str, ...] = ("sa-paper", "sa-crps", "sa-conformal", "mc-dropout", "ensemble",
-                                "swag", "conformal", "seasonal-naive")
 #: cheap and central methods first, the retraining ones last (partial results stay useful)
 _RUN_ORDER = ("sa-paper", "sa-conformal", "conformal", "seasonal-naive", "sa-crps", "mc-dropout",
               "swag", "ensemble")
@@ -67,16 +64,6 @@ _RESUME_FREE = ("methods", "resume", "merge", "note", "no_progress", "threads", 
 _METHOD_KEYS: dict[str, tuple[str, ...]] = {
     "member_epochs": ("ensemble",), "ensemble": ("ensemble",), "swag_epochs": ("swag",),
     "swag_snapshots": ("swag",)}
-_COLS = ("mse", "mae", "coverage", "width", "pit_w1", "crps", "mean_std")
-_TITLE = "ETTh1: stochastic attention on a frozen PatchTST vs baselines"
-#: published PatchTST/42 test MSE on ETTh1 at horizon 96 (Nie et al. 2023, table 3)
-_REFERENCE = (0.375, "PatchTST/42 (Nie et al. 2023), ETTh1 horizon 96")
-#: rows this suite computes itself (the others are registered methods: the registry's text)
-_IMPLEMENTATIONS: dict[str, str] = {
-    "seasonal-naive": "this suite: the last 24 h repeated (attnuq.data.ett.seasonal_naive) plus "
-                      "val residual quantiles per (horizon step, channel)",
-}
-
 AnyPred = Predictive | GaussianPredictive
 
 
@@ -91,12 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for flag, default in (("context", 336), ("horizon", 96), ("d-model", 32), ("layers", 2),
                           ("heads", 2), ("ffn", 64), ("patch", 16), ("stride", 8)):
         p.add_argument(f"--{flag}", type=int, default=default)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--patience", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--max-steps-per-epoch", type=int, default=None)
+    typed: tuple[tuple[str, type, Any], ...] = (
+        ("dropout", float, 0.1), ("epochs", int, 8), ("patience", int, 2), ("batch-size", int, 64),
+        ("lr", float, 1e-3), ("max-steps-per-epoch", int, None))
+    for flag, kind, default in typed:
+        p.add_argument(f"--{flag}", type=kind, default=default)
     p.add_argument("--member-epochs", type=int, default=None,
                    help="epoch cap for ensemble members (default: --epochs, the backbone's "
                         "recipe; a smaller cap is stated on the page)")
@@ -153,49 +139,6 @@ def _split_val(x: torch.Tensor, y: torch.Tensor, stride: int) -> tuple[tuple[tor
     if h < 2:
         raise ValueError(f"too few val windows to split into val and cal: {x.shape[0]}")
     return (x[:h:stride], y[:h:stride]), (x[h::stride], y[h::stride])
-
-
-def _chunks(n: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-def _fan_rows(pred: AnyPred, rows: torch.Tensor, ch: int) -> dict[str, list[list[float]]]:
-    """Quantiles of channel ``ch`` for the chosen rows of a chunk, for the fan chart."""
-    if isinstance(pred, GaussianPredictive):
-        sub: AnyPred = GaussianPredictive(mean=pred.mean[rows][..., ch],
-                                          std=pred.std[rows][..., ch])
-    else:
-        sub = Predictive(samples=pred.samples[:, rows][..., ch])
-    return {name: sub.quantile(q).tolist() for name, q in (
-        ("q025", 0.025), ("q25", 0.25), ("q50", 0.5), ("q75", 0.75), ("q975", 0.975))}
-
-
-def _evaluate(predict_fn: Callable[[torch.Tensor], dict[str, AnyPred]], x: torch.Tensor,
-              y: torch.Tensor, *, chunk: int, fan_idx: Sequence[int], fan_channel: int,
-              seed: int, desc: str, progress: bool, device: torch.device | None = None,
-              ) -> tuple[dict[str, dict[str, float]], dict[str, Any], float]:
-    """Score every named predictive that ``predict_fn`` returns per chunk (shared samples).
-
-    ``x`` and ``y`` stay on the CPU; each chunk of inputs goes to ``device`` for the prediction
-    and the predictions come back to the CPU for scoring.
-    """
-    from tqdm.auto import tqdm
-
-    scores: dict[str, StreamScores] = {}
-    fans: dict[str, dict[str, list[list[float]]]] = {}
-    t0 = time.perf_counter()
-    for sl in tqdm(_chunks(x.shape[0], chunk), desc=desc, disable=not progress):
-        with torch.no_grad():
-            xs = x[sl] if device is None else x[sl].to(device)
-            preds = {k: to_cpu(v) for k, v in predict_fn(xs).items()}
-        rows = [i - sl.start for i in fan_idx if sl.start <= i < sl.stop]
-        for name, pred in preds.items():
-            scores.setdefault(name, StreamScores(seed=seed)).update(pred, y[sl])
-            fan = fans.setdefault(name, {})
-            if rows:
-                for k, v in _fan_rows(pred, torch.tensor(rows), fan_channel).items():
-                    fan.setdefault(k, []).extend(v)
-    return {k: v.result() for k, v in scores.items()}, fans, time.perf_counter() - t0
 
 
 @dataclass
@@ -381,7 +324,7 @@ def run(args: argparse.Namespace) -> Path:
     # frozen point forecast (no uncertainty): MSE/MAE only, shared by the post-hoc methods
     with torch.no_grad():
         f_test = torch.cat([predict_batched(frozen, xte[sl].to(device), args.chunk).cpu()
-                            for sl in _chunks(len(xte), args.chunk)])
+                            for sl in chunks(len(xte), args.chunk)])
     sn = seasonal_naive(xte, H, season=24)
     points = {name: {"mse": float(((f - yte) ** 2).mean()), "mae": float((f - yte).abs().mean())}
               for name, f in (("frozen", f_test), ("seasonal-naive-point", sn))}
@@ -406,7 +349,7 @@ def run(args: argparse.Namespace) -> Path:
 
     def score(names: Sequence[str], predict_fn: Callable[[torch.Tensor], dict[str, AnyPred]],
               extras: dict[str, dict[str, Any]]) -> None:
-        scores, fan, sec = _evaluate(
+        scores, fan, sec = score_chunks(
             predict_fn, xte, yte, chunk=args.chunk, fan_idx=fan_idx, fan_channel=ot,
             seed=args.seed, desc="+".join(names), progress=progress, device=device,
         )
@@ -439,7 +382,7 @@ def run(args: argparse.Namespace) -> Path:
             return pending.pop(name)
         if name == "seasonal-naive":  # the suite's reference forecast
             rsn = ResidualQuantiles.fit(yv - seasonal_naive(xv, H, season=24))
-            one(name, _Residual(rsn, functools.partial(seasonal_naive, horizon=H, season=24)),
+            one(name, lambda xb: rsn.predictive(seasonal_naive(xb, H, season=24)),
                 {"fit_seconds": time.perf_counter() - t0, "forward_per_input": 0,
                  "note": "repeat the last 24 h; distribution = val residual quantiles per "
                          "(horizon step, channel)"})
@@ -502,7 +445,7 @@ def run(args: argparse.Namespace) -> Path:
                           **merged_fans, **{m: r["fan"] for m, r in recs.items()}},
         }
         _write(res_dir, payload, final=final,
-               fan=lambda p, fans: _fan_plot(p, fans, xte, yte, fan_idx, ot, data))
+               fan=lambda p, fans: fan_plot(p, fans, xte, yte, fan_idx, ot, data))
 
     done = run_items(store, [group], lambda g: None, run_one, progress=False,
                      rerun=group.methods if not args.resume else rerun,
@@ -513,79 +456,18 @@ def run(args: argparse.Namespace) -> Path:
     return res_dir
 
 
-def _as_samples(p: AnyPred) -> Predictive:
-    if not isinstance(p, Predictive):
-        raise TypeError(f"expected a sample-based Predictive, got {type(p).__name__}")
-    return p
-
-
 def _with_derived(base: Any, derived: Any, x: torch.Tensor) -> dict[str, AnyPred]:
     """sa-paper's ``p = base.predict(x)`` and sa-conformal's ``derived.derive(p)``."""
-    p = _as_samples(base.predict(x))
+    p = base.predict(x)
+    if not isinstance(p, Predictive):
+        raise TypeError(f"expected a sample-based Predictive, got {type(p).__name__}")
     return {"sa-paper": p, "sa-conformal": derived.derive(p)}
 
 
-@dataclass
-class _Residual:
-    """``point_fn(x)`` plus residual quantiles."""
-
-    rq: ResidualQuantiles
-    point_fn: Callable[[torch.Tensor], torch.Tensor]
-
-    def __call__(self, x: torch.Tensor) -> AnyPred:
-        return self.rq.predictive(self.point_fn(x))
-
-
 def _info(m: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in (m.info() or {}).items():
-        if isinstance(v, (int, float, str, bool)) or v is None:
-            out[k] = v
-    return out
-
-
-def _fan_plot(path: Path, fans: dict[str, Any], xte: torch.Tensor, yte: torch.Tensor,
-              fan_idx: Sequence[int], ot: int, data: Any) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [n for n in fans if fans[n]]
-    if not names:
-        return
-    H = yte.shape[1]
-    L = xte.shape[1]
-    hist = min(L, 72)
-    ncol = 2
-    nrow = math.ceil(len(names) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(12, 2.6 * nrow), squeeze=False, sharey=True)
-    truth = torch.cat([yte[i, :, ot] for i in fan_idx]).numpy()
-    t_f = np.arange(len(truth))
-    past = xte[fan_idx[0], -hist:, ot].numpy()
-    for ax, name in zip(axes.flat, names, strict=False):
-        f = fans[name]
-        lo95, hi95 = np.concatenate(f["q025"]), np.concatenate(f["q975"])
-        lo50, hi50 = np.concatenate(f["q25"]), np.concatenate(f["q75"])
-        med = np.concatenate(f["q50"])
-        ax.plot(np.arange(-hist, 0), past, color="0.4", lw=0.8)
-        ax.fill_between(t_f, lo95, hi95, color="C0", alpha=0.25, label="95 %")
-        ax.fill_between(t_f, lo50, hi50, color="C0", alpha=0.45, label="50 %")
-        ax.plot(t_f, med, color="C0", lw=0.9, label="median")
-        ax.plot(t_f, truth, color="k", lw=0.9, label="OT")
-        for j in range(1, len(fan_idx)):
-            ax.axvline(j * H, color="0.6", ls=":", lw=0.8)
-        ax.set_title(name, fontsize=9)
-    for ax in axes.flat[len(names):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=7, loc="upper left")
-    start = str(data.dates[data.borders["test"][0] + data.context])[:16]
-    issued = f"at the test border ({start})" + (f" and {H} h later" if len(fan_idx) > 1 else "")
-    fig.suptitle(f"{data.columns[ot]} (standardised), forecasts issued {issued}; {hist} h of "
-                 "context shown", fontsize=9)
-    fig.tight_layout()
-    atomic_savefig(fig, path, dpi=110)
-    plt.close(fig)
+    """The scalar entries of ``m.info()`` (what a record keeps)."""
+    return {k: v for k, v in (m.info() or {}).items()
+            if v is None or isinstance(v, (int, float, str, bool))}
 
 
 def _write(res_dir: Path, payload: dict[str, Any], *, final: bool,
@@ -596,7 +478,7 @@ def _write(res_dir: Path, payload: dict[str, Any], *, final: bool,
     from attnuq.bench._page import update_summary
 
     res = payload["results"]
-    payload["implementations"] = implementation_block(_scored(res), local=_IMPLEMENTATIONS)
+    payload["implementations"] = implementation_block(scored(res), local=IMPLEMENTATIONS)
     atomic_write_json(res_dir / "ett_results.json", payload, indent=1)
     fans = {m: v for m, v in payload["fan_chart"].items() if m in ALL_METHODS}
     if fans and final:  # drawing is slow on a busy core: once, at the end
@@ -606,139 +488,6 @@ def _write(res_dir: Path, payload: dict[str, Any], *, final: bool,
         update_summary(res_dir.parent / "summary.json", "ett", summary(payload))
 
 
-def summary(p: dict[str, Any]) -> dict[str, Any]:
-    """The suite's key of ``summary.json`` (issue #19) from the stored results ``p``.
+register("ett", help="ETTh1 (or any ETT-layout CSV): SA on a frozen HF PatchTST vs baselines",
+         add_arguments=add_arguments, run=run)
 
-    The data set is the CSV's stem (``ETTh1``); the backbone's metric is the frozen model's
-    test MSE, with PatchTST/42's published figure as reference for ETTh1 at horizon 96 and the
-    seasonal-naive (24 h) MSE otherwise; per method: MSE, CRPS, native PI-95 coverage, W1(PIT).
-    """
-    res, c = p["results"], p["config"]
-    name = Path(p["data"]["file"]).stem
-    ref, ref_name = _REFERENCE if (name, c["horizon"]) == ("ETTh1", 96) else (
-        res.get("seasonal-naive-point", {}).get("mse"), "seasonal naive (24 h)")
-    methods = {"frozen": {"mse": res["frozen"]["mse"]}}
-    for k, v in _scored(res).items():
-        methods[k] = {"mse": v["mse"], "crps": v["crps"], "coverage95_native": v["coverage"],
-                      "w1_native": v["pit_w1"]}
-    return {name: {"backbone": {"metric": "mse", "value": res["frozen"]["mse"], "reference": ref,
-                                "reference_name": ref_name},
-                   "splits": 1, "methods": methods}}
-
-
-def _ensemble_text(c: dict[str, Any], res: dict[str, Any]) -> str:
-    """The deep-ensemble recipe line of the page, from the ensemble's own record if scored."""
-    e = res.get("ensemble", {})
-    m_ep = e.get("member_epochs", c.get("member_epochs") or c["epochs"])
-    jobs = e.get("member_jobs", c.get("member_jobs", 1))
-    k = c["ensemble"] - 1
-    text = (f"deep ensemble: {c['ensemble']} members (member 0 = the backbone; members 1..{k} "
-            f"retrained by this suite with seeds {c['seed']}+k, epoch cap {m_ep}, steps/epoch "
-            f"cap {c['max_steps_per_epoch']}, "
-            + jobs_text(jobs) + ")")
-    text += cache_text(e, "ett")
-    if m_ep != c["epochs"]:
-        text += (f" -- **members 1..{k} had an epoch cap of {m_ep}, the backbone's recipe "
-                 f"{c['epochs']}: they are not trained like the backbone**")
-    return text
-
-
-def _scored(res: dict[str, Any]) -> dict[str, Any]:
-    """The table's rows: the scored methods, in table order."""
-    return {k: res[k] for k in ALL_METHODS if k in res and "crps" in res[k]}
-
-
-def render_page(out: Path, table: Path) -> Page:
-    """The page ``table`` (``ett.md``) built from the stored ``<out>/ett_results.json`` alone.
-
-    Examples
-    --------
-    The committed page of the checkout is what this makes of the committed JSON:
-
-    >>> from pathlib import Path
-    >>> docs = Path(__file__).resolve().parents[3] / "docs" / "results"
-    >>> page = render_page(docs / "ett", docs / "ett.md")
-    >>> page.markdown() == (docs / "ett.md").read_text()
-    True
-    """
-    p = read_json_or_none(Path(out) / "ett_results.json", "ETT results")
-    if p is None:
-        raise ValueError(f"no ETT results to render in {out} (run `attnuq bench ett` first)")
-    r, c, d, b = p["run"], p["config"], p["data"], p["backbone"]
-    tr = b["train"]
-    res = p["results"]
-    page = Page("ett", _TITLE, state={"results": f"{Path(out).name}/ett_results.json"})
-    page.add("Generated by `attnuq bench ett` -- do not edit by hand."
-             + ("" if p["complete"] else " **(partial: run still in progress or interrupted)**"),
-             "")
-    page.provenance(r)
-    page.add(
-        *[f"* methods {', '.join(m['methods'])} scored earlier by `{m['command']}` "
-          f"({m['date']}), same config, merged from its JSON" for m in r.get("merged_runs", [])
-          if m["methods"]],
-        f"* data: `{Path(d['file']).name}`, {d['split_rule']}; borders (rows, val/test include "
-        f"the {c['context']}-row context overlap): "
-        f"{ {k: tuple(v) for k, v in d['borders'].items()} }",
-        f"* test windows scored: {d['n_test_windows']} of {d['n_test_windows_all']} "
-        f"(stride {c['test_stride']}), horizon {c['horizon']}, all {len(d['columns'])} channels;"
-        " metrics on the train-standardised scale",
-        f"* val windows: first half (stride {c['val_stride']}) for early stopping and each "
-        "method's own fit (SA's nu, residual distributions); second half (same stride) = cal "
-        "for the conformal steps",
-        f"* backbone: HF `PatchTSTForPrediction`, context {c['context']}, d_model {c['d_model']}, "
-        f"{c['layers']} layers, {c['heads']} heads, ffn {c['ffn']}, patch {c['patch']} stride "
-        f"{c['stride']}, dropout {c['dropout']}, {b['n_params']} parameters; trained here "
-        f"({tr.get('epochs_run')} epochs, best epoch {tr.get('best_epoch')}, best val MSE "
-        f"{fmt(tr.get('best_val'))}, {fmt(tr.get('seconds'))} s"
-        f"{', reused from disk' if tr.get('reused') else ''}), `save_pretrained` then "
-        "`from_pretrained` (frozen)",
-        f"* Monte Carlo samples per method: {c['n_samples']}; calibration passes per nu: "
-        f"{c['n_passes']}, nu searched in [1, {c.get('nu_max')}] (BO); {_ensemble_text(c, res)}; "
-        f"SWAG: {c['swag_epochs']} epochs x {c.get('swag_snapshots')} snapshots at lr/10",
-        "",
-    )
-    if "frozen" in res:
-        sn = res.get("seasonal-naive-point", {})
-        page.headline(f"Point forecasts: frozen PatchTST MSE {fmt(res['frozen']['mse'])}, MAE "
-                      f"{fmt(res['frozen']['mae'])}; seasonal naive (24 h) MSE "
-                      f"{fmt(sn.get('mse'))}, MAE {fmt(sn.get('mae'))}.")
-        page.add("")
-    t = Table(["method", "MSE", "MAE", "PI-95 coverage", "PI-95 width", "W1(PIT, U)", "CRPS",
-               "mean std", "nu", "fit s", "predict s", "passes/input"])
-    extra = ("nu", "fit_seconds", "predict_seconds", "forward_per_input")
-    scored = _scored(res)
-    for name, v in scored.items():
-        t.add(name, *[fmt(v.get(k)) for k in (*_COLS, *extra)],
-              values={k: v.get(k) for k in (*_COLS, *extra)})
-    page.table(t)
-    if scored:
-        best_crps = min(scored, key=lambda k: scored[k]["crps"])
-        best_w1 = min(scored, key=lambda k: scored[k]["pit_w1"])
-        closest = min(scored, key=lambda k: abs(scored[k]["coverage"] - 0.95))
-        page.add("")
-        page.headline(f"Best CRPS: **{best_crps}**; lowest W1(PIT, U): **{best_w1}**; coverage "
-                      f"closest to 95 %: **{closest}**.")
-        for sa in ("sa-paper", "sa-crps", "sa-conformal"):
-            if sa in scored:
-                beaten = [k for k in scored if k != sa and scored[k]["crps"] < scored[sa]["crps"]]
-                page.add(f"* {sa} CRPS is beaten by: {', '.join(beaten) or 'none'}.")
-        page.add("")
-        page.implementations(p["implementations"], trailing_blank=False)
-    notes = c.get("note") or []
-    if notes:
-        page.add("", "Notes:", *[f"* {n}" for n in notes])
-    page.add("", "Fan chart of OT: `ett/ett_fan_ot.png`; raw numbers: `ett/ett_results.json`.",
-             "", "![fan chart](ett/ett_fan_ot.png)")
-    return page
-
-
-register(
-    "ett",
-    help="ETTh1 (or any ETT-layout CSV): SA on a frozen HF PatchTST vs baselines",
-    add_arguments=add_arguments,
-    run=run,
-)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    os.environ.setdefault("MPLBACKEND", "Agg")
