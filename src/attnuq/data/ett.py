@@ -65,7 +65,17 @@ def resolve_ett_path(
     data_dir_path: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Find an ETT CSV: an existing path as given, else ``<data_dir>/ett/<file>``, else
-    ``<data_dir>/<file>``; raise ``FileNotFoundError`` naming every place looked at."""
+    ``<data_dir>/<file>``; raise ``FileNotFoundError`` naming every place looked at.
+
+    Examples
+    --------
+    >>> resolve_ett_path(None)
+    Traceback (most recent call last):
+    ...
+    TypeError: file must be a path or a file name such as 'ETTh1.csv', got file=None
+    """
+    if not isinstance(file, (str, os.PathLike)) or str(file) == "":
+        raise TypeError(f"file must be a path or a file name such as 'ETTh1.csv', got {file=!r}")
     p = Path(file)
     if p.is_file():
         return p
