@@ -64,23 +64,24 @@ def test_fit_equals_the_old_train_regressor_bit_for_bit() -> None:
     assert r.val_metric != [] and r.metric == "rmse"
 
 
-def test_fit_equals_the_old_train_regressor_on_shared_task_batches() -> None:
-    """The Task's TensorBatches (one generator shared by every member) pass through as they
-    are, so members train on the same batch orders as before."""
+def test_fit_orders_shared_batches_by_its_own_seed() -> None:
+    """A TensorBatches passed in (a Task's shared training batches) is shuffled by a copy
+    seeded with fit's seed: the same weights as on the raw tensors, whoever iterated the shared
+    object before (before 0.3 the order followed the shared generator's state, so a method's
+    result depended on which methods had run before it)."""
     tr, va = _xy(80, seed=3), _xy(30, seed=4)
-    out = []
-    for loop in (ref.train_regressor, fit):
-        shared = TensorBatches(*tr, batch_size=16, shuffle=True, seed=0)
-        if loop is ref.train_regressor:
-            shared = ref._TensorBatches(*tr, batch_size=16, shuffle=True, seed=0)
-        models = []
-        for seed in (1, 2):
-            m = _ft(seed)
-            loop(m, shared, va, max_epochs=2, patience=2, seed=seed, progress=False)
-            models.append(m)
-        out.append(models)
-    for a, b in zip(*out, strict=True):
-        _same_weights(a, b)
+    shared = TensorBatches(*tr, batch_size=16, shuffle=True, seed=0)
+    models = []
+    for n_before in (0, 3):
+        for _ in range(n_before):
+            list(shared)  # other methods iterated the shared batches
+        m = _ft(1)
+        fit(m, shared, va, max_epochs=2, patience=2, seed=7, progress=False)
+        models.append(m)
+    raw = _ft(1)
+    fit(raw, tr, va, max_epochs=2, patience=2, batch_size=16, seed=7, progress=False)
+    _same_weights(models[0], models[1])
+    _same_weights(models[0], raw)
 
 
 def test_fit_equals_the_old_train_regressor_with_loss_fn_and_custom_forward() -> None:
@@ -438,24 +439,37 @@ def test_helpers() -> None:
     assert training.evaluate_masked_mse(nn.Identity(), [b], lambda m, x: torch.zeros(1, 2)) == 1.0
 
 
-def test_task_members_train_on_the_batch_order_they_always_had() -> None:
-    """A Task over (X, Y) tensors shares one shuffling generator between its members; counting
-    n_train draws one shuffle from it (as before 0.3), so a member trained now on a seed equals
-    the one the old code trained (and cached) on that seed."""
-    from attnuq.methods import Task
+def test_task_methods_do_not_depend_on_what_ran_before() -> None:
+    """Members, SWAG and IVON shuffle the Task's shared training batches through their own
+    seeded copies: the same result whether or not other methods iterated ``task.train``
+    before (the suite contract: an interrupted-and-resumed run equals a straight one)."""
+    pytest.importorskip("ivon")
+    from torch.nn.utils import parameters_to_vector
 
-    tr = _xy(64, seed=9)
+    from attnuq.methods import Task, make_method
+    from attnuq.methods.swag import fit_swag
+
+    tr = _xy(48, seed=9)
 
     def train_fn(model: nn.Module, train: Any, val: Any, seed: int) -> Any:
         return fit(model, train, val, max_epochs=2, patience=2, seed=seed, progress=False)
 
-    task = Task(model=_ft(0).eval(), train=tr, val=tr, cal=tr, make_model=_ft,
-                train_fn=train_fn, batch_size=16)
-    torch.manual_seed(3)
-    member, _ = task.member(1)
-    old_train = ref._TensorBatches(*tr, batch_size=16, shuffle=True, seed=0)
-    assert sum(len(t) for _, t in old_train) == 64  # the old Task.__post_init__ count
-    old = _ft(1)  # make_model seeds the global RNG itself (make_ft_transformer(seed=...))
-    ref.train_regressor(old, old_train, ref.as_batches(tr, batch_size=16), max_epochs=2,
-                        patience=2, seed=1, progress=False)
-    _same_weights(old, member)
+    def run(n_before: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+        task = Task(model=_ft(0).eval(), train=tr, val=tr, cal=tr, make_model=_ft,
+                    train_fn=train_fn, batch_size=16)
+        for _ in range(n_before):
+            list(task.train)
+        torch.manual_seed(5)
+        member, _ = task.member(1)
+        for _ in range(n_before):
+            list(task.train)
+        torch.manual_seed(5)
+        swa, _, _ = fit_swag(task.model, task, epochs=1, seed=3, progress=False)
+        torch.manual_seed(5)
+        iv = make_method("ivon", n_samples=2, max_epochs=1, hess_inits=(10.0,), n_select=2,
+                         progress=False).fit(task)
+        return member, parameters_to_vector(swa.parameters()), iv.predict(tr[0][:4]).samples
+
+    a, b = run(0), run(2)
+    _same_weights(a[0], b[0])
+    assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])

@@ -80,6 +80,7 @@ __all__ = [
     "output_mean",
     "predict_batched",
     "progress_bar",
+    "reseeded",
     "schedule_factor",
 ]
 
@@ -165,6 +166,12 @@ class TensorBatches:
     def __len__(self) -> int:
         return math.ceil(len(self.x) / self.batch_size)
 
+    def reseeded(self, seed: int) -> TensorBatches:
+        """The same tensors, batch size and shuffle flag with a generator of its own seeded by
+        ``seed`` (what :func:`fit` shuffles, so a batch order never depends on who iterated
+        this object before)."""
+        return TensorBatches(self.x, self.y, self.batch_size, self.shuffle, seed)
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         n = len(self.x)
         order = torch.randperm(n, generator=self.gen) if self.shuffle else torch.arange(n)
@@ -195,6 +202,25 @@ def as_batches(
         assert isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
         return TensorBatches(x, y, check_positive_int(batch_size, "batch_size"), shuffle, seed)
     return data
+
+
+def reseeded(batches: Any, seed: int) -> Any:
+    """``batches.reseeded(seed)`` for :class:`TensorBatches`, other batches as they are.
+
+    Every trainer that shuffles a shared ``task.train`` (:func:`fit`, SWAG, IVON) takes its own
+    copy, so its batch order is set by its seed alone, not by which method ran before it.
+
+    Examples
+    --------
+    >>> import torch
+    >>> shared = TensorBatches(torch.arange(6.0), torch.arange(6.0), 2, shuffle=True)
+    >>> _ = list(shared)  # someone iterated it: its generator moved on
+    >>> a = [y.tolist() for _, y in reseeded(shared, 1)]
+    >>> b = [y.tolist() for _, y in reseeded(shared, 1)]
+    >>> a == b, reseeded([1, 2], 1)
+    (True, [1, 2])
+    """
+    return batches.reseeded(seed) if isinstance(batches, TensorBatches) else batches
 
 
 def count_rows(batches: Iterable[Any]) -> int:
@@ -695,8 +721,9 @@ def fit(
         Any module; trained in place, left in eval mode with the best weights.
     train
         ``(X, Y)`` tensors (batched by ``batch_size``, reshuffled every epoch by a generator
-        seeded with ``seed``), a re-iterable of batches (a :class:`TensorBatches` keeps its own
-        generator), or a factory ``epoch -> iterable of batches``.
+        seeded with ``seed``), a re-iterable of batches (a :class:`TensorBatches` is shuffled
+        by a copy seeded with ``seed``, :func:`reseeded`), or a factory
+        ``epoch -> iterable of batches``.
     val
         ``(X, Y)`` tensors (batches of ``val_batch_size``), a re-iterable, or ``() -> iterable``.
     loss
@@ -789,7 +816,9 @@ def fit(
         opt = make_optimizer(model, kind=optimizer, lr=lr, weight_decay=weight_decay)
     for g in opt.param_groups:
         g.setdefault("initial_lr", g["lr"])
-    train_b = as_batches(train, batch_size=batch_size, shuffle=True, seed=seed)
+    # a TensorBatches passed in (e.g. a Task's shared training batches) is shuffled by a copy
+    # with its own generator seeded by ``seed``: the order depends on ``seed`` alone
+    train_b = reseeded(as_batches(train, batch_size=batch_size, shuffle=True, seed=seed), seed)
     val_b = as_batches(val, batch_size=val_batch_size)
     train_src = _epoch_source(train_b, "train", 1)
     val_src = _epoch_source(val_b, "val", 0)

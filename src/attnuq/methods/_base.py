@@ -55,7 +55,7 @@ from attnuq._io import (
     torch_load_or_none,
 )
 from attnuq.predictive import GaussianPredictive, Predictive
-from attnuq.training import Batches, as_batches, default_forward, output_mean
+from attnuq.training import Batches, as_batches, count_rows, default_forward, output_mean
 
 __all__ = [
     "Cost",
@@ -148,7 +148,11 @@ class Task:
     model
         The trained backbone; post-hoc methods never change its weights.
     train, val, cal
-        Batches of ``(inputs, targets)``; ``(X, Y)`` tensor pairs are batched with ``batch_size``.
+        Batches of ``(inputs, targets)`` (or batch objects with ``targets``); ``(X, Y)`` tensor
+        pairs are batched with ``batch_size``. The training batches are shared by every method;
+        those that shuffle them (:func:`attnuq.training.fit`, SWAG, IVON) shuffle a copy seeded
+        by their own seed (:func:`attnuq.training.reseeded`), so no method's result depends on
+        which methods ran before it on the same Task.
     forward_fn
         ``forward_fn(model, inputs) -> Tensor`` shaped like the targets.
     make_model
@@ -202,10 +206,7 @@ class Task:
         self.val = as_batches(self.val, batch_size=self.batch_size)
         self.cal = as_batches(self.cal, batch_size=self.batch_size)
         if self.n_train is None:
-            # counted by iterating, as always: for (X, Y) tensors this draws one shuffle from
-            # the training batches' generator, which every member trained on task.train then
-            # continues from (changing it would change members trained on the same seed)
-            self.n_train = sum(len(split_batch(b)[1]) for b in self.train)
+            self.n_train = count_rows(self.train)
         if self.n_train < 1:
             raise ValueError(f"training data is empty, got n_train={self.n_train}")
 

@@ -52,7 +52,7 @@ from torch import nn
 from attnuq._validation import check_positive_int
 from attnuq.methods._base import Cost, Method, PredictiveLike, Task
 from attnuq.predictive import Predictive
-from attnuq.training import as_batches, evaluate_rmse, progress_bar
+from attnuq.training import as_batches, evaluate_rmse, progress_bar, reseeded
 
 __all__ = ["IVONMethod"]
 
@@ -111,7 +111,7 @@ class IVONMethod(Method):
             model.parameters(), lr=self.lr, ess=float(task.n_train), hess_init=hess_init,
             weight_decay=self.weight_decay, beta2=self.beta2, clip_radius=self.clip_radius,
         )
-        batches = as_batches(task.train, shuffle=True, seed=self.seed)
+        batches = reseeded(as_batches(task.train, shuffle=True, seed=self.seed), self.seed)
         best, bad, best_state, best_epoch = math.inf, 0, None, -1
         torch.manual_seed(self.seed)
         for epoch in progress_bar(range(self.max_epochs), desc=f"ivon h={hess_init:g}",

@@ -53,7 +53,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from attnuq._validation import check_finite, check_positive_int
 from attnuq.methods._base import Cost, Method, PredictiveLike, Task
 from attnuq.predictive import Predictive
-from attnuq.training import as_batches, make_optimizer, progress_bar
+from attnuq.training import as_batches, make_optimizer, progress_bar, reseeded
 
 __all__ = ["SWAG", "MultiSWAG", "SWAGCollector", "fit_swag"]
 
@@ -191,7 +191,7 @@ def fit_swag(
     params = list(net.parameters())
     coll = SWAGCollector(sum(p.numel() for p in params), max_rank=max_rank)
     opt = make_optimizer(net, lr=lr, weight_decay=weight_decay)
-    batches = as_batches(task.train, shuffle=True, seed=seed)
+    batches = reseeded(as_batches(task.train, shuffle=True, seed=seed), seed)  # own order
     n_steps = sum(1 for _ in batches)
     marks = {
         max(1, round((j + 1) * n_steps / snapshots_per_epoch))
