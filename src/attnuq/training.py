@@ -30,6 +30,25 @@ atomically (:mod:`attnuq._io`); a later call with the same path resumes after th
 epoch, and an interrupted-and-resumed run ends with the weights of an uninterrupted one, bit for
 bit (a batch factory must draw its order from the epoch it is given, not from a hidden state).
 
+Recipes
+-------
+The three loops this module replaced (``tests/test_training.py`` checks each call against a
+frozen copy of the old loop, bit for bit):
+
+* FT-Transformer (``train_regressor``): ``fit(model, (x, y), (x_val, y_val))`` -- the defaults
+  are rtdl's recipe (AdamW over ``make_parameter_groups()``, lr 1e-4, weight decay 1e-5, early
+  stopping on validation RMSE, patience 16);
+* PatchTST / ViT (``train_forecaster``): ``fit(..., metric="mse", lr=1e-3, weight_decay=0.0,
+  batch_size=64, patience=3, val_batch_size=512, seed_torch=True, count_val_forward=False)``;
+* Levy forecaster and softmax control (``levy_forecaster.fit``): ``fit(model, epoch_batches,
+  val_batches, loss=masked_mse_loss(forward_batch, nll_weight), metric="masked_mse",
+  forward_fn=forward_batch, optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad_norm=5.0,
+  loss_average="batches", count_val_forward=False)``.
+
+PatchTST's own supervised ETTh1 script trains with Adam at lr 1e-4, batch 128 and the
+``"type3"`` schedule: ``optimizer="adam", lr=1e-4, weight_decay=0.0, batch_size=128,
+schedule="type3"``.
+
 Examples
 --------
 >>> import torch
