@@ -39,11 +39,13 @@ frozen copy of the old loop, bit for bit):
   are rtdl's recipe (AdamW over ``make_parameter_groups()``, lr 1e-4, weight decay 1e-5, early
   stopping on validation RMSE, patience 16);
 * PatchTST / ViT (``train_forecaster``): ``fit(..., metric="mse", lr=1e-3, weight_decay=0.0,
-  batch_size=64, patience=3, val_batch_size=512, seed_torch=True, count_val_forward=False)``;
+  max_epochs=10, patience=3, batch_size=64, val_batch_size=512, seed_torch=True,
+  count_val_forward=False)`` (AdamW over the parameters: these models have no parameter
+  groups);
 * Levy forecaster and softmax control (``levy_forecaster.fit``): ``fit(model, epoch_batches,
   val_batches, loss=masked_mse_loss(forward_batch, nll_weight), metric="masked_mse",
   forward_fn=forward_batch, optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad_norm=5.0,
-  loss_average="batches", count_val_forward=False)``.
+  max_epochs=20, patience=3, loss_average="batches", count_val_forward=False)``.
 
 PatchTST's own supervised ETTh1 script trains with Adam at lr 1e-4, batch 128 and the
 ``"type3"`` schedule: ``optimizer="adam", lr=1e-4, weight_decay=0.0, batch_size=128,
