@@ -3,13 +3,11 @@
 The block between ``<!-- results:start -->`` and ``<!-- results:end -->`` of ``README.md`` is
 rebuilt from the JSON twin of each page, ``docs/results/<suite>.json`` (written with the page by
 ``attnuq bench <suite>``, :class:`attnuq.bench._page.Page`): the page's title, date and its
-headline lines (or headline table), with a link. Nothing is typed by hand. Transition (#18):
-a suite whose page has no twin yet has its headline taken from the markdown page by line
-prefix, as before (:data:`_LEGACY`); drop that once every suite writes its twin. ``--check``
-exits 1 when the
-README block is stale (the tests run it that way). ``docs/results/summary.json`` (issue #19's
-machine-readable summary, each suite's key written by that suite) is named under the block when
-it exists.
+headline lines (or headline table), with a link. Nothing is typed by hand and no markdown is
+scraped; a page without a twin is listed as such. ``--check`` exits 1 when the
+README block is stale (the tests run it that way). From ``docs/results/summary.json`` (issue
+#19's machine-readable summary, each suite's key written by that suite) each suite gets one line
+more: its frozen backbone's accuracy beside the reference it is held to.
 """
 
 from __future__ import annotations
@@ -28,32 +26,25 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 #: the suites whose headline the README shows, in README order
 SUITES = ("uci", "ett", "era5", "physionet", "calibration")
 
-#: transition only, for pages without a JSON twin: (line prefixes, heading of the first table)
-_LEGACY: dict[str, tuple[tuple[str, ...], str | None]] = {
-    "ett": (("Point forecasts:", "Best CRPS:"), None),
-    "era5": (("Best CRPS:",), None),
-    "physionet": ((), "## Accuracy and scores"),
-}
-
-
-def _legacy(suite: str, lines: list[str]) -> tuple[str, list[str]]:
-    """(date, headline lines) scraped from a page without a twin (transition only)."""
-    date = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("* date:")), "?")
-    prefixes, heading = _LEGACY[suite]
-    body, section = [], ""
-    for x in lines:
-        if x.startswith("## "):
-            section = x[3:].strip()
-        elif prefixes and x.startswith(prefixes):
-            body.append(f"{section}: {x}" if section and suite == "era5" else x)
-    if heading is not None and not body:
-        start = next((i for i, x in enumerate(lines) if x.startswith(heading)), len(lines))
-        for x in lines[start + 1:]:
-            if x.startswith("|"):
-                body.append(x)
-            elif body:
-                break
-    return date, body
+def backbone_line(suite: str) -> str | None:
+    """``suite``'s frozen backbone beside its reference, per data set, from summary.json
+    (``None`` when the file or the suite's key is missing)."""
+    path = RESULTS / "summary.json"
+    entries = json.loads(path.read_text()).get(suite) if path.is_file() else None
+    if not entries:
+        return None
+    groups: dict[str, list[str]] = {}
+    for ds, e in entries.items():
+        b = e["backbone"]
+        if b.get("value") is None:
+            continue
+        ref = "" if b.get("reference") is None else f" / {b['reference']:.4g}"
+        head = b["metric"].upper() + (f", ours / {b['reference_name']}" if ref else "")
+        groups.setdefault(head, []).append(f"{ds} {b['value']:.4g}{ref}")
+    if not groups:
+        return None
+    return ("* frozen backbone (docs/results/summary.json): "
+            + "; ".join(f"{h}: {', '.join(v)}" for h, v in groups.items()))
 
 
 def summarise(suite: str) -> list[str]:
@@ -61,13 +52,7 @@ def summarise(suite: str) -> list[str]:
     page, twin_file = RESULTS / f"{suite}.md", RESULTS / f"{suite}.json"
     if not page.is_file():
         return [f"* `{suite}`: no results page yet (`attnuq bench {suite}`).", ""]
-    if not twin_file.is_file() and suite in _LEGACY:
-        lines = page.read_text().splitlines()
-        date, body = _legacy(suite, lines)
-        twin = {"title": lines[0].lstrip("# ").strip(), "provenance": {"date": date},
-                "headline": [] if body[:1] and body[0].startswith("|") else body,
-                "headline_table": body}
-    elif not twin_file.is_file():
+    if not twin_file.is_file():
         return [f"* `{suite}`: its page has no JSON twin yet (`attnuq bench {suite}` writes "
                 f"docs/results/{suite}.json).", ""]
     else:
@@ -75,9 +60,11 @@ def summarise(suite: str) -> list[str]:
     date = (twin.get("provenance") or {}).get("date", "?")
     out = [f"**{twin['title']}** ([docs/results/{suite}.md](docs/results/{suite}.md), {date})",
            ""]
+    extra = backbone_line(suite)
     if twin.get("headline"):
-        return [*out, *[f"* {x[2:] if x.startswith('* ') else x}" for x in twin["headline"]], ""]
-    return [*out, *(twin.get("headline_table") or []), ""]
+        bullets = [f"* {x[2:] if x.startswith('* ') else x}" for x in twin["headline"]]
+        return [*out, *bullets, *([extra] if extra else []), ""]
+    return [*out, *(twin.get("headline_table") or []), *(["", extra] if extra else []), ""]
 
 
 def render(text: str) -> str:
