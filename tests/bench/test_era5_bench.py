@@ -220,7 +220,7 @@ def test_committed_run_records_hold_the_committed_results() -> None:
             maps = load_maps(store.path((), m).with_suffix(".npz"))
             assert maps is not None and all(np.array_equal(maps[k], z[f"{m}__{k}"])
                                             for k in ("error", "spread"))
-    kept = era5._credits([store.load((), m, key) for m in scored])
+    kept = era5._earlier([store.load((), m, key) for m in scored])
     assert [(c["methods"], c["date"]) for c in kept] == [
         (["ensemble"], p["run"]["date"]), (p["run"]["resumed_runs"][0]["methods"],
                                            p["run"]["resumed_runs"][0]["date"])]

@@ -45,7 +45,7 @@ from attnuq.bench import register
 from attnuq.bench._fields import error_maps, field_scores, load_maps, maps_png, point_scores
 from attnuq.bench._implementations import implementation_texts, merge_block
 from attnuq.bench._page import Page, Table, fmt, update_summary
-from attnuq.bench._runner import Group, RunStore, reuse_key, run_items
+from attnuq.bench._runner import Group, RunStore, credits, reuse_key, run_items
 from attnuq.bench._scoring import to_cpu
 from attnuq.data import era5 as data
 from attnuq.methods import ResidualQuantiles, Task, make_method
@@ -273,8 +273,7 @@ def run(args: argparse.Namespace) -> Path:
     points = {name: {"per_lead": point_scores(fc, yte, clim_te, lat, leads)} for name, fc in (
         ("frozen", f_te), ("persistence-point", _persistence(ex["test"])),
         ("climatology-point", clim_te))}
-    store = RunStore(res_dir / "runs", suite="era5", info={
-        **info, "started": info["date"], "invocation": time.time_ns()})
+    store = RunStore(res_dir / "runs", suite="era5", info=info)
     maps: dict[str, dict[str, Any]] = {}
     recs = {m: r for m in ALL_METHODS if args.resume and m not in rerun
             and (r := store.load((), m, key)) is not None
@@ -331,7 +330,7 @@ def run(args: argparse.Namespace) -> Path:
         if rec is not None:
             recs[name] = rec
         done = [m for m in ALL_METHODS if m in recs]
-        credit = _credits([recs[m] for m in done if m in kept])
+        credit = _earlier([recs[m] for m in done if m in kept])
         payload = {
             "run": {**info, **({"resumed_runs": credit} if credit else {})}, "config": cfg,
             "complete": final, **static, "results": {**points, **{m: {
@@ -360,17 +359,9 @@ def run(args: argparse.Namespace) -> Path:
     return res_dir
 
 
-def _credits(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Which earlier invocation scored which kept record, latest first (the page's "scored
-    earlier by" lines): grouped by invocation, dated by its start."""
-    by: dict[Any, tuple[dict[str, Any], list[str]]] = {}
-    for r in records:
-        i = r.get("run_info") or {}
-        by.setdefault((i.get("invocation"), i.get("command")), (i, []))[1].append(r["method"])
-    runs = sorted(by.values(), key=lambda e: (e[0].get("started", ""),
-                                              e[0].get("invocation") or 0), reverse=True)
-    return [{"command": i.get("command", "?"), "date": i.get("started", i.get("date", "?")),
-             "machine": i.get("machine", "?"), "methods": sorted(ms)} for i, ms in runs]
+def _earlier(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Which earlier invocations scored the kept ``records``, latest first (the page's lines)."""
+    return credits(sorted(records, key=lambda r: r["run_info"].get("invocation") or 0))[::-1]
 
 
 def _persistence(e: Any) -> torch.Tensor:
