@@ -132,8 +132,7 @@ def _parse_methods(spec: str) -> list[str]:
     return ms
 
 
-def _split_val(x: torch.Tensor, y: torch.Tensor, stride: int) -> tuple[tuple[torch.Tensor, ...],
-                                                                        tuple[torch.Tensor, ...]]:
+def _split_val(x: torch.Tensor, y: torch.Tensor, stride: int) -> tuple[tuple[Any, Any], ...]:
     """First half of the val windows (in time) -> val, second half -> cal, both strided."""
     h = x.shape[0] // 2
     if h < 2:
@@ -143,12 +142,10 @@ def _split_val(x: torch.Tensor, y: torch.Tensor, stride: int) -> tuple[tuple[tor
 
 @dataclass
 class _MemberRecipe:
-    """The backbone's recipe (picklable, for :func:`attnuq.bench._members.train_members`).
-
-    Member ``k`` (``k = 0`` is the backbone) is initialised and trained with seed ``seed + k``;
-    members ``k >= 1`` get at most ``member_epochs`` epochs (the backbone ``epochs``). Holds the
-    training and early-stopping windows on the CPU; ``make`` and ``train`` use ``device``.
-    """
+    """The backbone's recipe (picklable, for :func:`attnuq.bench._members.train_members`):
+    member ``k`` (``k = 0``: the backbone) is initialised and trained with seed ``seed + k``,
+    members ``k >= 1`` for at most ``member_epochs`` epochs (the backbone ``epochs``); holds the
+    training and early-stopping windows on the CPU; ``make`` and ``train`` use ``device``."""
 
     n_channels: int
     context: int
@@ -208,10 +205,12 @@ def _reuse(cfg: dict[str, Any], method: str) -> dict[str, Any]:
 
 
 def _merged(files: Sequence[str], cfg: dict[str, Any], rerun: Sequence[str]
-            ) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
-    """Results, fan-chart quantiles and provenance taken from other runs' ett_results.json."""
+            ) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]], dict[str, str]]:
+    """Results, fan-chart quantiles, provenance and Implementations texts taken from other
+    runs' ett_results.json."""
     results: dict[str, Any] = {}
     fans: dict[str, Any] = {}
+    texts: dict[str, str] = {}
     runs: list[dict[str, Any]] = []
     for src in map(Path, files):
         prev = read_json_or_none(src, "ETT results", validate=lambda r: isinstance(r, dict)
@@ -228,19 +227,22 @@ def _merged(files: Sequence[str], cfg: dict[str, Any], rerun: Sequence[str]
                                  f"{same} vs {now}")
         results.update(got)
         fans.update({k: v for k, v in prev.get("fan_chart", {}).items() if k in got})
+        texts.update({r: t for r, t in (prev.get("implementations") or {}).get("rows", [])
+                      if r in got})
         earlier = prev["run"].get("merged_runs", [])
         by_earlier = {m for r in earlier for m in r.get("methods", [])}
         run_prev = {k: v for k, v in prev["run"].items() if k != "merged_runs"}
         runs += [{**run_prev, "file": str(src),
                   "methods": sorted(k for k in got if k not in by_earlier)}, *earlier]
         print(f"[ett] from {src}: already scored {sorted(got)}", flush=True)
-    return results, fans, runs
+    return results, fans, runs, texts
 
 
 def run(args: argparse.Namespace) -> Path:
     """Run the ETT suite; returns the results folder ``<out>/ett``."""
     import attnuq
     from attnuq._runtime import resolve_device, run_info
+    from attnuq.bench._implementations import implementation_texts, merge_block
     from attnuq.bench._members import (
         check_member_jobs,
         load_or_train_backbone,
@@ -332,7 +334,9 @@ def run(args: argparse.Namespace) -> Path:
           flush=True)
 
     # ---- methods: one stored record per method (the runner), merged runs' files -----------------
-    merged, merged_fans, merged_runs = _merged(args.merge or [], cfg, rerun)
+    merged, merged_fans, merged_runs, texts = _merged(args.merge or [], cfg, rerun)
+    old = read_json_or_none(res_dir / "ett_results.json", "ETT results") if args.resume else None
+    previous = (old or {}).get("implementations")  # texts of rows stored before records had them
     store = RunStore(res_dir / "runs", suite="ett", info={**info, "started": info["date"]})
     parts = (path.stem,)
     order = sorted(methods, key=_RUN_ORDER.index)
@@ -355,7 +359,8 @@ def run(args: argparse.Namespace) -> Path:
         )
         for name in names:
             pending[name] = {"method": name, "fan": fan[name],
-                             "scores": {**scores[name], "predict_seconds": sec, **extras[name]}}
+                             "scores": {**scores[name], "predict_seconds": sec, **extras[name]},
+                             "implementation": implementation_texts([name], IMPLEMENTATIONS)[name]}
             print(f"[ett] {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in scores[name].items()),
                   flush=True)
 
@@ -433,6 +438,10 @@ def run(args: argparse.Namespace) -> Path:
                                          "machine": ri.get("machine"), "file": str(store.root),
                                          "methods": []})["methods"].append(m)
         runs = merged_runs + list(earlier.values())
+        results = {**points, **merged, **{m: r["scores"] for m, r in recs.items()}}
+        block = merge_block(scored(results), {**texts, **{m: r.get("implementation")
+                                                          for m, r in recs.items()}},
+                            previous, IMPLEMENTATIONS)
         payload = {
             "run": {**info, **({"merged_runs": runs} if runs else {})},
             "config": cfg, "complete": final,
@@ -440,9 +449,10 @@ def run(args: argparse.Namespace) -> Path:
                      "borders": data.borders, "n_test_windows": int(xte.shape[0]),
                      "n_test_windows_all": int(n_test_all), "columns": list(data.columns)},
             "backbone": backbone,
-            "results": {**points, **merged, **{m: r["scores"] for m, r in recs.items()}},
+            "results": results,
             "fan_chart": {"channel": data.columns[ot], "window_index": list(fan_idx),
                           **merged_fans, **{m: r["fan"] for m, r in recs.items()}},
+            "implementations": block,
         }
         _write(res_dir, payload, final=final,
                fan=lambda p, fans: fan_plot(p, fans, xte, yte, fan_idx, ot, data))
@@ -458,9 +468,7 @@ def run(args: argparse.Namespace) -> Path:
 
 def _with_derived(base: Any, derived: Any, x: torch.Tensor) -> dict[str, AnyPred]:
     """sa-paper's ``p = base.predict(x)`` and sa-conformal's ``derived.derive(p)``."""
-    p = base.predict(x)
-    if not isinstance(p, Predictive):
-        raise TypeError(f"expected a sample-based Predictive, got {type(p).__name__}")
+    p = base.predict(x)  # SA's draws: a Predictive (derive raises TypeError otherwise)
     return {"sa-paper": p, "sa-conformal": derived.derive(p)}
 
 
@@ -472,13 +480,11 @@ def _info(m: Any) -> dict[str, Any]:
 
 def _write(res_dir: Path, payload: dict[str, Any], *, final: bool,
            fan: Callable[[Path, dict[str, Any]], None]) -> None:
-    """``ett_results.json`` (with today's Implementations block), the fan chart (at the end),
-    ``ett.md`` and its twin, and the ``ett`` key of ``summary.json``."""
-    from attnuq.bench._implementations import implementation_block
+    """``ett_results.json``, the fan chart (at the end), ``ett.md`` and its twin, and the
+    ``ett`` key of ``summary.json``."""
     from attnuq.bench._page import update_summary
 
     res = payload["results"]
-    payload["implementations"] = implementation_block(scored(res), local=IMPLEMENTATIONS)
     atomic_write_json(res_dir / "ett_results.json", payload, indent=1)
     fans = {m: v for m, v in payload["fan_chart"].items() if m in ALL_METHODS}
     if fans and final:  # drawing is slow on a busy core: once, at the end
