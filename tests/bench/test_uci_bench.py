@@ -225,3 +225,16 @@ def test_batch_size_auto_resolves_by_fit_rows_and_keeps_the_cache_key(tmp_path: 
            "else 256" in text
     with pytest.raises(SystemExit):
         main(["bench", "uci", "--batch-size", "0"])
+
+
+def test_page_says_when_sa_point_accuracy_is_off_the_frozen_backbone(tmp_path: Path) -> None:
+    """Issue #19: an SA row whose point RMSE differs from the frozen model's by > 1 % is named."""
+    rows = [_row("a", "sa-paper", 0, 2.0, 1.0), _row("a", "gaussian", 0, 3.0, 0.9),
+            _row("a", "sa-crps", 0, 2.5, 1.0)]
+    rows[0]["metrics"]["rmse"] = 0.105  # +5 % over the frozen 0.1; sa-crps's 0.1 is not named
+    args = argparse.Namespace(n_blocks=1, max_epochs=1, patience=1, batch_size=32, n_samples=10,
+                              swag_epochs=1)
+    info = {"command": "attnuq bench uci", "date": "d", "machine": "m"}
+    text = write_table(tmp_path / "t.md", tmp_path, rows, info, args).read_text()
+    assert "* SA's point RMSE differs from the frozen backbone's (0.100) by more than 1 % for " \
+           "sa-paper 0.105 (+5.0 %)." in text

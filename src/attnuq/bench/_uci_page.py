@@ -22,6 +22,8 @@ __all__ = ["REFERENCE_RMSE", "build_page", "summary"]
 
 #: methods whose point prediction is not the frozen backbone's output
 _OWN_POINT = ("ensemble", "swag", "multiswag", "ivon", "hsa")
+#: methods whose point prediction is the frozen backbone's output
+_FROZEN = ("gaussian", "laplace", "conformal", "mc-dropout")
 #: backbone RMSE of the MC-dropout paper (Gal & Ghahramani 2016), per set folder name
 REFERENCE_RMSE = {"bostonHousing": 2.97, "concrete": 5.23, "energy": 1.66,
                   "naval-propulsion-plant": 0.01, "power-plant": 4.02,
@@ -124,6 +126,13 @@ def _verdict(ds: str, stats: dict[str, dict[str, tuple[float, float]]]) -> tuple
             lines.append(f"* point predictions differ from the shared frozen backbone (RMSE "
                          f"{stats[frozen_m]['rmse'][0]:.3f}) for {', '.join(own)}; interval "
                          "widths after unified calibration also reflect these RMSE differences.")
+    if frozen_m is not None and frozen_m in _FROZEN:  # issue #19: SA's point off the frozen one
+        f = stats[frozen_m]["rmse"][0]
+        off = [f"{m} {stats[m]['rmse'][0]:.3f} ({100 * (stats[m]['rmse'][0] / f - 1):+.1f} %)"
+               for m in ms if m.startswith("sa-") and abs(stats[m]["rmse"][0] / f - 1) > 0.01]
+        if off:
+            lines.append(f"* SA's point RMSE differs from the frozen backbone's ({f:.3f}) by more "
+                         f"than 1 % for {', '.join(off)}.")
     return [*lines, ""], win
 
 
