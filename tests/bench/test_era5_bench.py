@@ -152,6 +152,9 @@ def test_bench_era5_member_jobs_match_serial_training(tmp_path: Path) -> None:
     assert [(r["methods"], r["date"]) for r in js2["run"]["resumed_runs"]] == [
         (["ensemble"], js["run"]["date"]), (["persistence"], runs[0]["date"])]
     assert main([*_tiny_argv(nc, serial), "--member-jobs", "0", "--methods", "persistence"]) == 2
+    # every later run reused the backbone of the first (its recipe.json equals the recipe)
+    assert js2["backbone"]["train"]["reused"] is True
+    assert not list((serial / "era5").glob("backbone-*"))
 
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"

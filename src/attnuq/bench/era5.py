@@ -137,7 +137,7 @@ class _MemberRecipe:
     """The backbone's recipe (picklable, for :mod:`attnuq.bench._members`): member ``k`` (0 =
     the backbone) is made and trained with seed ``seed + k``, on ``device``, from CPU tensors."""
 
-    grid: tuple[int, int]
+    grid: list[int]  # a list, as recipe.json holds it (a tuple would never compare equal)
     in_channels: int
     out_channels: int
     patch: int
@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> Path:
           + ", ".join(f"{k} {len(e)} ({day[k][0]}..{day[k][1]})" for k, e in ex.items()),
           flush=True)
     recipe = _MemberRecipe(
-        grid=(int(field.values.shape[1]), int(field.values.shape[2])),
+        grid=[int(field.values.shape[1]), int(field.values.shape[2])],
         in_channels=X["train"].shape[1], out_channels=len(leads), patch=args.patch,
         hidden=args.hidden, layers=args.layers, heads=args.heads, mlp=args.mlp,
         dropout=args.dropout, mean=float(tr_vals.mean()), std=float(tr_vals.std()),
