@@ -114,6 +114,24 @@ def test_backbone_of_another_recipe_is_not_reused(tmp_path: Path,
     assert _backbone(_recipe(), d)[1]["model_dir"] == str(d)
 
 
+@dataclass
+class _GridRecipe(_Recipe):
+    grid: tuple[int, int] = (6, 8)  # a tuple field: recipe.json reads it back as a list
+
+
+def test_backbone_with_a_tuple_in_its_recipe_is_reused(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """H6: recipe.json holds lists where the recipe has tuples; the second run must not see
+    'another recipe' and retrain into backbone-<key>."""
+    base = _recipe()
+    recipe = _GridRecipe(base.epochs, base.member_epochs, base.seed, base.train_xy)
+    d = tmp_path / "backbone"
+    assert not _backbone(recipe, d)[1]["reused"]
+    _, rep = _backbone(recipe, d)
+    assert rep["reused"] and rep["model_dir"] == str(d)
+    assert "another recipe" not in capsys.readouterr().out
+
+
 def test_torn_backbone_is_retrained_with_a_warning(tmp_path: Path) -> None:
     d = tmp_path / "backbone"
     _backbone(_recipe(), d)

@@ -215,6 +215,7 @@ def load_or_train_backbone(
     which branch ran and ``"model_dir"`` the folder used.
     """
     import dataclasses
+    import json
     import warnings
 
     from attnuq._io import (
@@ -227,6 +228,8 @@ def load_or_train_backbone(
 
     model_dir = Path(model_dir)
     spec = recipe_spec(recipe, drop=drop) if dataclasses.is_dataclass(recipe) else None
+    if spec is not None:  # as recipe.json reads back (tuples become lists), so a match matches
+        spec = json.loads(json.dumps(spec))
     if spec is not None and not retrain and (model_dir / "config.json").is_file():
         held = read_json_or_none(model_dir / "recipe.json", "backbone recipe")
         if held is not None and held != spec:
