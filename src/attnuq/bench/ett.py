@@ -3,10 +3,9 @@
 Data + backbone + config on the bench spine; every step is recorded in the JSON next to the page.
 
 1. Data: :func:`attnuq.data.ett.load_ett`, standard borders (train 12 months, val 4, test 4;
-   scaler fitted on train; metrics on the standardised scale, as in the PatchTST tables). The
-   val windows are cut in time: the first half (``val``) for early stopping and each method's
-   own fit (SA's ``nu``, residual distributions), the second half (``cal``) for the conformal
-   steps.
+   scaler fitted on train; metrics on the standardised scale, as in the PatchTST tables); the
+   val windows cut in time: the first half (``val``) for early stopping and the methods' own
+   fits (SA's ``nu``, residual distributions), the second half (``cal``) for conformal steps.
 2. Backbone: ``PatchTSTForPrediction`` trained through :func:`attnuq.training.fit` with early
    stopping, ``save_pretrained`` then ``from_pretrained`` (frozen); the deep ensemble retrains
    the recipe with seeds ``seed + k`` (member 0 = the backbone).
@@ -23,6 +22,7 @@ Run the full suite (a few tens of minutes on a laptop core)::
 
     attnuq bench ett --data-dir ../shared/data --out docs/results
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +67,7 @@ AnyPred = Predictive | GaussianPredictive
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``attnuq bench ett`` (data, backbone recipe, method budgets, resume)."""
     p.add_argument("--data-dir", default=None, help="data root (holds ett/ETTh1.csv)")
     p.add_argument("--file", default="ETTh1.csv", help="ETT-layout CSV (name under ett/ or path)")
     p.add_argument("--out", default="docs/results", help="results root (writes ett.md, ett/)")
@@ -140,7 +140,7 @@ def _split_val(x: torch.Tensor, y: torch.Tensor, stride: int) -> tuple[tuple[Any
     return (x[:h:stride], y[:h:stride]), (x[h::stride], y[h::stride])
 
 
-@dataclass
+@dataclasses.dataclass
 class _MemberRecipe:
     """The backbone's recipe (picklable, for :func:`attnuq.bench._members.train_members`):
     member ``k`` (``k = 0``: the backbone) is initialised and trained with seed ``seed + k``,
@@ -220,7 +220,7 @@ def _merged(files: Sequence[str], cfg: dict[str, Any], rerun: Sequence[str]
         got = {k: v for k, v in prev["results"].items() if k in ALL_METHODS and k not in rerun}
         old = prev.get("config", {})
         for m in got:
-            same = {k: v for k, v in _reuse(old, m).items()}
+            same = _reuse(old, m)
             now = {k: cfg.get(k) for k in same}
             if same != now:
                 raise ValueError(f"--resume/--merge: {src} was written with another config: "
