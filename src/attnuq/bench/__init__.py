@@ -19,7 +19,10 @@ Each suite is data + backbone + config on a shared spine (no suite imports anoth
 * :mod:`attnuq.bench._members`: ensemble members and backbone caching.
 
 Every suite module also has ``render_page(out, table) -> Page``: the page built from the stored
-JSON alone (no training, no writes), used by ``--render-only`` and by the page-regeneration test.
+JSON alone (no training, no writes), used by ``--render-only`` and by the page-regeneration test
+(tests/bench/test_pages_regenerate.py); a suite may keep its page layout in a private
+``bench/_<suite>_page.py`` that only it imports. Each suite plugs into the contract test
+(tests/bench/test_suite_contract.py) with a case file ``tests/bench/_contract_<suite>.py``.
 """
 
 from __future__ import annotations
