@@ -173,9 +173,9 @@ def test_bench_ett_end_to_end(tmp_path: Path) -> None:
         get_suite("ett").add_arguments(p)
         get_suite("ett").run(p.parse_args([*argv[2:], "--resume", "--horizon", "6"]))
     with pytest.raises(ValueError, match="unknown methods"):
-        from attnuq.bench.ett import _parse_methods
+        from attnuq.bench._ett_page import parse_methods
 
-        _parse_methods("sa-paper,bogus")
+        parse_methods("sa-paper,bogus")
 
 
 def _tiny_ett_argv(csv: Path, out: Path) -> list[str]:

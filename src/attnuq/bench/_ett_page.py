@@ -24,8 +24,8 @@ from attnuq.bench._page import Page, Table, fmt
 from attnuq.bench._scoring import StreamScores, to_cpu
 from attnuq.predictive import GaussianPredictive, Predictive
 
-__all__ = ["ALL_METHODS", "IMPLEMENTATIONS", "chunks", "fan_plot", "fan_rows", "render_page",
-           "score_chunks", "scored", "summary"]
+__all__ = ["ALL_METHODS", "IMPLEMENTATIONS", "chunks", "fan_plot", "fan_rows", "parse_methods",
+           "render_page", "score_chunks", "scored", "summary"]
 
 #: every method the suite knows, in table order
 ALL_METHODS: tuple[str, ...] = ("sa-paper", "sa-crps", "sa-conformal", "mc-dropout", "ensemble",
@@ -41,6 +41,15 @@ IMPLEMENTATIONS: dict[str, str] = {
 }
 
 AnyPred = Predictive | GaussianPredictive
+
+
+def parse_methods(spec: str) -> list[str]:
+    """The rows named in ``--methods``/``--rerun`` (``ValueError`` naming unknown ones)."""
+    ms = [m.strip() for m in spec.split(",") if m.strip()]
+    bad = [m for m in ms if m not in ALL_METHODS]
+    if bad or not ms:
+        raise ValueError(f"unknown methods {bad} in --methods={spec!r}; known: {list(ALL_METHODS)}")
+    return ms
 
 
 def chunks(n: int, size: int) -> list[slice]:
@@ -213,7 +222,10 @@ def render_page(out: Path, table: Path) -> Page:
         f"* backbone: HF `PatchTSTForPrediction`, context {c['context']}, d_model {c['d_model']}, "
         f"{c['layers']} layers, {c['heads']} heads, ffn {c['ffn']}, patch {c['patch']} stride "
         f"{c['stride']}, dropout {c['dropout']}, {b['n_params']} parameters; trained here "
-        f"({tr.get('epochs_run')} epochs, best epoch {tr.get('best_epoch')}, best val MSE "
+        + (f"with {c['optimizer']} (lr {c['lr']}, {c['schedule']} schedule, batch size "
+           f"{c['batch_size']}, epoch cap {c['epochs']}, patience {c['patience']}) "
+           if "optimizer" in c else "")
+        + f"({tr.get('epochs_run')} epochs, best epoch {tr.get('best_epoch')}, best val MSE "
         f"{fmt(tr.get('best_val'))}, {fmt(tr.get('seconds'))} s"
         f"{', reused from disk' if tr.get('reused') else ''}), `save_pretrained` then "
         "`from_pretrained` (frozen)",

@@ -31,7 +31,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -43,6 +43,7 @@ from attnuq.bench._ett_page import (
     IMPLEMENTATIONS,
     chunks,
     fan_plot,
+    parse_methods,
     render_page,
     score_chunks,
     scored,
@@ -59,6 +60,8 @@ _RUN_ORDER = ("sa-paper", "sa-conformal", "conformal", "seasonal-naive", "sa-crp
 #: config keys that do not shape a result
 _RESUME_FREE = ("methods", "resume", "merge", "note", "no_progress", "threads", "retrain", "chunk",
                 "out", "model_dir", "rerun", "member_jobs", "render_only")
+#: recipe options added after results were stored: a config without them ran with these
+_ADDED = {"optimizer": "adamw", "schedule": "constant"}
 #: config keys that change only these methods (checked only for a record of one of them)
 _METHOD_KEYS: dict[str, tuple[str, ...]] = {
     "member_epochs": ("ensemble",), "ensemble": ("ensemble",), "swag_epochs": ("swag",),
@@ -83,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("lr", float, 1e-3), ("max-steps-per-epoch", int, None))
     for flag, kind, default in typed:
         p.add_argument(f"--{flag}", type=kind, default=default)
+    p.add_argument("--optimizer", choices=("adamw", "adam"), default="adamw",
+                   help="backbone optimiser (no weight decay)")
+    p.add_argument("--schedule", choices=("constant", "type3"), default="constant",
+                   help="learning-rate schedule (type3: PatchTST's, x0.9 per epoch after 3)")
     p.add_argument("--member-epochs", type=int, default=None,
                    help="epoch cap for ensemble members (default: --epochs, the backbone's "
                         "recipe; a smaller cap is stated on the page)")
@@ -124,22 +131,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "supply them")
 
 
-def _parse_methods(spec: str) -> list[str]:
-    ms = [m.strip() for m in spec.split(",") if m.strip()]
-    bad = [m for m in ms if m not in ALL_METHODS]
-    if bad or not ms:
-        raise ValueError(f"unknown methods {bad} in --methods={spec!r}; known: {list(ALL_METHODS)}")
-    return ms
-
-
-def _split_val(x: torch.Tensor, y: torch.Tensor, stride: int) -> tuple[tuple[Any, Any], ...]:
-    """First half of the val windows (in time) -> val, second half -> cal, both strided."""
-    h = x.shape[0] // 2
-    if h < 2:
-        raise ValueError(f"too few val windows to split into val and cal: {x.shape[0]}")
-    return (x[:h:stride], y[:h:stride]), (x[h::stride], y[h::stride])
-
-
 @dataclasses.dataclass
 class _MemberRecipe:
     """The backbone's recipe (picklable, for :func:`attnuq.bench._members.train_members`):
@@ -160,6 +151,8 @@ class _MemberRecipe:
     epochs: int
     member_epochs: int
     lr: float
+    optimizer: Literal["adamw", "adam"]
+    schedule: Literal["constant", "type3"]
     batch_size: int
     patience: int
     max_steps_per_epoch: int | None
@@ -180,16 +173,16 @@ class _MemberRecipe:
         )).to(self.device)
 
     def train(self, model: Any, _train: Any, _val: Any, index: int) -> Any:
+        """Train member ``index`` (MSE, no weight decay, torch seeded, val MSE in batches of
+        512); the backbone (``index == 0``) checkpoints every epoch when one is set."""
         from attnuq.training import fit
 
         dev = torch.device(self.device)
-        # the Task's batches wrap exactly these tensors; train on the tensors directly (MSE,
-        # AdamW without weight decay, torch seeded, val MSE over batches of 512)
         return fit(
             model, (self.train_xy[0].to(dev), self.train_xy[1].to(dev)),
             (self.val_xy[0].to(dev), self.val_xy[1].to(dev)), metric="mse",
-            optimizer=torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.0),
-            lr=self.lr, weight_decay=0.0,
+            optimizer=self.optimizer, lr=self.lr, weight_decay=0.0, schedule=self.schedule,
+            checkpoint=self.__dict__.get("_checkpoint") if index == 0 else None,
             max_epochs=self.epochs if index == 0 else self.member_epochs,
             patience=self.patience, batch_size=self.batch_size, val_batch_size=512,
             max_steps_per_epoch=self.max_steps_per_epoch, seed=self.seed + index,
@@ -200,7 +193,7 @@ class _MemberRecipe:
 
 def _reuse(cfg: dict[str, Any], method: str) -> dict[str, Any]:
     """The config a stored record of ``method`` must have been run with to be reused."""
-    return {k: v for k, v in cfg.items() if k not in _RESUME_FREE
+    return {k: v for k, v in {**_ADDED, **cfg}.items() if k not in _RESUME_FREE
             and (k not in _METHOD_KEYS or method in _METHOD_KEYS[k])}
 
 
@@ -241,12 +234,14 @@ def _merged(files: Sequence[str], cfg: dict[str, Any], rerun: Sequence[str]
 def run(args: argparse.Namespace) -> Path:
     """Run the ETT suite; returns the results folder ``<out>/ett``."""
     import attnuq
+    from attnuq._io import cache_key
     from attnuq._runtime import resolve_device, run_info
     from attnuq.bench._implementations import implementation_texts, merge_block
     from attnuq.bench._members import (
         check_member_jobs,
         load_or_train_backbone,
         member_cache_dir,
+        recipe_spec,
         train_members,
     )
     from attnuq.bench._runner import Group, RunStore, run_items
@@ -263,8 +258,8 @@ def run(args: argparse.Namespace) -> Path:
     device = resolve_device(getattr(args, "device", "cpu"))
     member_jobs = check_member_jobs(getattr(args, "member_jobs", 1))
     progress = not args.no_progress
-    methods = _parse_methods(args.methods)
-    rerun = _parse_methods(args.rerun) if getattr(args, "rerun", "") else []
+    methods = parse_methods(args.methods)
+    rerun = parse_methods(args.rerun) if getattr(args, "rerun", "") else []
     if any(m not in methods for m in rerun):
         raise ValueError(f"--rerun={args.rerun!r} names methods missing from "
                          f"--methods={args.methods!r}")
@@ -286,7 +281,10 @@ def run(args: argparse.Namespace) -> Path:
     H = args.horizon
     xtr, ytr = data.windows("train", horizon=H)
     xv_all, yv_all = data.windows("val", horizon=H)
-    (xv, yv), (xc, yc) = _split_val(xv_all, yv_all, args.val_stride)
+    h, vs = len(xv_all) // 2, args.val_stride  # val: first half in time, cal: second half
+    if h < 2:
+        raise ValueError(f"too few val windows to split into val and cal: {len(xv_all)}")
+    (xv, yv), (xc, yc) = (xv_all[:h:vs], yv_all[:h:vs]), (xv_all[h::vs], yv_all[h::vs])
     xte, yte = data.windows("test", horizon=H, stride=args.test_stride)
     n_test_all = data.windows("test", horizon=H)[0].shape[0]
     ot = data.channel_index("OT") if "OT" in data.columns else data.n_channels - 1
@@ -298,16 +296,17 @@ def run(args: argparse.Namespace) -> Path:
 
     # ---- backbone: train + save_pretrained, then from_pretrained (the hub user's path) --------
     recipe = _MemberRecipe(
-        n_channels=data.n_channels, context=args.context, horizon=H, d_model=args.d_model,
-        layers=args.layers, heads=args.heads, ffn=args.ffn, patch=args.patch,
-        stride=args.stride, dropout=args.dropout, epochs=args.epochs,
-        member_epochs=args.member_epochs or args.epochs, lr=args.lr,
-        batch_size=args.batch_size, patience=args.patience,
-        max_steps_per_epoch=args.max_steps_per_epoch, seed=args.seed, progress=progress,
-        device=str(device), train_xy=(xtr, ytr), val_xy=(xv, yv),
-    )
+        n_channels=data.n_channels, horizon=H, member_epochs=args.member_epochs or args.epochs,
+        progress=progress, device=str(device), train_xy=(xtr, ytr), val_xy=(xv, yv),
+        **{k: getattr(args, k) for k in ("context", "d_model", "layers", "heads", "ffn", "patch",
+                                         "stride", "dropout", "epochs", "lr", "optimizer",
+                                         "schedule", "batch_size", "patience",
+                                         "max_steps_per_epoch", "seed")})
     member_dir = member_cache_dir(res_dir / "members", recipe)  # keyed by the recipe
     model_dir = Path(args.model_dir) if args.model_dir else res_dir / "backbone"
+    # a killed backbone training resumes from its checkpoint (per recipe; not a recipe field)
+    key = cache_key(recipe_spec(recipe))
+    recipe.__dict__["_checkpoint"] = model_dir.with_name(f"{model_dir.name}-{key}.ckpt")
     frozen, train_report = load_or_train_backbone(
         recipe, model_dir, retrain=args.retrain, save=save_patchtst, load=load_patchtst,
         device=device,
@@ -337,7 +336,7 @@ def run(args: argparse.Namespace) -> Path:
     merged, merged_fans, merged_runs, texts = _merged(args.merge or [], cfg, rerun)
     old = read_json_or_none(res_dir / "ett_results.json", "ETT results") if args.resume else None
     previous = (old or {}).get("implementations")  # texts of rows stored before records had them
-    store = RunStore(res_dir / "runs", suite="ett", info={**info, "started": info["date"]})
+    store = RunStore(res_dir / "runs", suite="ett", info=info)  # stamps started, invocation
     parts = (path.stem,)
     order = sorted(methods, key=_RUN_ORDER.index)
     group = Group(parts=parts, methods=[m for m in order if m not in merged], reuse=None,
@@ -422,7 +421,7 @@ def run(args: argparse.Namespace) -> Path:
         return pending.pop(name)
 
     def write(final: bool = False) -> None:
-        now = info["command"], info["date"]
+        now = store.info["command"], store.info["invocation"]
         recs: dict[str, dict[str, Any]] = {}
         earlier: dict[Any, dict[str, Any]] = {}  # records of earlier invocations (--resume)
         for m in ALL_METHODS:
@@ -430,11 +429,11 @@ def run(args: argparse.Namespace) -> Path:
             if r is None or r.get("reuse") != group.reuse_for(m):
                 continue
             ri = r.get("run_info", {})
-            key = ri.get("command"), ri.get("started")
+            key = ri.get("command"), ri.get("invocation")
             if key == now or args.resume:
                 recs[m] = r
             if key != now and args.resume:
-                earlier.setdefault(key, {"command": key[0], "date": key[1],
+                earlier.setdefault(key, {"command": key[0], "date": ri.get("started"),
                                          "machine": ri.get("machine"), "file": str(store.root),
                                          "methods": []})["methods"].append(m)
         runs = merged_runs + list(earlier.values())
