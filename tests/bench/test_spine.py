@@ -147,8 +147,8 @@ def test_page_writes_markdown_and_strict_json_twin(tmp_path: Path) -> None:
         page.provenance({"command": "c"})
     with pytest.raises(ValueError, match="2 columns"):
         t.add("only one")
-    with pytest.raises(ValueError, match=r"\.md"):
-        page.write(tmp_path / "demo.txt")
+    with pytest.raises(ValueError, match=r"cannot end in \.json"):
+        page.write(tmp_path / "demo.json")
     (tmp_path / "torn.json").write_text("{")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")

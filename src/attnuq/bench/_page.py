@@ -281,14 +281,15 @@ def plain(obj: Any) -> Any:
 
 
 def twin_path(md: str | Path) -> Path:
-    """The JSON twin of the page ``md``: the same path with ``.json``.
+    """The JSON twin of the page ``md``: the same path with ``.json`` (a page named ``*.json``
+    is refused: it would be its own twin).
 
     >>> twin_path("docs/results/uci.md").as_posix()
     'docs/results/uci.json'
     """
     md = Path(md)
-    if md.suffix != ".md":
-        raise ValueError(f"a results page ends in .md, got {str(md)!r}")
+    if md.suffix == ".json":
+        raise ValueError(f"a results page cannot end in .json (its twin does): {str(md)!r}")
     return md.with_suffix(".json")
 
 

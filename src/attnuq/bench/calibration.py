@@ -47,7 +47,7 @@ from torch import nn
 
 from attnuq._io import atomic_savefig, atomic_write_json, read_json_or_none
 from attnuq.bench import register
-from attnuq.bench._page import Page, Table
+from attnuq.bench._page import Page, Table, twin_path
 from attnuq.bench._runner import Group, RunStore, SkipGroup, reuse_key, run_items
 from attnuq.calibration import CRITERIA, get_criterion
 
@@ -249,6 +249,7 @@ def run(args: argparse.Namespace) -> Path:
 
     out = Path(args.out)
     table = Path(args.table) if args.table else out.with_suffix(".md")
+    twin_path(table)  # a --table that cannot have a JSON twin is refused before any work
     if getattr(args, "render_only", False):
         render_page(out, table).write(table)
         return out

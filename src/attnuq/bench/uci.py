@@ -49,7 +49,7 @@ import torch
 from attnuq._io import atomic_write_json, atomic_write_text, cache_key, read_json_or_none
 from attnuq.bench import register
 from attnuq.bench._members import cached_state
-from attnuq.bench._page import Page, pit_figure, read_twin, update_summary
+from attnuq.bench._page import Page, pit_figure, read_twin, twin_path, update_summary
 from attnuq.bench._runner import Group, RunStore, run_items
 from attnuq.bench._scoring import sample_scores, to_cpu
 from attnuq.bench._uci_page import build_page, summary
@@ -308,6 +308,7 @@ def run(args: argparse.Namespace) -> Path:
     device = torch.device(getattr(args, "device", None) or "cpu")
     out = Path(args.out)
     table = Path(args.table) if args.table else out.with_suffix(".md")
+    twin_path(table)  # a --table that cannot have a JSON twin is refused before any work
     if getattr(args, "render_only", False):
         page = render_page(out, table)
         page.write(table)
@@ -406,7 +407,7 @@ def write_table(
 ) -> Path:
     """Markdown table (and JSON twin, and the summary key): mean ± std over splits per data set
     and method, with SA win/loss lines."""
-    twin = read_twin(table) if table.suffix == ".md" else None
+    twin = read_twin(table)
     page = build_page(out, rows, info, {"budget": _budget(args), "seed": _seed(args)},
                       None if twin is None else twin.get("implementations"),
                       order=DEFAULT_METHODS, errors=_errors(out))
