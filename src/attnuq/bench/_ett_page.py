@@ -69,9 +69,9 @@ def fan_rows(pred: AnyPred, rows: torch.Tensor, ch: int) -> dict[str, list[list[
 
 
 def score_chunks(predict_fn: Callable[[torch.Tensor], dict[str, AnyPred]], x: torch.Tensor,
-              y: torch.Tensor, *, chunk: int, fan_idx: Sequence[int], fan_channel: int,
-              seed: int, desc: str, progress: bool, device: torch.device | None = None,
-              ) -> tuple[dict[str, dict[str, float]], dict[str, Any], float]:
+                 y: torch.Tensor, *, chunk: int, fan_idx: Sequence[int], fan_channel: int,
+                 seed: int, desc: str, progress: bool, device: torch.device | None = None,
+                 ) -> tuple[dict[str, dict[str, float]], dict[str, Any], float]:
     """Score every named predictive that ``predict_fn`` returns per chunk (shared samples).
 
     ``x`` and ``y`` stay on the CPU; each chunk of inputs goes to ``device`` for the prediction
@@ -97,7 +97,9 @@ def score_chunks(predict_fn: Callable[[torch.Tensor], dict[str, AnyPred]], x: to
 
 
 def fan_plot(path: Path, fans: dict[str, Any], xte: torch.Tensor, yte: torch.Tensor,
-              fan_idx: Sequence[int], ot: int, data: Any) -> None:
+             fan_idx: Sequence[int], ot: int, data: Any) -> None:
+    """Fan chart of channel ``ot`` per method (stored quantiles ``fans[method]``) over the test
+    windows ``fan_idx``, with the last 72 h of context and the truth, written to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
