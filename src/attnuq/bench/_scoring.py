@@ -6,9 +6,6 @@
 * :func:`sample_scores` scores one predictive on one part at once (UCI): the PIT values, their
   W1 distance to ``U(0, 1)`` before and after one pooled spread factor, native coverage and
   width of the central interval, CRPS and a Gaussian NLL, in target units.
-* :class:`ResidualQuantiles`: a point forecast plus per-element residual quantiles (optionally
-  stretched to the split-conformal interval), the reference distributions of the forecasting
-  suites (ETT's seasonal naive and conformal rows, ERA5's persistence and climatology);
 * :func:`to_cpu` moves a predictive's tensors to the CPU (scoring uses CPU generators).
 
 For a :class:`~attnuq.predictive.GaussianPredictive` the PIT is ``Phi((y - m) / s)`` (exact,
@@ -34,11 +31,10 @@ from typing import Any
 
 import torch
 
-from attnuq._validation import check_finite, check_positive_int
+from attnuq._validation import check_finite
 from attnuq.predictive import GaussianPredictive, Predictive
 
-__all__ = ["ResidualQuantiles", "StreamScores", "mean_std", "mean_std_n", "sample_scores",
-           "to_cpu"]
+__all__ = ["StreamScores", "mean_std", "mean_std_n", "sample_scores", "to_cpu"]
 
 AnyPred = Predictive | GaussianPredictive
 
@@ -229,79 +225,3 @@ class StreamScores:
             "mean_std": self.spread / self.n,
             "n_scored": float(self.n),
         }
-
-
-@dataclass
-class ResidualQuantiles:
-    """Point forecast plus per-element residual quantiles, as a sample-based distribution.
-
-    Fitted on held-out residuals ``r = y - f(x)`` of shape ``(N, *E)`` (``E`` the per-example
-    output shape, e.g. ``(horizon, channels)``): ``K`` evenly spaced quantiles of ``r`` per output
-    element, at levels ``(k - 1/2) / K``, become ``K`` equally weighted "samples" ``f(x) + q_k``.
-
-    With ``conformal_from`` residuals (a second held-out part), the quantiles are shifted and
-    stretched so that the central ``level`` interval becomes exactly ``f(x) +- q_conf``, with
-    ``q_conf`` the split-conformal quantile of ``|r|`` per element
-    (:func:`attnuq.conformal.conformal_quantile`: the ``ceil((n + 1) level)``-th smallest), so the
-    interval has finite-sample coverage ``>= level`` per element for exchangeable windows.
-
-    Examples
-    --------
-    >>> import torch
-    >>> r = torch.randn(500, 3, generator=torch.Generator().manual_seed(0))
-    >>> rq = ResidualQuantiles.fit(r, n_quantiles=50)
-    >>> rq.predictive(torch.zeros(4, 3)).samples.shape
-    torch.Size([50, 4, 3])
-    """
-
-    quantiles: torch.Tensor  # (K, *E)
-    q_conformal: torch.Tensor | None = None  # (*E,)
-
-    @classmethod
-    def fit(
-        cls,
-        residuals: torch.Tensor,
-        *,
-        n_quantiles: int = 100,
-        conformal_from: torch.Tensor | None = None,
-        level: float = 0.95,
-    ) -> ResidualQuantiles:
-        from attnuq.conformal import conformal_quantile
-
-        k = check_positive_int(n_quantiles, "n_quantiles")
-        if residuals.dim() < 1 or residuals.shape[0] < 2:
-            raise ValueError(
-                f"residuals must be (N, ...) with N >= 2, got shape={tuple(residuals.shape)}"
-            )
-        check_finite(residuals, "residuals")
-        r = residuals.double()
-        lv = (torch.arange(k, dtype=torch.float64) + 0.5) / k
-        q = torch.quantile(r.reshape(r.shape[0], -1), lv, dim=0).reshape(k, *r.shape[1:])
-        if conformal_from is None:
-            return cls(quantiles=q)
-        if conformal_from.shape[1:] != residuals.shape[1:]:
-            raise ValueError(
-                f"conformal_from must have per-example shape {tuple(residuals.shape[1:])}, "
-                f"got {tuple(conformal_from.shape[1:])}"
-            )
-        check_finite(conformal_from, "conformal_from")
-        a = 1.0 - level
-        qc = conformal_quantile(conformal_from.double().abs(), a, dim=0)  # (*E,)
-        lo = torch.quantile(q, a / 2, dim=0)
-        hi = torch.quantile(q, 1 - a / 2, dim=0)
-        mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
-        # shift and stretch the residual shape so that its central interval is exactly
-        # [-q_conf, +q_conf] (quantiles commute with increasing affine maps)
-        q = (q - mid) * (qc / half)
-        return cls(quantiles=q, q_conformal=qc)
-
-    def predictive(self, point: torch.Tensor) -> Predictive:
-        """``K`` samples ``point + q_k``; ``point`` is ``(B, *E)``."""
-        if point.shape[1:] != self.quantiles.shape[1:]:
-            raise ValueError(
-                f"point must be (B, {tuple(self.quantiles.shape[1:])}), got {tuple(point.shape)}"
-            )
-        return Predictive(
-            samples=point.unsqueeze(0) + self.quantiles.to(point.dtype).unsqueeze(1),
-            frozen=point,
-        )
