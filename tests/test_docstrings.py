@@ -25,6 +25,9 @@ COVERED = (
     "attnuq.methods.simple",
     "attnuq.methods.swag",
     "attnuq.calibration",
+    "attnuq.calibration.criteria",
+    "attnuq.calibration.report",
+    "attnuq.calibration.search",
     "attnuq.conformal",
     "attnuq.patching._adapter",
     "attnuq.patching._handle",
@@ -37,8 +40,10 @@ COVERED = (
     "attnuq.patching.sdpa",
     "attnuq.patching.timm",
     "attnuq.plots",
+    "attnuq.prediction",
     "attnuq.predictive",
     "attnuq.report",
+    "attnuq.training",
 )
 
 
