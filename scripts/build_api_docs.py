@@ -26,6 +26,7 @@ MODULES = [
     "attnuq.metrics",
     "attnuq.plots",
     "attnuq.methods",
+    "attnuq.training",
     "attnuq.models",
     "attnuq.data",
     "attnuq.bench",
