@@ -187,3 +187,100 @@ def test_an_unwritable_user_cache_falls_back_to_a_temporary_dir(monkeypatch, tmp
     lib, reason = _native._load.__wrapped__()
     assert lib is not None, reason
     assert str(tmp_path / "tmp") in reason
+
+
+# ---- the kernel cache: a folder another user could write to is refused ---------------------
+
+
+@pytest.fixture
+def fresh_load(monkeypatch):
+    """Let ``_native._load`` run again under the test's environment; the process's own
+    kernel (cached load) is restored afterwards."""
+    saved = _native._load.cache_info().currsize
+    _native._load.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()  # the environment first, so the reload below sees the real one
+    _native._load.cache_clear()
+    if saved:
+        _native._load()
+
+
+def test_native_status_is_public_and_says_which_path_runs():
+    """(Run after the refusal tests in a worker, this also checks they restored the kernel.)"""
+    import attnuq.ops
+
+    st = attnuq.ops.native_status()
+    assert set(st) == {"available", "enabled", "openmp", "reason"}
+    assert st["available"] == _native.status()["available"]
+    assert st["reason"] == _native.status()["reason"]
+    if st["available"]:
+        assert "compiled with" in str(st["reason"])
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="no user ids on this platform")
+def test_a_cache_folder_writable_by_others_is_refused(tmp_path, fresh_load):
+    folder = tmp_path / "shared-cache"
+    folder.mkdir()
+    folder.chmod(0o777)
+    fresh_load.setenv("ATTNUQ_CACHE_DIR", str(folder))
+    st = _native.native_status()
+    assert st["available"] is False
+    assert "refusing the kernel cache" in str(st["reason"]) and "writable by group" in str(
+        st["reason"])
+    assert list(folder.iterdir()) == []  # nothing was compiled into it
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="no user ids on this platform")
+def test_a_cache_folder_of_another_user_is_refused(tmp_path, fresh_load):
+    folder = tmp_path / "theirs"
+    folder.mkdir(mode=0o700)
+    me = os.getuid()
+    fresh_load.setattr(_native.os, "getuid", lambda: me + 1)  # the folder is now someone else's
+    fresh_load.setenv("ATTNUQ_CACHE_DIR", str(folder))
+    st = _native.native_status()
+    assert st["available"] is False
+    assert f"owned by uid {me}, not by this user (uid {me + 1})" in str(st["reason"])
+    assert list(folder.iterdir()) == []
+
+
+def test_a_library_planted_in_a_folder_of_ours_but_owned_by_another_is_refused(tmp_path):
+    folder = tmp_path / "ours"
+    folder.mkdir(mode=0o700)
+    lib = folder / "kernels-0123.so"
+    lib.write_bytes(b"not a library")
+    lib.chmod(0o644)
+    assert _native._unsafe(folder) is None and _native._unsafe(lib) is None
+    lib.chmod(0o666)
+    assert "writable by group or others" in str(_native._unsafe(lib))
+    assert _native._unsafe(folder / "absent.so") is None  # nothing there yet: may be built
+
+
+def test_a_new_cache_folder_is_private(tmp_path, fresh_load):
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler: nothing is built")
+    folder = tmp_path / "new" / "cache"
+    fresh_load.setenv("ATTNUQ_CACHE_DIR", str(folder))
+    old = os.umask(0o002)  # a permissive umask must not make the cache group-writable
+    try:
+        st = _native.native_status()
+    finally:
+        os.umask(old)
+    if os.environ.get("ATTNUQ_NATIVE", "1").strip() == "0":
+        assert not st["available"]
+        return
+    assert st["available"], st
+    assert folder.stat().st_mode & 0o077 == 0
+
+
+def test_the_refusal_tests_leave_the_process_kernel_in_place(tmp_path, monkeypatch):
+    before = _native.status()
+    folder = tmp_path / "open"
+    folder.mkdir()
+    folder.chmod(0o777)
+    gen = fresh_load.__wrapped__(monkeypatch)  # the fixture's body, driven by hand
+    next(gen)
+    monkeypatch.setenv("ATTNUQ_CACHE_DIR", str(folder))
+    assert _native.native_status()["available"] is False
+    with pytest.raises(StopIteration):
+        next(gen)
+    assert _native.status() == before

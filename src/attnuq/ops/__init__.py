@@ -1,5 +1,6 @@
 """Pure tensor operators: sampled (stochastic) attention, closed-form moments, Levy attention."""
 
+from attnuq.ops._native import native_status
 from attnuq.ops.levy import (
     LevyResult,
     LevySamples,
@@ -19,6 +20,7 @@ __all__ = [
     "levy_attention_sample",
     "levy_weights",
     "max_bytes",
+    "native_status",
     "poisson_phi",
     "sampled_attention",
 ]

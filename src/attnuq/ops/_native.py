@@ -49,7 +49,7 @@ import torch
 
 from attnuq.ops import phi as _phi
 
-__all__ = ["available", "disabled", "levy_forward", "sample_rows", "status"]
+__all__ = ["available", "disabled", "levy_forward", "native_status", "sample_rows", "status"]
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("sample_rows.c", "levy.c")  # compiled together into one library
@@ -82,10 +82,35 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
+def _unsafe(path: Path) -> str | None:
+    """Why ``path`` (a cache folder or a library in it) must not be used, or None.
+
+    A shared library is code this process runs: one in a folder another user owns, or may
+    write to, could have been put there by them. So the folder and the library must belong to
+    this user and be writable by nobody else (on systems without ``os.getuid``, no check).
+    """
+    getuid = getattr(os, "getuid", None)
+    if getuid is None:
+        return None
+    try:
+        st = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # not there yet: it will be created (or the write fails with a reason)
+    except OSError as exc:
+        return f"cannot inspect {path}: {exc}"
+    if st.st_uid != getuid():
+        return (f"refusing the kernel cache {path}: it is owned by uid {st.st_uid}, not by this "
+                f"user (uid {getuid()}); set ATTNUQ_CACHE_DIR to a folder of your own")
+    if st.st_mode & 0o022:
+        return (f"refusing the kernel cache {path}: it is writable by group or others (mode "
+                f"{st.st_mode & 0o777:o}); chmod go-w it or set ATTNUQ_CACHE_DIR")
+    return None
+
+
 def _compile(cc: str, flags: list[str], out: Path) -> str | None:
     """Compile the kernel to ``out`` (atomically); an error message, or None on success."""
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
     except OSError as exc:
@@ -149,6 +174,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         path = None
         for folder in _cache_dirs():
             cand = folder / f"kernels-{key}.so"
+            err = _unsafe(folder) or _unsafe(cand)
+            if err is not None:
+                errors.append(err)
+                continue  # another folder of ours may do (an explicit ATTNUQ_CACHE_DIR: none)
             err = None if cand.is_file() else _compile(cc, flags, cand)
             if err is None:
                 path = cand
@@ -201,6 +230,30 @@ def status() -> dict[str, object]:
     """
     lib, reason = _load()
     return {"available": lib is not None, "enabled": _enabled, "reason": reason}
+
+
+def native_status() -> dict[str, object]:
+    """Which CPU path attnuq's operators take, and why.
+
+    Returns ``{"available", "enabled", "openmp", "reason"}``: whether the C kernels are
+    compiled and loaded, whether they are switched on (``ATTNUQ_NATIVE=0`` or
+    :func:`disabled` switch them off), whether they split rows over OpenMP threads, and the
+    compiler line and library path, or why they are not in use (no compiler, a cache folder
+    refused because another user owns it, ...). Without the kernels the pure-torch paths run:
+    the same distribution for the sampler, the same numbers to rounding for Levy attention.
+
+    Examples
+    --------
+    >>> import attnuq.ops
+    >>> s = attnuq.ops.native_status()
+    >>> sorted(s), isinstance(s["reason"], str)
+    (['available', 'enabled', 'openmp', 'reason'], True)
+    >>> s["openmp"] <= s["available"]  # OpenMP only ever reported for a loaded kernel
+    True
+    """
+    lib, reason = _load()
+    return {"available": lib is not None, "enabled": _enabled,
+            "openmp": lib is not None and _has_openmp(lib), "reason": reason}
 
 
 def available() -> bool:
