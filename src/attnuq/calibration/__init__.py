@@ -99,7 +99,11 @@ def calibrate(
         keyword arguments, ``targets`` ``(B, ...)`` of the prediction's shape. It is read once:
         batches and their frozen outputs are cached.
     criterion
-        ``"paper"``, ``"scale"``, ``"crps"`` or ``"coverage"`` (:data:`CRITERIA`).
+        ``"paper"``, ``"scale"``, ``"crps"``, ``"coverage"``, ``"paper-debiased"`` or
+        ``"auto"`` (:data:`CRITERIA`). ``"auto"`` is ``"paper-debiased"`` for outputs of fewer
+        than 28 elements per example (at ``n_passes=10``), where the paper's ``L_SA`` sits
+        measurably below the scale match (0.61 of it for a scalar), and ``"paper"`` above
+        (:func:`~attnuq.calibration.criteria.resolve_criterion`). The default stays the paper's.
     search
         ``"bo"`` (surrogate-guided, few evaluations; :func:`bo_search`) or ``"grid"``
         (reference; :func:`grid_search`).
