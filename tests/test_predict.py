@@ -112,3 +112,50 @@ def test_one_sample_is_refused_where_a_spread_is_needed(uniform) -> None:  # typ
     two = Predictive(samples=torch.randn(2, 6, 8))
     assert two.std.shape == two.interval(0.9)[0].shape == (6, 8)
     assert torch.isfinite(two.crps(torch.zeros(6, 8)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_recentre_mean_and_median_are_the_center(dtype: torch.dtype) -> None:
+    """Mean: computed in float64 and rounded once, so the mean of the result is ``center`` up
+    to half an ulp (of the dtype) of the largest recentred draw; median (the lower median):
+    bit for bit. The spread is unchanged up to the same rounding."""
+    from attnuq.predictive import recentre
+
+    g = torch.Generator().manual_seed(0)
+    for s in (1, 2, 7, 8):
+        x = (3.0 + 10 * torch.randn(s, 5, 3, generator=g, dtype=torch.float64)).to(dtype)
+        c = torch.randn(5, 3, generator=g, dtype=torch.float64).to(dtype)
+        rm = recentre(x, c, "mean")
+        assert rm.dtype == dtype and rm.shape == x.shape
+        big = torch.maximum(rm.abs().amax(0), x.abs().amax(0)).to(torch.float64)  # (B, ...)
+        ulp = torch.finfo(dtype).eps * big
+        err = (rm.to(torch.float64).mean(0) - c.to(torch.float64)).abs()
+        # the one rounding to dtype, plus the float64 means' own rounding (4 S ulps of float64)
+        tol = 0.5 * ulp + 4 * s * torch.finfo(torch.float64).eps * big
+        assert bool((err <= tol).all())
+        rd = recentre(x, c, "median")
+        assert torch.equal(rd.median(0).values, c)
+        if s > 1:  # the spread is kept (differences of draws move by one rounding at most)
+            torch.testing.assert_close(rm - rm[:1], x - x[:1], rtol=0, atol=float(4 * ulp.max()))
+    with pytest.raises(ValueError, match="got how='mode'"):
+        recentre(x, c, "mode")
+    with pytest.raises(ValueError, match=r"center.shape=\(5,\)"):
+        recentre(x, c[:, 0], "mean")
+
+
+def test_predict_recentre_keeps_the_point_prediction(uniform) -> None:  # type: ignore[no-untyped-def]
+    model, v = uniform
+    raw = predict(model, v, nu=2, n_samples=9, seed=5, progress=False)
+    for how in ("mean", "median"):
+        rec = predict(model, v, nu=2, n_samples=9, seed=5, progress=False, recentre=how)
+        assert rec.frozen is not None and raw.frozen is not None
+        assert torch.equal(rec.frozen, raw.frozen)
+        from attnuq.predictive import recentre
+
+        assert torch.equal(rec.samples, recentre(raw.samples, raw.frozen, how))  # same draws
+        if how == "median":
+            assert torch.equal(rec.samples.median(0).values, rec.frozen)
+        else:
+            torch.testing.assert_close(rec.mean, rec.frozen, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="got recentre='yes'"):
+        predict(model, v, nu=2, n_samples=3, recentre="yes")

@@ -27,6 +27,7 @@ _LAZY: dict[str, str] = {
     "CalibrationReport": "attnuq.calibration:CalibrationReport",
     "Predictive": "attnuq.predictive:Predictive",
     "GaussianPredictive": "attnuq.predictive:GaussianPredictive",
+    "recentre": "attnuq.predictive:recentre",
 }
 _SUBMODULES = ("ops", "nn", "metrics", "plots", "data", "models", "methods", "baselines",
                "calibration", "prediction", "patching", "bench")

@@ -16,7 +16,10 @@ import torch
 
 from attnuq._validation import check_finite
 
-__all__ = ["GaussianPredictive", "Predictive", "check_level", "check_probability"]
+__all__ = ["GaussianPredictive", "Predictive", "check_level", "check_probability", "recentre"]
+
+#: the ``how=`` values of :func:`recentre`
+RECENTRE = ("mean", "median")
 
 
 def check_probability(q: float | torch.Tensor, name: str = "q") -> torch.Tensor:
@@ -57,6 +60,66 @@ def check_level(level: float) -> float:
     if not isinstance(level, (int, float)) or isinstance(level, bool) or not 0 < level < 1:
         raise ValueError(f"level must be a float in (0, 1), got {level=!r}")
     return float(level)
+
+
+def recentre(samples: torch.Tensor, center: torch.Tensor, how: str = "mean") -> torch.Tensor:
+    r"""Shift each element's samples so that their mean (or median) is ``center``.
+
+    .. math:: \tilde y_s = y_s - m + c, \qquad m = \operatorname{mean}_s y_s \ \text{or}
+              \ \operatorname{median}_s y_s,
+
+    per element of ``(B, ...)``: the spread (every difference ``y_s - y_t``, hence the standard
+    deviation and the interval widths) is unchanged, the location becomes ``c``. With ``c`` the
+    frozen output, stochastic attention then never moves the point prediction.
+
+    Exactness. ``"median"`` is the lower median (:func:`torch.median`, the ``ceil(S/2)``-th
+    smallest draw): the draw ``y_k = m`` maps to ``(y_k - m) + c = 0 + c = c``, and a shift keeps
+    the order, so ``torch.median`` of the result equals ``center`` bit for bit. ``"mean"`` is
+    computed in float64 (``(y_s - m) + c``) and rounded once to the samples' dtype: the mean of
+    the result equals ``center`` up to that one rounding (half an ulp of the largest draw in the
+    samples' dtype) plus the rounding of the float64 mean (a few ``S`` ulps of float64).
+
+    Parameters
+    ----------
+    samples
+        ``(S, B, ...)`` draws, ``S >= 1``.
+    center
+        ``(B, ...)`` the location to move to (e.g. ``Predictive.frozen``).
+    how
+        ``"mean"`` or ``"median"``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(S, B, ...)`` in the samples' dtype and device.
+
+    Examples
+    --------
+    >>> import torch
+    >>> s = torch.tensor([[1.0], [2.0], [6.0]])  # (S=3, B=1)
+    >>> recentre(s, torch.tensor([0.0])).squeeze(-1).tolist()
+    [-2.0, -1.0, 3.0]
+    >>> recentre(s, torch.tensor([0.0]), how="median").squeeze(-1).tolist()
+    [-1.0, 0.0, 4.0]
+    """
+    if how not in RECENTRE:
+        raise ValueError(f"how must be one of {RECENTRE}, got {how=!r}")
+    if not isinstance(samples, torch.Tensor) or samples.dim() < 2 or samples.shape[0] < 1:
+        raise ValueError(
+            f"samples must be a tensor of shape (S, B, ...), got shape="
+            f"{getattr(samples, 'shape', None)}"
+        )
+    if not isinstance(center, torch.Tensor) or center.shape != samples.shape[1:]:
+        raise ValueError(
+            f"center must have shape samples.shape[1:]={tuple(samples.shape[1:])}, got "
+            f"center.shape={tuple(getattr(center, 'shape', ()))}"
+        )
+    c = center.to(device=samples.device)
+    if how == "median":
+        m = samples.median(dim=0).values  # (B, ...): an actual draw
+        return (samples - m) + c.to(samples.dtype)
+    y = samples.to(torch.float64)
+    return ((y - y.mean(0)) + c.to(torch.float64)).to(samples.dtype)
 
 
 @dataclass(frozen=True)
