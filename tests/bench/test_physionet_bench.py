@@ -59,6 +59,10 @@ def test_bench_physionet_end_to_end(tmp_path: Path) -> None:
         for key in ("mse", "mae", "nll", "crps", "T", "cov90", "ccov90", "width95", "cwidth95"):
             assert np.isfinite(summ[meth][key][0]), (meth, key)
     assert summ["levy"]["mse"] == summ["levy_nophi"]["mse"]  # same pass, different spread
+    # the floor under sigma_hat (beta on the first half of val, factor on the second)
+    for key in ("fcov50", "fwidth50", "floor_beta50"):
+        assert key in summ["levy"], key
+    assert 0 <= summ["levy"]["fcov50"][0] <= 1 and summ["levy"]["fwidth50"][0] > 0
     assert set(res["per_seed"][0]["sparsity"]) == {"0.1", "0.5", "0.9"}
     assert res["ensemble"]["members"] == 2 and np.isfinite(res["gp"]["crps"])
     assert res["data"]["n_stays"] == 15 and res["data"]["channels"] == ["Age", "HR", "Temp"]

@@ -11,6 +11,7 @@ per-channel GP baseline, :func:`plots` draws the test stays with the most uneven
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -133,8 +134,14 @@ def _sampler(model: Any, bs: list[ForecastBatch], draws: int, seed: int
 
 def gaussian_scores(mu: torch.Tensor, sd: torch.Tensor, y: torch.Tensor,
                     val: tuple[torch.Tensor, ...]) -> dict[str, Any]:
-    """Every metric of one Gaussian method; ``val = (mu, sd, y)`` raw (before ``T``)."""
-    from attnuq.conformal import conformal_scale
+    """Every metric of one Gaussian method; ``val = (mu, sd, y)`` raw (before ``T``).
+
+    ``ccov``/``cwidth``: split conformal normalised by ``T sd``, calibrated on all of ``val``;
+    ``fcov``/``fwidth``: the floor ``|y - mu| / sqrt(sd^2 + beta^2)``
+    (:func:`attnuq.conformal.fit_floor`), ``beta`` on the first half of the validation points
+    (in stay order) and the factor on the second half; ``floor_beta`` (residual-scale units).
+    """
+    from attnuq.conformal import conformal_scale, fit_floor
     from attnuq.metrics import coverage, crps_normal, interval_width, nll_normal
     from attnuq.metrics import spearman_spread_error as spearman
     from attnuq.models.levy_forecaster import fit_temperature
@@ -151,10 +158,20 @@ def gaussian_scores(mu: torch.Tensor, sd: torch.Tensor, y: torch.Tensor,
         "nll": float(nll_normal(mu, sd_t, y)), "crps": float(crps_normal(mu, sd_t, y)),
         "spearman": float(spearman(sd, mu, y)) if float(sd.std()) > 0 else float("nan"),
     }
+    h = vy.numel() // 2
     for lv in LEVELS:
         lo, hi = test_pred.interval(lv)
         clo, chi = conformal_scale(cal_pred, vy, alpha=1 - lv).interval(test_pred)
         p = int(lv * 100)
+        if math.ceil((h + 1) * (1.0 - (1 - lv))) > h:  # too few validation points per half
+            out.update({f"fcov{p}": math.nan, f"fwidth{p}": math.nan,
+                        f"floor_beta{p}": math.nan})
+        else:
+            fl = fit_floor((vmu[:h], vsd[:h], vy[:h]), (vmu[h:], vsd[h:], vy[h:]), alpha=1 - lv)
+            flo, fhi = fl.interval(mu, sd)
+            out.update({f"fcov{p}": float(coverage(flo, fhi, y)),
+                        f"fwidth{p}": float(interval_width(flo, fhi)),
+                        f"floor_beta{p}": fl.beta_units})
         out.update({f"cov{p}": float(coverage(lo, hi, y)),
                     f"width{p}": float(interval_width(lo, hi)),
                     f"ccov{p}": float(coverage(clo, chi, y)),
