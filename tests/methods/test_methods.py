@@ -63,6 +63,10 @@ _CHEAP_KW: dict[str, dict[str, Any]] = {
     "sa-scale": {"n_samples": 8, "n_passes": 3, "progress": False},
     "sa-crps": {"n_samples": 8, "n_passes": 3, "progress": False},
     "sa-conformal": {"n_samples": 8, "n_passes": 3, "progress": False},
+    "sa": {"n_samples": 8, "n_passes": 3, "progress": False},
+    "sa-debiased": {"n_samples": 8, "n_passes": 3, "progress": False},
+    "sa-recentred": {"n_samples": 8, "n_passes": 3, "progress": False},
+    "sa-floor": {"n_samples": 8, "n_passes": 3, "progress": False},
     "mc-dropout": {"n_samples": 8},
     "ensemble": {"n_members": 2},
     "swag": {"n_samples": 4, "epochs": 1, "progress": False},
@@ -235,6 +239,7 @@ def test_sa_methods_calibrate_nu_on_the_validation_part(name: str, task: Task) -
     assert m.cost.fit_forward >= info["calibration_passes"] * n_val
     assert m.report.n_examples == n_val
     assert (m.scale != 1.0) == name.endswith("conformal")
+    assert (m.floor_fit is not None) == name.endswith("floor")
 
 
 def test_sa_conformal_shares_the_base_draws_and_nu(task: Task) -> None:
@@ -261,6 +266,56 @@ def test_sa_conformal_shares_the_base_draws_and_nu(task: Task) -> None:
     with pytest.raises(NotImplementedError, match="derives from no"):
         make_method("gaussian").derive(base.predict(x))
     assert isinstance(sc, StochasticAttention)
+
+
+def test_sa_recommended_configuration(task: Task) -> None:
+    """``sa``: the auto criterion resolves to the debiased L_SA on this scalar output, the
+    prediction is centred on the frozen output (recentred draws; one float rounding) and its
+    95 % interval is the floor's ``f +- q sqrt(sigma^2 + beta^2)``; the ablations share
+    ``sa-paper``'s nu and draws (``base=``) and ``derive`` equals ``predict`` bit for bit."""
+    from attnuq.methods.sa import RecommendedSA
+    from attnuq.predictive import recentre
+
+    kw = _CHEAP_KW["sa"] | {"max_evals": 2, "nu_range": (1, 16)}
+    sa = make_method("sa", **kw).fit(task)
+    assert isinstance(sa, RecommendedSA) and sa.criterion == "auto"
+    info = sa.info()
+    assert info["criterion_resolved"] == "paper-debiased" and info["recentre"] == "mean"
+    assert sa.report.criterion == "auto" and info["floor_factor"] > 0
+    assert 0 <= info["floor_beta_units"] and sa.floor_fit is not None
+    x = _data(5, 7)[0]
+    g = sa.predict(x)
+    assert isinstance(g, GaussianPredictive)
+    frozen = task.model(x).detach()
+    torch.testing.assert_close(g.mean, frozen, rtol=0, atol=1e-6)
+    raw = sa._sa(task, x)
+    _, hi = g.interval(0.95)
+    sig = raw.samples.std(0)
+    half = sa.floor_fit.factor * torch.sqrt(sig**2 + sa.floor_fit.beta**2)
+    torch.testing.assert_close(hi - g.mean, half, rtol=1e-5, atol=1e-6)
+    # the passes over val (floor's beta) and cal (its factor) are booked
+    n_val, n_cal = (sum(len(t) for _, t in part) for part in (task.val, task.cal))
+    assert sa.cost.fit_forward >= sa.report.forward_passes * n_val + 8 * (n_val + n_cal)
+    base = make_method("sa-paper", **kw).fit(task)
+    for name in ("sa-recentred", "sa-floor"):
+        m = make_method(name, base=base).fit(task)
+        assert m.nu == base.nu and m.derived_from == "sa-paper"
+        bp = base.predict(x)
+        d, p = m.derive(bp), m.predict(x)
+        assert type(d) is type(p)
+        if name == "sa-recentred":
+            assert isinstance(p, Predictive) and p.frozen is not None
+            assert torch.equal(d.samples, p.samples)  # type: ignore[union-attr]
+            assert torch.equal(p.samples, recentre(bp.samples, bp.frozen, "mean"))
+            torch.testing.assert_close(p.mean, p.frozen, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(d.mean, p.mean) and torch.equal(d.std, p.std)
+    with pytest.raises(ValueError, match="choose one"):
+        make_method("sa-floor", conformal=True)
+    with pytest.raises(ValueError, match="got recentre='mode'"):
+        make_method("sa-paper", recentre="mode")
+    with pytest.raises(ValueError, match="raw SA"):
+        make_method("sa-floor", base=make_method("sa-recentred", base=base).fit(task))
 
 
 def test_conformal_is_per_output_coordinate() -> None:

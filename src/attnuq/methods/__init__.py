@@ -10,7 +10,13 @@ A :class:`Task` holds the frozen trained model, its data (``train``/``val``/``ca
 Registered names (:func:`available_methods`):
 
 ============== =============================================================================
+``sa``         the recommended SA: ``nu`` by the ``"auto"`` criterion (debiased ``L_SA`` on
+               low-dimensional outputs), draws recentred on the frozen output, a conformal
+               floor under the spread (``beta`` on ``val``, factor on ``cal``)
 ``sa-paper``   stochastic attention, ``nu`` by the paper's ``L_SA`` (BO search)
+``sa-debiased`` SA, ``nu`` by the debiased ``L_SA`` (``"paper-debiased"``)
+``sa-recentred`` ``sa-paper`` with its draws recentred on the frozen output (mean)
+``sa-floor``   ``sa-paper`` with the conformal floor of ``sa``
 ``sa-scale``   SA, ``nu`` by matching the perturbation scale to the residual scale
 ``sa-crps``    SA, ``nu`` by minimum CRPS
 ``sa-conformal`` SA (``L_SA``) + split-conformal scaling on the ``cal`` part
@@ -57,7 +63,7 @@ from attnuq.methods.ensemble import DeepEnsemble
 from attnuq.methods.hsa import HSA, gumbel_attention
 from attnuq.methods.ivon import IVONMethod
 from attnuq.methods.laplace import LastLayerLaplace
-from attnuq.methods.sa import StochasticAttention
+from attnuq.methods.sa import RecommendedSA, StochasticAttention
 from attnuq.methods.simple import (
     HomoscedasticGaussian,
     MCDropout,
@@ -66,7 +72,11 @@ from attnuq.methods.simple import (
 )
 from attnuq.methods.swag import SWAG, MultiSWAG, SWAGCollector
 
+register_method("sa", RecommendedSA)
 register_method("sa-paper", StochasticAttention, criterion="paper")
+register_method("sa-debiased", StochasticAttention, criterion="paper-debiased")
+register_method("sa-recentred", StochasticAttention, criterion="paper", recentre="mean")
+register_method("sa-floor", StochasticAttention, criterion="paper", floor=True)
 register_method("sa-scale", StochasticAttention, criterion="scale")
 register_method("sa-crps", StochasticAttention, criterion="crps")
 register_method("sa-conformal", StochasticAttention, criterion="paper", conformal=True)
@@ -92,6 +102,7 @@ __all__ = [
     "Method",
     "MultiSWAG",
     "PredictiveLike",
+    "RecommendedSA",
     "ResidualQuantiles",
     "SWAGCollector",
     "SplitConformal",

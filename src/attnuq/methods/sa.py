@@ -1,15 +1,33 @@
 """Stochastic attention (SA) on the frozen model, as a baseline-interface method.
 
 ``fit``: ``nu`` is chosen with :func:`attnuq.calibrate` on the validation part (criterion
-``"paper"`` -- the paper's ``L_SA`` --, ``"scale"``, ``"crps"`` or ``"coverage"``; search
-``"bo"`` by default). ``predict``: ``n_samples`` stochastic passes with :func:`attnuq.predict`
-give samples ``(S, B, ...)`` with the frozen output attached; a custom ``forward_fn`` is
-wrapped in a module whose ``forward(inputs)`` calls it, so any input form works.
+``"paper"`` -- the paper's ``L_SA`` --, ``"scale"``, ``"crps"``, ``"coverage"``,
+``"paper-debiased"`` or ``"auto"``; search ``"bo"`` by default). ``predict``: ``n_samples``
+stochastic passes with :func:`attnuq.predict` give samples ``(S, B, ...)`` with the frozen
+output attached; a custom ``forward_fn`` is wrapped in a module whose ``forward(inputs)`` calls
+it, so any input form works.
 
 ``conformal=True`` adds a split-conformal step on the ``cal`` part: the SA spread about its mean
 is scaled by the conformal factor of :func:`attnuq.methods.calibration.coverage_scale`
 (normalised by the SA interval), which gives finite-sample coverage ``>= 1 - alpha`` of the
 central interval at ``level = 1 - alpha``.
+
+``recentre="mean"`` (or ``"median"``) shifts each element's draws so that their mean (lower
+median) is the frozen output (:func:`attnuq.predictive.recentre`): SA keeps its spread and
+never moves the point prediction.
+
+``floor=True`` puts a floor under the spread (:func:`attnuq.conformal.fit_floor`): with the
+centre ``f`` (the draws' mean; the frozen output when recentred) and the draws' sd ``sigma``,
+``beta`` is chosen on ``val`` (smallest mean width at ``1 - alpha``; ``beta = 0`` is
+SA-normalised conformal, ``inf`` plain conformal) and the factor ``q`` on ``cal``; the
+prediction is ``N(f, (q sqrt(sigma^2 + beta^2) / z_{1-alpha/2})^2)``, whose central
+``1 - alpha`` interval has finite-sample coverage ``>= 1 - alpha``.
+
+The recommended configuration is the registered ``"sa"`` (:class:`RecommendedSA`):
+``criterion="auto"`` (the debiased ``L_SA`` on outputs of fewer than 28 elements, the paper's
+above), ``recentre="mean"`` and ``floor=True``; fixed in advance, no choice made on test data.
+``"sa-paper"``, ``"sa-debiased"``, ``"sa-recentred"`` and ``"sa-floor"`` are its ablations (the
+paper's SA plus one change each).
 
 Sharing one calibration (what ETT and ERA5 need): ``make_method("sa-conformal", base=sa)`` with
 ``sa`` a fitted ``sa-paper`` reuses its ``nu`` (no second search) and fits only the conformal
@@ -35,17 +53,20 @@ from torch import nn
 
 from attnuq._validation import check_positive_int
 from attnuq.calibration import CRITERIA, get_criterion
+from attnuq.calibration.criteria import resolve_criterion
+from attnuq.conformal import FloorConformal, fit_floor
 from attnuq.methods._base import Cost, Method, PredictiveLike, Task, split_batch
 from attnuq.methods.calibration import coverage_scale
-from attnuq.predictive import Predictive
+from attnuq.predictive import RECENTRE, GaussianPredictive, Predictive, recentre
 from attnuq.training import default_forward
 
-__all__ = ["StochasticAttention"]
+__all__ = ["RecommendedSA", "StochasticAttention"]
 
 
 
 class StochasticAttention(Method):
-    """SA with ``nu`` calibrated by ``criterion``; optionally conformalised on ``cal``.
+    """SA with ``nu`` calibrated by ``criterion``; optionally recentred, conformalised on
+    ``cal`` or floored (``beta`` on ``val``, factor on ``cal``).
 
     ``fit`` runs :func:`attnuq.calibrate` on the task's ``val`` part (``calibrate_kwargs`` such
     as ``nu_range`` or ``max_evals`` are passed on) and, with ``conformal=True``, fits the
@@ -74,6 +95,16 @@ class StochasticAttention(Method):
     >>> pred = sa.predict(x[:2])
     >>> pred.samples.shape, pred.frozen.shape
     (torch.Size([8, 2, 3, 4]), torch.Size([2, 3, 4]))
+
+    The recommended configuration (auto criterion, recentred on the frozen output, a floor):
+
+    >>> rec = StochasticAttention(criterion="auto", recentre="mean", floor=True, alpha=0.5,
+    ...                           n_samples=8, n_passes=2, max_evals=2, nu_range=(1, 64),
+    ...                           progress=False).fit(Task(model=net, train=(x, y), val=(x, y),
+    ...                                                    cal=(x, y)))
+    >>> g = rec.predict(x[:2])  # a Gaussian: N(frozen, (q sqrt(sigma^2 + beta^2) / z)^2)
+    >>> bool(torch.allclose(g.mean, net(x[:2]), atol=1e-5)), rec.info()["criterion_resolved"]
+    (True, 'paper-debiased')
     """
 
     implementation = "attnuq stochastic attention (the method of this package)"
@@ -83,6 +114,8 @@ class StochasticAttention(Method):
     n_passes: int
     search: str
     seed: int
+    recentre: str | None
+    floor: bool
 
     def __init__(
         self,
@@ -95,16 +128,20 @@ class StochasticAttention(Method):
         seed: int = 0,
         progress: bool = True,
         base: StochasticAttention | None = None,
+        recentre: str | None = None,
+        floor: bool = False,
         **calibrate_kwargs: Any,
     ) -> None:
         super().__init__()
         if base is not None:
             if not isinstance(base, StochasticAttention) or base.nu is None:
                 raise ValueError(f"base must be a fitted StochasticAttention, got {base!r}")
-            if base.conformal or base.criterion != criterion:
+            if (base.conformal or base.floor or base.recentre is not None
+                    or base.criterion != criterion):
                 raise ValueError(
-                    f"base must be an unconformalised SA of criterion {criterion!r}, got "
-                    f"criterion={base.criterion!r}, conformal={base.conformal}"
+                    f"base must be a raw SA (no conformal step, floor or recentring) of "
+                    f"criterion {criterion!r}, got criterion={base.criterion!r}, "
+                    f"conformal={base.conformal}, floor={base.floor}, recentre={base.recentre!r}"
                 )
             n_samples, seed = base.n_samples, base.seed
             n_passes, search = base.n_passes, base.search
@@ -112,6 +149,17 @@ class StochasticAttention(Method):
             raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion=!r}")
         if not 0 < alpha < 1:
             raise ValueError(f"alpha must lie in (0, 1), got {alpha=}")
+        if recentre is not None and recentre not in RECENTRE:
+            raise ValueError(f"recentre must be None or one of {RECENTRE}, got {recentre=!r}")
+        if not isinstance(floor, bool):
+            raise ValueError(f"floor must be a bool, got {floor=!r}")
+        if floor and conformal:
+            raise ValueError("floor and conformal are two calibrations of the spread: choose one, "
+                             f"got {floor=}, {conformal=}")
+        self.recentre = recentre
+        self.floor = floor
+        self.floor_fit: FloorConformal | None = None
+        self.criterion_resolved: str | None = None
         self.criterion = criterion
         self.conformal = bool(conformal)
         self.alpha = float(alpha)
@@ -146,17 +194,49 @@ class StochasticAttention(Method):
             self.nu = int(self.report.nu)
             # passes over the validation part (1 frozen + n_passes per evaluated nu) x examples
             self.cost.fit_forward += int(self.report.forward_passes) * int(self.report.n_examples)
+        d = int(split_batch(next(iter(task.val)))[1][0].numel())  # elements per example
+        self.criterion_resolved = resolve_criterion(self.criterion, d, self.n_passes)
         self.scale = 1.0
+        self.floor_fit = None
         if self.conformal:
-            preds, ys = [], []
-            for batch in task.cal:
-                inputs, targets = split_batch(batch)
-                preds.append(self._sa(task, inputs))
-                ys.append(targets)
-            pred = Predictive(samples=torch.cat([p.samples for p in preds], dim=1))
-            self.scale = coverage_scale(pred, torch.cat(ys), level=1.0 - self.alpha)
-            self.cost.fit_forward += self.n_samples * sum(len(y) for y in ys)
+            pred, y = self._part(task, task.cal)
+            self.scale = coverage_scale(pred, y, level=1.0 - self.alpha)
+        if self.floor:
+            (pv, yv), (pc, yc) = self._part(task, task.val), self._part(task, task.cal)
+            self.floor_fit = fit_floor(self._floor_args(pv, yv), self._floor_args(pc, yc),
+                                       alpha=self.alpha)
         return None
+
+    def _part(self, task: Task, part: Any) -> tuple[Predictive, torch.Tensor]:
+        """Recentred (if set) SA draws over every batch of ``part`` and its targets; books the
+        passes."""
+        preds, ys = [], []
+        for batch in part:
+            inputs, targets = split_batch(batch)
+            pred = self._sa(task, inputs)
+            preds.append(self._recentred(pred))
+            ys.append(targets)
+        self.cost.fit_forward += self.n_samples * sum(len(y) for y in ys)
+        frozen = [p.frozen for p in preds]
+        return Predictive(
+            samples=torch.cat([p.samples for p in preds], dim=1),
+            frozen=torch.cat(frozen) if all(f is not None for f in frozen) else None,  # type: ignore[arg-type]
+        ), torch.cat(ys)
+
+    @staticmethod
+    def _floor_args(pred: Predictive, y: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(centre, sigma, y)`` of the floor, flattened: centre the draws' mean, sigma their
+        sd (0 where the draws agree)."""
+        return pred.mean.reshape(-1), pred.std.reshape(-1), y.reshape(-1).to(pred.mean.dtype)
+
+    def _recentred(self, pred: Predictive) -> Predictive:
+        if self.recentre is None:
+            return pred
+        if pred.frozen is None:
+            raise ValueError("recentre needs the frozen output: pred.frozen is None")
+        return Predictive(samples=recentre(pred.samples, pred.frozen, self.recentre),
+                          frozen=pred.frozen)
 
     def _sa(self, task: Task, inputs: Any) -> Predictive:
         from attnuq.prediction import predict
@@ -169,19 +249,33 @@ class StochasticAttention(Method):
     def _predict(self, task: Task, inputs: Any) -> tuple[PredictiveLike, int]:
         return self.derive(self._sa(task, inputs)), self.n_samples
 
-    def derive(self, pred: Predictive) -> Predictive:
-        """This method's prediction from the unscaled SA draws ``pred`` (of the same ``nu``,
-        ``seed`` and inputs): ``pred`` spread by the conformal factor (unchanged without one).
+    def derive(self, pred: Predictive) -> Predictive | GaussianPredictive:
+        """This method's prediction from the raw SA draws ``pred`` (of the same ``nu``,
+        ``seed`` and inputs): recentred (if set), then spread by the conformal factor or
+        floored (a :class:`~attnuq.predictive.GaussianPredictive`); unchanged without either.
 
         ``make_method("sa-conformal", base=sa).fit(task).derive(sa.predict(x))`` equals its
         ``predict(x)`` (the test suite checks it bit for bit).
         """
         if not isinstance(pred, Predictive):
             raise TypeError(f"pred must be a Predictive, got {type(pred).__name__}")
+        pred = self._recentred(pred)
+        if self.floor_fit is not None:
+            shape = pred.mean.shape
+            centre, sigma, _ = self._floor_args(pred, pred.mean)
+            g = self.floor_fit.predictive(centre, sigma)
+            return GaussianPredictive(mean=g.mean.reshape(shape), std=g.std.reshape(shape))
         return pred.scaled(self.scale) if self.scale != 1.0 else pred
 
     def info(self) -> dict[str, Any]:
         out: dict[str, Any] = {"nu": self.nu, "conformal_scale": self.scale}
+        if self.criterion_resolved is not None:
+            out["criterion_resolved"] = self.criterion_resolved
+        if self.recentre is not None:
+            out["recentre"] = self.recentre
+        if self.floor_fit is not None:
+            out.update(floor_beta=self.floor_fit.beta, floor_beta_units=self.floor_fit.beta_units,
+                       floor_factor=self.floor_fit.factor)
         if self.derived_from is not None:
             out["nu_from"] = self.derived_from
         if self.report is not None:
@@ -189,6 +283,33 @@ class StochasticAttention(Method):
             out["calibration_seconds"] = float(self.report.wall_time)
             out["evaluated_nu"] = [int(e.nu) for e in self.report.evaluations]
         return out
+
+
+class RecommendedSA(StochasticAttention):
+    """The registered ``"sa"``: :class:`StochasticAttention` with ``criterion="auto"``,
+    ``recentre="mean"`` and ``floor=True`` (every other argument as there).
+
+    The rule is fixed in advance (no choice is made on test data): the criterion by the output's
+    dimension (:func:`attnuq.calibration.criteria.resolve_criterion`), ``beta`` of the floor on
+    the validation part, the floor's factor on the calibration part.
+
+    Examples
+    --------
+    >>> m = RecommendedSA()
+    >>> m.criterion, m.recentre, m.floor
+    ('auto', 'mean', True)
+    """
+
+    implementation = (
+        "attnuq stochastic attention, recommended configuration: nu by the 'auto' criterion "
+        "(debiased L_SA below 28 output elements, the paper's L_SA above), draws recentred on "
+        "the frozen output (mean), conformal floor |y - f| / sqrt(sigma^2 + beta^2) with beta "
+        "on val and the factor on cal (Gaussian predictive)"
+    )
+
+    def __init__(self, criterion: str = "auto", recentre: str | None = "mean",
+                 floor: bool = True, **kwargs: Any) -> None:
+        super().__init__(criterion=criterion, recentre=recentre, floor=floor, **kwargs)
 
 
 class _ForwardModule(nn.Module):
