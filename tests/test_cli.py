@@ -120,6 +120,43 @@ def test_calibrate_hf_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "chosen nu" in out
 
 
+def test_calibrate_per_layer_writes_the_map(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=32, num_labels=1, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    BertForSequenceClassification(cfg).eval().save_pretrained(tmp_path / "bert")
+    ids = torch.randint(1, 50, (32, 8), generator=torch.Generator().manual_seed(0))
+    np.savez(tmp_path / "ids.npz", input_ids=ids.numpy(),
+             y=np.random.default_rng(0).normal(size=(32, 1)).astype(np.float32))
+    rc, out, err = _run(
+        ["calibrate", str(tmp_path / "bert"), str(tmp_path / "ids.npz"), "--output-key",
+         "logits", "--criterion", "crps", "--per-layer", "geometric", "--n-passes", "3",
+         "--out", str(tmp_path / "c")],
+        capsys,
+    )
+    assert rc == 0, err
+    cal = json.loads((tmp_path / "c" / "calibration.json").read_text())
+    sites = ["bert.encoder.layer.0.attention.self", "bert.encoder.layer.1.attention.self"]
+    assert list(cal["nu_map"]) == sites and cal["per_layer"]["sites"] == sites
+    assert cal["forward_passes"] <= 2 * cal["per_layer"]["shared_forward_passes"]
+    res = json.loads((tmp_path / "c" / "results.json").read_text())
+    assert res["summary"]["nu per layer"].startswith(f"{sites[0]}=")
+    assert "nu per layer: " in out
+    # a criterion that cannot rank shapes is refused with the reason, exit code 2
+    rc, out, err = _run(
+        ["calibrate", str(tmp_path / "bert"), str(tmp_path / "ids.npz"), "--output-key",
+         "logits", "--criterion", "scale", "--per-layer", "geometric", "--out",
+         str(tmp_path / "c2")],
+        capsys,
+    )
+    assert rc != 0 and "criterion='scale'" in err
+
+
 @pytest.mark.parametrize(
     ("case", "message"),
     [

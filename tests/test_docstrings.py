@@ -26,6 +26,7 @@ COVERED = (
     "attnuq.methods.swag",
     "attnuq.calibration",
     "attnuq.calibration.criteria",
+    "attnuq.calibration.layers",
     "attnuq.calibration.report",
     "attnuq.calibration.search",
     "attnuq.conformal",

@@ -67,6 +67,7 @@ _CHEAP_KW: dict[str, dict[str, Any]] = {
     "sa-debiased": {"n_samples": 8, "n_passes": 3, "progress": False},
     "sa-recentred": {"n_samples": 8, "n_passes": 3, "progress": False},
     "sa-floor": {"n_samples": 8, "n_passes": 3, "progress": False},
+    "sa-layer": {"n_samples": 8, "n_passes": 3, "progress": False},
     "mc-dropout": {"n_samples": 8},
     "ensemble": {"n_members": 2},
     "swag": {"n_samples": 4, "epochs": 1, "progress": False},
@@ -240,6 +241,15 @@ def test_sa_methods_calibrate_nu_on_the_validation_part(name: str, task: Task) -
     assert m.report.n_examples == n_val
     assert (m.scale != 1.0) == name.endswith("conformal")
     assert (m.floor_fit is not None) == name.endswith("floor")
+    # per-layer nu: one nu per patchable site, in find_attention order, and the draws use it
+    if name == "sa-layer":
+        import attnuq
+
+        sites = [s.name for s in attnuq.find_attention(task.model) if s.patchable]
+        assert list(info["nu_map"]) == sites and m.report.nu_map == info["nu_map"]
+        assert m.report.forward_passes <= 2 * m.report.per_layer["shared_forward_passes"]
+    else:
+        assert "nu_map" not in info
 
 
 def test_sa_conformal_shares_the_base_draws_and_nu(task: Task) -> None:

@@ -14,8 +14,10 @@ The package, bottom up (each module imports only ones listed before it):
   :data:`SEARCHES`) as plain functions of an ``evaluate(nu) -> Evaluation`` callable;
 * ``_passes``: the model side -- the frozen pass over the held-out batches and the ``M``
   stochastic passes at one ``nu``;
+* :mod:`~attnuq.calibration.layers`: per-layer ``nu`` (``per_layer="geometric"``): the family
+  ``nu_l = nu_0 r^(l/(L-1))``, the scale-profiled shape search after the shared one;
 * here, :func:`calibrate`: validates the settings, builds ``evaluate`` from the model and the
-  data, runs the chosen search and assembles the report.
+  data, runs the chosen search (and the per-layer one) and assembles the report.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from attnuq.calibration.criteria import (
     get_criterion,
     summarise,
 )
+from attnuq.calibration.layers import PER_LAYER, PerLayer, check_per_layer, layer_search, seed_key
+from attnuq.calibration.layers import profile as profile_criterion
 from attnuq.calibration.report import CalibrationReport, Evaluation
 from attnuq.calibration.search import (
     SEARCHES,
@@ -54,6 +58,7 @@ from attnuq.prediction import OutputFn
 
 __all__ = [
     "CRITERIA",
+    "PER_LAYER",
     "SEARCHES",
     "CalibrationCriterion",
     "CalibrationReport",
@@ -84,6 +89,7 @@ def calibrate(
     batch_replicas: int | None = None,
     max_rows: int = 8192,
     progress: bool | None = None,
+    per_layer: PerLayer | None = None,
 ) -> CalibrationReport:
     r"""Choose ``nu`` for :func:`attnuq.stochastic` on held-out ``(inputs, targets)`` pairs.
 
@@ -128,6 +134,13 @@ def calibrate(
         Batching of the passes (see :func:`attnuq.predict`).
     progress
         tqdm bar over evaluations (``None``: only on a terminal).
+    per_layer
+        ``None`` (or ``False``): one ``nu`` shared by every site. ``"geometric"``
+        (:data:`PER_LAYER`): after the shared search, a per-layer ``nu_l = nu_0 r^(l/(L-1))``
+        over the patchable sites in :func:`attnuq.find_attention` order, searched at most at
+        the shared search's cost again (:mod:`attnuq.calibration.layers`); the report's
+        ``nu_map`` holds ``{site: nu}`` (``report.nu_spec`` for :func:`attnuq.stochastic`).
+        Needs a criterion that ranks shapes (not ``"scale"`` or ``"coverage"``).
 
     Returns
     -------
@@ -156,6 +169,18 @@ def calibrate(
     >>> report = calibrate(model, [(x, y)], criterion="scale", nu_range=(1, 256))
     >>> 1 <= report.nu <= 256
     True
+
+    Per-layer ``nu`` on two layers (the map covers both sites, at most twice the passes):
+
+    >>> enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    >>> with torch.no_grad():
+    ...     y2 = enc(x) + 0.1 * torch.randn(16, 5, 8)
+    >>> rep = calibrate(enc, [(x, y2)], nu_range=(1, 256), n_passes=4, per_layer="geometric",
+    ...                 progress=False)
+    >>> sorted(rep.nu_map), all(1 <= v <= 256 for v in rep.nu_map.values())
+    (['layers.0.self_attn', 'layers.1.self_attn'], True)
+    >>> rep.forward_passes <= 2 * rep.per_layer["shared_forward_passes"]
+    True
     """
     t_start = time.perf_counter()
     if not isinstance(model, nn.Module):
@@ -173,6 +198,19 @@ def calibrate(
     check_grid_size(grid_size)
     check_positive_int(max_evals, "max_evals")
     check_surrogate_noise(surrogate_noise)
+    family = check_per_layer(per_layer, criterion)
+    sites: list[str] = []
+    if family is not None:
+        from attnuq.patching import find_attention
+
+        sites = [s.name for s in find_attention(model) if s.patchable]
+        if not sites:
+            raise ValueError(
+                f"per_layer={per_layer!r}: {type(model).__name__} has no patchable attention site"
+            )
+        odd = [n for n in sites if any(c in n for c in "*?[")]
+        if odd:  # the map's keys are patterns of attnuq.patch: they must match only themselves
+            raise ValueError(f"per_layer needs site names without '*', '?' or '[', got {odd}")
     if model.training:
         warnings.warn(
             "calibrate: model is in training mode; dropout would add noise (call model.eval())",
@@ -191,12 +229,16 @@ def calibrate(
     if s0 <= 0:
         raise ValueError("the frozen model fits every calibration target exactly (s_0 = 0)")
 
-    def evaluate(nu: int) -> Evaluation:
+    profiles: dict[int, tuple[float, float]] = {}  # per-layer search: profile per shared nu
+
+    def passes(nu: int, nu_spec: dict[str, int] | None = None) -> tuple[Evaluation, Any]:
         t0 = time.perf_counter()
-        st = sample(model, batches, nu, m, seed, output_fn, batch_replicas, max_rows)
+        st = sample(model, batches, nu, m, seed, output_fn, batch_replicas, max_rows,
+                    nu_spec=nu_spec)
         if st.max_change == 0.0:
+            where = f"nu={nu}" if nu_spec is None else f"nu={nu_spec}"
             raise RuntimeError(
-                f"the model output did not change under stochastic attention (nu={nu}, {m} "
+                f"the model output did not change under stochastic attention ({where}, {m} "
                 "passes) although its patched attention was called: every reached attention "
                 "is one-hot, or output_fn reads an output the attention does not affect"
             )
@@ -205,7 +247,19 @@ def calibrate(
             nu=nu, objective=sm.objective, se=sm.se, scale=sm.scale, scale_se=sm.scale_se,
             target_scale=sm.target_scale, values=sm.values, passes=m, model_calls=st.calls,
             seconds=time.perf_counter() - t0, influence=sm.influence,
-        )
+        ), st
+
+    def evaluate(nu: int) -> Evaluation:
+        ev, st = passes(nu)
+        if family is not None:
+            profiles[nu] = profile_criterion(st, criterion, float(level), s0)
+        return ev
+
+    def evaluate_map(nus: list[int], center: int, ratio: float) -> tuple[Evaluation, float, float]:
+        key = seed_key(nus)
+        ev, st = passes(key, dict(zip(sites, nus, strict=True)))
+        ev.nu, ev.nu_map, ev.ratio = center, dict(zip(sites, nus, strict=True)), float(ratio)
+        return (ev, *profile_criterion(st, criterion, float(level), s0))
 
     res: SearchResult
     if search == "grid":
@@ -214,6 +268,14 @@ def calibrate(
     else:
         res = bo_search(evaluate, (lo, hi), max_evals=max_evals, surrogate_noise=surrogate_noise,
                         seed=seed, progress=progress, desc=f"calibrate bo ({criterion})")
+    layers = None
+    if family is not None:
+        layers = layer_search(evaluate_map, sites, res, profiles[res.nu], nu_range=(lo, hi),
+                              n_passes=m)
+    n_evals = len(res.evaluations) + (0 if layers is None else len(layers.evaluations))
+    calls = sum(e.model_calls for e in res.evaluations)
+    if layers is not None:
+        calls += sum(e.model_calls for e in layers.evaluations)
     return CalibrationReport(
         nu=res.nu,
         criterion=criterion,
@@ -228,8 +290,11 @@ def calibrate(
         surrogate=res.surrogate,
         nu_interval=res.nu_interval,
         noise_band=res.noise_band,
-        forward_passes=1 + m * len(res.evaluations),
-        model_calls=len(batches) + sum(e.model_calls for e in res.evaluations),
+        forward_passes=1 + m * n_evals,
+        model_calls=len(batches) + calls,
         wall_time=time.perf_counter() - t_start,
         n_examples=n_examples,
+        nu_map=None if layers is None else dict(layers.nu_map),
+        per_layer=None if layers is None else layers.info,
+        layer_evaluations=None if layers is None else layers.evaluations,
     )

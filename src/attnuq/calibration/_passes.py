@@ -83,14 +83,21 @@ def sample(
     output_fn: OutputFn | None,
     batch_replicas: int | None,
     max_rows: int,
+    *,
+    nu_spec: Any = None,
 ) -> PassStats:
-    """``m`` stochastic passes at ``nu`` over every batch (seed ``seed * 1000003 + nu``)."""
+    """``m`` stochastic passes at ``nu`` over every batch (seed ``seed * 1000003 + nu``).
+
+    ``nu_spec`` (a per-site mapping, see :func:`attnuq.patch`) is patched instead of ``nu``
+    when given; ``nu`` then only keys the seed and names the evaluation in messages.
+    """
     from attnuq.patching import stochastic
 
     dev, resid = [], []
     calls = 0
     s = None if seed is None else seed * 1_000_003 + nu
-    with torch.no_grad(), stochastic(model, nu=nu, seed=s) as handle:
+    spec = nu if nu_spec is None else nu_spec
+    with torch.no_grad(), stochastic(model, nu=spec, seed=s) as handle:
         reached = 0
         for ib, bt in enumerate(batches):
             reps = replicas_per_call(bt.b, m, batch_replicas, max_rows)

@@ -37,6 +37,10 @@ class Evaluation:
         ``scale_ratio`` (``s / s_0``).
     passes, model_calls, seconds
         Stochastic passes over the calibration set, model calls and wall time.
+    nu_map, ratio
+        Only for an evaluation of the per-layer search (:mod:`attnuq.calibration.layers`):
+        the ``{site name: nu}`` evaluated and the family's ratio ``r``; ``nu`` is then the
+        family's centre ``nu_c``. ``None`` (and left out of :meth:`to_dict`) otherwise.
 
     Examples
     --------
@@ -61,11 +65,20 @@ class Evaluation:
     model_calls: int
     seconds: float
     influence: np.ndarray | None = field(default=None, repr=False, compare=False)
+    nu_map: dict[str, int] | None = None
+    ratio: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("influence")
+        for k in _OPTIONAL_EVALUATION:  # absent for the shared search: its JSON is unchanged
+            if d[k] is None:
+                d.pop(k)
         return d
+
+
+_OPTIONAL_EVALUATION = ("nu_map", "ratio")
+_OPTIONAL_REPORT = ("nu_map", "per_layer", "layer_evaluations")
 
 
 @dataclass
@@ -97,6 +110,19 @@ class CalibrationReport:
         Passes over the calibration set: ``1`` frozen + ``n_passes`` per evaluation.
     model_calls, wall_time, n_examples
         Model calls (chunks), seconds, calibration examples.
+    nu_map
+        Per-layer calibration only (``calibrate(..., per_layer="geometric")``, see
+        :mod:`attnuq.calibration.layers`): the chosen ``{site name: nu}`` over every patchable
+        site in :func:`attnuq.find_attention` order, ready for
+        ``attnuq.stochastic(model, nu=report.nu_map)``; ``nu`` stays the shared search's
+        choice. ``None`` for a shared-``nu`` report (then :attr:`nu_spec` is ``nu``).
+    per_layer
+        Per-layer calibration only: the family, its sites, the chosen ``r``, ``nu_0`` and
+        centre, the shape search's trace and the passes of the shared part.
+    layer_evaluations
+        Per-layer calibration only: the evaluations of the shape search, in order
+        (:class:`Evaluation` with ``nu_map`` and ``ratio``); ``forward_passes`` and
+        ``model_calls`` count them too.
 
     Examples
     --------
@@ -118,6 +144,8 @@ class CalibrationReport:
     ...     back = CalibrationReport.load(report.save(pathlib.Path(d) / "report.json"))
     >>> back.to_dict() == report.to_dict()
     True
+    >>> report.nu_map is None, report.nu_spec == report.nu  # a shared-nu report
+    (True, True)
     """
 
     nu: int
@@ -137,6 +165,27 @@ class CalibrationReport:
     model_calls: int
     wall_time: float
     n_examples: int
+    nu_map: dict[str, int | tuple[int | None, ...]] | None = None
+    per_layer: dict[str, Any] | None = None
+    layer_evaluations: list[Evaluation] | None = None
+
+    @property
+    def nu_spec(self) -> int | dict[str, int | tuple[int | None, ...]]:
+        """What to pass as ``nu=`` to :func:`attnuq.stochastic` / :func:`attnuq.predict`:
+        :attr:`nu_map` for a per-layer report, else :attr:`nu`."""
+        return self.nu if self.nu_map is None else dict(self.nu_map)
+
+    @property
+    def layer_choice(self) -> Evaluation | None:
+        """The evaluation of :attr:`nu_map` (per-layer reports; ``None`` otherwise): the
+        shape search's evaluation of the chosen map, or the shared choice when the search
+        kept the shared ``nu``."""
+        if self.nu_map is None:
+            return None
+        for e in self.layer_evaluations or []:
+            if e.nu_map == self.nu_map:
+                return e
+        return self.chosen
 
     def evaluation(self, nu: int) -> Evaluation:
         """The :class:`Evaluation` of ``nu`` (``KeyError`` if it was not evaluated)."""
@@ -164,8 +213,14 @@ class CalibrationReport:
         return calibration_curve(self, ax=ax, show_surrogate=show_surrogate)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k != "evaluations"}
+        skip = {"evaluations", "layer_evaluations"}
+        d = {k: v for k, v in asdict(self).items() if k not in skip}
         d["evaluations"] = [e.to_dict() for e in self.evaluations]
+        if self.layer_evaluations is not None:
+            d["layer_evaluations"] = [e.to_dict() for e in self.layer_evaluations]
+        for k in _OPTIONAL_REPORT:  # absent for a shared-nu report: its JSON is unchanged
+            if d.get(k, 0) is None:
+                d.pop(k)
         return d
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -181,6 +236,11 @@ class CalibrationReport:
     def from_dict(cls, d: dict[str, Any]) -> CalibrationReport:
         d = dict(d)
         d["evaluations"] = [Evaluation(**e) for e in d["evaluations"]]
+        if d.get("layer_evaluations") is not None:
+            d["layer_evaluations"] = [Evaluation(**e) for e in d["layer_evaluations"]]
+        if d.get("nu_map") is not None:  # JSON stores a per-head tuple as a list
+            d["nu_map"] = {k: tuple(v) if isinstance(v, list) else v
+                           for k, v in d["nu_map"].items()}
         d["nu_range"] = tuple(d["nu_range"])
         if d.get("nu_interval") is not None:
             d["nu_interval"] = tuple(d["nu_interval"])

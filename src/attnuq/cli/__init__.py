@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from attnuq._runtime import version
-from attnuq.calibration import CRITERIA, SEARCHES, get_criterion
+from attnuq.calibration import CRITERIA, PER_LAYER, SEARCHES, get_criterion
 
 __all__ = ["build_parser", "main"]
 
@@ -182,6 +182,12 @@ def build_parser(load_suite: str | None = None) -> argparse.ArgumentParser:
         ),
     )
     cal.add_argument("--search", default="bo", choices=list(SEARCHES), help="default: bo")
+    cal.add_argument(
+        "--per-layer", default=None, choices=list(PER_LAYER),
+        help="also calibrate one nu per attention site: geometric = nu_l = nu_0 r^(l/(L-1)) over "
+        "the sites in find_attention order, at most twice the shared search's passes; the map "
+        "goes to calibration.json (nu_map). Needs --criterion paper or crps (default: off)",
+    )
     cal.add_argument("--n-passes", type=int, default=10, help="passes per input (default: 10)")
     cal.add_argument("--batch-size", type=int, default=64, help="default: 64")
     cal.add_argument("--out", default="attnuq-calibration", help="report folder")

@@ -245,6 +245,9 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
         raise ValueError(f"--n-passes must be at least 2, got {args.n_passes}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
+    from attnuq.calibration.layers import check_per_layer
+
+    check_per_layer(getattr(args, "per_layer", None), args.criterion)  # before loading anything
     out = check_out_dir(args.out)  # before any work: a file named as --out fails now
     torch.manual_seed(args.seed)
     model = load_saved_model(args.model, args.device)
@@ -267,6 +270,7 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
         n_passes=args.n_passes,
         output_fn=make_output_fn(args.output_key),
         seed=args.seed,
+        per_layer=getattr(args, "per_layer", None),
     )
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "calibration.json", report.to_json())
@@ -292,6 +296,12 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
             "search": args.search,
             "held-out rows": len(y),
             "forward passes": report.forward_passes,
+            **({"nu per layer": ", ".join(f"{k or '(root)'}={v}" for k, v in
+                                          report.nu_map.items()),
+                "per-layer ratio r": report.per_layer["ratio"] if report.per_layer else None,
+                "shared-nu forward passes": report.per_layer["shared_forward_passes"]
+                if report.per_layer else None}
+               if report.nu_map is not None else {}),
             **({"head": f"{Path(args.head).name} on the {args.pool}-pooled embedding"}
                if getattr(args, "head", None) is not None else {}),
         },
@@ -302,4 +312,7 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     atomic_write_json(out / "results.json", results, indent=2)
     render_report(out / "results.json")
     print(f"chosen nu = {report.nu}")
+    if report.nu_map is not None:
+        print("nu per layer: " + ", ".join(f"{k or '(root)'}={v}" for k, v in
+                                           report.nu_map.items()))
     return out

@@ -20,6 +20,7 @@ Registered names (:func:`available_methods`):
 ``sa-scale``   SA, ``nu`` by matching the perturbation scale to the residual scale
 ``sa-crps``    SA, ``nu`` by minimum CRPS
 ``sa-conformal`` SA (``L_SA``) + split-conformal scaling on the ``cal`` part
+``sa-layer``   SA with a per-layer ``nu_l = nu_0 r^(l/(L-1))`` (CRPS; ablation of ``sa-crps``)
 ``mc-dropout`` dropout active at test time on the frozen model
 ``ensemble``   deep ensemble of 5 retrained backbones (Gaussian over members)
 ``swag``       SWAG around the frozen model (own code; agrees with torch-uncertainty's)
@@ -80,6 +81,7 @@ register_method("sa-floor", StochasticAttention, criterion="paper", floor=True)
 register_method("sa-scale", StochasticAttention, criterion="scale")
 register_method("sa-crps", StochasticAttention, criterion="crps")
 register_method("sa-conformal", StochasticAttention, criterion="paper", conformal=True)
+register_method("sa-layer", StochasticAttention, criterion="crps", per_layer="geometric")
 register_method("mc-dropout", MCDropout)
 register_method("ensemble", DeepEnsemble)
 register_method("swag", SWAG)

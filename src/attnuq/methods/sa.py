@@ -29,6 +29,13 @@ above), ``recentre="mean"`` and ``floor=True``; fixed in advance, no choice made
 ``"sa-paper"``, ``"sa-debiased"``, ``"sa-recentred"`` and ``"sa-floor"`` are its ablations (the
 paper's SA plus one change each).
 
+Per-layer ``nu`` (``per_layer="geometric"``, passed on to :func:`attnuq.calibrate`; method
+``sa-layer``): the report's ``nu_map`` (one ``nu`` per attention site,
+:mod:`attnuq.calibration.layers`) is what the passes draw with; ``nu`` stays the shared search's
+choice. ``sa-layer`` uses the ``"crps"`` criterion: ``L_SA`` sees only the norm of the
+perturbation of the whole output, which the per-layer shape barely moves, so with ``"paper"``
+the shape search mostly keeps the shared ``nu``.
+
 Sharing one calibration (what ETT and ERA5 need): ``make_method("sa-conformal", base=sa)`` with
 ``sa`` a fitted ``sa-paper`` reuses its ``nu`` (no second search) and fits only the conformal
 factor; its draws are ``sa``'s (same ``nu``, ``seed`` and ``n_samples``), so
@@ -173,6 +180,7 @@ class StochasticAttention(Method):
         if base is not None:
             self.derived_from = base.name
         self.nu: int | None = None
+        self.nu_map: dict[str, Any] | None = None  # per-layer nu (calibrate(per_layer=...))
         self.scale: float = 1.0
         self.report: Any = None
 
@@ -183,6 +191,7 @@ class StochasticAttention(Method):
             if self._base._task is not task:
                 raise ValueError("base was fitted on another Task")
             self.report, self.nu = self._base.report, self._base.nu
+            self.nu_map = self._base.nu_map
         else:
             model = _sa_model(task)
             self.report = calibrate(
@@ -192,6 +201,7 @@ class StochasticAttention(Method):
                 progress=self.progress, **self.calibrate_kwargs,
             )
             self.nu = int(self.report.nu)
+            self.nu_map = None if self.report.nu_map is None else dict(self.report.nu_map)
             # passes over the validation part (1 frozen + n_passes per evaluated nu) x examples
             self.cost.fit_forward += int(self.report.forward_passes) * int(self.report.n_examples)
         d = int(split_batch(next(iter(task.val)))[1][0].numel())  # elements per example
@@ -242,7 +252,8 @@ class StochasticAttention(Method):
         from attnuq.prediction import predict
 
         assert self.nu is not None
-        pred = predict(_sa_model(task), inputs, nu=self.nu, n_samples=self.n_samples,
+        nu: Any = self.nu if self.nu_map is None else self.nu_map
+        pred = predict(_sa_model(task), inputs, nu=nu, n_samples=self.n_samples,
                        seed=self.seed, progress=False)
         return Predictive(samples=pred.samples, frozen=pred.frozen)
 
@@ -276,6 +287,8 @@ class StochasticAttention(Method):
         if self.floor_fit is not None:
             out.update(floor_beta=self.floor_fit.beta, floor_beta_units=self.floor_fit.beta_units,
                        floor_factor=self.floor_fit.factor)
+        if self.nu_map is not None:
+            out["nu_map"] = dict(self.nu_map)
         if self.derived_from is not None:
             out["nu_from"] = self.derived_from
         if self.report is not None:
