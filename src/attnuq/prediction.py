@@ -5,6 +5,11 @@ The ``S`` stochastic passes are batched: the input batch is replicated ``r`` tim
 reshaped to ``(r, B, ...)``; chunks of ``r`` replicas keep each call under ``max_rows`` rows.
 Each row of the replicated batch draws its own attention weights, so the ``S`` draws of an
 example are i.i.d. given the input. The returned samples are always ``(S, B, ...)``.
+
+Under a ``torch.distributed`` process group (:mod:`attnuq.distributed`) the work is cut into
+units of ``chunk_examples`` examples by ``chunk_passes`` passes, each drawing from its own
+generator seeded by ``(seed, example chunk, pass block)``; the ranks share the units and
+exchange the results, so every rank returns the same samples at any world size.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnuq import distributed as _dist
 from attnuq._validation import check_positive_int
 from attnuq.predictive import RECENTRE, Predictive
 from attnuq.predictive import recentre as _recentre
@@ -68,6 +74,37 @@ def replicate(inputs: Inputs, r: int, b: int) -> Inputs:
     return type(inputs)(rep(v) for v in inputs) if isinstance(inputs, tuple) else [
         rep(v) for v in inputs
     ]
+
+
+def take(inputs: Inputs, sl: slice, b: int) -> Inputs:
+    """The examples ``sl`` of every tensor whose dim 0 is ``b`` (others passed unchanged)."""
+
+    def cut(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b:
+            return v[sl]
+        return v
+
+    if isinstance(inputs, torch.Tensor):
+        return cut(inputs)
+    if isinstance(inputs, Mapping):
+        return {k: cut(v) for k, v in inputs.items()}
+    return tuple(cut(v) for v in inputs) if isinstance(inputs, tuple) else [
+        cut(v) for v in inputs
+    ]
+
+
+def named_tensors(inputs: Inputs) -> list[tuple[str, torch.Tensor]]:
+    """The input tensors with a name each (dict key or position), for checksums."""
+    if isinstance(inputs, torch.Tensor):
+        return [("x", inputs)]
+    if isinstance(inputs, Mapping):
+        return [(str(k), v) for k, v in inputs.items() if isinstance(v, torch.Tensor)]
+    return [(str(i), v) for i, v in enumerate(inputs) if isinstance(v, torch.Tensor)]
+
+
+def model_digest(model: nn.Module) -> str:
+    """Checksum of ``model``'s parameters and buffers (names, dtypes, shapes, bytes)."""
+    return _dist.tensor_digest([*model.named_parameters(), *model.named_buffers()])
 
 
 def call_model(model: nn.Module, inputs: Inputs) -> Any:
@@ -147,6 +184,9 @@ def predict(
     max_rows: int = 8192,
     progress: bool | None = None,
     recentre: str | None = None,
+    distributed: bool | None = None,
+    chunk_examples: int = 16,
+    chunk_passes: int = 16,
 ) -> Predictive:
     r"""Predictive samples of a frozen model under stochastic attention.
 
@@ -177,11 +217,23 @@ def predict(
     max_rows
         Cap on rows per model call when ``batch_replicas`` is not given.
     progress
-        tqdm progress bar over the passes (``None``: only on a terminal).
+        tqdm progress bar over the passes (``None``: only on a terminal; only on rank 0).
     recentre
         ``None`` (the raw draws), ``"mean"`` or ``"median"``: shift each element's draws so
         that their mean (lower median) is the frozen output (:func:`attnuq.predictive.recentre`;
         the spread is unchanged and SA never moves the point prediction).
+    distributed
+        Share the work across the ranks of the default ``torch.distributed`` process group
+        (``None``: when one is initialised; ``False``: never). Every rank passes the same
+        model, inputs and settings (checked: checksums of the parameters and of the inputs)
+        and gets the full result. See :mod:`attnuq.distributed`.
+    chunk_examples, chunk_passes
+        Distributed only: the work unit, ``chunk_examples`` examples by ``chunk_passes``
+        passes (the last ones shorter), one generator per unit seeded by
+        :func:`attnuq.distributed.unit_seed` ``(seed, example chunk, pass block)``; fixed sizes,
+        so the samples are the same at every world size (not those of the undistributed call,
+        whose one generator runs over the whole batch). ``seed=None``: a seed drawn from rank
+        0's global generator.
 
     Returns
     -------
@@ -226,6 +278,13 @@ def predict(
             stacklevel=2,
         )
     b = batch_size(inputs)
+    if _dist.is_active(distributed):
+        return _predict_sharded(
+            model, inputs, nu=nu, n=n, b=b, seed=seed, output_fn=output_fn,
+            batch_replicas=batch_replicas, max_rows=max_rows, progress=progress,
+            chunk_examples=check_positive_int(chunk_examples, "chunk_examples"),
+            chunk_passes=check_positive_int(chunk_passes, "chunk_passes"), recentre=recentre,
+        )
     r = replicas_per_call(b, n, batch_replicas, max_rows)
     frozen = extract(call_model(model, inputs), output_fn)
     if frozen.dim() == 0 or frozen.shape[0] != b:
@@ -245,3 +304,97 @@ def predict(
     if recentre is not None:
         samples = _recentre(samples, frozen, recentre)
     return Predictive(samples=samples, frozen=frozen)
+
+
+def _predict_sharded(
+    model: nn.Module,
+    inputs: Inputs,
+    *,
+    nu: Any,
+    n: int,
+    b: int,
+    seed: int | None,
+    output_fn: OutputFn | None,
+    batch_replicas: int | None,
+    max_rows: int,
+    progress: bool | None,
+    chunk_examples: int,
+    chunk_passes: int,
+    recentre: str | None = None,
+) -> Predictive:
+    """:func:`predict` under a process group: units ``(example chunk i, pass block j)``."""
+    from tqdm.auto import tqdm
+
+    from attnuq.patching import stochastic
+
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int or None, got {seed=!r}")
+    rank, world = _dist.rank_world()
+    agreed = _dist.check_same(
+        "predict",
+        {"model": model_digest(model), "inputs": _dist.tensor_digest(named_tensors(inputs)),
+         "nu": repr(nu), "n_samples": n, "seed": seed, "chunk_examples": chunk_examples,
+         "chunk_passes": chunk_passes, "batch_replicas": batch_replicas, "max_rows": max_rows},
+        from_rank0={"drawn": int(torch.randint(0, 1 << 62, (1,)).item()) if seed is None
+                    else seed},
+    )
+    base = int(agreed["drawn"])
+    ex = _dist.chunk_slices(b, chunk_examples)
+    blocks = _dist.chunk_slices(n, chunk_passes)
+    units = [(i, j) for i in range(len(ex)) for j in range(len(blocks))]
+    mine_frozen = list(_dist.shard(len(ex), rank, world))
+    mine = [units[k] for k in _dist.shard(len(units), rank, world)]
+
+    def work() -> dict[str, Any]:
+        frozen: dict[int, torch.Tensor] = {}
+        device = None
+        for i in mine_frozen:
+            f = extract(call_model(model, take(inputs, ex[i], b)), output_fn)
+            bi = ex[i].stop - ex[i].start
+            if f.dim() == 0 or f.shape[0] != bi:
+                raise ValueError(
+                    f"the model output must be batch-first with dim 0 = {bi} (examples "
+                    f"{ex[i].start}..{ex[i].stop - 1}), got output.shape={tuple(f.shape)}"
+                )
+            device = device or f.device
+            frozen[i] = f.cpu()
+        samples: dict[tuple[int, int], torch.Tensor] = {}
+        if mine:
+            total = sum(blocks[j].stop - blocks[j].start for _, j in mine)
+            disable = (None if progress is None else not progress) if rank == 0 else True
+            with tqdm(total=total, desc=f"predict nu={nu} (rank {rank}/{world})", unit="pass",
+                      disable=disable, leave=False) as bar, \
+                    stochastic(model, nu=nu, seed=0) as handle:
+                reached = 0
+                for i, j in mine:
+                    handle.manual_seed(_dist.unit_seed(base, i, j))
+                    bi, nj = ex[i].stop - ex[i].start, blocks[j].stop - blocks[j].start
+                    out, _ = stochastic_passes(
+                        model, take(inputs, ex[i], b), nj, output_fn=output_fn,
+                        replicas=replicas_per_call(bi, nj, batch_replicas, max_rows), b=bi,
+                        progress=bar,
+                    )
+                    reached = handle.require_calls(reached, where=f"predict (unit {i},{j})")
+                    device = device or out.device
+                    samples[(i, j)] = out.cpu()
+        return {"frozen": frozen, "samples": samples, "device": device}
+
+    got = _dist.phase("predict", work)
+    frozen_all: dict[int, torch.Tensor] = {}
+    samples_all: dict[tuple[int, int], torch.Tensor] = {}
+    for g in got:
+        frozen_all.update(g["frozen"])
+        samples_all.update(g["samples"])
+    dev = got[rank]["device"]
+    if dev is None:
+        ts = _tensors(inputs)
+        dev = ts[0].device if ts else torch.device("cpu")
+    frozen_t = torch.cat([frozen_all[i] for i in range(len(ex))], 0)
+    samples_t = torch.cat(
+        [torch.cat([samples_all[(i, j)] for j in range(len(blocks))], 0) for i in range(len(ex))],
+        1,
+    )
+    samples_t, frozen_t = samples_t.to(dev), frozen_t.to(dev)
+    if recentre is not None:
+        samples_t = _recentre(samples_t, frozen_t, recentre)
+    return Predictive(samples=samples_t, frozen=frozen_t)

@@ -19,6 +19,17 @@ the methods registry (:func:`attnuq.methods.make_method`) or the suite's own row
 So an interrupted run resumes where it stopped, and invocations that ran other methods or other
 groups merge: the page is rendered from every stored record (:meth:`RunStore.records`).
 
+Under a ``torch.distributed`` process group (``torchrun ... -m attnuq.cli bench <suite>``) the
+ranks share the items: rank 0 decides what is to do (the stored records, as above) and tells
+the others; with at least as many groups to do as ranks, each group goes whole to one rank
+(round robin: its ``setup``, e.g. a backbone trained and cached, runs once), else the items are
+dealt out one by one (round robin) and a group held by several ranks is set up by the lowest
+of them first, then by the others (which then find its caches). Each rank saves the records of
+its own items (one writer per file, atomic; the ranks share the results folder: one machine, or
+a shared file system); ``on_saved`` runs on rank 0 only. When every rank is done, rank 0 returns
+the summary of all of them and the others raise :class:`attnuq.distributed.WorkerDone`, so
+that the suite's page is written once, by rank 0.
+
 Examples
 --------
 >>> import tempfile, pathlib
@@ -242,6 +253,7 @@ def run_items(
     desc: str | None = None,
     rerun: Iterable[str] = (),
     on_saved: Callable[[Group, str, dict[str, Any]], None] | None = None,
+    distributed: bool | None = None,
 ) -> RunSummary:
     """Run every (group, method) item not yet stored (see the module docstring).
 
@@ -252,12 +264,18 @@ def run_items(
     after each save (e.g. to rewrite a partial page). Exceptions of ``run_one`` are recorded
     (:meth:`RunStore.fail`) and printed; ``setup`` may raise :class:`SkipGroup` to leave a group
     undone; its other exceptions and ``KeyboardInterrupt`` propagate (every item saved so far
-    stays).
+    stays). ``distributed``: share the items across the ranks of the process group (``None``:
+    when one is initialised; see the module docstring).
     """
     rerun = set(rerun)
     from tqdm.auto import tqdm
 
+    from attnuq import distributed as _dist
+
     groups = list(groups)
+    if _dist.is_active(distributed):
+        return _run_sharded(store, groups, setup, run_one, progress=progress, desc=desc,
+                            rerun=rerun, on_saved=on_saved)
     summary = RunSummary()
     bar = tqdm(total=sum(len(g.methods) for g in groups), desc=desc or f"{store.suite} runs",
                disable=not progress)
@@ -296,3 +314,128 @@ def run_items(
     finally:
         bar.close()
     return summary
+
+
+def _run_one_item(store: RunStore, ctx: Any, g: Group, m: str,
+                  run_one: Callable[[Any, Group, str], dict[str, Any]],
+                  summary: RunSummary) -> dict[str, Any] | None:
+    """One item: run, save (or record the failure); the record, or None when it failed."""
+    name = "/".join((*g.parts, m))
+    t0 = time.perf_counter()
+    try:
+        rec = run_one(ctx, g, m)
+    except Exception as exc:  # recorded, shown on the page, retried next run
+        store.fail(exc, g.parts, m)
+        print(f"[{store.suite}] {name} failed: {type(exc).__name__}: {exc}")
+        summary.failed.append(name)
+        return None
+    rec["wall_seconds"] = time.perf_counter() - t0
+    store.save(rec, g.parts, m, reuse=g.reuse_for(m))
+    summary.done += 1
+    return rec
+
+
+def _run_sharded(
+    store: RunStore,
+    groups: list[Group],
+    setup: Callable[[Group], Any],
+    run_one: Callable[[Any, Group, str], dict[str, Any]],
+    *,
+    progress: bool,
+    desc: str | None,
+    rerun: set[str],
+    on_saved: Callable[[Group, str, dict[str, Any]], None] | None,
+) -> RunSummary:
+    """:func:`run_items` under a process group (see the module docstring)."""
+    from tqdm.auto import tqdm
+
+    from attnuq import distributed as _dist
+
+    rank, world = _dist.rank_world()
+    long = _dist.long_group()
+
+    def plan() -> list[list[str]] | None:
+        if rank != 0:
+            return None
+        return [[m for m in g.methods if m in rerun or store.load(g.parts, m, g.reuse_for(m))
+                 is None] for g in groups]
+
+    todo = _dist.phase(f"{store.suite}: what is to do", plan, group=long)[0]
+    assert todo is not None
+    summary = RunSummary()
+    summary.reused = sum(len(g.methods) - len(t) for g, t in zip(groups, todo, strict=True))
+    live = [gi for gi, t in enumerate(todo) if t]
+    holders: dict[int, list[int]] = {}  # group -> ranks holding items of it, lowest first
+    mine: dict[int, list[str]] = {}  # group -> this rank's methods
+    if len(live) >= world:
+        for k, gi in enumerate(live):
+            holders[gi] = [k % world]
+            if k % world == rank:
+                mine[gi] = list(todo[gi])
+    else:
+        items = [(gi, m) for gi in live for m in todo[gi]]
+        for k, (gi, m) in enumerate(items):
+            hs = holders.setdefault(gi, [])
+            if k % world not in hs:
+                hs.append(k % world)
+            if k % world == rank:
+                mine.setdefault(gi, []).append(m)
+        for hs in holders.values():
+            hs.sort()
+    bar = tqdm(total=sum(len(v) for v in mine.values()),
+               desc=(desc or f"{store.suite} runs") + f" (rank {rank}/{world})",
+               disable=not progress or rank != 0)
+    ctxs: dict[int, Any] = {}
+
+    def set_up(gi: int) -> None:
+        g = groups[gi]
+        try:
+            ctxs[gi] = setup(g)
+        except SkipGroup as exc:
+            summary.skipped[g.parts] = str(exc)
+            bar.update(len(mine.get(gi, [])))
+
+    def items_of(gi: int) -> None:
+        g = groups[gi]
+        if gi not in ctxs:
+            return  # skipped
+        for m in mine.get(gi, []):
+            bar.set_postfix_str("/".join((*g.parts, m)))
+            rec = _run_one_item(store, ctxs[gi], g, m, run_one, summary)
+            if rec is not None and on_saved is not None and rank == 0:
+                on_saved(g, m, rec)
+            bar.update(1)
+        ctxs.pop(gi, None)
+
+    try:
+        if len(live) >= world:  # whole groups: no rank waits for another until the end
+            def whole() -> None:
+                for gk in mine:
+                    set_up(gk)
+                    items_of(gk)
+
+            _dist.phase(f"{store.suite}: items", whole, group=long)
+        else:  # a group held by several ranks: its lowest holder sets it up first
+            steps: list[int | None] = [*live, None]
+            for k, nxt in enumerate(steps):
+                def step(prev: int | None = steps[k - 1] if k else None,
+                         nxt: int | None = nxt) -> None:
+                    if prev is not None and rank in holders[prev]:
+                        if rank != holders[prev][0]:
+                            set_up(prev)
+                        items_of(prev)
+                    if nxt is not None and rank == holders[nxt][0]:
+                        set_up(nxt)
+
+                _dist.phase(f"{store.suite}: items", step, group=long)
+    finally:
+        bar.close()
+    every = _dist.phase(f"{store.suite}: summaries", lambda: summary, group=long)
+    total = RunSummary(reused=summary.reused)
+    for s in every:
+        total.done += s.done
+        total.failed += s.failed
+        total.skipped.update(s.skipped)
+    if rank != 0:
+        raise _dist.WorkerDone(f"rank {rank}: {summary.done} item(s) done; rank 0 writes the page")
+    return total

@@ -31,8 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnuq import distributed as _dist
 from attnuq._validation import check_positive_int
 from attnuq.calibration._passes import prepare, residual_scale, sample
+from attnuq.calibration._sharded import Shards, prepare_sharded, sample_sharded
 from attnuq.calibration.criteria import (
     CRITERIA,
     CalibrationCriterion,
@@ -90,6 +92,8 @@ def calibrate(
     max_rows: int = 8192,
     progress: bool | None = None,
     per_layer: PerLayer | None = None,
+    distributed: bool | None = None,
+    chunk_examples: int = 16,
 ) -> CalibrationReport:
     r"""Choose ``nu`` for :func:`attnuq.stochastic` on held-out ``(inputs, targets)`` pairs.
 
@@ -141,6 +145,14 @@ def calibrate(
         the shared search's cost again (:mod:`attnuq.calibration.layers`); the report's
         ``nu_map`` holds ``{site: nu}`` (``report.nu_spec`` for :func:`attnuq.stochastic`).
         Needs a criterion that ranks shapes (not ``"scale"`` or ``"coverage"``).
+    distributed, chunk_examples
+        Share the passes across the ranks of the default ``torch.distributed`` process group
+        (``None``: when one is initialised; ``False``: never): each batch is cut into units of
+        ``chunk_examples`` examples, shared by the ranks, each unit drawing from its own
+        generator (:func:`attnuq.distributed.unit_seed`); the statistics are gathered, so every
+        rank returns the same report, and the same ``nu`` at every world size. Every rank
+        passes the same model, data and settings (checked by checksums). See
+        :mod:`attnuq.distributed`.
 
     Returns
     -------
@@ -217,15 +229,32 @@ def calibrate(
             stacklevel=2,
         )
 
-    with torch.no_grad():
-        batches = prepare(model, data, output_fn)
-    n_examples = sum(bt.b for bt in batches)
+    sharded = _dist.is_active(distributed)
+    shards: Shards | None = None
+    if sharded:
+        shards = prepare_sharded(
+            model, data, output_fn, seed=seed,
+            chunk_examples=check_positive_int(chunk_examples, "chunk_examples"),
+            settings={"criterion": criterion, "search": search, "n_passes": m,
+                      "nu_range": (lo, hi), "level": level, "grid_size": grid_size,
+                      "max_evals": max_evals, "surrogate_noise": surrogate_noise,
+                      "batch_replicas": batch_replicas, "max_rows": max_rows,
+                      "per_layer": per_layer},
+        )
+        batches: list[Any] = []
+        n_examples, frozen_calls = shards.n_examples, len(shards.units)
+        if not _dist.is_primary():
+            progress = False  # one bar, on rank 0
+    else:
+        with torch.no_grad():
+            batches = prepare(model, data, output_fn)
+        n_examples, frozen_calls = sum(bt.b for bt in batches), len(batches)
     if n_examples < 2:
         raise ValueError(
             f"calibration data has {n_examples} example: the standard errors of the criterion "
             "(and the grid's noise band) need at least 2 examples"
         )
-    s0 = residual_scale(batches)
+    s0 = shards.residual_scale() if shards is not None else residual_scale(batches)
     if s0 <= 0:
         raise ValueError("the frozen model fits every calibration target exactly (s_0 = 0)")
 
@@ -233,8 +262,11 @@ def calibrate(
 
     def passes(nu: int, nu_spec: dict[str, int] | None = None) -> tuple[Evaluation, Any]:
         t0 = time.perf_counter()
-        st = sample(model, batches, nu, m, seed, output_fn, batch_replicas, max_rows,
-                    nu_spec=nu_spec)
+        st = (sample_sharded(model, shards, nu, m, output_fn, batch_replicas, max_rows,
+                             nu_spec=nu_spec)
+              if shards is not None
+              else sample(model, batches, nu, m, seed, output_fn, batch_replicas, max_rows,
+                          nu_spec=nu_spec))
         if st.max_change == 0.0:
             where = f"nu={nu}" if nu_spec is None else f"nu={nu_spec}"
             raise RuntimeError(
@@ -291,7 +323,7 @@ def calibrate(
         nu_interval=res.nu_interval,
         noise_band=res.noise_band,
         forward_passes=1 + m * n_evals,
-        model_calls=len(batches) + calls,
+        model_calls=frozen_calls + calls,
         wall_time=time.perf_counter() - t_start,
         n_examples=n_examples,
         nu_map=None if layers is None else dict(layers.nu_map),

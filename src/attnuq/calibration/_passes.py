@@ -33,25 +33,36 @@ class Batch:
     b: int
 
 
-def prepare(model: nn.Module, data: Iterable[Any], output_fn: OutputFn | None) -> list[Batch]:
-    """Read ``data`` once: check every ``(inputs, targets)`` pair and run the frozen pass."""
+def check_data(data: Iterable[Any]) -> None:
+    """``TypeError`` unless ``data`` is an iterable (not a tensor or a string)."""
     if isinstance(data, (torch.Tensor, str, bytes)) or not isinstance(data, Iterable):
         raise TypeError(
             f"data must be an iterable of (inputs, targets) pairs, got {type(data).__name__}"
         )
+
+
+def check_pair(i: int, item: Any) -> tuple[Inputs, torch.Tensor]:
+    """Item ``i`` of the data as ``(inputs, targets)``: a pair, finite non-empty targets."""
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        raise ValueError(
+            "data must yield (inputs, targets) pairs, got item "
+            f"{i} of type {type(item).__name__}"
+        )
+    x, y = item
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"targets of batch {i} must be a tensor, got {type(y).__name__}")
+    if y.numel() == 0:
+        raise ValueError(f"targets of batch {i} are empty, got shape={tuple(y.shape)}")
+    check_finite(y, f"targets (batch {i})")
+    return x, y
+
+
+def prepare(model: nn.Module, data: Iterable[Any], output_fn: OutputFn | None) -> list[Batch]:
+    """Read ``data`` once: check every ``(inputs, targets)`` pair and run the frozen pass."""
+    check_data(data)
     out: list[Batch] = []
     for i, item in enumerate(data):
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise ValueError(
-                "data must yield (inputs, targets) pairs, got item "
-                f"{i} of type {type(item).__name__}"
-            )
-        x, y = item
-        if not isinstance(y, torch.Tensor):
-            raise TypeError(f"targets of batch {i} must be a tensor, got {type(y).__name__}")
-        if y.numel() == 0:
-            raise ValueError(f"targets of batch {i} are empty, got shape={tuple(y.shape)}")
-        check_finite(y, f"targets (batch {i})")
+        x, y = check_pair(i, item)
         b = batch_size(x)
         f = extract(call_model(model, x), output_fn)
         if f.shape != y.shape:

@@ -9,6 +9,10 @@
   folder or a ``torch.save``-d module) on a CSV or NPZ file of held-out inputs and targets.
 * ``attnuq report RESULTS_JSON``: (re)write ``report.html`` from a results file.
 
+Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set),
+``calibrate`` and ``bench`` initialise a process group (gloo; NCCL for a CUDA ``--device``) and
+share their work across the ranks; rank 0 alone writes the results (:mod:`attnuq.distributed`).
+
 Bad input ends with a one-line ``attnuq: error: ...`` on stderr and exit status 2: invalid
 options and files, a model that fails on the given data, a model folder without weights or with
 a torn weights file, an ``--out`` that names a file (checked before any work). Set
@@ -225,7 +229,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from attnuq.cli._calibrate import calibrate_saved_model
 
     out = calibrate_saved_model(args)
-    print(f"calibration report written to {out}")
+    from attnuq.distributed import is_primary
+
+    if is_primary():
+        print(f"calibration report written to {out}")
     return 0
 
 
@@ -268,12 +275,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     load = argv[1] if len(argv) >= 2 and argv[0] == "bench" else None
     parser = build_parser(load)
     args = parser.parse_args(argv)
+    started = False
     try:
         if getattr(args, "device", None) is not None:
             from attnuq._runtime import resolve_device
 
             args.device = str(resolve_device(args.device))
         _check_outputs(args)
+        if args.command in ("calibrate", "bench"):  # under torchrun: share the work
+            from attnuq.distributed import init_from_env
+
+            started = init_from_env(getattr(args, "device", None))
         if args.command == "demo":
             return _cmd_demo(args)
         if args.command == "calibrate":
@@ -293,5 +305,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"attnuq: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except BaseException as exc:
+        from attnuq.distributed import WorkerDone
+
+        if isinstance(exc, WorkerDone):  # this rank's share is done; rank 0 writes the page
+            return 0
+        raise
+    finally:
+        if started:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     parser.error(f"unknown command {args.command!r}")
     return 2

@@ -272,6 +272,10 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
         seed=args.seed,
         per_layer=getattr(args, "per_layer", None),
     )
+    from attnuq.distributed import is_primary
+
+    if not is_primary():  # under torchrun: every rank has the report, rank 0 writes it
+        return out
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "calibration.json", report.to_json())
     import matplotlib

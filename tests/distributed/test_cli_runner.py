@@ -1,0 +1,69 @@
+"""``torchrun --nproc-per-node 2 -m attnuq.cli calibrate``, and the bench runner's sharing of
+items across ranks (a fake suite; the worker records who ran what)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from conftest import results
+
+
+def test_calibrate_under_torchrun(launched: dict[str, Any], w1: dict[str, Any]) -> None:
+    (agent,) = launched["cli"].wait()
+    assert agent.returncode == 0, agent.stderr[-4000:]
+    out = launched["cli_out"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        p.name for p in w1["cli_out"].iterdir())
+    assert {"calibration.json", "results.json", "report.html"} <= {p.name for p in out.iterdir()}
+    assert agent.stdout.count("chosen nu = ") == 1  # rank 0 alone reports and writes
+    assert agent.stdout.count("calibration report written to") == 1
+    got = json.loads((out / "calibration.json").read_text())
+    ref = json.loads((w1["cli_out"] / "calibration.json").read_text())
+    assert w1["cli_rc"] == 0
+    assert got["nu"] == ref["nu"]  # same nu as one rank; every evaluation the same
+    assert [e["objective"] for e in got["evaluations"]] == [
+        e["objective"] for e in ref["evaluations"]]
+    assert [e["nu"] for e in got["evaluations"]] == [e["nu"] for e in ref["evaluations"]]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_runner_whole_groups(world: int, launched: dict[str, Any]) -> None:
+    """5 groups of 2 methods, >= world groups: group g goes whole to rank g % world."""
+    res = results(launched, world)
+    root = launched["out"][world] / f"runner_whole_w{world}"
+    for g in range(5):
+        for m in ("a", "b"):
+            rec = json.loads((root / f"g{g}" / f"{m}.json").read_text())
+            assert rec["rank"] == g % world, (g, m, rec)
+    setups = {r: res[r]["runner"]["whole_setups"] for r in range(world)}
+    assert sorted(s for v in setups.values() for s in v) == [f"g{g}" for g in range(5)]
+    for r in range(world):
+        assert setups[r] == [f"g{g}" for g in range(5) if g % world == r]
+    assert res[0]["runner"]["whole"] == ("returned", 10, 0, [])
+    assert res[0]["runner"]["whole_again"] == ("returned", 0, 10)  # all reused
+    for r in range(1, world):
+        assert res[r]["runner"]["whole"][0] == "worker_done"
+        assert res[r]["runner"]["whole_again"] == ("worker_done",)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_runner_items_of_one_group(world: int, launched: dict[str, Any]) -> None:
+    """1 group of 4 methods, fewer groups than ranks: items dealt out, method k to rank
+    k % world; the group set up once by each rank holding items (lowest first); a failing
+    method recorded."""
+    res = results(launched, world)
+    root = launched["out"][world] / f"runner_items_w{world}"
+    for k, m in enumerate("abcd"):
+        if m == "c":
+            assert (root / "one" / "c.err.txt").is_file()
+            assert not (root / "one" / "c.json").exists()
+            continue
+        assert json.loads((root / "one" / f"{m}.json").read_text())["rank"] == k % world
+    for r in range(world):
+        assert res[r]["runner"]["items_setups"] == ["one"]
+    assert res[0]["runner"]["items"] == ("returned", 3, 0, ["one/c"])
+    # the second run reuses a, b, d and retries c (it fails again)
+    assert res[0]["runner"]["items_again"] == ("returned", 0, 3)
