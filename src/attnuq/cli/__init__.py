@@ -286,6 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from attnuq.distributed import init_from_env
 
             started = init_from_env(getattr(args, "device", None))
+            if started and str(getattr(args, "device", "")).startswith("cuda"):
+                import torch
+
+                args.device = f"cuda:{torch.cuda.current_device()}"  # this rank's GPU
         if args.command == "demo":
             return _cmd_demo(args)
         if args.command == "calibrate":
