@@ -130,7 +130,7 @@ import torch
 import torch.nn.functional as F
 
 from attnuq._validation import check_positive_int
-from attnuq.ops import _native
+from attnuq.ops import _native, _rng
 from attnuq.ops.phi import poisson_phi
 
 __all__ = [
@@ -731,6 +731,32 @@ def levy_attention(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad
         for t in (q, k, a, times, alpha, beta, h, omega, phase, D))
+    if not needs_grad and isinstance(q, torch.Tensor) and _rng.tracing(q):
+        # traced inference (torch.compile, torch.export): one opaque custom op
+        return _levy_via_op(q, k, a, times, mask, alpha, beta, h, omega, phase, D, per_dim,
+                            block_size, backend)
+    return _levy_attention_impl(q, k, a, times, mask, alpha, beta, h, omega, phase, D, per_dim,
+                                block_size, backend, needs_grad)
+
+
+def _levy_attention_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    a: torch.Tensor,
+    times: torch.Tensor,
+    mask: torch.Tensor,
+    alpha: float | torch.Tensor,
+    beta: float | torch.Tensor,
+    h: float | torch.Tensor,
+    omega: torch.Tensor | None,
+    phase: torch.Tensor | None,
+    D: torch.Tensor | None,
+    per_dim: bool,
+    block_size: int,
+    backend: str,
+    needs_grad: bool,
+) -> LevyResult:
+    """:func:`levy_attention` after its option checks (eager; the custom op's body)."""
     want_native = backend in ("native", "auto")
     light = want_native and not needs_grad
     inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D, light=light)
@@ -830,6 +856,89 @@ def levy_attention(
         mean=mean, var=var, evidence=evidence, p_empty=p_empty, phi=phi, sigma=sigma,
         sigma_dim=sigma_dim,
     )
+
+
+# ----------------------------------------------------------------------------- torch.library op
+#
+# The inference forward as the custom op ``attnuq::levy_attention`` (fake implementation below),
+# so that torch.compile / torch.export see one opaque node; with autograd the differentiable torch
+# path runs as it is (traced op by op). The seven outputs are fresh contiguous tensors; ``var``
+# and ``sigma_dim`` are empty ``(0,)`` tensors when ``per_dim`` is False (None in LevyResult).
+
+_LEVY_FIELDS = ("mean", "var", "evidence", "p_empty", "phi", "sigma", "sigma_dim")
+
+
+@torch.library.custom_op(
+    "attnuq::levy_attention",
+    mutates_args=(),
+    schema=(
+        "(Tensor q, Tensor k, Tensor a, Tensor times, Tensor mask, Tensor alpha, Tensor beta, "
+        "Tensor h, Tensor? omega, Tensor? phase, Tensor? D, bool per_dim, int block_size, "
+        "str backend) -> Tensor[]"
+    ),
+)
+def _levy_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    a: torch.Tensor,
+    times: torch.Tensor,
+    mask: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    h: torch.Tensor,
+    omega: torch.Tensor | None,
+    phase: torch.Tensor | None,
+    D: torch.Tensor | None,
+    per_dim: bool,
+    block_size: int,
+    backend: str,
+) -> list[torch.Tensor]:
+    """``attnuq::levy_attention``: the fields of :func:`levy_attention` (no autograd)."""
+    with torch.no_grad():
+        res = _levy_attention_impl(q, k, a, times, mask, alpha, beta, h, omega, phase, D,
+                                   per_dim, block_size, backend, False)
+    empty = q.new_empty((0,))
+    return [empty.clone() if t is None else t.clone(memory_format=torch.contiguous_format)
+            for t in (getattr(res, f) for f in _LEVY_FIELDS)]
+
+
+@_levy_op.register_fake
+def _levy_fake(
+    q: torch.Tensor, k: torch.Tensor, a: torch.Tensor, *args: object
+) -> list[torch.Tensor]:
+    per_dim = bool(args[8])
+    B, H, Q = q.shape[:3]
+    full = (B, H, Q, a.shape[-1])
+    dim = [q.new_empty(full) if per_dim else q.new_empty((0,)) for _ in range(2)]
+    return [q.new_empty(full), dim[0], *(q.new_empty((B, H, Q)) for _ in range(4)), dim[1]]
+
+
+def _levy_via_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    a: torch.Tensor,
+    times: torch.Tensor,
+    mask: torch.Tensor,
+    alpha: float | torch.Tensor,
+    beta: float | torch.Tensor,
+    h: float | torch.Tensor,
+    omega: torch.Tensor | None,
+    phase: torch.Tensor | None,
+    D: torch.Tensor | None,
+    per_dim: bool,
+    block_size: int,
+    backend: str,
+) -> LevyResult:
+    def tens(x: float | torch.Tensor) -> torch.Tensor:
+        return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=q.dtype,
+                                                                  device=q.device)
+
+    out = _levy_op(q, k, a, times, mask, tens(alpha), tens(beta), tens(h), omega, phase, D,
+                   per_dim, block_size, backend)
+    mean, var, evidence, p_empty, phi, sigma, sigma_dim = out
+    return LevyResult(mean=mean, var=var if per_dim else None, evidence=evidence,
+                      p_empty=p_empty, phi=phi, sigma=sigma,
+                      sigma_dim=sigma_dim if per_dim else None)
 
 
 def _pad_one_masked(

@@ -69,13 +69,15 @@ otherwise an exact count is made for the message).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from attnuq._validation import check_nu, check_positive_int
-from attnuq.ops import _native, _triton
+from attnuq.ops import _native, _rng, _triton
 from attnuq.ops._attn_common import (
     _MAX_BYTES_ENV,
     MAX_NU,
@@ -89,6 +91,7 @@ from attnuq.ops._attn_common import (
 
 __all__ = ["MAX_NU", "EmptyRows", "attention_moments", "max_bytes", "sampled_attention"]
 
+_T = TypeVar("_T")
 Chunk = tuple[int, int, int, int]  # (g0, g1, i0, i1): rows i0:i1 of groups g0:g1
 
 # Dense path: elements of the score/CDF buffer per chunk (about L2-sized: the CDF is searched
@@ -380,6 +383,9 @@ def _sample_indices(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Private: the key indices drawn by :func:`sampled_attention` (for tests and benchmarks).
 
+    The seed is drawn from ``generator`` as :func:`sampled_attention_unchecked` draws it, so the
+    same generator state gives the indices behind :func:`sampled_attention`.
+
     Returns ``idx`` ``(*batch, Hq, Lq, nu)`` int64 and ``empty`` ``(*batch, Hq, Lq)`` bool
     (rows with every key masked; their indices are meaningless).
     """
@@ -387,7 +393,9 @@ def _sample_indices(
     block_size = _check_block_size(block_size)
     att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     _check_budget(att, nu, block_size, True, "_sample_indices")
-    idx, empty = _draw(att, nu, block_size, generator)
+    dev = att.q.device
+    gen = _rng.generator_from_seed(_rng.draw_seed(_rng.resolve(generator, dev), dev), dev)
+    idx, empty = _draw(att, nu, block_size, gen)
     return att.unfold(idx.long()), att.unfold(empty.unsqueeze(-1)).squeeze(-1)
 
 
@@ -507,16 +515,53 @@ def sampled_attention_unchecked(
     scale: float | None,
     enable_gqa: bool,
     block_size: int | None,
-    generator: torch.Generator | None,
+    generator: _rng.RngSource,
     empty_rows: EmptyRows,
 ) -> torch.Tensor:
     """:func:`sampled_attention` for callers that validated ``nu``, ``block_size`` and
     ``empty_rows`` at their own public boundary (:func:`attnuq.patch`,
     :class:`attnuq.nn.SampledAttention`): ``nu`` an int ``>= 1``, ``block_size`` None or an int
     ``>= 1``, ``empty_rows`` ``"error"`` or ``"zero"``; they are not checked again. The tensors
-    are (by :func:`~attnuq.ops._attn_common.prepare`)."""
-    grad = torch.is_grad_enabled() and bool(getattr(v, "requires_grad", 0))
-    if isinstance(q, torch.Tensor) and _triton.usable(q, grad):  # CUDA, when triton imports
+    are (by :func:`~attnuq.ops._attn_common.prepare`).
+
+    Randomness (:mod:`attnuq.ops._rng`): one seed is drawn from ``generator`` (a
+    ``torch.Generator``, a registered source key, or None for the default generator) and seeds
+    the private generator of every uniform of the call. Traced (``torch.compile``,
+    ``torch.export``), the call is the custom op ``attnuq::sampled_attention`` and the seed comes
+    from ``attnuq::next_seed``: the same generator state gives the same draws as eagerly."""
+    v_grad = torch.is_grad_enabled() and bool(getattr(v, "requires_grad", 0))
+    if isinstance(q, torch.Tensor) and _rng.tracing(q):
+        seed = _rng.seed_tensor(generator, q)
+        return _sampled_op(
+            q, k, v, attn_mask, seed, nu, is_causal, scale, enable_gqa, block_size, empty_rows,
+            v_grad,
+        )  # fmt: skip
+    dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    gen = _rng.generator_from_seed(_rng.draw_seed(_rng.resolve(generator, dev), dev), dev)
+    return _sampled_impl(
+        q, k, v, nu, attn_mask, is_causal, scale, enable_gqa, block_size, gen, empty_rows,
+        not v_grad,
+    )  # fmt: skip
+
+
+def _sampled_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    nu: int,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    block_size: int | None,
+    generator: torch.Generator | None,
+    empty_rows: EmptyRows,
+    allow_triton: bool,
+) -> torch.Tensor:
+    """The sampler itself, every uniform from ``generator`` (eager; the custom op's body).
+    ``allow_triton``: CUDA tensors may take the Triton kernel (only without a gradient for
+    ``v``: its draws differ from the torch path's, which the backward recomputes)."""
+    if isinstance(q, torch.Tensor) and allow_triton and _triton.usable(q, False):
         return _triton.sampled_attention_unchecked(
             q, k, v, nu=nu, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa, generator=generator, empty_rows=empty_rows,
@@ -740,7 +785,29 @@ def attention_moments_unchecked(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_moments` for callers that validated ``block_size`` (None or an int
     ``>= 1``) and ``empty_rows`` (``"error"`` or ``"zero"``) at their own public boundary
-    (:class:`attnuq.nn.SampledAttention`); they are not checked again."""
+    (:class:`attnuq.nn.SampledAttention`); they are not checked again. Traced
+    (``torch.compile``, ``torch.export``) the call is the custom op ``attnuq::attention_moments``
+    (its backward recomputes the forward with autograd)."""
+    if isinstance(q, torch.Tensor) and _rng.tracing(q):
+        mean, var = _moments_op(
+            q, k, v, attn_mask, is_causal, scale, enable_gqa, block_size, empty_rows
+        )
+        return mean, var
+    return _moments_impl(q, k, v, attn_mask, is_causal, scale, enable_gqa, block_size, empty_rows)
+
+
+def _moments_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    block_size: int | None,
+    empty_rows: EmptyRows,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The moments themselves (eager; the custom op's body)."""
     grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", 0) for t in (q, k, v))
     if isinstance(q, torch.Tensor) and _triton.usable(q, grad):  # CUDA, when triton imports
         return _triton.attention_moments_unchecked(
@@ -757,3 +824,260 @@ def attention_moments_unchecked(
     if empty_rows == "error" and bool(empty.any()):
         raise empty_rows_error(att, empty)
     return att.unfold(mean).to(att.out_dtype), att.unfold(var).to(att.out_dtype)
+
+
+# ----------------------------------------------------------------------------- torch.library ops
+#
+# The operators as custom ops with fake (meta) implementations, so that torch.compile and
+# torch.export see each call as one opaque node (no graph break inside the sampler). Eager calls
+# run the implementations directly (same numbers, none of the dispatch overhead); traced calls go
+# through the ops (``_rng.tracing``). Randomness enters as a seed tensor (:mod:`attnuq.ops._rng`),
+# so each op is a deterministic function of its inputs (what ``torch.library.opcheck`` needs).
+# Backward formulas recompute the forward with autograd inside an opaque backward op: for
+# sampled attention the same seed gives the same draws, so the gradient for ``v`` (the sampled
+# counts divided by nu, scattered) is the one of the eager path; no gradient flows to q, k, the
+# mask or the seed, as eagerly. Double backward is not supported.
+
+
+def _with_autograd(fn: Callable[[], _T], device: torch.device) -> _T:
+    """``fn()`` in a fresh thread, where autograd works: a custom op's body runs below the
+    autograd dispatch key (a thread-local setting that ``torch.enable_grad`` does not undo), so
+    the backward ops recompute the forward with autograd in a thread of their own (on the
+    caller's CUDA stream) and wait for it."""
+    box: list[object] = []
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def run() -> None:
+        try:
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    box.append(fn())
+            else:
+                box.append(fn())
+        except BaseException as e:  # re-raised in the caller's thread
+            box.append(e)
+
+    t = threading.Thread(target=run, name="attnuq-backward")
+    t.start()
+    t.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]  # type: ignore[return-value]
+
+
+def _out_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+@torch.library.custom_op(
+    "attnuq::sampled_attention",
+    mutates_args=(),
+    schema=(
+        "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor seed, int nu, bool is_causal, "
+        "float? scale, bool enable_gqa, int? block_size, str empty_rows, bool v_grad) -> Tensor"
+    ),
+)
+def _sampled_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    seed: torch.Tensor,
+    nu: int,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    block_size: int | None,
+    empty_rows: str,
+    v_grad: bool,
+) -> torch.Tensor:
+    """``attnuq::sampled_attention``: :func:`sampled_attention` with every uniform from a
+    generator seeded by ``seed`` (``v_grad``: a gradient for ``v`` is wanted, so the draws must
+    be the torch path's, which the backward recomputes)."""
+    gen = _rng.generator_from_seed(seed, q.device)
+    with torch.no_grad():
+        return _sampled_impl(
+            q, k, v, nu, attn_mask, is_causal, scale, enable_gqa, block_size, gen,
+            check_empty_rows(empty_rows), not v_grad,
+        )  # fmt: skip
+
+
+@_sampled_op.register_fake
+def _sampled_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object
+) -> torch.Tensor:
+    return _out_like(q, v)
+
+
+@torch.library.custom_op(
+    "attnuq::sampled_attention_backward",
+    mutates_args=(),
+    schema=(
+        "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor seed, int nu, "
+        "bool is_causal, float? scale, bool enable_gqa, int? block_size, str empty_rows) -> Tensor"
+    ),
+)
+def _sampled_backward_op(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    seed: torch.Tensor,
+    nu: int,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    block_size: int | None,
+    empty_rows: str,
+) -> torch.Tensor:
+    """``attnuq::sampled_attention_backward``: the gradient for ``v`` of the draws that ``seed``
+    gives (``sum`` over the draws of ``grad / nu`` at the drawn rows), by redrawing them."""
+    def run() -> torch.Tensor | None:
+        gen = _rng.generator_from_seed(seed, q.device)
+        with torch.enable_grad():
+            vv = v.detach().requires_grad_(True)
+            out = _sampled_impl(
+                q.detach(), k.detach(), vv, nu, attn_mask, is_causal, scale, enable_gqa,
+                block_size, gen, check_empty_rows(empty_rows), False,
+            )  # fmt: skip
+            if not out.requires_grad:  # no key, no row or Dv = 0: nothing reaches v
+                return None
+            (gv,) = torch.autograd.grad(out, vv, grad.to(out.dtype), allow_unused=True)
+        return gv
+
+    gv = _with_autograd(run, q.device)
+    return torch.zeros_like(v) if gv is None else gv
+
+
+@_sampled_backward_op.register_fake
+def _sampled_backward_fake(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(v)
+
+
+def _sampled_setup(ctx: object, inputs: tuple[object, ...], output: torch.Tensor) -> None:
+    q, k, v, mask, seed = inputs[:5]
+    ctx.save_for_backward(q, k, v, mask, seed)  # type: ignore[attr-defined]
+    ctx.args = inputs[5:11]  # type: ignore[attr-defined]
+
+
+def _sampled_backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    q, k, v, mask, seed = ctx.saved_tensors  # type: ignore[attr-defined]
+    gv = None
+    if ctx.needs_input_grad[2]:  # type: ignore[attr-defined]
+        gv = _sampled_backward_op(grad, q, k, v, mask, seed, *ctx.args)  # type: ignore[attr-defined]
+    return (None, None, gv) + (None,) * 9
+
+
+_sampled_op.register_autograd(_sampled_backward, setup_context=_sampled_setup)
+
+
+@torch.library.custom_op(
+    "attnuq::attention_moments",
+    mutates_args=(),
+    schema=(
+        "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, float? scale, "
+        "bool enable_gqa, int? block_size, str empty_rows) -> (Tensor, Tensor)"
+    ),
+)
+def _moments_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    block_size: int | None,
+    empty_rows: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attnuq::attention_moments``: :func:`attention_moments` (mean, var)."""
+    with torch.no_grad():
+        return _moments_impl(
+            q, k, v, attn_mask, is_causal, scale, enable_gqa, block_size,
+            check_empty_rows(empty_rows),
+        )  # fmt: skip
+
+
+@_moments_op.register_fake
+def _moments_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _out_like(q, v), _out_like(q, v)
+
+
+@torch.library.custom_op(
+    "attnuq::attention_moments_backward",
+    mutates_args=(),
+    schema=(
+        "(Tensor grad_mean, Tensor grad_var, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
+        "bool is_causal, float? scale, bool enable_gqa, int? block_size, str empty_rows) "
+        "-> (Tensor, Tensor, Tensor)"
+    ),
+)
+def _moments_backward_op(
+    grad_mean: torch.Tensor,
+    grad_var: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    block_size: int | None,
+    empty_rows: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``attnuq::attention_moments_backward``: gradients for ``q``, ``k``, ``v`` of
+    ``<grad_mean, mean> + <grad_var, var>``, by the torch path's autograd."""
+    def run() -> tuple[torch.Tensor | None, ...]:
+        with torch.enable_grad():
+            qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+            mean, var = _moments_impl(
+                qq, kk, vv, attn_mask, is_causal, scale, enable_gqa, block_size,
+                check_empty_rows(empty_rows),
+            )  # fmt: skip
+            if not (mean.requires_grad or var.requires_grad):
+                return (None, None, None)
+            return torch.autograd.grad(
+                (mean, var), (qq, kk, vv), (grad_mean.to(mean.dtype), grad_var.to(var.dtype)),
+                allow_unused=True,
+            )
+
+    grads = _with_autograd(run, q.device)
+    gq, gk, gv = (torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v),
+                                                                          strict=True))
+    return gq, gk, gv
+
+
+@_moments_backward_op.register_fake
+def _moments_backward_fake(
+    grad_mean: torch.Tensor, grad_var: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, *args: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _moments_setup(
+    ctx: object, inputs: tuple[object, ...], output: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    q, k, v, mask = inputs[:4]
+    ctx.save_for_backward(q, k, v, mask)  # type: ignore[attr-defined]
+    ctx.args = inputs[4:]  # type: ignore[attr-defined]
+
+
+def _moments_backward(
+    ctx: object, grad_mean: torch.Tensor, grad_var: torch.Tensor
+) -> tuple[torch.Tensor | None, ...]:
+    q, k, v, mask = ctx.saved_tensors  # type: ignore[attr-defined]
+    need = ctx.needs_input_grad  # type: ignore[attr-defined]
+    if not any(need[:3]):
+        return (None,) * 9
+    gq, gk, gv = _moments_backward_op(grad_mean, grad_var, q, k, v, mask, *ctx.args)  # type: ignore[attr-defined]
+    return (gq if need[0] else None, gk if need[1] else None, gv if need[2] else None) + (
+        None,
+    ) * 6
+
+
+_moments_op.register_autograd(_moments_backward, setup_context=_moments_setup)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from attnuq.ops._rng import RngSource
 from attnuq.ops.sampled import sampled_attention_unchecked
 
 __all__ = ["ORIGINAL_SDPA", "sampled_sdpa"]
@@ -29,7 +30,7 @@ def _sampled_or_dense(
     is_causal: bool,
     scale: float | None,
     enable_gqa: bool,
-    generator: torch.Generator | None,
+    generator: RngSource,
 ) -> torch.Tensor:
     if nu is None:
         return ORIGINAL_SDPA(
@@ -51,7 +52,7 @@ def sampled_sdpa(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
-    generator: torch.Generator | None = None,
+    generator: RngSource = None,
     site: str = "",
 ) -> torch.Tensor:
     r"""Stochastic drop-in for ``F.scaled_dot_product_attention`` used by every backend.
@@ -78,8 +79,10 @@ def sampled_sdpa(
     attn_mask : Tensor, optional
         Boolean (True = attend) or additive float mask broadcastable to ``(B, H, Lq, Lk)``.
     is_causal, scale, enable_gqa : see ``F.scaled_dot_product_attention``.
-    generator : torch.Generator, optional
-        Source of randomness (on the device of ``query``).
+    generator : torch.Generator, int or None
+        Source of randomness (on the device of ``query``): a generator, the key of a registered
+        source (what a patched site passes when traced by ``torch.compile``:
+        :mod:`attnuq.ops._rng`), or None for the default generator.
     site : str
         Name of the calling site, used in error messages.
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnuq.ops._rng import register_source
+
 __all__ = ["AttentionSite", "SiteState", "check_no_dropout", "forward_names"]
 
 
@@ -73,6 +75,8 @@ class _GeneratorPool:
     def __init__(self, seed: int | None) -> None:
         self.seed = seed
         self._gens: dict[str, torch.Generator] = {}
+        # names this pool inside compiled graphs (a torch.Generator cannot enter one)
+        self.key = register_source(self)
 
     def get(self, device: torch.device) -> torch.Generator | None:
         if self.seed is None:
@@ -125,8 +129,15 @@ class SiteState:
     calls: int = field(default=0, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        """The generator for one attention computation at this site (counted in ``calls``)."""
+    def generator(self, device: torch.device) -> torch.Generator | int | None:
+        """The generator for one attention computation at this site (counted in ``calls``).
+
+        Traced by ``torch.compile`` / ``torch.export`` this returns the pool's integer key
+        instead (:func:`attnuq.ops._rng.register_source`): the operator then draws its seed from
+        the same generator at run time, through the ``attnuq::next_seed`` op."""
+        if torch.compiler.is_compiling():
+            self.calls += 1  # replayed by the tracer after the graph runs; no lock in a graph
+            return self.pool.key
         with self._lock:
             self.calls += 1
         return self.pool.get(device)
