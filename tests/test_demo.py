@@ -24,9 +24,11 @@ def test_demo_writes_report_and_reuses_model(
         assert (out / name).is_file(), name
     res = json.loads((out / "results.json").read_text())
     methods = [row[0] for row in res["tables"][0]["rows"]]
-    assert methods == ["SA", "SA + conformal", "MC dropout"]
-    assert res["summary"]["chosen nu (paper criterion, BO)"] >= 1
-    assert res["calibration"]["nu"] == res["summary"]["chosen nu (paper criterion, BO)"]
+    assert methods == ["SA", "SA, paper recipe", "MC dropout"]
+    assert res["summary"]["chosen nu (sa: auto criterion, BO)"] >= 1
+    assert res["calibration"]["nu"] == res["summary"]["chosen nu (sa: auto criterion, BO)"]
+    assert res["summary"]["criterion used by auto"] == "paper-debiased"  # a scalar target
+    assert res["methods"]["SA"]["recentre"] == "mean" and res["methods"]["SA"]["floor_factor"] > 0
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 4
     # a second run reuses the cached model instead of training again

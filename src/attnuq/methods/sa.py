@@ -209,29 +209,34 @@ class StochasticAttention(Method):
         self.scale = 1.0
         self.floor_fit = None
         if self.conformal:
-            pred, y = self._part(task, task.cal)
-            self.scale = coverage_scale(pred, y, level=1.0 - self.alpha)
+            preds, ys = [], []
+            for inputs, targets in self._batches(task.cal):
+                preds.append(self._recentred(self._sa(task, inputs)))
+                ys.append(targets)
+            pred = Predictive(samples=torch.cat([p.samples for p in preds], dim=1))
+            self.scale = coverage_scale(pred, torch.cat(ys), level=1.0 - self.alpha)
         if self.floor:
-            (pv, yv), (pc, yc) = self._part(task, task.val), self._part(task, task.cal)
-            self.floor_fit = fit_floor(self._floor_args(pv, yv), self._floor_args(pc, yc),
-                                       alpha=self.alpha)
+            self.floor_fit = fit_floor(self._floor_part(task, task.val),
+                                       self._floor_part(task, task.cal), alpha=self.alpha)
         return None
 
-    def _part(self, task: Task, part: Any) -> tuple[Predictive, torch.Tensor]:
-        """Recentred (if set) SA draws over every batch of ``part`` and its targets; books the
-        passes."""
-        preds, ys = [], []
-        for batch in part:
-            inputs, targets = split_batch(batch)
-            pred = self._sa(task, inputs)
-            preds.append(self._recentred(pred))
-            ys.append(targets)
-        self.cost.fit_forward += self.n_samples * sum(len(y) for y in ys)
-        frozen = [p.frozen for p in preds]
-        return Predictive(
-            samples=torch.cat([p.samples for p in preds], dim=1),
-            frozen=torch.cat(frozen) if all(f is not None for f in frozen) else None,  # type: ignore[arg-type]
-        ), torch.cat(ys)
+    def _batches(self, part: Any) -> list[tuple[Any, torch.Tensor]]:
+        """``(inputs, targets)`` of every batch of ``part``; books ``n_samples`` passes each."""
+        out = [split_batch(batch) for batch in part]
+        self.cost.fit_forward += self.n_samples * sum(len(t) for _, t in out)
+        return out
+
+    def _floor_part(self, task: Task, part: Any
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The floor's ``(centre, sigma, y)`` over ``part``, flattened, batch by batch (the
+        draws of one batch at a time are held)."""
+        cs, ss, ys = [], [], []
+        for inputs, targets in self._batches(part):
+            c, sd, y = self._floor_args(self._recentred(self._sa(task, inputs)), targets)
+            cs.append(c)
+            ss.append(sd)
+            ys.append(y)
+        return torch.cat(cs), torch.cat(ss), torch.cat(ys)
 
     @staticmethod
     def _floor_args(pred: Predictive, y: torch.Tensor
