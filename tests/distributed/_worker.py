@@ -75,6 +75,10 @@ def same(rank: int, world: int) -> dict[str, Any]:
     res["nu"] = rep.nu
     res["evals"] = [(e.nu, e.objective, e.se, e.scale) for e in rep.evaluations]
     res["s0"] = rep.residual_scale
+    # 3 examples in units of 2: 2 units, so rank 2 of 3 has none during calibration
+    small = attnuq.calibrate(model, [(x[:3], y[:3])], criterion="paper", search="grid",
+                             grid_size=3, n_passes=2, nu_range=(1, 16), chunk_examples=2)
+    res["empty_cal"] = (small.nu, [(e.nu, e.objective) for e in small.evaluations])
     if world > 1:
         other = small_model()
         if rank == world - 1:

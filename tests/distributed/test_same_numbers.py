@@ -32,6 +32,7 @@ def test_predict_and_calibrate_bit_identical_across_world_sizes(
         assert res["nu"] == w1["nu"]
         assert res["evals"] == w1["evals"]  # every evaluated nu, objective, se and scale
         assert res["s0"] == w1["s0"]
+        assert res["empty_cal"] == w1["empty_cal"]  # rank 2 of 3 without a unit
 
 
 def test_full_result_in_input_order(w1: dict[str, Any]) -> None:
