@@ -1,4 +1,5 @@
-"""Contract case of ``attnuq bench ett`` (tests/bench/test_suite_contract.py): every method on a
+"""Contract case of ``attnuq bench ett`` (tests/bench/test_suite_contract.py): every method (the
+default rows and the SA variants only named by ``--methods``) on a
 tiny synthetic ETT-layout CSV (520 hourly rows), a one-layer PatchTST trained for one epoch, an
 ensemble of two, a few samples. The run is interrupted at its second stored record (sa-paper is
 stored, sa-conformal, scored from the same draws, is not) and resumed with ``--resume`` (part of
@@ -37,7 +38,8 @@ def argv(tmp: Path) -> list[str]:
             "--horizon", "12", "--d-model", "8", "--layers", "1", "--heads", "2", "--ffn", "8",
             "--patch", "8", "--stride", "8", "--epochs", "1", "--ensemble", "2",
             "--swag-epochs", "1", "--swag-snapshots", "2", "--n-samples", "3", "--n-passes", "2",
-            "--chunk", "64", "--val-stride", "1", "--no-progress", "--resume"]
+            "--chunk", "64", "--val-stride", "1", "--no-progress", "--resume",
+            "--methods", ",".join(ALL_METHODS)]
 
 
 def page(tmp: Path) -> Path:

@@ -68,6 +68,7 @@ def test_bench_physionet_end_to_end(tmp_path: Path) -> None:
     assert res["data"]["n_stays"] == 15 and res["data"]["channels"] == ["Age", "HR", "Temp"]
     md = (tmp_path / "res" / "physionet.md").read_text()
     assert "MSE within 5.6 %" in md and "machine:" in md and "command:" in md
+    assert "floor under sigma_hat" in md
     assert "(matched: both models" in md and "alpha trained -> fitted" in md
     assert "absent from this copy of the data: Gender, Height, ICUType" in md
     assert res["plots"] and (out / res["plots"][0]).is_file()

@@ -40,6 +40,7 @@ from attnuq._validation import check_positive_int
 from attnuq.bench import register
 from attnuq.bench._ett_page import (
     ALL_METHODS,
+    DEFAULT_METHODS,
     IMPLEMENTATIONS,
     chunks,
     fan_plot,
@@ -56,7 +57,7 @@ __all__ = ["ALL_METHODS", "add_arguments", "render_page", "run", "summary"]
 
 #: cheap and central methods first, the retraining ones last (partial results stay useful)
 _RUN_ORDER = ("sa-paper", "sa-conformal", "conformal", "seasonal-naive", "sa-crps", "mc-dropout",
-              "swag", "ensemble")
+              "swag", "ensemble", "sa", "sa-debiased", "sa-recentred", "sa-floor")
 #: config keys that do not shape a result
 _RESUME_FREE = ("methods", "resume", "merge", "note", "no_progress", "threads", "retrain", "chunk",
                 "out", "model_dir", "rerun", "member_jobs", "render_only")
@@ -107,7 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-stride", type=int, default=2,
                    help="stride over val/cal windows (calibration cost)")
     p.add_argument("--chunk", type=int, default=128, help="test windows per prediction call")
-    p.add_argument("--methods", default=",".join(ALL_METHODS),
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"comma-separated subset of {','.join(ALL_METHODS)}")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the backbone and the methods; ensemble member k uses seed + k")
@@ -393,6 +394,7 @@ def run(args: argparse.Namespace) -> Path:
             return pending.pop(name)
         kw: dict[str, Any] = {
             "sa-paper": sa, "sa-crps": sa, "mc-dropout": {"n_samples": S, "seed": args.seed},
+            **dict.fromkeys(("sa", "sa-debiased", "sa-recentred", "sa-floor"), sa),
             "conformal": {}, "ensemble": {"n_members": args.ensemble},
             "swag": {"n_samples": S, "epochs": args.swag_epochs, "lr": args.lr / 10,
                      "snapshots_per_epoch": args.swag_snapshots, "seed": args.seed,
