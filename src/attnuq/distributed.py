@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -46,6 +48,7 @@ __all__ = [
     "init_from_env",
     "is_active",
     "is_primary",
+    "local",
     "phase",
     "rank_world",
     "shard",
@@ -69,9 +72,32 @@ class WorkerDone(BaseException):
     ``BaseException``, so that no ``except Exception`` on the way swallows it."""
 
 
+_LOCAL: ContextVar[bool] = ContextVar("attnuq_distributed_local", default=False)
+
+
+@contextmanager
+def local() -> Iterator[None]:
+    """Within this block, calls with ``distributed=None`` run in this process only, as without
+    a process group: for work that one rank does on its own while the others do other work
+    (the bench runner's items, whose methods call :func:`attnuq.predict` and
+    :func:`attnuq.calibrate`), where a collective would wait for ranks that never join it.
+
+    Examples
+    --------
+    >>> with local():
+    ...     is_active()
+    False
+    """
+    token = _LOCAL.set(True)
+    try:
+        yield
+    finally:
+        _LOCAL.reset(token)
+
+
 def is_active(distributed: bool | None = None) -> bool:
     """Whether a call shards its work: ``distributed`` (``None``: whenever a default process
-    group is initialised; ``True``: require one; ``False``: never).
+    group is initialised, outside :func:`local`; ``True``: require one; ``False``: never).
 
     Examples
     --------
@@ -90,7 +116,9 @@ def is_active(distributed: bool | None = None) -> bool:
             "distributed=True but no torch.distributed process group is initialised (call "
             "torch.distributed.init_process_group or attnuq.distributed.init_from_env)"
         )
-    return up if distributed is None else bool(distributed)
+    if distributed is None:
+        return up and not _LOCAL.get()
+    return bool(distributed)
 
 
 def rank_world() -> tuple[int, int]:

@@ -49,6 +49,12 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+def local_value() -> float:
+    """A small undistributed predict, as a method inside a bench item would run it."""
+    x, _ = data()
+    return float(attnuq.predict(small_model(), x[:2], nu=2, n_samples=2, seed=0).samples.sum())
+
+
 def caught(fn: Any) -> tuple[str, str]:
     try:
         fn()
@@ -101,7 +107,7 @@ def runner(rank: int, world: int, out: Path) -> dict[str, Any]:
     """The bench runner on a fake suite: 5 groups (whole groups per rank), then 1 group of 4
     methods (items dealt out), each setup logged with its rank."""
     from attnuq.bench._runner import Group, RunStore, run_items
-    from attnuq.distributed import WorkerDone
+    from attnuq.distributed import WorkerDone, is_active
 
     res: dict[str, Any] = {}
     for name, groups in (
@@ -121,7 +127,9 @@ def runner(rank: int, world: int, out: Path) -> dict[str, Any]:
         def one(ctx: str, g: Group, m: str) -> dict[str, Any]:
             if m == "c":
                 raise ValueError("method c fails")
-            return {"method": m, "group": ctx, "rank": rank}
+            # a method calling predict on its own: local to this rank (no collective)
+            return {"method": m, "group": ctx, "rank": rank, "sharded": is_active(),
+                    "value": local_value()}
 
         try:
             summary = run_items(store, groups, setup, one, progress=False)

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pytest
+from _worker import local_value
 
 from conftest import results
 
@@ -34,10 +35,13 @@ def test_runner_whole_groups(world: int, launched: dict[str, Any]) -> None:
     """5 groups of 2 methods, >= world groups: group g goes whole to rank g % world."""
     res = results(launched, world)
     root = launched["out"][world] / f"runner_whole_w{world}"
+    ref = local_value()  # the same undistributed predict, here without a group
     for g in range(5):
         for m in ("a", "b"):
             rec = json.loads((root / f"g{g}" / f"{m}.json").read_text())
             assert rec["rank"] == g % world, (g, m, rec)
+            # the item's own predict ran on its rank alone, as without a group
+            assert rec["sharded"] is False and rec["value"] == ref
     setups = {r: res[r]["runner"]["whole_setups"] for r in range(world)}
     assert sorted(s for v in setups.values() for s in v) == [f"g{g}" for g in range(5)]
     for r in range(world):
@@ -61,7 +65,8 @@ def test_runner_items_of_one_group(world: int, launched: dict[str, Any]) -> None
             assert (root / "one" / "c.err.txt").is_file()
             assert not (root / "one" / "c.json").exists()
             continue
-        assert json.loads((root / "one" / f"{m}.json").read_text())["rank"] == k % world
+        rec = json.loads((root / "one" / f"{m}.json").read_text())
+        assert rec["rank"] == k % world and rec["sharded"] is False
     for r in range(world):
         assert res[r]["runner"]["items_setups"] == ["one"]
     assert res[0]["runner"]["items"] == ("returned", 3, 0, ["one/c"])

@@ -26,7 +26,9 @@ the others; with at least as many groups to do as ranks, each group goes whole t
 dealt out one by one (round robin) and a group held by several ranks is set up by the lowest
 of them first, then by the others (which then find its caches). Each rank saves the records of
 its own items (one writer per file, atomic; the ranks share the results folder: one machine, or
-a shared file system); ``on_saved`` runs on rank 0 only. When every rank is done, rank 0 returns
+a shared file system); ``on_saved`` runs on rank 0 only. ``setup`` and ``run_one`` run inside
+:func:`attnuq.distributed.local`: the ``predict`` / ``calibrate`` calls of a rank's own item
+run in that rank alone. When every rank is done, rank 0 returns
 the summary of all of them and the others raise :class:`attnuq.distributed.WorkerDone`, so
 that the suite's page is written once, by rank 0.
 
@@ -390,7 +392,8 @@ def _run_sharded(
     def set_up(gi: int) -> None:
         g = groups[gi]
         try:
-            ctxs[gi] = setup(g)
+            with _dist.local():  # a rank's own work: its predict/calibrate calls stay local
+                ctxs[gi] = setup(g)
         except SkipGroup as exc:
             summary.skipped[g.parts] = str(exc)
             bar.update(len(mine.get(gi, [])))
@@ -401,7 +404,8 @@ def _run_sharded(
             return  # skipped
         for m in mine.get(gi, []):
             bar.set_postfix_str("/".join((*g.parts, m)))
-            rec = _run_one_item(store, ctxs[gi], g, m, run_one, summary)
+            with _dist.local():
+                rec = _run_one_item(store, ctxs[gi], g, m, run_one, summary)
             if rec is not None and on_saved is not None and rank == 0:
                 on_saved(g, m, rec)
             bar.update(1)
