@@ -42,6 +42,11 @@ the comparison; ties go to the first in grid order). The factor ``q`` is then th
 quantile (the ``ceil((n+1)(1-alpha))``-th smallest) of the *calibration* scores at that ``beta``.
 ``beta`` depends on the validation part only, so for a new pair exchangeable with the
 calibration pairs ``P(|y - f| <= q sqrt(sigma^2 + beta^2)) >= 1 - alpha`` (finite-sample).
+
+NOTE(paper): the floor is ours (#20); neither paper puts one under its spread. The Levy paper's
+split-conformal wrapping is the ``beta = 0`` case on ``sigma_hat``; SA's paper has no conformal
+step. ``beta`` is fitted on a part disjoint from the one that fixes the factor, so the
+finite-sample guarantee of split conformal is kept.
 """
 
 from __future__ import annotations

@@ -79,6 +79,10 @@ def recentre(samples: torch.Tensor, center: torch.Tensor, how: str = "mean") -> 
     the result equals ``center`` up to that one rounding (half an ulp of the largest draw in the
     samples' dtype) plus the rounding of the float64 mean (a few ``S`` ulps of float64).
 
+    NOTE(paper): recentring is ours (#20): the paper reports the raw draws, whose mean can drift
+    from the frozen output through the network's non-linearity; recentring keeps SA's spread and
+    the frozen model's point prediction.
+
     Parameters
     ----------
     samples
