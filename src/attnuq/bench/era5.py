@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,13 @@ from attnuq._runtime import resolve_device, run_info
 from attnuq._validation import check_positive_int
 from attnuq.bench import _members as mb
 from attnuq.bench import register
+from attnuq.bench._era5_recipe import (
+    Inputs,
+    _MemberRecipe,
+    _MemberRecipeV2,
+    naive_weights,
+    select_blend,
+)
 from attnuq.bench._fields import error_maps, field_scores, load_maps, maps_png, point_scores
 from attnuq.bench._implementations import implementation_texts, merge_block
 from attnuq.bench._page import Page, Table, fmt, update_summary
@@ -49,7 +55,7 @@ from attnuq.bench._runner import Group, RunStore, credits, reuse_key, run_items
 from attnuq.bench._scoring import to_cpu
 from attnuq.data import era5 as data
 from attnuq.methods import ResidualQuantiles, Task, make_method
-from attnuq.training import fit, predict_batched
+from attnuq.training import predict_batched
 
 __all__ = ["ALL_METHODS", "add_arguments", "field_scores", "render", "render_page", "run"]
 
@@ -70,6 +76,7 @@ _COLS = ("rmse_lat", "acc", "pit_w1", "pit_w1_scaled", "width", "coverage", "crp
 _EXTRA = ("nu", "fit_seconds", "predict_seconds", "forward_per_input")
 _HEAD = ("method", "RMSE (lat-w)", "ACC", "W1(PIT) native", "W1(PIT) scaled", "PI-95 width",
          "PI-95 coverage", "CRPS", "mean std", "nu", "fit s", "predict s", "passes")
+_NAIVE = ("persistence-point", "day-ago-point", "climatology-point")  # summary's references
 _TITLE = "ERA5 2 m temperature: stochastic attention on a frozen ViT forecaster vs baselines"
 
 
@@ -86,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--history", type=int, default=6, help="hours back of the second input field")
     a("--leads", default="6,24", help="lead times in hours")
     a("--no-clim-features", action="store_true", help="inputs: the two fields only")
+    a("--day-ago", action="store_true", help="inputs also: the fields at t-24 h and 24 h before "
+      "each valid time (+ the climatology at t); adds the day-ago-point row")
+    a("--loo-clim", action="store_true", help="training inputs: leave-one-out climatology")
+    a("--base", choices=("persistence", "blend"), default="persistence", help="the forecaster "
+      "corrects persistence, or the convex blend of naive forecasts with least val RMSE")
+    a("--weight-decay", type=float, default=0.0, help="AdamW weight decay of the backbone")
     for name, v in (("patch", 4), ("hidden", 64), ("layers", 3), ("heads", 4), ("mlp", 128),
                     ("dropout", 0.1), ("epochs", 40), ("patience", 6), ("batch-size", 16),
                     ("lr", 1e-3), ("ensemble", 5)):
@@ -115,70 +128,8 @@ def _parse_ints(spec: str, name: str) -> list[int]:
         raise ValueError(f"{name} must be comma-separated integers, got {spec!r}") from exc
 
 
-@dataclass
-class _Inputs:
-    """Assemble model inputs: fields ``(N, 2, H, W)`` + climatology at the valid times."""
-
-    clim: torch.Tensor  # (24, H, W)
-    leads: tuple[int, ...]
-    use_clim: bool
-
-    def valid_clim(self, hours: np.ndarray) -> torch.Tensor:
-        """``(N, L, H, W)`` climatology at ``t + lead`` for issue hours ``hours``."""
-        idx = [(hours + lead) % 24 for lead in self.leads]
-        return torch.stack([self.clim[torch.from_numpy(i)] for i in idx], dim=1)
-
-    def __call__(self, fields: torch.Tensor, hours: np.ndarray) -> torch.Tensor:
-        return torch.cat([fields, self.valid_clim(hours)], dim=1) if self.use_clim else fields
-
-
-@dataclass
-class _MemberRecipe:
-    """The backbone's recipe (picklable, for :mod:`attnuq.bench._members`): member ``k`` (0 =
-    the backbone) is made and trained with seed ``seed + k``, on ``device``, from CPU tensors."""
-
-    grid: list[int]  # a list, as recipe.json holds it (a tuple would never compare equal)
-    in_channels: int
-    out_channels: int
-    patch: int
-    hidden: int
-    layers: int
-    heads: int
-    mlp: int
-    dropout: float
-    mean: float
-    std: float
-    epochs: int
-    lr: float
-    batch_size: int
-    patience: int
-    seed: int
-    progress: bool
-    device: str
-    train_xy: tuple[torch.Tensor, torch.Tensor]
-    val_xy: tuple[torch.Tensor, torch.Tensor]
-
-    def make(self, index: int) -> Any:
-        from attnuq.models.vit_field import ViTFieldForecaster
-
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed + index)
-            m = ViTFieldForecaster(
-                self.grid, in_channels=self.in_channels, out_channels=self.out_channels,
-                patch_size=self.patch, hidden_size=self.hidden, num_layers=self.layers,
-                num_heads=self.heads, mlp_size=self.mlp, dropout=self.dropout,
-                attention_dropout=self.dropout, mean=self.mean, std=self.std)
-        return m.to(self.device)
-
-    def train(self, model: Any, _train: Any, _val: Any, index: int) -> Any:
-        """MSE, AdamW (no weight decay), early stopping on val MSE (PatchTST's old loop)."""
-        dev = torch.device(self.device)
-        return fit(model, tuple(t.to(dev) for t in self.train_xy),
-                   tuple(t.to(dev) for t in self.val_xy), metric="mse", optimizer="adamw",
-                   lr=self.lr, weight_decay=0.0, max_epochs=self.epochs, patience=self.patience,
-                   batch_size=self.batch_size, val_batch_size=512, seed=self.seed + index,
-                   seed_torch=True, count_val_forward=False, progress=self.progress,
-                   desc=f"member{index}")
+#: options added since the committed page: left out of the config while at their defaults
+_NEW_DEFAULTS = {"day_ago": False, "loo_clim": False, "base": "persistence", "weight_decay": 0.0}
 
 
 def _check(args: argparse.Namespace) -> tuple[list[str], list[str], tuple[int, ...], list[int]]:
@@ -216,7 +167,8 @@ def run(args: argparse.Namespace) -> Path:
     progress, info = not args.no_progress, run_info()
     res_dir.mkdir(parents=True, exist_ok=True)
     cfg = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "render_only"
-           and (isinstance(v, (int, float, str, bool, type(None))) or k == "note")}
+           and (isinstance(v, (int, float, str, bool, type(None))) or k == "note")
+           and not (k in _NEW_DEFAULTS and v == _NEW_DEFAULTS[k])}
     key = reuse_key(cfg, free=_RESUME_FREE)
     prev = (read_json_or_none(res_dir / "era5_results.json", "ERA5 results", validate=lambda r:
             isinstance(r, dict) and isinstance(r.get("config"), dict)) if args.resume else None)
@@ -228,11 +180,15 @@ def run(args: argparse.Namespace) -> Path:
     field = data.load_field(path := data.resolve_era5_path(args.file, args.data_dir), args.variable)
     blocks = data.day_blocks(field.times, list(zip(("train", "val", "cal", "test"), split,
                                                    strict=True)))
-    ex = {k: data.make_examples(field, b, history=args.history, leads=leads)
-          for k, b in blocks.items()}
-    build = _Inputs(clim=data.hourly_climatology(field, blocks["train"]), leads=leads,
-                    use_clim=not args.no_clim_features)
-    X_cpu = {k: build(e.inputs, e.hours) for k, e in ex.items()}
+    opt = {k: getattr(args, k, d) for k, d in _NEW_DEFAULTS.items()}
+    build = Inputs(clim=data.hourly_climatology(field, blocks["train"]), leads=leads,
+                   use_clim=not args.no_clim_features, history=args.history,
+                   day_ago=opt["day_ago"], loo=opt["loo_clim"],
+                   values=field.values, counts=np.bincount(field.hours[blocks["train"]], None, 24))
+    ex = {k: data.make_examples(field, b, history=args.history, leads=leads,
+                                extra_lags=build.extra_lags) for k, b in blocks.items()}
+    X_cpu = {k: build(e.inputs, e.hours, e.t_index if k == "train" else None)
+             for k, e in ex.items()}
     # models and their inputs live on `device`; scores are computed on the CPU
     X = {k: v.to(device) for k, v in X_cpu.items()}
     Y = {k: e.targets for k, e in ex.items()}
@@ -244,14 +200,19 @@ def run(args: argparse.Namespace) -> Path:
     print(f"[era5] {path.name}: {field.values.shape} {field.variable}; examples "
           + ", ".join(f"{k} {len(e)} ({day[k][0]}..{day[k][1]})" for k, e in ex.items()),
           flush=True)
-    recipe = _MemberRecipe(
+    naive = naive_weights(build)
+    blend = (select_blend(X_cpu["val"], Y["val"], lat, naive)
+             if opt["base"] == "blend" else None)
+    v2 = ({"base_weight": blend[0].tolist()} if blend else {}) | (
+        {"weight_decay": opt["weight_decay"]} if opt["weight_decay"] else {})
+    recipe = (_MemberRecipeV2 if v2 else _MemberRecipe)(  # type: ignore[call-arg]
         grid=[int(field.values.shape[1]), int(field.values.shape[2])],
         in_channels=X["train"].shape[1], out_channels=len(leads), patch=args.patch,
         hidden=args.hidden, layers=args.layers, heads=args.heads, mlp=args.mlp,
         dropout=args.dropout, mean=float(tr_vals.mean()), std=float(tr_vals.std()),
         epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, patience=args.patience,
         seed=args.seed, progress=progress, device=str(device),
-        train_xy=(X_cpu["train"], Y["train"]), val_xy=(X_cpu["val"], Y["val"]))
+        train_xy=(X_cpu["train"], Y["train"]), val_xy=(X_cpu["val"], Y["val"]), **v2)
     member_dir = mb.member_cache_dir(res_dir / "members", recipe)  # keyed by the recipe
     frozen, train_report = mb.load_or_train_backbone(
         recipe, Path(args.model_dir) if args.model_dir else res_dir / "backbone",
@@ -261,8 +222,18 @@ def run(args: argparse.Namespace) -> Path:
                 batch_size=args.batch_size * 4, member_dir=member_dir)
     xte, yte = X["test"], Y["test"]
     clim_te = build.valid_clim(ex["test"].hours)  # (N, L, H, W)
-    with torch.no_grad():
-        f_te = predict_batched(frozen, xte, 64).cpu()
+
+    def points(k: str) -> dict[str, Any]:  # point forecasts of split k: the frozen + naive ones
+        clim_k = build.valid_clim(ex[k].hours)
+        with torch.no_grad():
+            fcs = {"frozen": predict_batched(frozen, X[k], 64).cpu(),
+                   "persistence-point": _persistence(ex[k]), "climatology-point": clim_k}
+        for name, w in (("day-ago-point", naive.get("day")),
+                        ("blend-point", blend[0] if blend else None)):
+            if w is not None:
+                fcs[name] = torch.einsum("lc,nchw->nlhw", w.double(), X_cpu[k].double())
+        return {n: {"per_lead": point_scores(fc, Y[k], clim_k, lat, leads)} for n, fc in
+                fcs.items()}
     static = {
         "data": {"file": str(field.path), "variable": field.variable,
                  "grid": list(field.values.shape[1:]), "days": day,
@@ -270,9 +241,11 @@ def run(args: argparse.Namespace) -> Path:
         "backbone": {"n_params": sum(p.numel() for p in frozen.parameters()),
                      "attention_sites": [s.name for s in attnuq.find_attention(frozen)],
                      "in_channels": recipe.in_channels, "train": train_report}}
-    points = {name: {"per_lead": point_scores(fc, yte, clim_te, lat, leads)} for name, fc in (
-        ("frozen", f_te), ("persistence-point", _persistence(ex["test"])),
-        ("climatology-point", clim_te))}
+    if opt["day_ago"] or blend:  # what the backbone was chosen on (the committed page has none)
+        static["backbone"].update(channels=build.channels(), val_points=points("val"))
+        if blend:
+            static["backbone"].update(blend=blend[1], blend_val_rmse=blend[2])
+    test_points = points("test")
     store = RunStore(res_dir / "runs", suite="era5", info=info)
     maps: dict[str, dict[str, Any]] = {}
     recs = {m: r for m in ALL_METHODS if args.resume and m not in rerun
@@ -333,7 +306,7 @@ def run(args: argparse.Namespace) -> Path:
         credit = _earlier([recs[m] for m in done if m in kept])
         payload = {
             "run": {**info, **({"resumed_runs": credit} if credit else {})}, "config": cfg,
-            "complete": final, **static, "results": {**points, **{m: {
+            "complete": final, **static, "results": {**test_points, **{m: {
                 k: v for k, v in recs[m].items() if k not in (
                     "method", "reuse", "run_info", "implementation", "wall_seconds")}
                 for m in done}},
@@ -377,7 +350,7 @@ def _summary(p: dict[str, Any]) -> dict[str, Any]:
     for ld in _parse_ints(p["config"]["leads"], "leads"):
         key = f"+{ld}h"
         refs = {k.removesuffix("-point"): res[k]["per_lead"][key]["rmse_lat"]
-                for k in ("persistence-point", "climatology-point") if k in res}
+                for k in _NAIVE if k in res}
         best = min(refs, key=lambda k: refs[k]) if refs else None
         methods: dict[str, Any] = {"frozen": {"rmse": res["frozen"]["per_lead"][key]["rmse_lat"]}}
         for m, v in ((m, res[m]["per_lead"][key]) for m in ALL_METHODS if m in res):
@@ -425,11 +398,19 @@ def render(p: dict[str, Any]) -> Page:
                                   for k, v in d["days"].items())
         + f"; issue every hour, inputs: field at t and t-{c['history']} h"
         + ("" if c["no_clim_features"] else " + training hour-of-day climatology at the valid "
-           "times")
-        + f"; leads {c['leads']} h",
+           "times" + (" (leave-one-out on the training days)" if c.get("loo_clim") else ""))
+        + ("; also the fields at t-24 h and 24 h before each valid time"
+           + ("" if c["no_clim_features"] else " and the climatology at t") if c.get("day_ago")
+           else "") + f"; leads {c['leads']} h",
         f"* backbone: ViT from HF `ViTModel` blocks, patch {c['patch']}, hidden {c['hidden']}, "
         f"{c['layers']} layers, {c['heads']} heads, mlp {c['mlp']}, dropout {c['dropout']}, "
-        f"{b['n_params']} parameters, predicts the change from persistence; trained here "
+        f"{b['n_params']} parameters, predicts the change from " + (
+            "persistence" if not b.get("blend") else "the convex blend of naive forecasts with "
+            "least val RMSE (" + "; ".join(f"+{ld}h: " + ", ".join(
+                f"{w:g} {k}" for k, w in a.items() if w) for ld, a in zip(leads, b["blend"],
+                                                                       strict=True)) + ")")
+        + (f"; AdamW weight decay {c['weight_decay']}" if c.get("weight_decay") else "")
+        + "; trained here "
         f"({tr.get('epochs_run')} epochs, best {tr.get('best_epoch')}, best val MSE "
         f"{fmt(tr.get('best_val'), nan='nan')} K^2, {fmt(tr.get('seconds'), nan='nan')} s"
         f"{', reused from disk' if tr.get('reused') else ''}), frozen",
@@ -444,14 +425,17 @@ def render(p: dict[str, Any]) -> Page:
         "the training days, pooled WeatherBench/ClimaX definition); PIT, W1, coverage, width "
         "and CRPS are plain means over grid points and issue times; units K",
         "")
-    pt = [k for k in ("frozen", "persistence-point", "climatology-point") if k in res]
-    if pt:
-        t = Table(["point forecast", *[f"{m} +{ld}h" for ld in leads for m in ("RMSE", "ACC")]])
-        for k in pt:
-            t.add(k, *[fmt(v[m], nan="nan") for v in res[k]["per_lead"].values()
-                       for m in ("rmse_lat", "acc")], values=res[k]["per_lead"])
-        page.table(t)
-        page.add("")
+    for title, pts in (("", res), ("validation days (what the recipe was chosen on)",
+                                    b.get("val_points", {}))):
+        pt = [k for k in ("frozen", *_NAIVE, "blend-point") if k in pts]
+        if pt:
+            t = Table([f"point forecast{title and ', ' + title}",
+                       *[f"{m} +{ld}h" for ld in leads for m in ("RMSE", "ACC")]])
+            for k in pt:
+                t.add(k, *[fmt(v[m], nan="nan") for v in pts[k]["per_lead"].values()
+                           for m in ("rmse_lat", "acc")], values=pts[k]["per_lead"])
+            page.table(t)
+            page.add("")
     scored = [k for k in ALL_METHODS if k in res]
     for ld in leads:
         key = f"+{ld}h"

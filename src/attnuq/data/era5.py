@@ -355,7 +355,8 @@ def day_blocks(
 
 @dataclass(frozen=True)
 class Examples:
-    """Forecast examples: ``inputs`` ``(N, 2, n_lat, n_lon)`` (field at ``t``, at ``t - history``),
+    """Forecast examples: ``inputs`` ``(N, 2 + n_extra, n_lat, n_lon)`` (field at ``t``, at
+    ``t - history``, at ``t - lag`` for each extra lag),
     ``targets`` ``(N, n_leads, n_lat, n_lon)``, ``t_index`` ``(N,)`` issue-time index into the
     field, ``hours`` ``(N,)`` issue hour of day, ``leads`` in hours."""
 
@@ -377,6 +378,7 @@ def make_examples(
     history: int = 6,
     leads: Sequence[int] = (6, 24),
     step: int = 1,
+    extra_lags: Sequence[int] = (),
 ) -> Examples:
     """Examples whose whole span ``[t - history, t + max(leads)]`` lies inside ``block``.
 
@@ -390,10 +392,26 @@ def make_examples(
         Hours back for the second input field; hours ahead for the targets.
     step
         Hours between consecutive issue times.
+    extra_lags
+        Hours back of further input fields, appended as channels ``x(t - lag)`` after the two
+        (e.g. ``(24, 18)``: the field a day before the issue time and a day before the valid
+        time of lead 6 h); the span then starts at ``t - max(history, *extra_lags)``.
+
+    Examples
+    --------
+    >>> import numpy as np, torch
+    >>> t = np.arange("2019-03-01", 72, dtype="datetime64[h]").astype("datetime64[ns]")
+    >>> f = Field(torch.arange(72.0)[:, None, None].expand(72, 1, 1), t, np.zeros(1),
+    ...           np.zeros(1), "t2m", Path("x"))
+    >>> ex = make_examples(f, np.arange(72), leads=(6,), extra_lags=(24, 18))
+    >>> ex.inputs[0, :, 0, 0].tolist(), ex.t_index[0]  # x(t), x(t-6), x(t-24), x(t-18)
+    ([24.0, 18.0, 0.0, 6.0], np.int64(24))
     """
     history = check_positive_int(history, "history")
     step = check_positive_int(step, "step")
     leads_t = tuple(check_positive_int(int(v), "lead") for v in leads)
+    lags = tuple(check_positive_int(int(v), "extra lag") for v in extra_lags)
+    span = max((history, *lags))
     if not leads_t:
         raise ValueError(f"leads must not be empty, got {leads=}")
     block = np.asarray(block, dtype=np.int64)
@@ -403,13 +421,14 @@ def make_examples(
     if block.size > 1 and not np.allclose(dt, 1.0):
         raise ValueError("times inside the block are not hourly")
     lo, hi = int(block[0]), int(block[-1])
-    t0 = np.arange(lo + history, hi - max(leads_t) + 1, step)
+    t0 = np.arange(lo + span, hi - max(leads_t) + 1, step)
     if t0.size == 0:
         raise ValueError(
-            f"block of {block.size} hours is too short for {history=} and leads={leads_t}"
+            f"block of {block.size} hours is too short for {history=}, extra_lags={lags} and "
+            f"leads={leads_t}"
         )
     v = field.values
-    inputs = torch.stack([v[t0], v[t0 - history]], dim=1)
+    inputs = torch.stack([v[t0], v[t0 - history], *[v[t0 - lag] for lag in lags]], dim=1)
     targets = torch.stack([v[t0 + h] for h in leads_t], dim=1)
     return Examples(
         inputs=inputs, targets=targets, t_index=t0, hours=field.hours[t0],

@@ -11,7 +11,11 @@ Architecture (ClimaX-like, much smaller):
 * a linear head maps every patch token to its ``patch x patch x C_out`` pixels; the padded grid is
   cropped back to ``(n_lat, n_lon)``;
 * the output is a correction to persistence: ``y = x_t + std * head(...)`` (channel 0 of the
-  input is the current field), in the field's units.
+  input is the current field), in the field's units; with ``base_weight`` ``W`` (``C_out x C_in``)
+  it is a correction to a fixed linear blend of the input channels instead,
+  ``y_o = sum_c W[o, c] x_c + std * head(...)_o`` (e.g. a blend of persistence, the field 24 h
+  before the valid time and climatology chosen on validation data; persistence is
+  ``W[o] = (1, 0, ..., 0)``).
 
 Shapes: ``(B, C_in, H, W) -> (B, C_out, H, W)``.
 
@@ -56,6 +60,7 @@ class ViTFieldConfig:
     attention_dropout: float = 0.1
     mean: float = 0.0
     std: float = 1.0
+    base_weight: tuple[tuple[float, ...], ...] | None = None
 
     def padded(self) -> tuple[int, int]:
         p = self.patch_size
@@ -77,10 +82,25 @@ class ViTFieldForecaster(nn.Module):
         Hidden and attention-probability dropout (MC dropout switches them on at test time).
     mean, std
         Standardisation of the fields (scalars, fitted on training data).
+    base_weight
+        ``(out_channels, in_channels)`` weights of the linear base the model corrects
+        (``None``: persistence, channel 0 for every output).
+
+    Examples
+    --------
+    A base that averages the two input channels for both outputs (zero head: exactly the base):
+
+    >>> m = ViTFieldForecaster((5, 7), in_channels=2, out_channels=2, patch_size=2,
+    ...                        hidden_size=8, num_layers=1, num_heads=2, mlp_size=8,
+    ...                        base_weight=[[0.5, 0.5], [0.5, 0.5]]).eval()
+    >>> x = torch.randn(1, 2, 5, 7)
+    >>> torch.allclose(m(x)[:, 1], x.mean(1))
+    True
     """
 
     mean: torch.Tensor
     std: torch.Tensor
+    base_weight: torch.Tensor  # only when config.base_weight is set
 
     def __init__(
         self,
@@ -97,6 +117,7 @@ class ViTFieldForecaster(nn.Module):
         attention_dropout: float = 0.1,
         mean: float = 0.0,
         std: float = 1.0,
+        base_weight: Any = None,
     ) -> None:
         super().__init__()
         from transformers import ViTConfig, ViTModel
@@ -119,11 +140,18 @@ class ViTFieldForecaster(nn.Module):
         if not (std > 0 and torch.isfinite(torch.tensor(std)) and torch.isfinite(
                 torch.tensor(mean))):
             raise ValueError(f"mean/std must be finite with std > 0, got {mean=}, {std=}")
+        bw: tuple[tuple[float, ...], ...] | None = None
+        if base_weight is not None:
+            w = torch.as_tensor(base_weight, dtype=torch.float64)
+            if w.shape != (out_channels, in_channels) or not bool(torch.isfinite(w).all()):
+                raise ValueError(f"base_weight must be finite ({out_channels}, {in_channels}), "
+                                 f"got shape {tuple(w.shape)}: {base_weight!r}")
+            bw = tuple(tuple(float(v) for v in row) for row in w.tolist())
         self.config = ViTFieldConfig(
             grid=g, in_channels=in_channels, out_channels=out_channels, patch_size=patch_size,
             hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
             mlp_size=mlp_size, dropout=dropout, attention_dropout=attention_dropout,
-            mean=float(mean), std=float(std),
+            mean=float(mean), std=float(std), base_weight=bw,
         )
         ph, pw = self.config.padded()
         vit_cfg = ViTConfig(
@@ -144,6 +172,8 @@ class ViTFieldForecaster(nn.Module):
         nn.init.zeros_(self.head.bias)
         self.register_buffer("mean", torch.tensor(float(mean)))
         self.register_buffer("std", torch.tensor(float(std)))
+        if bw is not None:  # not in the state dict: the config holds it (older files load)
+            self.register_buffer("base_weight", torch.tensor(bw), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -163,7 +193,10 @@ class ViTFieldForecaster(nn.Module):
         out = out.reshape(b, ph // p, pw // p, p, p, c.out_channels)
         out = out.permute(0, 5, 1, 3, 2, 4).reshape(b, c.out_channels, ph, pw)
         delta = out[:, :, :h, :w]
-        return x[:, :1] + self.std * delta  # (B, C_out, H, W)
+        if c.base_weight is None:
+            return x[:, :1] + self.std * delta  # (B, C_out, H, W)
+        base = torch.einsum("oc,bchw->bohw", self.base_weight.to(x.dtype), x)
+        return base + self.std * delta
 
 
 def save_vit_field(model: ViTFieldForecaster, path: str | os.PathLike[str]) -> Path:
@@ -189,6 +222,8 @@ def load_vit_field(path: str | os.PathLike[str], *, freeze: bool = True) -> ViTF
         )
     cfg: dict[str, Any] = json.loads((p / "config.json").read_text())
     grid = tuple(cfg.pop("grid"))
+    if cfg.get("base_weight") is None:
+        cfg.pop("base_weight", None)
     m = ViTFieldForecaster(grid, **cfg)  # type: ignore[arg-type]
     m.load_state_dict(torch.load(p / "model.pt", map_location="cpu", weights_only=True))
     m.eval()
