@@ -120,24 +120,24 @@ def naive_weights(inp: Inputs) -> dict[str, torch.Tensor]:
     ch = inp.channels()
     n_l, n_c = len(inp.leads), len(ch)
 
-    def w(terms: list[dict[str, float]]) -> torch.Tensor:
+    def w(terms: list[list[tuple[str, float]]]) -> torch.Tensor:
         out = torch.zeros(n_l, n_c, dtype=torch.float64)
         for i, t in enumerate(terms):
-            for name, v in t.items():
+            for name, v in t:  # pairs, not a dict: at lead 24 h "day" is x(t) again
                 out[i, ch.index(name)] += v
         return out
 
     def day(ld: int) -> str:
         return "x(t)" if ld == 24 else f"x(t-{24 - ld}h)"
 
-    out = {"persistence": w([{"x(t)": 1.0} for _ in inp.leads])}
+    out = {"persistence": w([[("x(t)", 1.0)] for _ in inp.leads])}
     if inp.day_ago:
-        out["day"] = w([{day(ld): 1.0} for ld in inp.leads])
-        out["ydc"] = w([{"x(t)": 1.0, day(ld): 1.0, "x(t-24h)": -1.0} for ld in inp.leads])
+        out["day"] = w([[(day(ld), 1.0)] for ld in inp.leads])
+        out["ydc"] = w([[("x(t)", 1.0), (day(ld), 1.0), ("x(t-24h)", -1.0)] for ld in inp.leads])
     if inp.use_clim:
-        out["climatology"] = w([{f"clim(t+{ld}h)": 1.0} for ld in inp.leads])
+        out["climatology"] = w([[(f"clim(t+{ld}h)", 1.0)] for ld in inp.leads])
         if inp.day_ago:
-            out["anom"] = w([{"x(t)": 1.0, "clim(t)": -1.0, f"clim(t+{ld}h)": 1.0}
+            out["anom"] = w([[("x(t)", 1.0), ("clim(t)", -1.0), (f"clim(t+{ld}h)", 1.0)]
                              for ld in inp.leads])
     return out
 
