@@ -75,3 +75,43 @@ def test_errors(tmp_path: Path) -> None:
         ViTFieldForecaster((5, 7), **{**KW, "std": 0.0})
     with pytest.raises(FileNotFoundError, match=r"model\.pt"):
         load_vit_field(tmp_path)
+
+
+def test_base_weight_is_the_start_and_survives_save_load(tmp_path: Path) -> None:
+    """With ``base_weight`` the untrained model is exactly that blend of its input channels."""
+    w = [[0.25, 0.75], [1.5, -0.5]]
+    m = ViTFieldForecaster((5, 7), **KW, base_weight=w).eval()
+    x = 280 + 3 * torch.randn(4, 2, 5, 7)
+    want = torch.einsum("oc,bchw->bohw", torch.tensor(w, dtype=torch.float64), x.double())
+    with torch.no_grad():
+        # float32 blend of ~280 K values (ulp 3e-5): 1e-4
+        torch.testing.assert_close(m(x).double(), want, rtol=0, atol=1e-4)
+        torch.nn.init.normal_(m.head.weight, std=0.1)
+        save_vit_field(m, tmp_path / "b")
+        back = load_vit_field(tmp_path / "b")
+        assert back.config.base_weight == ((0.25, 0.75), (1.5, -0.5))
+        assert "base_weight" not in back.state_dict()  # the config holds it
+        torch.testing.assert_close(back(x), m(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"base_weight must be finite \(2, 2\)"):
+        ViTFieldForecaster((5, 7), **KW, base_weight=[[1.0, 0.0]])
+    with pytest.raises(ValueError, match="base_weight must be finite"):
+        ViTFieldForecaster((5, 7), **KW, base_weight=[[float("nan"), 0.0], [1.0, 0.0]])
+
+
+def test_centred_inputs_make_the_forecast_shift_equivariant(tmp_path: Path) -> None:
+    """``center=True`` with a base whose rows sum to 1: shifting every input by c K shifts the
+    forecast by c K (the ViT sees no level); the default model has no such property."""
+    w = [[0.5, 0.5], [1.25, -0.25]]
+    x = 280 + 3 * torch.randn(4, 2, 5, 7, generator=torch.Generator().manual_seed(1))
+    for center in (True, False):
+        m = ViTFieldForecaster((5, 7), **KW, base_weight=w, center=center).eval()
+        with torch.no_grad():
+            torch.nn.init.normal_(m.head.weight, std=0.3)
+            d = (m(x + 4.0) - m(x) - 4.0).abs().max().item()
+        # float32 at ~284 K (ulp 3e-5), a few roundings: 1e-3; the plain model moves by ~K
+        assert (d < 1e-3) == center, (center, d)
+    save_vit_field(m, tmp_path / "c")
+    assert load_vit_field(tmp_path / "c").config.center is False
+    m2 = ViTFieldForecaster((5, 7), **KW, center=True)
+    save_vit_field(m2, tmp_path / "c2")
+    assert load_vit_field(tmp_path / "c2").config.center is True

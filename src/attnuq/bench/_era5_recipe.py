@@ -176,13 +176,16 @@ def select_blend(x: torch.Tensor, y: torch.Tensor, lat: torch.Tensor,
     chosen, rmse = [], []
     for i in range(y.shape[1]):
         yi = y[:, i].double()
-        best = min(((float(metrics.lat_weighted_rmse(
-            sum(a_k / steps * preds[f"{k}:{i}"] for a_k, k in zip(a, names, strict=True)),
-            yi, lat)), a) for a in grid), key=lambda r: r[0])
+        def blend(a: tuple[int, ...], i: int = i) -> torch.Tensor:
+            return torch.stack([a_k / steps * preds[f"{k}:{i}"]
+                                for a_k, k in zip(a, names, strict=True)]).sum(0)
+
+        best = min(((float(metrics.lat_weighted_rmse(blend(a), yi, lat)), a) for a in grid),
+                   key=lambda r: r[0])
         rmse.append(best[0])
         chosen.append({k: a_k / steps for a_k, k in zip(best[1], names, strict=True)})
-        weight[i] = sum(a_k / steps * naive[k][i].double()
-                        for a_k, k in zip(best[1], names, strict=True))
+        weight[i] = torch.stack([a_k / steps * naive[k][i].double()
+                                 for a_k, k in zip(best[1], names, strict=True)]).sum(0)
     return weight, chosen, rmse
 
 
@@ -222,7 +225,8 @@ class _MemberRecipe:
                 patch_size=self.patch, hidden_size=self.hidden, num_layers=self.layers,
                 num_heads=self.heads, mlp_size=self.mlp, dropout=self.dropout,
                 attention_dropout=self.dropout, mean=self.mean, std=self.std,
-                base_weight=getattr(self, "base_weight", None))
+                base_weight=getattr(self, "base_weight", None),
+                **({"center": True} if getattr(self, "center", False) else {}))
         return m.to(self.device)
 
     def train(self, model: Any, _train: Any, _val: Any, index: int) -> Any:
@@ -244,3 +248,4 @@ class _MemberRecipeV2(_MemberRecipe):
 
     base_weight: list[list[float]] | None = None
     weight_decay: float = 0.0
+    center: bool = False

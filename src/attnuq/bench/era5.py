@@ -99,6 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--base", choices=("persistence", "blend"), default="persistence", help="the forecaster "
       "corrects persistence, or the convex blend of naive forecasts with least val RMSE")
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay of the backbone")
+    a("--center-inputs", action="store_true", help="the ViT sees its inputs less the domain mean "
+      "of x(t) (no absolute level; the output is still the base plus the ViT's correction)")
     for name, v in (("patch", 4), ("hidden", 64), ("layers", 3), ("heads", 4), ("mlp", 128),
                     ("dropout", 0.1), ("epochs", 40), ("patience", 6), ("batch-size", 16),
                     ("lr", 1e-3), ("ensemble", 5)):
@@ -129,7 +131,8 @@ def _parse_ints(spec: str, name: str) -> list[int]:
 
 
 #: options added since the committed page: left out of the config while at their defaults
-_NEW_DEFAULTS = {"day_ago": False, "loo_clim": False, "base": "persistence", "weight_decay": 0.0}
+_NEW_DEFAULTS = {"day_ago": False, "loo_clim": False, "base": "persistence", "weight_decay": 0.0,
+                 "center_inputs": False}
 
 
 def _check(args: argparse.Namespace) -> tuple[list[str], list[str], tuple[int, ...], list[int]]:
@@ -180,7 +183,7 @@ def run(args: argparse.Namespace) -> Path:
     field = data.load_field(path := data.resolve_era5_path(args.file, args.data_dir), args.variable)
     blocks = data.day_blocks(field.times, list(zip(("train", "val", "cal", "test"), split,
                                                    strict=True)))
-    opt = {k: getattr(args, k, d) for k, d in _NEW_DEFAULTS.items()}
+    opt: dict[str, Any] = {k: getattr(args, k, d) for k, d in _NEW_DEFAULTS.items()}
     build = Inputs(clim=data.hourly_climatology(field, blocks["train"]), leads=leads,
                    use_clim=not args.no_clim_features, history=args.history,
                    day_ago=opt["day_ago"], loo=opt["loo_clim"],
@@ -204,7 +207,8 @@ def run(args: argparse.Namespace) -> Path:
     blend = (select_blend(X_cpu["val"], Y["val"], lat, naive)
              if opt["base"] == "blend" else None)
     v2 = ({"base_weight": blend[0].tolist()} if blend else {}) | (
-        {"weight_decay": opt["weight_decay"]} if opt["weight_decay"] else {})
+        {"weight_decay": opt["weight_decay"]} if opt["weight_decay"] else {}) | (
+        {"center": True} if opt["center_inputs"] else {})
     recipe = (_MemberRecipeV2 if v2 else _MemberRecipe)(  # type: ignore[call-arg]
         grid=[int(field.values.shape[1]), int(field.values.shape[2])],
         in_channels=X["train"].shape[1], out_channels=len(leads), patch=args.patch,
@@ -234,7 +238,7 @@ def run(args: argparse.Namespace) -> Path:
                 fcs[name] = torch.einsum("lc,nchw->nlhw", w.double(), X_cpu[k].double())
         return {n: {"per_lead": point_scores(fc, Y[k], clim_k, lat, leads)} for n, fc in
                 fcs.items()}
-    static = {
+    static: dict[str, Any] = {
         "data": {"file": str(field.path), "variable": field.variable,
                  "grid": list(field.values.shape[1:]), "days": day,
                  "examples": {k: len(e) for k, e in ex.items()}},
@@ -410,6 +414,7 @@ def render(p: dict[str, Any]) -> Page:
                 f"{w:g} {k}" for k, w in a.items() if w) for ld, a in zip(leads, b["blend"],
                                                                        strict=True)) + ")")
         + (f"; AdamW weight decay {c['weight_decay']}" if c.get("weight_decay") else "")
+        + ("; inputs centred on the domain mean of x(t)" if c.get("center_inputs") else "")
         + "; trained here "
         f"({tr.get('epochs_run')} epochs, best {tr.get('best_epoch')}, best val MSE "
         f"{fmt(tr.get('best_val'), nan='nan')} K^2, {fmt(tr.get('seconds'), nan='nan')} s"

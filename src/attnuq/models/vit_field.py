@@ -61,6 +61,7 @@ class ViTFieldConfig:
     mean: float = 0.0
     std: float = 1.0
     base_weight: tuple[tuple[float, ...], ...] | None = None
+    center: bool = False
 
     def padded(self) -> tuple[int, int]:
         p = self.patch_size
@@ -85,6 +86,11 @@ class ViTFieldForecaster(nn.Module):
     base_weight
         ``(out_channels, in_channels)`` weights of the linear base the model corrects
         (``None``: persistence, channel 0 for every output).
+    center
+        Standardise the ViT's inputs as ``(x - mean_hw x_t) / std`` (each sample's domain mean
+        of channel 0) instead of ``(x - mean) / std``: the correction then cannot depend on the
+        absolute temperature level, and with a base whose rows sum to 1 the whole forecast
+        shifts with a uniform shift of the inputs.
 
     Examples
     --------
@@ -118,6 +124,7 @@ class ViTFieldForecaster(nn.Module):
         mean: float = 0.0,
         std: float = 1.0,
         base_weight: Any = None,
+        center: bool = False,
     ) -> None:
         super().__init__()
         from transformers import ViTConfig, ViTModel
@@ -151,7 +158,7 @@ class ViTFieldForecaster(nn.Module):
             grid=g, in_channels=in_channels, out_channels=out_channels, patch_size=patch_size,
             hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
             mlp_size=mlp_size, dropout=dropout, attention_dropout=attention_dropout,
-            mean=float(mean), std=float(std), base_weight=bw,
+            mean=float(mean), std=float(std), base_weight=bw, center=bool(center),
         )
         ph, pw = self.config.padded()
         vit_cfg = ViTConfig(
@@ -185,7 +192,8 @@ class ViTFieldForecaster(nn.Module):
         h, w = c.grid
         ph, pw = c.padded()
         p = c.patch_size
-        z = (x - self.mean) / self.std
+        # centred: less each sample's domain mean of x(t), so the ViT never sees the level
+        z = (x - (x[:, :1].mean((2, 3), keepdim=True) if c.center else self.mean)) / self.std
         z = nn.functional.pad(z, (0, pw - w, 0, ph - h))  # (B, C_in, ph, pw)
         tok = self.vit(pixel_values=z).last_hidden_state[:, 1:]  # (B, N, D), CLS dropped
         out = self.head(tok)  # (B, N, p*p*C_out)
