@@ -238,3 +238,19 @@ def test_page_says_when_sa_point_accuracy_is_off_the_frozen_backbone(tmp_path: P
     text = write_table(tmp_path / "t.md", tmp_path, rows, info, args).read_text()
     assert "* SA's point RMSE differs from the frozen backbone's (0.100) by more than 1 % for " \
            "sa-paper 0.105 (+5.0 %)." in text
+
+
+def test_the_recommended_sa_row_counts_as_sa_and_gets_the_suite_budget(tmp_path: Path) -> None:
+    """``sa`` (no ``sa-`` prefix) is an SA row of the verdict, and the suite passes it (and the
+    other new SA rows) its ``--n-samples`` like every sampled method."""
+    from attnuq.bench.uci import _method_kwargs
+
+    rows = [_row("a", "sa", 0, 2.0, 1.0), _row("a", "gaussian", 0, 3.0, 0.9)]
+    args = argparse.Namespace(n_blocks=1, max_epochs=1, patience=1, batch_size=32, n_samples=10,
+                              swag_epochs=1, no_progress=True)
+    info = {"command": "attnuq bench uci", "date": "d", "machine": "m"}
+    text = write_table(tmp_path / "t.md", tmp_path, rows, info, args).read_text()
+    assert "a: **SA wins** on calibrated PI-95 width: sa 2.000 vs the best baseline " \
+           "gaussian 3.000" in text
+    for name in ("sa", "sa-debiased", "sa-recentred", "sa-floor"):
+        assert _method_kwargs(name, args) == {"n_samples": 10, "progress": False}, name

@@ -259,7 +259,8 @@ def render_page(out: Path, table: Path) -> Page:
         page.add("")
         page.headline(f"Best CRPS: **{best_crps}**; lowest W1(PIT, U): **{best_w1}**; coverage "
                       f"closest to 95 %: **{closest}**.")
-        for sa in ("sa-paper", "sa-crps", "sa-conformal"):
+        for sa in ("sa-paper", "sa-crps", "sa-conformal", "sa", "sa-debiased", "sa-recentred",
+                   "sa-floor"):
             if sa in rows:
                 beaten = [k for k in rows if k != sa and rows[k]["crps"] < rows[sa]["crps"]]
                 page.add(f"* {sa} CRPS is beaten by: {', '.join(beaten) or 'none'}.")

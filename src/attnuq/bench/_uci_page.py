@@ -24,6 +24,12 @@ __all__ = ["REFERENCE_RMSE", "build_page", "summary"]
 _OWN_POINT = ("ensemble", "swag", "multiswag", "ivon", "hsa")
 #: methods whose point prediction is the frozen backbone's output
 _FROZEN = ("gaussian", "laplace", "conformal", "mc-dropout")
+
+
+def _is_sa(m: str) -> bool:
+    """A stochastic-attention row: ``sa`` (the recommended configuration) or ``sa-*``."""
+    return m == "sa" or m.startswith("sa-")
+
 #: backbone RMSE of the MC-dropout paper (Gal & Ghahramani 2016), per set folder name
 REFERENCE_RMSE = {"bostonHousing": 2.97, "concrete": 5.23, "energy": 1.66,
                   "naval-propulsion-plant": 0.01, "power-plant": 4.02,
@@ -93,8 +99,8 @@ def _verdict(ds: str, stats: dict[str, dict[str, tuple[float, float]]]) -> tuple
     ms = list(stats)
     widths = {m: stats[m]["width"][0] for m in ms if math.isfinite(stats[m]["width"][0])}
     crpss = {m: stats[m]["crps"][0] for m in ms if math.isfinite(stats[m]["crps"][0])}
-    sa = {m: w for m, w in widths.items() if m.startswith("sa-")}
-    other = {m: w for m, w in widths.items() if not m.startswith("sa-")}
+    sa = {m: w for m, w in widths.items() if _is_sa(m)}
+    other = {m: w for m, w in widths.items() if not _is_sa(m)}
     if not (sa and other):
         return [], None
     bs, bo = _best(sa), _best(other)
@@ -107,8 +113,8 @@ def _verdict(ds: str, stats: dict[str, dict[str, tuple[float, float]]]) -> tuple
     else:
         verdict = (f"**SA loses** on calibrated PI-95 width: best baseline {bo} "
                    f"{other[bo]:.3f} vs best SA {bs} {sa[bs]:.3f} (SA {1 / ratio:.2f}x wider)")
-    sa_c = {m: c for m, c in crpss.items() if m.startswith("sa-")}
-    ot_c = {m: c for m, c in crpss.items() if not m.startswith("sa-")}
+    sa_c = {m: c for m, c in crpss.items() if _is_sa(m)}
+    ot_c = {m: c for m, c in crpss.items() if not _is_sa(m)}
     if sa_c and ot_c:
         bsc, boc = _best(sa_c), _best(ot_c)
         assert bsc is not None and boc is not None
@@ -129,7 +135,7 @@ def _verdict(ds: str, stats: dict[str, dict[str, tuple[float, float]]]) -> tuple
     if frozen_m is not None and frozen_m in _FROZEN:  # issue #19: SA's point off the frozen one
         f = stats[frozen_m]["rmse"][0]
         off = [f"{m} {stats[m]['rmse'][0]:.3f} ({100 * (stats[m]['rmse'][0] / f - 1):+.1f} %)"
-               for m in ms if m.startswith("sa-") and abs(stats[m]["rmse"][0] / f - 1) > 0.01]
+               for m in ms if _is_sa(m) and abs(stats[m]["rmse"][0] / f - 1) > 0.01]
         if off:
             lines.append(f"* SA's point RMSE differs from the frozen backbone's ({f:.3f}) by more "
                          f"than 1 % for {', '.join(off)}.")

@@ -60,7 +60,7 @@ DEFAULT_METHODS: tuple[str, ...] = (
     "sa-paper", "sa-scale", "sa-crps", "sa-conformal", "mc-dropout", "ensemble", "swag",
     "multiswag", "ivon", "laplace", "hsa", "conformal", "gaussian")
 _SAMPLED = {"sa-paper", "sa-scale", "sa-crps", "sa-conformal", "mc-dropout", "swag", "multiswag",
-            "ivon", "hsa"}
+            "ivon", "hsa", "sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer"}
 _LEVEL = 0.95
 #: ``--batch-size auto``: (fit rows at most, batch size), else the last
 AUTO_BATCH = ((2_000, 32), (20_000, 128), (None, 256))
@@ -143,7 +143,7 @@ def _method_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
     progress = not args.no_progress
     if name in _SAMPLED:
         kw["n_samples"] = args.n_samples
-    if name.startswith("sa-"):
+    if name == "sa" or name.startswith("sa-"):
         kw["progress"] = progress
     if name in ("swag", "multiswag"):
         kw.update(epochs=args.swag_epochs, progress=progress)
