@@ -3,13 +3,15 @@
 Starting a process costs seconds here (importing torch on a loaded machine), so every 2- and
 3-rank case runs inside two launches of ``_worker.py`` (all scenarios, in order) and one
 ``torchrun ... -m attnuq.cli calibrate``, started together; the world-size-1 reference runs in
-this process, in a gloo group of one, while they run.
+this process, in a gloo group of one, while they run. Under pytest-xdist only one worker
+computes all this (``dist_run``); the tests read it.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,51 +35,79 @@ def cli_args(files: dict[str, Path], out: Path) -> list[str]:
             "--batch-size", "4", "--out", str(out)]
 
 
-@pytest.fixture(scope="session")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("dist_files")
+def _files(d: Path) -> dict[str, Path]:
     x, y = _worker.data()
     torch.save(_worker.small_model(), d / "model.pt")
     np.savez(d / "heldout.npz", x=x.numpy(), y=y.numpy())
     return {"model": d / "model.pt", "data": d / "heldout.npz", "dir": d}
 
 
-@pytest.fixture(scope="session")
-def launched(files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-             ) -> dict[str, Any]:
-    out = {w: tmp_path_factory.mktemp(f"dist_w{w}") for w in (2, 3)}
-    cli_out = tmp_path_factory.mktemp("dist_cli") / "report"
-    top = tmp_path_factory.mktemp("dist_fork")
-    return {
-        "out": out,
-        "top": top,
-        "cli_out": cli_out,
-        "ranks": _launch.start_forked([("same", 2, out[2]), ("same", 3, out[3])], top,
-                                      TEST_DIST_TIMEOUT=str(TIMEOUT_S)),
-        "cli": _launch.start_torchrun(2, cli_args(files, cli_out)),
-    }
+class _Finished:
+    """A finished launch: ``wait()`` returns its processes' results (as ``Launch.wait``)."""
+
+    def __init__(self, procs: list[subprocess.CompletedProcess[str]]) -> None:
+        self.procs = procs
+
+    def wait(self) -> list[subprocess.CompletedProcess[str]]:
+        return self.procs
 
 
-@pytest.fixture(scope="session")
-def w1(launched: dict[str, Any], files: dict[str, Path],
-       tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The world-size-1 results (a gloo group of one in this process), and the CLI's."""
+def _compute(root: Path) -> dict[str, Any]:
+    """Start the launches, run the world-size-1 reference here meanwhile, wait for them."""
     from attnuq.cli import main
 
+    sub = {k: root / k for k in ("files", "w2", "w3", "fork", "cli", "cli_w1")}
+    for d in sub.values():
+        d.mkdir(parents=True, exist_ok=True)
+    files = _files(sub["files"])
+    out = {2: sub["w2"], 3: sub["w3"]}
+    ranks = _launch.start_forked([("same", 2, out[2]), ("same", 3, out[3])], sub["fork"],
+                                 TEST_DIST_TIMEOUT=str(TIMEOUT_S))
+    cli = _launch.start_torchrun(2, cli_args(files, sub["cli"] / "report"))
     assert not dist.is_initialized()
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_launch.free_port()}",
                             rank=0, world_size=1, timeout=timedelta(seconds=TIMEOUT_S))
     try:
-        res = _worker.same(0, 1)
-        out = tmp_path_factory.mktemp("dist_cli_w1") / "report"
-        res["cli_rc"] = main(cli_args(files, out))
-        res["cli_out"] = out
+        w1 = _worker.same(0, 1)
+        w1["cli_out"] = sub["cli_w1"] / "report"
+        w1["cli_rc"] = main(cli_args(files, w1["cli_out"]))
     finally:
         dist.destroy_process_group()
         torch.set_num_threads(n)
-    yield res
+    return {"w1": w1, "out": out, "top": sub["fork"], "cli_out": sub["cli"] / "report",
+            "ranks": ranks.wait(), "cli": cli.wait()}
+
+
+@pytest.fixture(scope="session")
+def dist_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Everything the tests compare, computed once per test run: under pytest-xdist the first
+    worker to get here computes it (the others wait on the lock, then read it from disk)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = shared / "attnuq_distributed"
+    done = root / "done.pt"
+    with FileLock(str(shared / "attnuq_distributed.lock")):
+        if not done.exists():
+            root.mkdir(exist_ok=True)
+            torch.save(_compute(root), done)
+    return dict(torch.load(done, weights_only=False))
+
+
+@pytest.fixture(scope="session")
+def launched(dist_run: dict[str, Any]) -> dict[str, Any]:
+    """The 2- and 3-rank groups and the torchrun launch, all finished."""
+    return {"out": dist_run["out"], "top": dist_run["top"], "cli_out": dist_run["cli_out"],
+            "ranks": _Finished(dist_run["ranks"]), "cli": _Finished(dist_run["cli"])}
+
+
+@pytest.fixture(scope="session")
+def w1(dist_run: dict[str, Any]) -> dict[str, Any]:
+    """The world-size-1 results (a gloo group of one in the test process), and the CLI's."""
+    return dict(dist_run["w1"])
 
 
 def exit_codes(launched: dict[str, Any], world: int) -> list[int]:
