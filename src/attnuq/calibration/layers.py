@@ -25,9 +25,10 @@ shared ``nu``.
    the evaluated passes, and the criterion at ``k_*`` (:func:`profile`, no forward pass) says
    how good that shape would be at its best scale;
 3. a pattern search over ``x = log_4 r`` in ``[-3, 3]`` (``r`` from ``1/64`` to ``64``) at
-   ``nu_c = nu_shared``: from ``x = 0`` (the shared choice, already evaluated) try ``x +- 2``,
+   ``nu_c = nu_shared``: from ``x = 0`` (the shared choice, already evaluated) try ``x +- 1``,
    move to any improvement of the profiled criterion and try again at the same step, else halve
-   the step (``2, 1, 1/2, 1/4``), until ``n - 1`` evaluations are spent;
+   the step (``1, 1/2, 1/4``), until ``n - 1`` evaluations are spent (maps that round to one
+   already evaluated cost nothing);
 4. if the best shape is not ``r = 1``, one evaluation at its scale-corrected centre
    ``nu_c' = nu_shared k_*^{1/a}`` (``a`` the shared surrogate's slope of ``ln s`` in
    ``ln nu``, at most ``-0.05``);
@@ -90,7 +91,7 @@ PER_LAYER: tuple[PerLayer, ...] = ("geometric",)
 _SCALE_ONLY = ("scale", "coverage")
 
 #: the pattern search's steps in ``x = log_4 r`` and its bound ``|x| <= X_MAX``
-_STEPS = (2.0, 1.0, 0.5, 0.25)
+_STEPS = (1.0, 0.5, 0.25)
 _X_MAX = 3.0
 #: the slope ``a`` of ``ln s`` in ``ln nu`` used to move the centre is at most this
 _MAX_SLOPE = -0.05
@@ -242,21 +243,23 @@ def layer_search(
 
     Examples
     --------
-    A synthetic ``evaluate_map`` whose profiled objective is smallest at ``r = 16``, after a
-    shared search of two evaluations (so a budget of two more):
+    A synthetic ``evaluate_map`` whose profiled objective is smallest at ``r = 16``
+    (``x = 2``), after a shared search of four evaluations (so a budget of four more; the
+    search tries ``x = 1, -1, 2``):
 
     >>> def ev(nu, obj):
     ...     return Evaluation(nu=nu, objective=obj, se=0.0, scale=1.0, scale_se=0.0,
     ...                       target_scale=1.0, values={}, passes=2, model_calls=1, seconds=0.0)
-    >>> shared = SearchResult(nu=16, evaluations=[ev(16, 1.0), ev(8, 2.0)], target_log_scale=0.0,
-    ...                       surrogate={"mean": [0.0, -0.5]}, nu_interval=None, noise_band=None)
+    >>> shared = SearchResult(nu=16, evaluations=[ev(v, 4.0) for v in (32, 20, 16, 12)],
+    ...                       target_log_scale=0.0, surrogate={"mean": [0.0, -0.5]},
+    ...                       nu_interval=None, noise_band=None)
     >>> def evaluate_map(nus, center, ratio):
     ...     prof = (math.log(ratio, 4) - 2) ** 2
     ...     return ev(center, prof), prof, 1.0
     >>> res = layer_search(evaluate_map, ["a", "b", "c"], shared, (4.0, 1.0), nu_range=(1, 256),
     ...                    n_passes=2)
-    >>> res.nu_map, len(res.evaluations), res.info["shared_forward_passes"]
-    ({'a': 4, 'b': 16, 'c': 64}, 1, 5)
+    >>> res.nu_map, [t["ratio"] for t in res.info["trace"]], res.info["shared_forward_passes"]
+    ({'a': 4, 'b': 16, 'c': 64}, [1.0, 4.0, 0.25, 16.0], 9)
     """
     lo, hi = check_nu_range(nu_range)
     if not sites:

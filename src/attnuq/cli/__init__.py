@@ -190,7 +190,7 @@ def build_parser(load_suite: str | None = None) -> argparse.ArgumentParser:
         "--per-layer", default=None, choices=list(PER_LAYER),
         help="also calibrate one nu per attention site: geometric = nu_l = nu_0 r^(l/(L-1)) over "
         "the sites in find_attention order, at most twice the shared search's passes; the map "
-        "goes to calibration.json (nu_map). Needs --criterion paper or crps (default: off)",
+        "goes to calibration.json (nu_map). Not with --criterion scale or coverage (default: off)",
     )
     cal.add_argument("--n-passes", type=int, default=10, help="passes per input (default: 10)")
     cal.add_argument("--batch-size", type=int, default=64, help="default: 64")
