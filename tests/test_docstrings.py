@@ -30,6 +30,7 @@ COVERED = (
     "attnuq.calibration.report",
     "attnuq.calibration.search",
     "attnuq.conformal",
+    "attnuq.distributed",
     "attnuq.patching._adapter",
     "attnuq.patching._handle",
     "attnuq.patching._nu",

@@ -63,13 +63,31 @@ ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class RankError(RuntimeError):
-    """Another rank failed (or stopped answering) during a collective phase."""
+    """Another rank failed (or stopped answering) during a collective phase.
+
+    Raised on every healthy rank when one rank reports a failure (or times out) at a status
+    exchange, so that no rank waits forever in a collective the failed one never joins.
+
+    Examples
+    --------
+    >>> try:
+    ...     raise RankError("rank 1 failed: ValueError: bad input")
+    ... except RuntimeError as e:
+    ...     print(type(e).__name__, e)
+    RankError rank 1 failed: ValueError: bad input
+    """
 
 
 class WorkerDone(BaseException):
     """Raised on ranks other than 0 when their share of a job is done and rank 0 alone writes
     what follows (the bench runner's pages); ``attnuq bench`` exits with status 0 on it. A
-    ``BaseException``, so that no ``except Exception`` on the way swallows it."""
+    ``BaseException``, so that no ``except Exception`` on the way swallows it.
+
+    Examples
+    --------
+    >>> issubclass(WorkerDone, Exception), issubclass(WorkerDone, BaseException)
+    (False, True)
+    """
 
 
 _LOCAL: ContextVar[bool] = ContextVar("attnuq_distributed_local", default=False)
