@@ -3,9 +3,12 @@
 Speed (CPU, float32, ``B=8, H=8, Lq=Lk=512, D=64``): ``sampled_attention`` against
 ``F.scaled_dot_product_attention`` on the same tensors, each repeat timing the reference and the
 candidate back to back so that load drifts on a shared machine hit both; the table gives the
-median of the per-repeat ratios. Rows: ``nu`` in {1, 4, 8, 16, 64, 256} (target at ``nu=8``:
-ratio <= 1.3), plus ``nu=8`` causal (against causal SDPA), ``nu=8`` key-blocked
-(``block_size=128``) and ``attention_moments`` (mean and variance in one pass).
+median of the per-repeat ratios. With one thread the clock is the calling thread's CPU time
+(``--clock thread``, the default then), which other processes on a loaded machine do not
+inflate. Rows: ``nu`` in {1, 4, 8, 16, 64, 256}, plus ``nu=8`` causal (against causal SDPA),
+``nu=8`` key-blocked (``block_size=128``), ``attention_moments`` (mean and variance), and the
+pure-torch paths of each for comparison. Issue #22 targets: ``nu=8`` <= 0.7, moments <= 1.5,
+key-blocked <= 1.2 (the page states each verdict, and why where one is not met).
 
 Memory (``B=1, H=8, Lq=Lk=16384, D=64, nu=16``): every variant runs once in a fresh subprocess;
 the peak extra resident memory of the call is ``VmHWM`` after the call minus ``VmRSS`` just
@@ -44,6 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from attnuq._io import atomic_savefig, atomic_write_json, atomic_write_text
 from attnuq._runtime import run_info
 from attnuq.ops import _native, attention_moments, sampled_attention
 from attnuq.ops import sampled as _sampled
@@ -58,10 +62,45 @@ NUS = (1, 4, 8, 16, 64, 256)
 # ---------------------------------------------------------------------------------------------
 # speed
 # ---------------------------------------------------------------------------------------------
+# the clock of the speed timings: "thread" (CPU time of the calling thread, time.thread_time)
+# or "wall" (time.perf_counter). With one intra-op thread all the work runs in the calling thread
+# (torch's kernels and the C kernels alike), so its CPU time is the cost of the call without the
+# time the scheduler gives other processes on a shared, loaded machine.
+CLOCK = "thread"
+# issue #22's CPU targets, each a ratio to SDPA on the same tensors
+TARGETS = {
+    "sampled_attention nu=8": 0.7,
+    "attention_moments (mean + var)": 1.5,
+    "sampled_attention nu=8, block_size=128": 1.2,
+}
+WHY_NOT = {
+    "sampled_attention nu=8": (
+        "the sampler's floor is the score GEMM plus the exponentials; the scores come from "
+        "torch's batched GEMM (`baddbmm` into a cache-sized chunk), which alone costs about "
+        "0.6x SDPA here because SDPA's flash kernel keeps its tiles in cache and the GEMM "
+        "writes a 1 MiB score matrix per head; reaching 0.7x needs a fused score tile "
+        "(micro-GEMM + exp + CDF per row in registers/L1), not attempted in this round"
+    ),
+    "attention_moments (mean + var)": (
+        "the path is now two fused SDPA calls (values `v - vbar` and `(v - vbar)^2`; the CPU "
+        "flash kernel needs equal query and value widths, so one call with `[v, v^2]` would "
+        "need zero-padded queries and keys, the same work): its floor is 2x SDPA plus the "
+        "input checks; 1.5x needs one fused pass over the keys with a width-2Dv accumulator "
+        "at flash efficiency (our own kernel)"
+    ),
+    "sampled_attention nu=8, block_size=128": (
+        "now a C kernel per key block (max, 2^x, block CDF, running log-mass, every draw's "
+        "coin and lookup in one pass) after torch's score GEMM per block; the remaining cost "
+        "over the dense path is the per-block GEMM calls and one uniform per draw and block"
+    ),
+}
+
+
 def _time(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
+    clock = time.thread_time if CLOCK == "thread" else time.perf_counter
+    t0 = clock()
     fn()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def speed(repeats: int) -> list[dict[str, Any]]:
@@ -85,6 +124,10 @@ def speed(repeats: int) -> list[dict[str, Any]]:
         ("sampled_attention nu=8, block_size=128", 8, sa(8, block_size=128), sdpa(), "SDPA"),
         ("attention_moments (mean + var)", None, lambda: attention_moments(q, k, v), sdpa(),
          "SDPA"),
+        # the torch path of the moments (online softmax over one block of all 512 keys: what
+        # block_size=None ran before the fused SDPA path), for comparison in the same run
+        ("attention_moments, torch path (block_size=512)", None,
+         lambda: attention_moments(q, k, v, block_size=512), sdpa(), "SDPA"),
     ]
     if _native.available():  # the pure-torch sampler, for comparison with the C kernel
 
@@ -99,6 +142,13 @@ def speed(repeats: int) -> list[dict[str, Any]]:
             (f"sampled_attention nu={nu}, pure-torch sampler", nu, torch_path(nu), sdpa(), "SDPA")
             for nu in (1, 8, 64)
         ]
+
+        def torch_blocked() -> Any:
+            with _native.disabled():
+                return sampled_attention(q, k, v, nu=8, generator=gen, block_size=128)
+
+        rows.append(("sampled_attention nu=8, block_size=128, pure-torch sampler", 8,
+                     torch_blocked, sdpa(), "SDPA"))
     out = []
     for name, nu, fn, ref, ref_name in tqdm(rows, desc="speed", file=sys.stderr):
         fn()
@@ -230,7 +280,8 @@ def render(info: dict[str, Any], sp: list[dict[str, Any]], mem: list[dict[str, A
         f"## Speed: CPU float32, B, H, L, D = {SPEED_SHAPE}",
         "",
         "Median over repeats of (candidate time / reference time), each repeat timing both back "
-        "to back. Target: `nu=8` ratio <= 1.3.",
+        f"to back; clock: {info.get('clock', 'wall (time.perf_counter)')}. Targets (issue #22): "
+        + ", ".join(f"`{k}` <= {v}" for k, v in TARGETS.items()) + ".",
         "",
         "| variant | reference | time ms | reference ms | ratio | ratio IQR |",
         "|---|---|---:|---:|---:|---|",
@@ -240,9 +291,15 @@ def render(info: dict[str, Any], sp: list[dict[str, Any]], mem: list[dict[str, A
             f"| {r['variant']} | {r['reference']} | {r['ms']:.1f} | {r['ref_ms']:.1f} | "
             f"{r['ratio']:.2f} | {r['ratio_q25']:.2f}-{r['ratio_q75']:.2f} |"
         )
-    nu8 = next(r for r in sp if r["variant"] == "sampled_attention nu=8")
-    verdict = "met" if nu8["ratio"] <= 1.3 else "NOT met"
-    lines += ["", f"Target at nu=8 (<= 1.3): **{verdict}** (ratio {nu8['ratio']:.2f}).", ""]
+    lines += [""]
+    by = {r["variant"]: r for r in sp}
+    for name, target in TARGETS.items():
+        r = by[name]
+        ok = r["ratio"] <= target
+        line = f"* `{name}` (target <= {target}): **{'met' if ok else 'NOT met'}** " \
+               f"(ratio {r['ratio']:.2f})"
+        lines.append(line + ("." if ok else f": {WHY_NOT[name]}."))
+    lines += [""]
     if mem:
         lines += _render_memory(mem)
     return "\n".join(lines) + "\n"
@@ -289,6 +346,20 @@ def _render_memory(mem: list[dict[str, Any]]) -> list[str]:
     def ratio(a: str, ref: str, minus: float) -> float:
         return (by[a]["peak_extra_mb"] - minus) / (by[ref]["peak_extra_mb"] - minus)
 
+    work = [by[v]["peak_extra_mb"] - out_mb for v in ("dense", "blocked", "dense-unchunked")]
+    if min(work) > 0 and max(work) / min(work) < 1.15:
+        lines += [
+            "",
+            f"**Note:** the three sampler variants' working sets are within 15 % of one another "
+            f"in this run ({', '.join(f'{w:.1f}' for w in work)} MiB), the materialising one "
+            "included, so the method does not separate them here: an allocation common to "
+            "every sampler call, not identified in this round, dominates. (The materialising "
+            "variant is capped at "
+            f"`_CHUNK_MAX_ELEMS` = {_sampled._CHUNK_MAX_ELEMS:,} elements per chunk, "
+            f"{_sampled._CHUNK_MAX_ELEMS * 4 / 2**20:.0f} MiB of float32, so it no longer holds a "
+            "whole head's matrix at this size.) The verdicts below are printed as measured; "
+            "they say nothing about the sampler until that common cost is found.",
+        ]
     lines += [
         "",
         "Issue 2 target: the blocked version's peak memory at most 1/4 of the dense version's. "
@@ -325,14 +396,14 @@ def plot(sp: list[dict[str, Any]], path: Path) -> None:
     pts = [(r["nu"], r["ratio"]) for r in sp if r["variant"] == f"sampled_attention nu={r['nu']}"]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="sampled_attention / SDPA")
-    ax.axhline(1.3, color="grey", ls="--", label="target at nu=8")
+    ax.axhline(TARGETS["sampled_attention nu=8"], color="grey", ls="--", label="target at nu=8")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("nu")
     ax.set_ylabel("time ratio")
     ax.set_title(f"CPU float32, B,H,L,D={SPEED_SHAPE}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -341,19 +412,36 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--clock", choices=("thread", "wall"), default=None,
+                    help="speed clock (default: thread CPU time with --threads 1, else wall)")
     ap.add_argument("--out", default="docs/benchmarks/sampled.md")
     ap.add_argument("--json", default="docs/benchmarks/sampled.json")
     ap.add_argument("--png", default="docs/benchmarks/sampled.png")
+    ap.add_argument("--from-json", action="store_true",
+                    help="re-render the page (and plot) from --json without measuring")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._child:
         _child(args._child, args.threads)
         return
+    if args.from_json:
+        data = json.loads(Path(args.json).read_text())
+        sp, mem = data.pop("speed"), data.pop("memory")
+        atomic_write_text(args.out, render(data, sp, mem))
+        plot(sp, Path(args.png))
+        return
     torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = args.clock or ("thread" if args.threads == 1 else "wall")
     info = run_info([".venv/bin/python", "benchmarks/bench_sampled.py", *sys.argv[1:]])
     st = _native.status()
     info["sampler"] = (
         f"C kernel ({st['reason']})" if st["available"] else f"pure torch ({st['reason']})"
+    )
+    info["clock"] = (
+        "CPU time of the calling thread (time.thread_time; with 1 intra-op thread every kernel "
+        "runs in it), so that other processes on the loaded machine do not enter the times"
+        if CLOCK == "thread" else "wall (time.perf_counter)"
     )
     load0 = os.getloadavg()
     sp = speed(args.repeats)
@@ -367,8 +455,8 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     for p in (args.out, args.json, args.png):
         Path(p).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    Path(args.json).write_text(json.dumps({**info, "speed": sp, "memory": mem}, indent=2))
+    atomic_write_text(args.out, text)
+    atomic_write_json(args.json, {**info, "speed": sp, "memory": mem}, indent=2)
     plot(sp, Path(args.png))
 
 

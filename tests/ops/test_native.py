@@ -284,3 +284,42 @@ def test_the_refusal_tests_leave_the_process_kernel_in_place(tmp_path, monkeypat
     with pytest.raises(StopIteration):
         next(gen)
     assert _native.status() == before
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("lk", [1, 17, 128, 300])
+def test_block_kernel_is_the_dense_lookup_behind_an_exact_coin(dtype, lk):
+    """``sample_block`` on one key block: the running log-mass becomes
+    ``logaddexp2(run, lb)``; a draw is replaced iff ``u < p = 2^(lb - run')`` and then by
+    ``j0`` plus the dense kernel's key for the threshold ``u / p`` (the same CDF layout and
+    lookup, so the same key exactly); otherwise it is kept. Compared with a float64 reference
+    of ``lb`` and ``p``; draws within 1e-5 (float32; 1e-12 float64) of the coin's edge are
+    not compared (the kernel rounds ``p`` in its own dtype)."""
+    rows, nu, j0 = 120, 40, 1000
+    s = _scores(rows, lk, dtype, seed=7 + lk)
+    g = torch.Generator().manual_seed(lk)
+    u = torch.rand(rows, nu, generator=g, dtype=dtype)
+    run0 = (torch.randn(rows, generator=g, dtype=torch.float64) * 3).to(dtype)
+    run0[::5] = float("-inf")  # rows before their first block
+    choice0 = torch.randint(0, 999, (rows, nu), generator=g)
+    run, choice = run0.clone(), choice0.clone()
+    _native.sample_block(s, u, run, choice, j0)
+    sd = s.double()
+    lb = torch.logsumexp(sd * math.log(2), -1) / math.log(2)  # block log2-mass, -inf if empty
+    new = torch.logaddexp2(run0.double(), lb)
+    tol_run = 1e-5 if dtype == torch.float32 else 1e-12
+    fin = torch.isfinite(new)
+    assert torch.equal(torch.isneginf(run), ~fin)
+    torch.testing.assert_close(run.double()[fin], new[fin], rtol=tol_run, atol=tol_run)
+    p = torch.exp2(lb - new).nan_to_num(nan=0.0)  # (rows,)
+    edge = 1e-5 if dtype == torch.float32 else 1e-12
+    below = 1.0 - torch.finfo(dtype).eps / 2
+    x = (u / p.to(dtype).unsqueeze(-1).clamp_min(torch.finfo(dtype).tiny)).clamp_max(below)
+    dense, _ = _run(s, x.contiguous())
+    take = u.double() < p.unsqueeze(-1)
+    sure = (u.double() - p.unsqueeze(-1)).abs() > edge
+    assert bool(sure.float().mean() > 0.99)
+    assert torch.equal(choice[take & sure], dense[take & sure] + j0)
+    assert torch.equal(choice[~take & sure], choice0[~take & sure])
+    assert torch.equal(choice[torch.isneginf(lb)], choice0[torch.isneginf(lb)])  # empty block

@@ -49,7 +49,10 @@ import torch
 
 from attnuq.ops import phi as _phi
 
-__all__ = ["available", "disabled", "levy_forward", "native_status", "sample_rows", "status"]
+__all__ = [
+    "available", "disabled", "levy_forward", "native_status", "sample_block", "sample_rows",
+    "status",
+]
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("sample_rows.c", "levy.c")  # compiled together into one library
@@ -198,6 +201,12 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
             fn.argtypes += [ctypes.c_void_p, ctypes.c_int64]
             fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        for name in ("attnuq_sample_block_f32", "attnuq_sample_block_f64"):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int64
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+            fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+            fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         lib.attnuq_openmp.restype = ctypes.c_int64
         lib.attnuq_openmp.argtypes = []
         for name in ("attnuq_levy_f32", "attnuq_levy_f64"):
@@ -345,6 +354,65 @@ def sample_rows(
 
     if any(_dispatch(lib, rows, workers, run)):
         raise MemoryError(f"native sampling kernel could not allocate scratch for Lk={lk}")
+
+
+def sample_block(
+    s: torch.Tensor, u: torch.Tensor, run: torch.Tensor, choice: torch.Tensor, j0: int
+) -> None:
+    """One key block of the key-blocked sampler, in place (CPU, needs :func:`available`).
+
+    ``s`` ``(R, L)`` block scores in log2 units (``-inf`` = excluded), unit key stride; ``u``
+    ``(R, nu)`` uniforms in ``[0, 1)``, contiguous, same dtype (float32 or float64); ``run``
+    ``(R,)`` the rows' log2-mass of the keys seen so far (``-inf`` before the first block),
+    updated to ``logaddexp2(run, lb)`` with ``lb`` the block's log2-mass; ``choice`` ``(R, nu)``
+    int32 or int64: each draw is replaced, with probability ``p = 2^(lb - run')``, by
+    ``j0`` plus an inverse-CDF draw within the block (``u / p`` the threshold; see
+    ``csrc/sample_rows.c``).
+    """
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(f"native sampling kernel unavailable: {_load()[1]}")
+    rows, lk = s.shape
+    nu = u.shape[1]
+    if not (
+        s.device.type == "cpu"
+        and s.dtype in (torch.float32, torch.float64)
+        and u.dtype == s.dtype
+        and run.dtype == s.dtype
+        and u.shape == (rows, nu)
+        and run.shape == (rows,)
+        and choice.shape == (rows, nu)
+        and choice.dtype in (torch.int32, torch.int64)
+        and s.stride(1) == 1
+        and u.is_contiguous()
+        and run.is_contiguous()
+        and choice.is_contiguous()
+    ):
+        raise ValueError(
+            "sample_block needs CPU float32/float64 s (R, L) with unit key stride, contiguous "
+            f"u (R, nu) and run (R,) of s's dtype, choice (R, nu) int32/int64; got s "
+            f"{tuple(s.shape)} {s.dtype} stride {s.stride()}, u {tuple(u.shape)} {u.dtype}, "
+            f"run {tuple(run.shape)} {run.dtype}, choice {tuple(choice.shape)} {choice.dtype}"
+        )
+    fn = lib.attnuq_sample_block_f32 if s.dtype == torch.float32 else lib.attnuq_sample_block_f64
+    i32 = choice.dtype == torch.int32
+    ss, es, cs = s.element_size(), u.element_size(), choice.element_size()
+    sp, up, rp, cp = s.data_ptr(), u.data_ptr(), run.data_ptr(), choice.data_ptr()
+    stride = s.stride(0)
+    workers = min(torch.get_num_threads(), max(1, rows * max(lk, nu) // _MIN_ELEMS_PER_THREAD))
+    workers = max(1, min(workers, rows))
+
+    def go(r0: int, r1: int, threads: int) -> int:
+        c = cp + r0 * nu * cs
+        return int(
+            fn(
+                sp + r0 * stride * ss, r1 - r0, lk, stride, up + r0 * nu * es, nu,
+                rp + r0 * es, c if i32 else None, None if i32 else c, j0, threads,
+            )
+        )
+
+    if any(_dispatch(lib, rows, workers, go)):
+        raise MemoryError(f"native sampling kernel could not allocate scratch for L={lk}")
 
 
 def _dispatch(

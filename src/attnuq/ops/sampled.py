@@ -311,10 +311,26 @@ def _sample_blocked(
     chunks = _blocked_chunks(att, nu, block_size)
     cap = max((g1 - g0) * (i1 - i0) for g0, g1, i0, i1 in chunks) * block_size
     buf = torch.empty(cap, dtype=dt, device=dev)
+    # the compiled kernel (CPU): per block and row, max, 2^(s - max), the block CDF, the running
+    # log-mass and every draw's coin and lookup in one pass (csrc/sample_rows.c)
+    native = dev.type == "cpu" and _native.available()
     for g0, g1, i0, i1 in chunks:
         g, rows = g1 - g0, i1 - i0
         run = torch.full((g, rows, 1), float("-inf"), dtype=dt, device=dev)  # log2-mass so far
         choice = torch.zeros(g, rows, nu, dtype=idt, device=dev)
+        if native:
+            run_flat, choice_flat = run.view(g * rows), choice.view(g * rows, nu)
+            for j0 in range(0, lk, block_size):
+                j1 = min(lk, j0 + block_size)
+                b = buf[: g * rows * (j1 - j0)].view(g, rows, j1 - j0)
+                att.scores(g0, g1, i0, i1, j0, j1, out=b)
+                u = torch.rand((g, rows, nu), generator=generator, device=dev, dtype=dt)
+                _native.sample_block(
+                    b.view(g * rows, j1 - j0), u.view(g * rows, nu), run_flat, choice_flat, j0
+                )
+            empty[g0:g1, i0:i1] = (run == float("-inf")).squeeze(-1)
+            yield (g0, g1, i0, i1), choice
+            continue
         for j0 in range(0, lk, block_size):
             j1 = min(lk, j0 + block_size)
             b = buf[: g * rows * (j1 - j0)].view(g, rows, j1 - j0)
@@ -714,6 +730,69 @@ def _moments(att: Attn, block_size: int) -> tuple[torch.Tensor, torch.Tensor, to
     )
 
 
+def _moments_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    att: Attn,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Mean, var ``(G, M, Dv)`` and empty ``(G, M)`` by two fused attention calls (CPU, no
+    gradient, 4-D inputs; None where it does not apply).
+
+    With values centred on their unweighted mean ``vbar`` (as in :func:`_moments`),
+    ``mc = SDPA(q, k, v - vbar)`` and ``m2 = SDPA(q, k, (v - vbar)^2)`` give ``mean = mc + vbar``
+    and ``var = max(m2 - mc^2, 0)``. The flash kernel behind ``F.scaled_dot_product_attention``
+    needs equal query and value widths, so the two moments are two calls (one call with values
+    ``[vc, vc^2]`` would need queries and keys zero-padded to ``2 D``, the same work). Measured
+    faster than the torch path's scores + exp + one GEMM with ``[vc, vc^2, 1]``
+    (``docs/benchmarks/sampled.md``). Rows whose every key is masked are found from the mask."""
+    if (
+        q.device.type != "cpu"
+        or (attn_mask is not None and is_causal)  # SDPA refuses the combination
+        or att.dv != att.q.shape[-1]  # the flash kernel needs Dv = D
+    ):
+        return None
+    cdt = att.q.dtype
+    n, hk, r, lq, lk = att.n, att.hk, att.r, att.lq, att.lk
+    # every batch layout as (N, H, L, D), the mask as (N, Hq | 1, Lq | 1, Lk)
+    qc = q.to(cdt).reshape(n, hk * r, lq, -1)
+    kc = k.to(cdt).reshape(n, hk, lk, -1)
+    vv = v.to(cdt).reshape(n, hk, lk, -1)
+    vbar = vv.mean(dim=-2, keepdim=True)  # (N, Hk, 1, Dv)
+    vc = vv - vbar
+    mask = att.mask
+    if mask is not None:
+        if mask.shape[2] == 1 and (hk == 1 or mask.stride(1) == 0):
+            mask = mask[:, :1, 0]  # the same for every head: (N, 1, Lq | 1, Lk)
+        else:
+            mask = mask.expand(n, hk, r, *mask.shape[3:]).reshape(n, hk * r, *mask.shape[3:])
+        if mask.dtype != torch.bool:
+            mask = mask.to(cdt)
+    kw = dict(attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=r > 1)
+    mc = F.scaled_dot_product_attention(qc, kc, vc, **kw)  # type: ignore[arg-type]
+    m2 = F.scaled_dot_product_attention(qc, kc, vc.mul_(vc), **kw)  # type: ignore[arg-type]
+    var = m2.sub_(mc * mc).clamp_min_(0.0)
+    if att.r > 1:
+        vbar = vbar.repeat_interleave(att.r, dim=-3)
+    mean = mc.add_(vbar)
+    g, m = att.groups, att.rows
+    if mask is None:
+        empty = torch.zeros(g, m, dtype=torch.bool, device=q.device)
+    else:
+        keep = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
+        dead = ~keep.any(dim=-1)  # broadcastable to (N, Hq, Lq)
+        empty = dead.expand(n, hk * r, lq).reshape(g, m)
+        if bool(empty.any()):
+            zero = torch.zeros((), dtype=cdt, device=q.device)
+            rows = dead.unsqueeze(-1)
+            mean, var = torch.where(rows, zero, mean), torch.where(rows, zero, var)
+    return mean.reshape(g, m, att.dv), var.reshape(g, m, att.dv), empty
+
+
 def attention_moments(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -820,7 +899,10 @@ def _moments_impl(
             raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
         z = torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
         return z, z.clone()
-    mean, var, empty = _moments(att, block_size or att.lk)
+    fused = None
+    if block_size is None and not grad:
+        fused = _moments_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa, att)
+    mean, var, empty = fused if fused is not None else _moments(att, block_size or att.lk)
     if empty_rows == "error" and bool(empty.any()):
         raise empty_rows_error(att, empty)
     return att.unfold(mean).to(att.out_dtype), att.unfold(var).to(att.out_dtype)

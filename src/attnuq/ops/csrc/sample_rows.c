@@ -196,3 +196,81 @@ int64_t attnuq_openmp(void) {
 
 DEFINE_SAMPLE(float, f32)
 DEFINE_SAMPLE(double, f64)
+
+/*
+ * One key block of the key-blocked sampler (attnuq.ops.sampled._sample_blocked), in place.
+ *
+ * Row r keeps the log2-mass run[r] of the keys seen so far (-inf before the first) and nu running
+ * choices. With the block's log2-mass lb = log2(sum_j 2^s_j) and run' = logaddexp2(run, lb),
+ * choice k is replaced, with probability p = 2^(lb - run'), by a draw from the block: the uniform
+ * u of (row, k, block) decides (u < p) and, given replacement, u / p (uniform on [0, 1), capped
+ * below 1) is the inverse-CDF threshold within the block (the same CDF layout and lookup as the
+ * dense kernel above). By induction the choice after the last block is an exact draw from the
+ * softmax over all keys. A block whose every score is -inf changes nothing (p = 0).
+ *
+ * s: rows x L block scores (row r at s + r * s_stride); u: rows x nu uniforms; run: rows;
+ * choice32 or choice64 (the other NULL): rows x nu keys (j0 + position in the block).
+ */
+#define DEFINE_BLOCK(T, SUF, LOG2, EXP2, BELOW_ONE)                                            \
+    static int64_t block_rows_##SUF(const T *s, int64_t r0, int64_t r1, int64_t L,            \
+                                    int64_t s_stride, const T *u, int64_t nu, T *run,          \
+                                    int32_t *c32, int64_t *c64, int64_t j0) {                  \
+        int64_t nb, bl;                                                                         \
+        layout(L, &nb, &bl);                                                                    \
+        int64_t Lp = nb * bl;                                                                   \
+        T *e = (T *)malloc((size_t)(Lp + 8) * sizeof(T));                                       \
+        T *cum = (T *)malloc((size_t)(nb + 1) * sizeof(T));                                     \
+        if (e == NULL || cum == NULL) {                                                         \
+            free(e);                                                                            \
+            free(cum);                                                                          \
+            return -1;                                                                          \
+        }                                                                                       \
+        for (int64_t r = r0; r < r1; r++) {                                                     \
+            T m = weights_##SUF(s + r * s_stride, L, Lp, e);                                    \
+            if (!(m > -INFINITY)) continue;                                                     \
+            T total = cdf_##T(e, nb, bl, cum);                                                  \
+            T lb = LOG2(total) + m;                                                             \
+            T old = run[r];                                                                     \
+            T upd;                                                                              \
+            if (!(old > -INFINITY))                                                             \
+                upd = lb;                                                                       \
+            else if (old >= lb)                                                                 \
+                upd = old + LOG2((T)1 + EXP2(lb - old));                                        \
+            else                                                                                \
+                upd = lb + LOG2((T)1 + EXP2(old - lb));                                         \
+            T p = EXP2(lb - upd);                                                               \
+            run[r] = upd;                                                                       \
+            const T *ur = u + r * nu;                                                           \
+            for (int64_t k = 0; k < nu; k++) {                                                  \
+                T uk = ur[k];                                                                   \
+                if (!(uk < p)) continue;                                                        \
+                T x = uk / p;                                                                   \
+                if (x > BELOW_ONE) x = BELOW_ONE;                                               \
+                int64_t j = j0 + find_##T(e, cum, nb, bl, x * total);                           \
+                if (c32 != NULL)                                                                \
+                    c32[r * nu + k] = (int32_t)j;                                               \
+                else                                                                            \
+                    c64[r * nu + k] = j;                                                        \
+            }                                                                                   \
+        }                                                                                       \
+        free(e);                                                                                \
+        free(cum);                                                                              \
+        return 0;                                                                               \
+    }                                                                                           \
+    int64_t attnuq_sample_block_##SUF(const T *s, int64_t rows, int64_t L, int64_t s_stride,    \
+                                      const T *u, int64_t nu, T *run, int32_t *c32,             \
+                                      int64_t *c64, int64_t j0, int64_t nthreads) {             \
+        int64_t err = 0;                                                                        \
+        (void)nthreads;                                                                         \
+        _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1) reduction(| : err)")       \
+        {                                                                                       \
+            int64_t tid = 0, nt = 1;                                                            \
+            PARALLEL_IDS(tid, nt);                                                              \
+            int64_t r0 = rows * tid / nt, r1 = rows * (tid + 1) / nt;                           \
+            err |= block_rows_##SUF(s, r0, r1, L, s_stride, u, nu, run, c32, c64, j0);          \
+        }                                                                                       \
+        return err;                                                                             \
+    }
+
+DEFINE_BLOCK(float, f32, log2f, exp2f, (1.0f - 5.9604645e-08f))
+DEFINE_BLOCK(double, f64, log2, exp2, (1.0 - 1.1102230246251565e-16))
