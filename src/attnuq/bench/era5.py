@@ -77,6 +77,9 @@ _EXTRA = ("nu", "fit_seconds", "predict_seconds", "forward_per_input")
 _HEAD = ("method", "RMSE (lat-w)", "ACC", "W1(PIT) native", "W1(PIT) scaled", "PI-95 width",
          "PI-95 coverage", "CRPS", "mean std", "nu", "fit s", "predict s", "passes")
 _NAIVE = ("persistence-point", "day-ago-point", "climatology-point")  # summary's references
+_BLEND_NAMES = {"day": "x(t+lead-24h)", "ydc": "yesterday's change x(t)+x(t+lead-24h)-x(t-24h)",
+                "anom": "anomaly persistence x(t)-c(t)+c(t+lead)", "climatology": "c(t+lead)",
+                "persistence": "x(t)"}
 _TITLE = "ERA5 2 m temperature: stochastic attention on a frozen ViT forecaster vs baselines"
 
 
@@ -411,8 +414,8 @@ def render(p: dict[str, Any]) -> Page:
         f"{b['n_params']} parameters, predicts the change from " + (
             "persistence" if not b.get("blend") else "the convex blend of naive forecasts with "
             "least val RMSE (" + "; ".join(f"+{ld}h: " + ", ".join(
-                f"{w:g} {k}" for k, w in a.items() if w) for ld, a in zip(leads, b["blend"],
-                                                                       strict=True)) + ")")
+                f"{w:g} {_BLEND_NAMES.get(k, k)}" for k, w in a.items() if w)
+                for ld, a in zip(leads, b["blend"], strict=True)) + ")")
         + (f"; AdamW weight decay {c['weight_decay']}" if c.get("weight_decay") else "")
         + ("; inputs centred on the domain mean of x(t)" if c.get("center_inputs") else "")
         + "; trained here "
