@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     CLOCK = args.clock or ("thread" if args.threads == 1 else "wall")
     load0 = os.getloadavg()[0]
     info = run_info(sys.argv if argv is None else ["bench_predict_batched.py", *argv])
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, model, x in _models():
         def batched() -> Any:
             return predict(model, x, nu=NU, n_samples=S, progress=False)  # noqa: B023
