@@ -352,11 +352,14 @@ def main(argv: list[str] | None = None) -> int:
         "medians pooled over rounds; `torch.inference_mode()`, random weights.",
         "* wall = `time.perf_counter`, cpu = `time.process_time` of the single-threaded process "
         "(less sensitive to the other jobs on a shared machine); the target is judged on both.",
-        "* target (issue 3): ratio <= 1.15 (the paper reports +11 % latency on ClimaX at nu=4).",
+        "* target (issue 3): ratio <= 1.15 (the paper reports +11 % latency on ClimaX at nu=4); "
+        "issue #22's target, ratio <= 1.05, is judged on the cpu ratio (the wall ratio of a "
+        "loaded machine moves by more than 5 % between rounds).",
         "",
         "| model | backend | size | frozen wall (ms) | nu=4 wall (ms) | wall ratio | "
-        "frozen cpu (ms) | nu=4 cpu (ms) | cpu ratio | wall ratio per round | <= 1.15 |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---|:---:|",
+        "frozen cpu (ms) | nu=4 cpu (ms) | cpu ratio | wall ratio per round | <= 1.15 | "
+        "cpu <= 1.05 (#22) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|:---:|:---:|",
     ]
     for r in rows:
         worst = max(r["ratio"], r["cpu_ratio"])
@@ -364,13 +367,19 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['model']} | {r['backend']} | {r['size']} | {r['frozen_ms']:.1f} | "
                      f"{r['patched_ms']:.1f} | {r['ratio']:.3f} | {r['frozen_cpu_ms']:.1f} | "
                      f"{r['patched_cpu_ms']:.1f} | {r['cpu_ratio']:.3f} | "
-                     f"{', '.join(f'{x:.3f}' for x in r['wall_ratio_per_round'])} | {ok} |")
+                     f"{', '.join(f'{x:.3f}' for x in r['wall_ratio_per_round'])} | {ok} | "
+                     f"{'yes' if r['cpu_ratio'] <= 1.05 else '**no**'} |")
     over = [r["model"] for r in rows if max(r["ratio"], r["cpu_ratio"]) > 1.15]
+    over22 = [r["model"] for r in rows if r["cpu_ratio"] > 1.05]
     lines += [
         "",
         "## Notes",
         "",
         f"* Above the 1.15 target in this run: {', '.join(over) if over else 'none'}.",
+        "* Above issue #22's 1.05 (cpu ratio) in this run: "
+        f"{', '.join(over22) if over22 else 'none'}. The sampler at these shapes costs more than "
+        "SDPA (table below; per-call overhead dominates the small ones), and attention is a "
+        "large share of these small models' time; this round made no change aimed at it.",
         "* `nn.TransformerEncoder`: the frozen model runs torch's fused encoder-layer kernel on a "
         "nested tensor (padding skipped); the patch must leave that fast path (the fused kernel "
         "has no attention hook), so its row measures the fast path's loss as well as sampling. "
