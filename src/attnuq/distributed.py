@@ -48,12 +48,15 @@ __all__ = [
     "init_from_env",
     "is_active",
     "is_primary",
+    "is_writer",
     "local",
     "phase",
+    "primary_first",
     "rank_world",
     "shard",
     "tensor_digest",
     "unit_seed",
+    "writer",
 ]
 
 T = TypeVar("T")
@@ -161,6 +164,77 @@ def is_primary() -> bool:
     True
     """
     return rank_world()[0] == 0
+
+
+_WRITER: ContextVar[bool | None] = ContextVar("attnuq_distributed_writer", default=None)
+
+
+@contextmanager
+def writer(flag: bool) -> Iterator[None]:
+    """Within this block :func:`is_writer` is ``flag``: the bench runner sets it around a
+    rank's own items and around the setup of a group by its first holder (``True``), and
+    around the setups of a shared group by its other holders (``False``).
+
+    Examples
+    --------
+    >>> with writer(False):
+    ...     is_writer()
+    False
+    """
+    if not isinstance(flag, bool):
+        raise TypeError(f"flag must be a bool, got {flag=!r}")
+    token = _WRITER.set(flag)
+    try:
+        yield
+    finally:
+        _WRITER.reset(token)
+
+
+def is_writer() -> bool:
+    """Whether this process writes the shared files of the work at hand: inside
+    :func:`writer` its flag, else :func:`is_primary` (rank 0, or any process without a group).
+
+    A suite's setup writes (a results folder's ``.gitignore``, a group's ``model.json``, a
+    cache's ``spec.json``) are guarded by it, so that under ``torchrun`` each is written once.
+
+    Examples
+    --------
+    >>> is_writer()  # no process group: this process writes
+    True
+    """
+    flag = _WRITER.get()
+    return is_primary() if flag is None else flag
+
+
+def primary_first(what: str, work: Callable[[], T]) -> T:
+    """``work()`` on every rank, rank 0 first: rank 0 runs it (and writes the caches it
+    makes, e.g. a trained backbone), then the other ranks run it inside ``writer(False)``
+    (finding those caches), so that a cache shared by the ranks is made once, by rank 0.
+
+    Without an active group (none, or inside :func:`local`): ``work()``. A failure on rank 0
+    makes every rank raise (:func:`phase`); the phases wait up to a week (a training may be
+    long). ``work`` must not itself enter a collective.
+
+    Examples
+    --------
+    >>> primary_first("backbone", lambda: "trained")
+    'trained'
+    """
+    if not is_active():
+        return work()
+    rank, _ = rank_world()
+    got: list[T] = []
+
+    def run() -> None:
+        got.append(work())
+
+    def wait() -> None:
+        return None
+
+    phase(f"{what} (rank 0)", run if rank == 0 else wait, group=long_group())
+    with writer(rank == 0):
+        phase(f"{what} (the other ranks)", wait if rank == 0 else run, group=long_group())
+    return got[0]
 
 
 def long_group() -> Any:

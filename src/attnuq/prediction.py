@@ -232,8 +232,8 @@ def predict(
         passes (the last ones shorter), one generator per unit seeded by
         :func:`attnuq.distributed.unit_seed` ``(seed, example chunk, pass block)``; fixed sizes,
         so the samples are the same at every world size (not those of the undistributed call,
-        whose one generator runs over the whole batch). ``seed=None``: a seed drawn from rank
-        0's global generator.
+        whose one generator runs over the whole batch). ``seed=None``: rank 0 draws a seed
+        from its global generator and every rank uses it (the ranks' own generators may differ).
 
     Returns
     -------

@@ -72,12 +72,14 @@ def start_forked(specs: list[tuple[str, int, Path]], out: Path, *, timeout_s: fl
     return Launch(f"forked ranks of {[(sc, w) for sc, w, _ in specs]}", [cmd], [env], timeout_s)
 
 
-def start_torchrun(nproc: int, cli_args: list[str], *, timeout_s: float = 240.0) -> Launch:
-    """``torchrun --nproc-per-node nproc -m attnuq.cli cli_args...`` from this interpreter."""
+def start_torchrun(nproc: int, cli_args: list[str], *, timeout_s: float = 240.0,
+                   script: list[str] | None = None) -> Launch:
+    """``torchrun --nproc-per-node nproc -m attnuq.cli cli_args...`` from this interpreter
+    (``script``: ``torchrun ... script... cli_args...`` instead, e.g. a wrapper of the CLI)."""
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "attnuq.cli",
-           *cli_args]
+           "--master-addr", "127.0.0.1", "--master-port", str(port),
+           *(script if script is not None else ["-m", "attnuq.cli"]), *cli_args]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", ATTNUQ_DIST_TIMEOUT="60",

@@ -85,6 +85,13 @@ def same(rank: int, world: int) -> dict[str, Any]:
     small = attnuq.calibrate(model, [(x[:3], y[:3])], criterion="paper", search="grid",
                              grid_size=3, n_passes=2, nu_range=(1, 16), chunk_examples=2)
     res["empty_cal"] = (small.nu, [(e.nu, e.objective) for e in small.evaluations])
+    # seed=None: every rank takes the seed rank 0 draws from its global generator (seeded 100
+    # above at every world size), so the report is the same on every rank and at every world
+    # size, although the ranks' own generators differ
+    none = attnuq.calibrate(model, [(x[:6], y[:6])], criterion="paper", search="bo",
+                            max_evals=3, n_passes=2, nu_range=(1, 16), chunk_examples=2,
+                            seed=None)
+    res["cal_none"] = (none.nu, [(e.nu, e.objective, e.se) for e in none.evaluations])
     if world > 1:
         other = small_model()
         if rank == world - 1:
@@ -98,6 +105,7 @@ def same(rank: int, world: int) -> dict[str, Any]:
         res["after"] = attnuq.predict(model, x, nu=4, n_samples=7, chunk_examples=3,
                                       chunk_passes=3).samples  # the group still works
         res["runner"] = runner(rank, world, Path(sys.argv[2]))
+        res["first"] = first(rank, Path(sys.argv[2]))
         torch.save(res, Path(sys.argv[2]) / f"same_partial_rank{rank}.pt")
         res["dead"] = dead(rank, world)
     return res
@@ -107,7 +115,7 @@ def runner(rank: int, world: int, out: Path) -> dict[str, Any]:
     """The bench runner on a fake suite: 5 groups (whole groups per rank), then 1 group of 4
     methods (items dealt out), each setup logged with its rank."""
     from attnuq.bench._runner import Group, RunStore, run_items
-    from attnuq.distributed import WorkerDone, is_active
+    from attnuq.distributed import WorkerDone, is_active, is_writer
 
     res: dict[str, Any] = {}
     for name, groups in (
@@ -118,7 +126,10 @@ def runner(rank: int, world: int, out: Path) -> dict[str, Any]:
         store = RunStore(root, suite="fake", info={"command": "t", "date": "d", "machine": "m"})
         log = root / f"setup_rank{rank}.txt"
 
-        def setup(g: Group, log: Path = log) -> str:
+        writers: list[tuple[str, bool]] = []  # (group, is_writer) of each setup here
+
+        def setup(g: Group, log: Path = log, writers: list[tuple[str, bool]] = writers) -> str:
+            writers.append((g.parts[0], is_writer()))
             log.parent.mkdir(parents=True, exist_ok=True)
             with log.open("a") as fh:
                 fh.write(f"{g.parts[0]}\n")
@@ -129,7 +140,7 @@ def runner(rank: int, world: int, out: Path) -> dict[str, Any]:
                 raise ValueError("method c fails")
             # a method calling predict on its own: local to this rank (no collective)
             return {"method": m, "group": ctx, "rank": rank, "sharded": is_active(),
-                    "value": local_value()}
+                    "writer": is_writer(), "value": local_value()}
 
         try:
             summary = run_items(store, groups, setup, one, progress=False)
@@ -137,12 +148,30 @@ def runner(rank: int, world: int, out: Path) -> dict[str, Any]:
         except WorkerDone as exc:
             res[name] = ("worker_done", str(exc))
         res[name + "_setups"] = log.read_text().split() if log.exists() else []
+        res[name + "_writers"] = list(writers)
         try:
             s2 = run_items(store, groups, setup, one, progress=False)
             res[name + "_again"] = ("returned", s2.done, s2.reused)
         except WorkerDone:
             res[name + "_again"] = ("worker_done",)
     return res
+
+
+def first(rank: int, out: Path) -> dict[str, Any]:
+    """primary_first: rank 0 makes a cache file, then the other ranks find it (not writers)."""
+    from attnuq.distributed import is_writer, primary_first
+
+    cache = out / "primary_first_cache.txt"
+
+    def work() -> dict[str, Any]:
+        found = cache.exists()
+        if not found:
+            time.sleep(0.5)  # a slow "training": the others must still wait for it
+            cache.write_text(str(rank))
+        return {"rank": rank, "found": found, "writer": is_writer()}
+
+    got = primary_first("test cache", work)
+    return {**got, "writer_after": is_writer(), "content": cache.read_text()}
 
 
 def dead(rank: int, world: int) -> dict[str, Any]:

@@ -42,10 +42,13 @@ def test_runner_whole_groups(world: int, launched: dict[str, Any]) -> None:
             assert rec["rank"] == g % world, (g, m, rec)
             # the item's own predict ran on its rank alone, as without a group
             assert rec["sharded"] is False and rec["value"] == ref
+            assert rec["writer"] is True  # the rank that owns an item writes its files
     setups = {r: res[r]["runner"]["whole_setups"] for r in range(world)}
     assert sorted(s for v in setups.values() for s in v) == [f"g{g}" for g in range(5)]
     for r in range(world):
         assert setups[r] == [f"g{g}" for g in range(5) if g % world == r]
+        # a group's one holder writes its setup files (attnuq.distributed.is_writer)
+        assert res[r]["runner"]["whole_writers"] == [(s, True) for s in setups[r]]
     assert res[0]["runner"]["whole"] == ("returned", 10, 0, [])
     assert res[0]["runner"]["whole_again"] == ("returned", 0, 10)  # all reused
     for r in range(1, world):
@@ -66,9 +69,23 @@ def test_runner_items_of_one_group(world: int, launched: dict[str, Any]) -> None
             assert not (root / "one" / "c.json").exists()
             continue
         rec = json.loads((root / "one" / f"{m}.json").read_text())
-        assert rec["rank"] == k % world and rec["sharded"] is False
+        assert rec["rank"] == k % world and rec["sharded"] is False and rec["writer"] is True
     for r in range(world):
         assert res[r]["runner"]["items_setups"] == ["one"]
+        # the group's lowest holder (rank 0) writes its setup files; the others only read them
+        assert res[r]["runner"]["items_writers"] == [("one", r == 0)]
     assert res[0]["runner"]["items"] == ("returned", 3, 0, ["one/c"])
     # the second run reuses a, b, d and retries c (it fails again)
     assert res[0]["runner"]["items_again"] == ("returned", 0, 3)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_primary_first(world: int, launched: dict[str, Any]) -> None:
+    """Rank 0 runs the work first (makes the cache, a writer); then the others (find it, not
+    writers); outside the block every rank is back to its own default (rank 0 writes)."""
+    res = results(launched, world)
+    for r in range(world):
+        got = res[r]["first"]
+        assert got["rank"] == r and got["content"] == "0"
+        assert got["found"] is (r != 0) and got["writer"] is (r == 0)
+        assert got["writer_after"] is (r == 0)

@@ -33,6 +33,9 @@ def test_predict_and_calibrate_bit_identical_across_world_sizes(
         assert res["evals"] == w1["evals"]  # every evaluated nu, objective, se and scale
         assert res["s0"] == w1["s0"]
         assert res["empty_cal"] == w1["empty_cal"]  # rank 2 of 3 without a unit
+        # seed=None: rank 0's draw on every rank (the other ranks' generators differ; had
+        # each drawn its own, the units of ranks 1, 2 would differ from world size 1's)
+        assert res["cal_none"] == w1["cal_none"], f"rank {r} of {world}, seed=None"
 
 
 def test_full_result_in_input_order(w1: dict[str, Any]) -> None:

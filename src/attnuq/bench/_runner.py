@@ -24,7 +24,9 @@ ranks share the items: rank 0 decides what is to do (the stored records, as abov
 the others; with at least as many groups to do as ranks, each group goes whole to one rank
 (round robin: its ``setup``, e.g. a backbone trained and cached, runs once), else the items are
 dealt out one by one (round robin) and a group held by several ranks is set up by the lowest
-of them first, then by the others (which then find its caches). Each rank saves the records of
+of them first, then by the others (which then find its caches; only the first holder has
+:func:`attnuq.distributed.is_writer` true during ``setup``, the flag the suites' setup writes
+check, so each is written once). Each rank saves the records of
 its own items (one writer per file, atomic; the ranks share the results folder: one machine, or
 a shared file system); ``on_saved`` runs on rank 0 only. ``setup`` and ``run_one`` run inside
 :func:`attnuq.distributed.local`: the ``predict`` / ``calibrate`` calls of a rank's own item
@@ -392,7 +394,9 @@ def _run_sharded(
     def set_up(gi: int) -> None:
         g = groups[gi]
         try:
-            with _dist.local():  # a rank's own work: its predict/calibrate calls stay local
+            # a rank's own work: its predict/calibrate calls stay local; the group's first
+            # holder alone writes its shared setup files (guarded by is_writer in the suites)
+            with _dist.local(), _dist.writer(rank == holders[gi][0]):
                 ctxs[gi] = setup(g)
         except SkipGroup as exc:
             summary.skipped[g.parts] = str(exc)
@@ -404,7 +408,7 @@ def _run_sharded(
             return  # skipped
         for m in mine.get(gi, []):
             bar.set_postfix_str("/".join((*g.parts, m)))
-            with _dist.local():
+            with _dist.local(), _dist.writer(True):  # this rank owns the item
                 rec = _run_one_item(store, ctxs[gi], g, m, run_one, summary)
             if rec is not None and on_saved is not None and rank == 0:
                 on_saved(g, m, rec)

@@ -50,6 +50,7 @@ from attnuq.bench import register
 from attnuq.bench._page import Page, Table, twin_path
 from attnuq.bench._runner import Group, RunStore, SkipGroup, reuse_key, run_items
 from attnuq.calibration import CRITERIA, get_criterion
+from attnuq.distributed import is_writer
 
 __all__ = ["MODELS", "build_model", "render_page", "run"]
 
@@ -273,7 +274,8 @@ def run(args: argparse.Namespace) -> Path:
             print(f"skipping {g.parts[0]}: {exc}")
             raise SkipGroup(str(exc)) from exc
         minfo["build_seconds"] = time.perf_counter() - t0
-        atomic_write_json(out / "runs" / g.parts[0] / "model.json", minfo, indent=1)
+        if is_writer():  # under torchrun: the group's first holder (attnuq.distributed)
+            atomic_write_json(out / "runs" / g.parts[0] / "model.json", minfo, indent=1)
         return _to_device(model, data, device)
 
     def one(ctx: tuple[nn.Module, Data], g: Group, item: str) -> dict[str, Any]:

@@ -54,6 +54,7 @@ from attnuq.bench._page import Page, Table, fmt, update_summary
 from attnuq.bench._runner import Group, RunStore, credits, reuse_key, run_items
 from attnuq.bench._scoring import to_cpu
 from attnuq.data import era5 as data
+from attnuq.distributed import is_writer, primary_first
 from attnuq.methods import ResidualQuantiles, Task, make_method
 from attnuq.training import predict_batched
 
@@ -221,9 +222,10 @@ def run(args: argparse.Namespace) -> Path:
         seed=args.seed, progress=progress, device=str(device),
         train_xy=(X_cpu["train"], Y["train"]), val_xy=(X_cpu["val"], Y["val"]), **v2)
     member_dir = mb.member_cache_dir(res_dir / "members", recipe)  # keyed by the recipe
-    frozen, train_report = mb.load_or_train_backbone(
-        recipe, Path(args.model_dir) if args.model_dir else res_dir / "backbone",
-        retrain=args.retrain, save=save_vit_field, load=load_vit_field, device=device)
+    frozen, train_report = primary_first("era5: backbone", lambda: mb.load_or_train_backbone(
+        recipe, Path(args.model_dir) if args.model_dir else res_dir / "backbone",  # torchrun:
+        retrain=args.retrain and is_writer(), save=save_vit_field, load=load_vit_field,
+        device=device))  # rank 0 trains, the others load
     task = Task(model=frozen, train=(X["train"], Yd["train"]), val=(X["val"], Yd["val"]),
                 cal=(X["cal"], Yd["cal"]), make_model=recipe.make, train_fn=recipe.train,
                 batch_size=args.batch_size * 4, member_dir=member_dir)

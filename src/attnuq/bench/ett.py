@@ -50,6 +50,7 @@ from attnuq.bench._ett_page import (
     scored,
     summary,
 )
+from attnuq.distributed import is_writer, primary_first
 from attnuq.methods import ResidualQuantiles
 from attnuq.predictive import GaussianPredictive, Predictive
 
@@ -308,10 +309,9 @@ def run(args: argparse.Namespace) -> Path:
     # a killed backbone training resumes from its checkpoint (per recipe; not a recipe field)
     key = cache_key(recipe_spec(recipe))
     recipe.__dict__["_checkpoint"] = model_dir.with_name(f"{model_dir.name}-{key}.ckpt")
-    frozen, train_report = load_or_train_backbone(
-        recipe, model_dir, retrain=args.retrain, save=save_patchtst, load=load_patchtst,
-        device=device,
-    )
+    frozen, train_report = primary_first("ett: backbone", lambda: load_or_train_backbone(
+        recipe, model_dir, retrain=args.retrain and is_writer(), save=save_patchtst,
+        load=load_patchtst, device=device))  # under torchrun: rank 0 trains, the others load
     if train_report["reused"]:
         print(f"[ett] reusing saved backbone {model_dir}", flush=True)
     backbone = {"n_params": sum(p.numel() for p in frozen.parameters()),

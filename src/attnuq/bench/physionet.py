@@ -84,6 +84,7 @@ from attnuq.bench._physionet_page import (
     summarise,
 )
 from attnuq.data.physionet import ForecastBatch, PhysioNet2012, load_physionet2012
+from attnuq.distributed import is_primary
 
 __all__ = ["add_arguments", "render_page", "run"]
 
@@ -232,7 +233,8 @@ def _model(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[
     here = _ckpt_dir(args, ds)
     here.mkdir(parents=True, exist_ok=True)
     cfg_file = here / "config.json"
-    if read_json_or_none(cfg_file, "checkpoint config") != _train_config(args, ds):
+    if is_primary() and read_json_or_none(cfg_file, "checkpoint config") != _train_config(
+            args, ds):  # shared by the seeds: under torchrun rank 0 writes it
         atomic_write_json(cfg_file, _train_config(args, ds), sort_keys=True)  # absent or torn
     found = _find_ckpt(kind, seed, args, ds)
     if found is not None:

@@ -53,6 +53,7 @@ from attnuq.bench._page import Page, pit_figure, read_twin, twin_path, update_su
 from attnuq.bench._runner import Group, RunStore, run_items
 from attnuq.bench._scoring import sample_scores, to_cpu
 from attnuq.bench._uci_page import build_page, summary
+from attnuq.distributed import is_writer
 
 __all__ = ["DEFAULT_METHODS", "aggregate", "render_page", "run", "run_one", "write_table"]
 
@@ -213,7 +214,7 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
     spec = _cache_spec(data, args)
     cache = cache / cache_key(spec)  # backbone and members of exactly this recipe and data
     cache.mkdir(parents=True, exist_ok=True)
-    if read_json_or_none(cache / "spec.json", "cache spec") != spec:
+    if is_writer() and read_json_or_none(cache / "spec.json", "cache spec") != spec:
         atomic_write_json(cache / "spec.json", spec, indent=1)
     def train(model: torch.nn.Module) -> dict[str, Any]:
         res = train_fn(model, (data.x_fit, data.y_fit), (data.x_val, data.y_val), 0)
@@ -322,7 +323,8 @@ def run(args: argparse.Namespace) -> Path:
         raise ValueError(f"--splits must be >= 1 and --first-split >= 0, got {args.splits=}, "
                          f"{args.first_split=}")
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / ".gitignore", "_models/\n*.err.txt\n")
+    if is_writer():  # under torchrun: rank 0 (attnuq.distributed)
+        atomic_write_text(out / ".gitignore", "_models/\n*.err.txt\n")
     cache_root = Path(args.cache_dir) if args.cache_dir else out / "_models"
     info = run_info()
     if not args.aggregate_only:

@@ -127,7 +127,9 @@ def calibrate(
         Maps the model output to the prediction tensor.
     seed
         Seeds the draws: the evaluation at ``nu`` uses ``seed * 1000003 + nu``, so grid and BO
-        see the same draws at the same ``nu``.
+        see the same draws at the same ``nu``. ``None``: fresh draws from the global generator;
+        under a process group, rank 0 draws the seed from its global generator and every rank
+        uses it, so the ranks agree (the same report as a world of one with rank 0's state).
     grid_size
         Log-spaced points of the grid (duplicates after rounding dropped).
     max_evals
