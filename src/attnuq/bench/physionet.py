@@ -84,7 +84,7 @@ from attnuq.bench._physionet_page import (
     summarise,
 )
 from attnuq.data.physionet import ForecastBatch, PhysioNet2012, load_physionet2012
-from attnuq.distributed import is_primary
+from attnuq.distributed import is_primary, primary_first
 
 __all__ = ["add_arguments", "render_page", "run"]
 
@@ -310,7 +310,8 @@ def _context(args: argparse.Namespace) -> dict[str, Any]:
     """The data: splits (``--max-stays``), the evaluation subset (``--sub-stays``), batches."""
     src = _resolve(args.data_dir)
     log(f"loading {src}")
-    ds = load_physionet2012(src, cache_dir=args.cache_dir, errors="warn", seed=args.split_seed)
+    ds = primary_first("physionet: data", lambda: load_physionet2012(  # torchrun: rank 0 first
+        src, cache_dir=args.cache_dir, errors="warn", seed=args.split_seed))  # (writes a cache)
     splits = {k: ds.split_indices(k) for k in ("train", "val", "test")}
     if args.max_stays:
         rng = np.random.default_rng(12345)
