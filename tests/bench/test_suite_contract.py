@@ -118,6 +118,13 @@ def test_suite_runs_every_method_and_an_interrupted_run_resumes_to_the_same_page
     twin_a = json.loads(case.page(straight).with_suffix(".json").read_text())
     _check_twin(twin_a, name)
     assert set(case.METHODS) <= _rows(twin_a), sorted(set(case.METHODS) - _rows(twin_a))
+    # issue #20: a run with both rows of an ablation pair shows the spine's ablation table
+    from attnuq.bench._ablation import PAIRS
+
+    pairs = [[what, a, b] for what, a, b in PAIRS if {a, b} <= set(case.METHODS)]
+    shown = [r[:3] for sec in twin_a["sections"] for t in sec["tables"]
+             if t["columns"][0] == "ablation" for r in t["rows"]]
+    assert all(p in shown for p in pairs) and all(r in pairs for r in shown), (pairs, shown)
 
     assert case.INTERRUPT is not None, f"{name}: no point to interrupt the run at"
     with monkeypatch.context() as m:

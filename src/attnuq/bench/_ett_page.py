@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from attnuq._io import atomic_savefig, read_json_or_none
+from attnuq.bench._ablation import ablation_block
 from attnuq.bench._members import cache_text, jobs_text
 from attnuq.bench._page import Page, Table, fmt
 from attnuq.bench._scoring import StreamScores, to_cpu
@@ -27,11 +28,12 @@ from attnuq.predictive import GaussianPredictive, Predictive
 __all__ = ["ALL_METHODS", "DEFAULT_METHODS", "IMPLEMENTATIONS", "chunks", "fan_plot", "fan_rows",
            "parse_methods", "render_page", "score_chunks", "scored", "summary"]
 
-#: the methods a run scores when ``--methods`` is not given, in table order
-DEFAULT_METHODS: tuple[str, ...] = ("sa-paper", "sa-crps", "sa-conformal", "mc-dropout",
-                                    "ensemble", "swag", "conformal", "seasonal-naive")
 #: every method the suite knows (``--methods`` may name any), in table order
-ALL_METHODS: tuple[str, ...] = (*DEFAULT_METHODS, "sa", "sa-debiased", "sa-recentred", "sa-floor")
+ALL_METHODS: tuple[str, ...] = ("sa-paper", "sa-crps", "sa-conformal", "mc-dropout", "ensemble",
+                                "swag", "conformal", "seasonal-naive", "sa", "sa-debiased",
+                                "sa-recentred", "sa-floor", "sa-layer")
+#: the methods a run scores when ``--methods`` is not given: every one (issue #19)
+DEFAULT_METHODS: tuple[str, ...] = ALL_METHODS
 _COLS = ("mse", "mae", "coverage", "width", "pit_w1", "crps", "mean_std")
 _TITLE = "ETTh1: stochastic attention on a frozen PatchTST vs baselines"
 #: published PatchTST/42 test MSE on ETTh1 at horizon 96 (Nie et al. 2023, table 3)
@@ -260,10 +262,15 @@ def render_page(out: Path, table: Path) -> Page:
         page.headline(f"Best CRPS: **{best_crps}**; lowest W1(PIT, U): **{best_w1}**; coverage "
                       f"closest to 95 %: **{closest}**.")
         for sa in ("sa-paper", "sa-crps", "sa-conformal", "sa", "sa-debiased", "sa-recentred",
-                   "sa-floor"):
+                   "sa-floor", "sa-layer"):
             if sa in rows:
                 beaten = [k for k in rows if k != sa and rows[k]["crps"] < rows[sa]["crps"]]
                 page.add(f"* {sa} CRPS is beaten by: {', '.join(beaten) or 'none'}.")
+        ablation_block(page, {k: {"point": v["mse"], "crps": v["crps"], "coverage": v["coverage"],
+                                  "w1": v["pit_w1"]} for k, v in rows.items()},
+                       point="MSE", frozen=res.get("frozen", {}).get("mse"),
+                       metrics=("point", "crps", "coverage", "w1"), digits=4,
+                       heading="Ablations: SA variants against their reference rows")
         page.add("")
         page.implementations(p["implementations"], trailing_blank=False)
     notes = c.get("note") or []

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from attnuq.bench._ablation import ablation_block
 from attnuq.bench._page import Page, Table, fmt
 from attnuq.bench._physionet_eval import LEVELS, PLOT_MIN_INPUTS, SIGMA_FLOOR
 
@@ -50,6 +51,12 @@ def summarise(per_seed: list[dict[str, Any]]) -> dict[str, dict[str, list[float]
 
 def _f(v: list[float] | None, scale: float = 1.0, digits: int = 3) -> str:
     return fmt(v, digits, scale=scale, missing="n/a", nan="nan", big=None)
+
+
+def _mean(row: dict[str, Any], key: str) -> float | None:
+    """The mean of a ``[mean, sd, n]`` entry of a page row (``None`` when absent)."""
+    v = row.get(key)
+    return None if v is None else float(v[0])
 
 
 def _table(cols: list[str]) -> Table:
@@ -230,6 +237,15 @@ def build_page(results: dict[str, Any]) -> Page:
                          f"{_f(r.get(f'c{w}{int(lv * 100)}'))}"
                          for w in ("cov", "width") for lv in LEVELS))
     page.table(t)
+    # the spine's ablation table (SA variants against their reference rows): the rows here are
+    # the Levy model's and its controls, none of them a registered SA variant, so it shows only
+    # if such a row is ever scored on this page (the floor under sigma_hat: the goals' lines)
+    ablation_block(page, {key: {"point": _mean(r, "mse"), "crps": _mean(r, "crps"),
+                                "coverage": _mean(r, "cov95"), "width": _mean(r, "cwidth95")}
+                          for key, _, r in rows}, point="MSE",
+                   frozen=_mean(summ.get("levy", {}), "mse"),
+                   metrics=("point", "crps", "coverage", "width"), digits=5,
+                   heading="Ablations: SA variants against their reference rows")
     if per_seed:
         _analyses(page, per_seed, seeds)
     _goals(page, summ, per_seed, a, capped)

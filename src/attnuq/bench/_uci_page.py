@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from attnuq.bench._ablation import ablation_block, is_sa, point_flag
 from attnuq.bench._page import Page, Table, error_lines, fmt, gap_lines, runs_lines
 from attnuq.bench._scoring import mean_std
 
@@ -26,9 +27,8 @@ _OWN_POINT = ("ensemble", "swag", "multiswag", "ivon", "hsa")
 _FROZEN = ("gaussian", "laplace", "conformal", "mc-dropout")
 
 
-def _is_sa(m: str) -> bool:
-    """A stochastic-attention row: ``sa`` (the recommended configuration) or ``sa-*``."""
-    return m == "sa" or m.startswith("sa-")
+#: a stochastic-attention row: ``sa`` (the recommended configuration) or ``sa-*``
+_is_sa = is_sa
 
 #: backbone RMSE of the MC-dropout paper (Gal & Ghahramani 2016), per set folder name
 REFERENCE_RMSE = {"bostonHousing": 2.97, "concrete": 5.23, "energy": 1.66,
@@ -133,13 +133,25 @@ def _verdict(ds: str, stats: dict[str, dict[str, tuple[float, float]]]) -> tuple
                          f"{stats[frozen_m]['rmse'][0]:.3f}) for {', '.join(own)}; interval "
                          "widths after unified calibration also reflect these RMSE differences.")
     if frozen_m is not None and frozen_m in _FROZEN:  # issue #19: SA's point off the frozen one
-        f = stats[frozen_m]["rmse"][0]
-        off = [f"{m} {stats[m]['rmse'][0]:.3f} ({100 * (stats[m]['rmse'][0] / f - 1):+.1f} %)"
-               for m in ms if _is_sa(m) and abs(stats[m]["rmse"][0] / f - 1) > 0.01]
-        if off:
-            lines.append(f"* SA's point RMSE differs from the frozen backbone's ({f:.3f}) by more "
-                         f"than 1 % for {', '.join(off)}.")
+        flag = point_flag({m: stats[m]["rmse"][0] for m in ms}, stats[frozen_m]["rmse"][0],
+                          metric="RMSE")
+        if flag is not None:
+            lines.append(flag)
     return [*lines, ""], win
+
+
+def _frozen_rmse(stats: dict[str, dict[str, tuple[float, float]]]) -> float | None:
+    """The shared frozen backbone's mean RMSE (a row whose point is the backbone's), if any."""
+    m = next((m for m in _FROZEN if m in stats), None)
+    return None if m is None else stats[m]["rmse"][0]
+
+
+def _ablation_rows(stats: dict[str, dict[str, tuple[float, float]]]
+                   ) -> dict[str, dict[str, float]]:
+    """The rows of the ablation table (:mod:`attnuq.bench._ablation`): means over splits."""
+    keys = (("point", "rmse"), ("crps", "crps"), ("coverage", "coverage_native"),
+            ("width", "width"), ("w1", "w1_native"))
+    return {m: {k: st[src][0] for k, src in keys} for m, st in stats.items()}
 
 
 def _budget_lines(rows: list[dict[str, Any]], budget: dict[str, Any]) -> list[str]:
@@ -252,6 +264,10 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
                   values={k: list(v) for k, v in st.items()})
         page.table(t)
         page.add("", *verdicts[ds][0])
+        if ablation_block(page, _ablation_rows(stats), point="RMSE", frozen=_frozen_rmse(stats),
+                          title=f"**Ablations on {ds}** (SA variants against their reference "
+                          "rows, means over splits):", flag=False):  # the flag is in the verdict
+            page.add("")
         page.add(f"![PIT histograms {ds}](uci/pit_{ds}.png)" if out.name == "uci"
                  else f"PIT histograms: `{out / f'pit_{ds}.png'}`", "")
     page.implementations(_block(rows, previous, order))

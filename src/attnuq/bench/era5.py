@@ -41,6 +41,7 @@ from attnuq._runtime import resolve_device, run_info
 from attnuq._validation import check_positive_int
 from attnuq.bench import _members as mb
 from attnuq.bench import register
+from attnuq.bench._ablation import ablation_block
 from attnuq.bench._era5_recipe import (
     Inputs,
     _MemberRecipe,
@@ -60,10 +61,14 @@ from attnuq.training import predict_batched
 
 __all__ = ["ALL_METHODS", "add_arguments", "field_scores", "render", "render_page", "run"]
 
+#: every method the suite knows, in table order; also the default of ``--methods`` (issue #19)
 ALL_METHODS: tuple[str, ...] = (
-    "sa-paper", "sa-crps", "sa-conformal", "mc-dropout", "ensemble", "persistence", "climatology")
+    "sa-paper", "sa-crps", "sa-conformal", "mc-dropout", "ensemble", "persistence", "climatology",
+    "sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer")
+#: the SA variants of issue #20 (each with the SA rows' budget)
+_SA_VARIANTS = ("sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer")
 _RUN_ORDER = ("sa-paper", "sa-conformal", "persistence", "climatology", "sa-crps", "mc-dropout",
-              "ensemble")
+              "ensemble", *_SA_VARIANTS)
 #: rows this suite computes itself (the others are registered methods: the registry's text)
 _IMPLEMENTATIONS = {
     "persistence": "this suite: the field at issue time plus val residual quantiles per (lead, "
@@ -265,7 +270,8 @@ def run(args: argparse.Namespace) -> Path:
     sa = {"n_samples": args.n_samples, "n_passes": args.n_passes, "seed": args.seed,
           "progress": progress, "nu_range": (1, args.nu_max)}
     fitted: dict[str, Any] = {}
-    kwargs = {"sa-paper": sa, "sa-crps": sa, "sa-conformal": sa, "ensemble": {
+    kwargs = {"sa-paper": sa, "sa-crps": sa, "sa-conformal": sa, **dict.fromkeys(_SA_VARIANTS, sa),
+              "ensemble": {
         "n_members": args.ensemble}, "mc-dropout": {"n_samples": args.n_samples, "seed": args.seed}}
 
     def run_one(_ctx: Any, _g: Group, name: str) -> dict[str, Any]:
@@ -466,10 +472,17 @@ def render(p: dict[str, Any]) -> Page:
                     f"lowest native W1: **{w1}**.")
             page.add("")
             page.headline(text, readme=f"Lead {key}: {text}")
-            for sa in ("sa-paper", "sa-crps", "sa-conformal"):
+            for sa in ("sa-paper", "sa-crps", "sa-conformal", *_SA_VARIANTS):
                 if sa in sc:
                     beaten = [k for k in sc if k != sa and sc[k]["crps"] < sc[sa]["crps"]]
                     page.add(f"* {sa} CRPS beaten by: {', '.join(beaten) or 'none'}.")
+            ablation_block(page, {k: {"point": v["rmse_lat"], "crps": v["crps"],
+                                      "coverage": v["coverage"], "w1": v["pit_w1"]}
+                                  for k, v in sc.items()}, point="RMSE",
+                           frozen=res.get("frozen", {}).get("per_lead", {}).get(key, {}).get(
+                               "rmse_lat"), metrics=("point", "crps", "coverage", "w1"),
+                           title=f"**Ablations at {key}** (SA variants against their reference "
+                           "rows; RMSE latitude-weighted):")
             page.add("")
     if scored:
         page.implementations(p["implementations"])

@@ -58,8 +58,9 @@ from attnuq.distributed import is_writer
 __all__ = ["DEFAULT_METHODS", "aggregate", "render_page", "run", "run_one", "write_table"]
 
 DEFAULT_METHODS: tuple[str, ...] = (
-    "sa-paper", "sa-scale", "sa-crps", "sa-conformal", "mc-dropout", "ensemble", "swag",
-    "multiswag", "ivon", "laplace", "hsa", "conformal", "gaussian")
+    "sa", "sa-paper", "sa-scale", "sa-crps", "sa-conformal", "sa-debiased", "sa-recentred",
+    "sa-floor", "sa-layer", "mc-dropout", "ensemble", "swag", "multiswag", "ivon", "laplace", "hsa",
+    "conformal", "gaussian")
 _SAMPLED = {"sa-paper", "sa-scale", "sa-crps", "sa-conformal", "mc-dropout", "swag", "multiswag",
             "ivon", "hsa", "sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer"}
 _LEVEL = 0.95
