@@ -276,6 +276,9 @@ def render(info: dict[str, Any], sp: list[dict[str, Any]], mem: list[dict[str, A
         f"* machine: {info['machine']}",
         f"* load: {info['load']}",
         f"* sampler: {info.get('sampler', 'not recorded')}",
+        *(f"* speed rows kept from an earlier run: `{info['speed command']}` on "
+          f"{info.get('speed date', '?')}, {info.get('speed load', '')}"
+          for _ in [0] if "speed command" in info),
         "",
         f"## Speed: CPU float32, B, H, L, D = {SPEED_SHAPE}",
         "",
@@ -318,7 +321,9 @@ def _render_memory(mem: list[dict[str, Any]]) -> list[str]:
     # working-set components implied by the shapes and the module's chunking constants
     dense_rows = max(min(rows_all, _sampled._DENSE_MIN_ROWS), _sampled._DENSE_CHUNK_ELEMS // n)
     dense_buf_mb = dense_rows * n * 4 / 2**20
-    idx_mb = g * rows_all * MEM_NU * 4 / 2**20
+    flush_bags = min(g * rows_all, max(1, _sampled._GATHER_OUT_ELEMS // MEM_SHAPE[3]))
+    idx_mb = flush_bags * MEM_NU * 4 / 2**20
+    y_mb = flush_bags * MEM_SHAPE[3] * 4 / 2**20
     blk_rows = max(min(rows_all, _sampled._BLOCKED_MIN_ROWS),
                    _sampled._BLOCKED_SAMPLE_ELEMS // (MEM_BLOCK + MEM_NU))
     blk_buf_mb = blk_rows * MEM_BLOCK * 4 / 2**20
@@ -376,13 +381,16 @@ def _render_memory(mem: list[dict[str, Any]]) -> list[str]:
         "",
         "What the working sets hold (sizes computed from the shapes and the chunking constants "
         "in `attnuq.ops.sampled`, not measured): the shipped dense path keeps one chunk of "
-        f"{dense_rows} query rows' scores against all {n} keys ({dense_buf_mb:.1f} MiB) and the "
-        f"int32 indices of all draws ({idx_mb:.1f} MiB, gathered by one `embedding_bag`; its "
-        "uniforms are drawn chunk by chunk). Without a gradient the blocked path gathers each "
-        f"chunk's value rows straight into the output, so it holds one chunk of {blk_rows} rows: "
-        f"block scores ({blk_buf_mb:.1f} MiB) and a few `(rows, nu)` tensors, independent of "
-        "`Lk` and of the number of queries. The materialising dense path holds a whole head's "
-        "`Lq x Lk` matrix.",
+        f"{dense_rows} query rows' scores against all {n} keys ({dense_buf_mb:.1f} MiB); both "
+        f"paths gather the drawn value rows in `embedding_bag` calls of at most {flush_bags} "
+        f"queries (`_GATHER_OUT_ELEMS`): their int32 indices ({idx_mb:.1f} MiB) and gathered "
+        f"rows ({y_mb:.1f} MiB, copied into the output), besides embedding_bag's own int64 "
+        "bookkeeping; the uniforms are drawn chunk by chunk. The blocked path holds one chunk "
+        f"of {blk_rows} rows: block scores ({blk_buf_mb:.1f} MiB) and a few `(rows, nu)` "
+        "tensors, independent of `Lk` and of the number of queries. The materialising variant "
+        "holds one chunk of at most `_CHUNK_MAX_ELEMS` elements. Before the gather cap (this "
+        "round) every variant also held a gathered-rows temporary as large as the output "
+        "(32 MiB here): working sets of 53-56 MiB for all three.",
     ]
     return lines
 
@@ -417,6 +425,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="docs/benchmarks/sampled.md")
     ap.add_argument("--json", default="docs/benchmarks/sampled.json")
     ap.add_argument("--png", default="docs/benchmarks/sampled.png")
+    ap.add_argument("--skip-speed", action="store_true",
+                    help="keep the speed rows (and their run details) of --json, measure memory")
     ap.add_argument("--from-json", action="store_true",
                     help="re-render the page (and plot) from --json without measuring")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
@@ -444,13 +454,22 @@ def main(argv: list[str] | None = None) -> None:
         if CLOCK == "thread" else "wall (time.perf_counter)"
     )
     load0 = os.getloadavg()
-    sp = speed(args.repeats)
+    if args.skip_speed:
+        old = json.loads(Path(args.json).read_text())
+        sp = old["speed"]
+        for key in ("command", "date", "load", "clock"):
+            if key in old:
+                info[f"speed {key}"] = old[key]
+    else:
+        sp = speed(args.repeats)
     load1 = os.getloadavg()
     mem = [] if args.skip_memory else memory(args.threads)
     info["load"] = (
         f"1-min load average {load0[0]:.1f} before the speed runs, {load1[0]:.1f} after "
         f"(on {os.cpu_count()} cores shared with other jobs)"
     )
+    if args.skip_speed:
+        info["load"] = f"memory run: 1-min load average {load0[0]:.1f} at its start"
     text = render(info, sp, mem)
     print(text)
     for p in (args.out, args.json, args.png):

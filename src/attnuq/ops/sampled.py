@@ -112,6 +112,11 @@ _CHUNK_MAX_ELEMS = 1 << 24
 # many (int32: 16 MiB); one call per small chunk measured 5-10 % slower at B, H, L, D = 8, 8,
 # 512, 64, nu = 8 than a single call.
 _GATHER_ELEMS = 1 << 22
+# ... or once their gathered rows would exceed this many elements (4 MiB of float32): the
+# embedding_bag result is a temporary copied into the output, so without this cap it is as large
+# as the output itself whenever the indices fit (measured: 32 MiB at B, H, L, D = 1, 8, 16384, 64,
+# nu = 16, the whole working set of the blocked path)
+_GATHER_OUT_ELEMS = 1 << 20
 # Most indices one embedding_bag call may receive: torch's CPU kernel counts them in a C int
 # (hence MAX_NU, :mod:`attnuq.ops._attn_common`).
 _MAX_BAG_INDICES = MAX_NU
@@ -637,13 +642,15 @@ def _gather(
     """Write the mean drawn value row of every chunk's queries into ``out`` ``(G, M, Dv)``.
 
     ``draws`` yields ``(chunk, idx)`` with local key indices ``idx`` ``(g, rows, nu)`` (modified
-    in place). Consecutive chunks are collected until they hold :data:`_GATHER_ELEMS` indices and
-    then summed by one ``embedding_bag`` call; a call never receives more indices than that plus
-    one chunk's, far below ``2**31`` (one chunk holds at most :data:`_CHUNK_MAX_ELEMS` elements,
-    or one row of ``nu <= MAX_NU`` draws).
+    in place). Consecutive chunks are collected until they hold :data:`_GATHER_ELEMS` indices (or
+    :data:`_GATHER_OUT_ELEMS` gathered elements) and then summed by one ``embedding_bag`` call;
+    a call never receives more indices than that plus one chunk's, far below ``2**31`` (one
+    chunk holds at most :data:`_CHUNK_MAX_ELEMS` elements, or one row of ``nu <= MAX_NU``
+    draws).
     """
     pending: list[tuple[Chunk, torch.Tensor]] = []
     held = 0
+    max_bags = max(1, _GATHER_OUT_ELEMS // max(1, w.shape[1]))
 
     def flush() -> None:
         flats = [f for _, f in pending]
@@ -661,7 +668,9 @@ def _gather(
         if step != 1:
             ic.mul_(step)
         flat = ic.add_(offs[g0:g1]).view(-1, nu)  # (g * rows, nu) global rows of w
-        if pending and held + flat.numel() > _GATHER_ELEMS:
+        if pending and (
+            held + flat.numel() > _GATHER_ELEMS or (held + flat.numel()) // nu > max_bags
+        ):
             flush()
             held = 0
         pending.append((chunk, flat))
