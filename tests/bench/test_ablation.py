@@ -231,3 +231,24 @@ def test_physionet_page_has_no_sa_pair_and_so_no_table() -> None:
 
     page = build_page(json.loads((RESULTS / "physionet" / "physionet.json").read_text()))
     assert _ablation_tables(page) == [] and "Ablations" not in page.markdown()
+
+
+def test_summary_keys_carry_the_variant_rows(tmp_path: Path) -> None:
+    """summary.json (issue #19) gets each new row through the suites' own summary functions."""
+    from attnuq.bench import era5
+    from attnuq.bench._ett_page import summary as ett_summary
+    from attnuq.bench._uci_page import summary as uci_summary
+
+    p = json.loads((RESULTS / "ett" / "ett_results.json").read_text())
+    p["results"]["sa-layer"] = _variant(p["results"]["sa-crps"], 0.9)
+    (entry,) = ett_summary(p).values()
+    assert entry["methods"]["sa-layer"]["crps"] == pytest.approx(
+        0.9 * p["results"]["sa-crps"]["crps"])
+    q = json.loads((RESULTS / "era5" / "era5_results.json").read_text())
+    q["results"]["sa-floor"] = _variant(q["results"]["sa-paper"], 1.1)
+    for key, e in era5._summary(q).items():
+        lead = key[key.index("+"):]
+        assert e["methods"]["sa-floor"]["crps"] == pytest.approx(
+            1.1 * q["results"]["sa-paper"]["per_lead"][lead]["crps"])
+    rows = [_uci_rec(m, 0, 5.0, c) for m, c in (("gaussian", 2.0), ("sa", 1.5))]
+    assert uci_summary(rows)["concrete"]["methods"]["sa"]["crps"] == 1.5
