@@ -86,6 +86,8 @@ def test_missing_values_show_a_dash_and_never_count_as_better() -> None:
                                                             "crps": float("nan")}}
     t = ablation_table(rows, point="MSE", frozen=None, metrics=("point", "crps"))
     assert t is not None and t.rows[0][3:] == ["1.000", "-", "+0.000", "-", "-", "none"]
+    t = ablation_table(rows, point="MSE", frozen=1.0 + 1e-12, metrics=("point",))
+    assert t is not None and t.rows[0][4] == "+0.0 %"  # not -0.0 %
 
 
 def test_absent_rows_give_no_table_and_leave_the_page_as_it_was() -> None:

@@ -163,7 +163,8 @@ def ablation_table(rows: Mapping[str, Mapping[str, Any]], *, point: str,
             if k == "point":
                 rel = (None if va is None or frozen_v is None or frozen_v == 0
                        else 100 * (va / frozen_v - 1))
-                cells.append("-" if rel is None else f"{rel:+.1f} %")
+                # (a rounding residue below 0.05 % is shown as +0.0 %, never as -0.0 %)
+                cells.append("-" if rel is None else f"{rel if abs(rel) >= 0.05 else 0.0:+.1f} %")
                 values["point_vs_frozen_pct"] = rel
             cells.append("-" if d is None else f"{d:+.{digits}f}")
             values[k], values[f"{k}_ref"], values[f"{k}_diff"] = va, vb, d
