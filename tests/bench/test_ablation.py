@@ -113,9 +113,13 @@ def test_the_block_states_the_rule_and_flags_points_off_the_frozen_one() -> None
     assert ("* SA's point RMSE differs from the frozen backbone's (5.000) by more than 1 % for "
             "sa-recentred 4.900 (-2.0 %), sa-debiased 5.100 (+2.0 %), sa 4.900 (-2.0 %).") in text
     assert page.to_dict()["sections"][0]["heading"] == "Abl"
+    assert "nu of sa-layer" not in text  # no nu given
     page = Page("demo", "Demo")
-    ablation_block(page, ROWS, point="RMSE", frozen=5.0, flag=False)
+    ablation_block(page, ROWS, point="RMSE", frozen=5.0, flag=False,
+                   nu={"sa-layer": {"enc.0": 4, "enc.1": 16}, "sa-crps": 8})
     assert "differs from the frozen" not in page.markdown()
+    assert ("* nu of sa-layer per attention site: enc.0 4, enc.1 16; shared nu of sa-crps: 8."
+            in page.markdown())
 
 
 def test_point_flag_threshold_is_one_percent_either_way_and_only_for_sa_rows() -> None:
@@ -164,6 +168,16 @@ def test_uci_page_has_the_table_per_set_when_a_pair_was_run(tmp_path: Path) -> N
     info = {"command": "attnuq bench uci", "date": "d", "machine": "m"}
     rows = [_uci_rec(m, s, r + s, c) for s in (0, 1) for m, r, c in (
         ("gaussian", 5.0, 2.0), ("sa-paper", 5.2, 1.5), ("sa-floor", 5.0, 1.4))]
+    layer = [{**_uci_rec("sa-layer", s, 5.0 + s, 1.45), "info": {"nu": 9, "nu_map": {
+        "b0": 4 * (s + 1), "b1": 8}}} for s in (0, 1)]
+    crps = [{**_uci_rec("sa-crps", s, 5.0 + s, 1.5), "info": {"nu": 6 + s}} for s in (0, 1)]
+    page = build_page(tmp_path / "uci", [*rows, *layer, *crps], info, state,
+                      order=DEFAULT_METHODS)
+    (t,) = _ablation_tables(page)
+    assert [r[:3] for r in t["rows"]] == [["per-layer vs shared nu", "sa-layer", "sa-crps"],
+                                          ["floor vs none", "sa-floor", "sa-paper"]]
+    assert ("* nu of sa-layer per attention site: split 0: (b0 4, b1 8); split 1: (b0 8, b1 8); "
+            "shared nu of sa-crps: split 0 6, split 1 7.") in page.markdown()
     page = build_page(tmp_path / "uci", rows, info, state, order=DEFAULT_METHODS)
     (t,) = _ablation_tables(page)
     # means over the two splits: sa-floor RMSE 5.5 vs the frozen (gaussian) 5.5, sa-paper 5.7
@@ -217,7 +231,8 @@ def test_era5_page_shows_the_table_per_lead_when_variant_rows_are_stored() -> No
 
     p = json.loads((RESULTS / "era5" / "era5_results.json").read_text())
     assert _ablation_tables(render(p)) == []
-    p["results"]["sa-layer"] = _variant(p["results"]["sa-crps"], 0.8)
+    p["results"]["sa-layer"] = {**_variant(p["results"]["sa-crps"], 0.8),
+                                "nu_map": {"blocks.0": 2, "blocks.1": 5}}
     page = render(p)
     tables = _ablation_tables(page)
     assert len(tables) == len(p["config"]["leads"].split(","))
@@ -226,6 +241,9 @@ def test_era5_page_shows_the_table_per_lead_when_variant_rows_are_stored() -> No
         assert t["rows"][0][:3] == ["per-layer vs shared nu", "sa-layer", "sa-crps"]
         assert t["values"][0]["crps_diff"] == pytest.approx(-0.2 * crps)
     assert "**Ablations at +24h**" in page.markdown()
+    nu = p["results"]["sa-crps"]["nu"]
+    assert page.markdown().count(f"* nu of sa-layer per attention site: blocks.0 2, blocks.1 5; "
+                                 f"shared nu of sa-crps: {nu:g}.") == len(tables)
 
 
 def test_physionet_page_has_no_sa_pair_and_so_no_table() -> None:

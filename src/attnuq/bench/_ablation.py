@@ -84,6 +84,24 @@ def _num(v: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
+def _nu_text(v: Any) -> str:
+    """``nu`` as page text: a number, ``site nu, ...`` of a mapping, ``split 0: (...); ...``
+    of a mapping of mappings (one per split or seed).
+
+    >>> _nu_text(12), _nu_text({"l0": 4, "l1": 16.0}), _nu_text(None)
+    ('12', 'l0 4, l1 16', '-')
+    >>> _nu_text({"split 0": {"l0": 4}, "split 1": 8})
+    'split 0: (l0 4); split 1: 8'
+    """
+    if isinstance(v, Mapping):
+        if any(isinstance(x, Mapping) for x in v.values()):
+            return "; ".join(f"{k}: ({_nu_text(x)})" if isinstance(x, Mapping)
+                             else f"{k}: {_nu_text(x)}" for k, x in v.items())
+        return ", ".join(f"{k} {_nu_text(x)}" for k, x in v.items())
+    f = _num(v)
+    return "-" if f is None else f"{f:g}"
+
+
 def _better(key: str, a: float, b: float) -> bool:
     """Whether ``a`` beats ``b`` on metric ``key`` (lower; coverage: closer to :data:`LEVEL`)."""
     if key == "coverage":
@@ -205,13 +223,16 @@ def ablation_block(page: Page, rows: Mapping[str, Mapping[str, Any]], *, point: 
                    frozen: float | None,
                    metrics: Sequence[str] = ("point", "crps", "coverage", "width", "w1"),
                    digits: int = 3, heading: str | None = None, title: str = "",
-                   flag: bool = True) -> bool:
+                   flag: bool = True, nu: Mapping[str, Any] | None = None) -> bool:
     """Append the ablation table of ``rows`` to ``page`` when a pair is complete.
 
     The block is a blank line (unless the page ends in one), then ``## heading`` (a section)
     or the bold ``title`` line, the table (:func:`ablation_table`), the rule for *better*, and
-    with ``flag=True`` the :func:`point_flag` line over every SA row of ``rows``. Nothing is
-    appended when no pair of :data:`PAIRS` is complete; returns whether it was appended.
+    with ``flag=True`` the :func:`point_flag` line over every SA row of ``rows``, and, when
+    ``nu`` (method -> its calibrated ``nu``: a number, a mapping attention site -> ``nu``, or a
+    mapping split or seed label -> one of those) holds ``sa-layer``'s, the line with its per-site
+    ``nu`` beside ``sa-crps``'s shared one. Nothing is appended when no pair of :data:`PAIRS`
+    is complete; returns whether it was appended.
 
     >>> page = Page("demo", "Demo")
     >>> rows = {"sa-paper": {"point": 5.3}, "sa": {"point": 5.0}}
@@ -246,6 +267,10 @@ sa-paper 5.300 (+6.0 %).
     page.add("", f"{rule}; `{point} vs frozen` = 100 (row / frozen - 1) %."
              + (" Per-layer nu is compared with sa-crps, whose criterion its search uses."
                 if any(r[1] == "sa-layer" for r in table.rows) else ""))
+    if nu is not None and nu.get("sa-layer") is not None and any(
+            r[1] == "sa-layer" for r in table.rows):
+        page.add(f"* nu of sa-layer per attention site: {_nu_text(nu['sa-layer'])}; shared nu "
+                 f"of sa-crps: {_nu_text(nu.get('sa-crps'))}.")
     if flag:
         line = point_flag({m: r.get("point") for m, r in rows.items()}, frozen, metric=point,
                           digits=digits)

@@ -270,7 +270,8 @@ def render_page(out: Path, table: Path) -> Page:
                                   "w1": v["pit_w1"]} for k, v in rows.items()},
                        point="MSE", frozen=res.get("frozen", {}).get("mse"),
                        metrics=("point", "crps", "coverage", "w1"), digits=4,
-                       heading="Ablations: SA variants against their reference rows")
+                       heading="Ablations: SA variants against their reference rows",
+                       nu={k: v.get("nu_map", v.get("nu")) for k, v in rows.items()})
         page.add("")
         page.implementations(p["implementations"], trailing_blank=False)
     notes = c.get("note") or []

@@ -146,6 +146,16 @@ def _frozen_rmse(stats: dict[str, dict[str, tuple[float, float]]]) -> float | No
     return None if m is None else stats[m]["rmse"][0]
 
 
+def _nu_of(rows: list[dict[str, Any]], ds: str) -> dict[str, dict[str, Any]]:
+    """Per SA row of ``ds``: split label -> its calibrated ``nu`` (the per-site map if any)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in sorted(_of(rows, ds), key=lambda r: int(r["split"])):
+        i = r.get("info") or {}
+        if is_sa(r["method"]) and (i.get("nu_map") or i.get("nu")) is not None:
+            out.setdefault(r["method"], {})[f"split {r['split']}"] = i.get("nu_map") or i["nu"]
+    return out
+
+
 def _ablation_rows(stats: dict[str, dict[str, tuple[float, float]]]
                    ) -> dict[str, dict[str, float]]:
     """The rows of the ablation table (:mod:`attnuq.bench._ablation`): means over splits."""
@@ -266,7 +276,8 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
         page.add("", *verdicts[ds][0])
         if ablation_block(page, _ablation_rows(stats), point="RMSE", frozen=_frozen_rmse(stats),
                           title=f"**Ablations on {ds}** (SA variants against their reference "
-                          "rows, means over splits):", flag=False):  # the flag is in the verdict
+                          "rows, means over splits):", flag=False,  # the flag: in the verdict
+                          nu=_nu_of(rows, ds)):
             page.add("")
         page.add(f"![PIT histograms {ds}](uci/pit_{ds}.png)" if out.name == "uci"
                  else f"PIT histograms: `{out / f'pit_{ds}.png'}`", "")

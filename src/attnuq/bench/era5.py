@@ -296,7 +296,8 @@ def run(args: argparse.Namespace) -> Path:
             c = [m.cost, *([base.cost] if base else [])]
             extra = {"fit_seconds": sum(x.fit_seconds for x in c), "predict_seconds": c[-1]
                      .predict_seconds, "forward_per_input": c[-1].predict_forward_per_input, **{
-                         k: v for k, v in m.info().items() if isinstance(v, (int, float, str))}}
+                         k: v for k, v in m.info().items() if isinstance(v, (int, float, str))
+                         or (k == "nu_map" and isinstance(v, dict))}}
             if name == "ensemble":
                 extra.update(fit_forward=m.cost.fit_forward, member_jobs=member_jobs,
                              members_trained_here=trained, members_from_cache=[
@@ -482,7 +483,8 @@ def render(p: dict[str, Any]) -> Page:
                            frozen=res.get("frozen", {}).get("per_lead", {}).get(key, {}).get(
                                "rmse_lat"), metrics=("point", "crps", "coverage", "w1"),
                            title=f"**Ablations at {key}** (SA variants against their reference "
-                           "rows; RMSE latitude-weighted):")
+                           "rows; RMSE latitude-weighted):",
+                           nu={k: res[k].get("nu_map", res[k].get("nu")) for k in sc})
             page.add("")
     if scored:
         page.implementations(p["implementations"])

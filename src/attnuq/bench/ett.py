@@ -474,9 +474,10 @@ def _with_derived(base: Any, derived: Any, x: torch.Tensor) -> dict[str, AnyPred
 
 
 def _info(m: Any) -> dict[str, Any]:
-    """The scalar entries of ``m.info()`` (what a record keeps)."""
+    """The scalar entries of ``m.info()`` (what a record keeps), and sa-layer's ``nu_map``."""
     return {k: v for k, v in (m.info() or {}).items()
-            if v is None or isinstance(v, (int, float, str, bool))}
+            if v is None or isinstance(v, (int, float, str, bool))
+            or (k == "nu_map" and isinstance(v, dict))}
 
 
 def _write(res_dir: Path, payload: dict[str, Any], *, final: bool,
