@@ -1,6 +1,6 @@
 """Throughput of ``attnuq.predict`` shared across 1, 2 and 4 gloo ranks (issue 21).
 
-Setting: a 2-layer ``nn.TransformerEncoder`` (d=64, 4 heads, ffn 128, L=32 tokens), B=64
+Setting: a 2-layer ``nn.TransformerEncoder`` (d=64, 4 heads, ffn 128, L=32 tokens), B=32
 inputs, S=32 passes at nu=8, the prediction the token mean ``(B, 64)``; float32 on the CPU, one
 intra-op thread per rank. ``predict`` cuts the work into units of 16 examples x 16 passes
 (2 x 2 = 4 units: 2 per rank at 2 ranks, 1 at 4) and the ranks share them; the gathered
