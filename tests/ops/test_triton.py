@@ -24,7 +24,7 @@ import pytest
 import torch
 from tests.ops._reference_sampled import chi2_gof_pvalue, ref_moments, ref_probs
 
-from attnuq.ops import _triton, attention_moments, sampled_attention
+from attnuq.ops import _rng, _triton, attention_moments, sampled_attention
 
 # The additive-mask case holds finfo(float32).min, whose log2(e) multiple overflows to -inf in
 # the kernel before it is replaced by the finite -FLT_MAX; numpy (the interpreter) warns.
@@ -265,6 +265,12 @@ def test_triton_bad_input_messages() -> None:
         _triton.sampled_attention(bad, k, v, nu=2)
 
 
+def _private(g: torch.Generator) -> torch.Generator:
+    """The generator the public operators hand to the kernel (:mod:`attnuq.ops._rng`): one seed
+    drawn from the caller's ``g`` seeds a private generator on the same device."""
+    return _rng.generator_from_seed(_rng.draw_seed(g, g.device), g.device)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_triton_cuda_dispatch() -> None:
     """CUDA tensors take the Triton kernels in the public operators (same generator state: the
@@ -274,7 +280,7 @@ def test_triton_cuda_dispatch() -> None:
     g1 = torch.Generator(device="cuda").manual_seed(9)
     g2 = torch.Generator(device="cuda").manual_seed(9)
     y = sampled_attention(q, k, v, nu=8, is_causal=True, generator=g1)
-    ref = _triton.sampled_attention(q, k, v, nu=8, is_causal=True, generator=g2)
+    ref = _triton.sampled_attention(q, k, v, nu=8, is_causal=True, generator=_private(g2))
     assert torch.equal(y, ref)
     mean, var = attention_moments(q, k, v, is_causal=True)
     mt, vt = _triton.attention_moments(q, k, v, is_causal=True)
@@ -298,9 +304,10 @@ def test_public_operators_pass_their_arguments_to_the_triton_entries(monkeypatch
     g1 = torch.Generator(device=q.device).manual_seed(9)
     g2 = torch.Generator(device=q.device).manual_seed(9)
     y = sampled_attention(q, k, v, nu=5, generator=g1, empty_rows="zero", **opts)
-    ref = _triton.sampled_attention(q, k, v, nu=5, generator=g2, empty_rows="zero", **opts)
+    ref = _triton.sampled_attention(q, k, v, nu=5, generator=_private(g2), empty_rows="zero",
+                                    **opts)
     assert torch.equal(y, ref)
-    plain = _triton.sampled_attention(q, k, v, nu=5, generator=g2.manual_seed(9))
+    plain = _triton.sampled_attention(q, k, v, nu=5, generator=_private(g2.manual_seed(9)))
     assert not torch.equal(y, plain)  # the options changed the output: they were not dropped
     mean, var = attention_moments(q, k, v, empty_rows="zero", **opts)
     mt, vt = _triton.attention_moments(q, k, v, empty_rows="zero", **opts)
