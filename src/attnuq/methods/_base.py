@@ -450,7 +450,7 @@ def available_methods() -> list[str]:
     --------
     >>> names = available_methods()
     >>> names[:3], {"gaussian", "conformal", "laplace", "swag"} <= set(names)
-    (['sa-paper', 'sa-scale', 'sa-crps'], True)
+    (['sa', 'sa-paper', 'sa-debiased'], True)
     """
     _load_all()
     return list(_METHODS)
