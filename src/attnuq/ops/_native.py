@@ -340,8 +340,7 @@ def sample_rows(
     sp, up, op, ep = s.data_ptr(), u.data_ptr(), out.data_ptr(), empty.data_ptr()
     stride = s.stride(0)
 
-    workers = min(torch.get_num_threads(), max(1, rows * max(lk, nu) // _MIN_ELEMS_PER_THREAD))
-    workers = max(1, min(workers, rows))
+    workers = _row_workers(rows, lk, nu)
 
     def run(r0: int, r1: int, threads: int) -> int:
         o = op + r0 * nu * os_
@@ -354,6 +353,13 @@ def sample_rows(
 
     if any(_dispatch(lib, rows, workers, run)):
         raise MemoryError(f"native sampling kernel could not allocate scratch for Lk={lk}")
+
+
+def _row_workers(rows: int, lk: int, nu: int) -> int:
+    """Threads for a row kernel: at most torch's thread count and one per row, and no more than
+    one per ``_MIN_ELEMS_PER_THREAD`` elements of work (``rows * max(lk, nu)``)."""
+    workers = min(torch.get_num_threads(), max(1, rows * max(lk, nu) // _MIN_ELEMS_PER_THREAD))
+    return max(1, min(workers, rows))
 
 
 def sample_block(
@@ -399,8 +405,7 @@ def sample_block(
     ss, es, cs = s.element_size(), u.element_size(), choice.element_size()
     sp, up, rp, cp = s.data_ptr(), u.data_ptr(), run.data_ptr(), choice.data_ptr()
     stride = s.stride(0)
-    workers = min(torch.get_num_threads(), max(1, rows * max(lk, nu) // _MIN_ELEMS_PER_THREAD))
-    workers = max(1, min(workers, rows))
+    workers = _row_workers(rows, lk, nu)
 
     def go(r0: int, r1: int, threads: int) -> int:
         c = cp + r0 * nu * cs
