@@ -159,3 +159,26 @@ def test_predict_recentre_keeps_the_point_prediction(uniform) -> None:  # type: 
             torch.testing.assert_close(rec.mean, rec.frozen, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="got recentre='yes'"):
         predict(model, v, nu=2, n_samples=3, recentre="yes")
+
+
+@pytest.mark.parametrize(
+    ("nu", "err", "match"),
+    [(0, ValueError, "nu=0"), ("8", TypeError, "nu='8'"), ({"nope.*": 4}, ValueError, "nope"),
+     ([4, 4, 4], ValueError, "3 entries")],
+)
+def test_bad_nu_is_refused_before_any_forward_pass(nu, err, match) -> None:  # type: ignore[no-untyped-def]
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    calls = []
+    mha.register_forward_pre_hook(lambda *a: calls.append(1))
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = mha
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    with pytest.raises(err, match=match):
+        predict(Wrap().eval(), torch.randn(2, 3, 8), nu=nu, n_samples=2)
+    assert calls == []  # the frozen pass never ran

@@ -203,8 +203,8 @@ def predict(
         every tensor with dim 0 equal to ``B`` is replicated, others are passed unchanged.
     nu
         Number of draws per query (int ``>= 1``; per-head or per-layer specs as in
-        :func:`attnuq.patch`, which validates every form: a bad ``nu`` is refused there, after
-        the frozen pass).
+        :func:`attnuq.patch`, which validates every form: a bad ``nu`` is refused before the
+        frozen pass, by :func:`attnuq.patching.resolve`).
     n_samples
         ``S >= 2``, the number of stochastic passes.
     seed
@@ -259,7 +259,7 @@ def predict(
     >>> bool(torch.allclose(rec.mean, rec.frozen, atol=1e-6))
     True
     """
-    from attnuq.patching import stochastic
+    from attnuq.patching import resolve, stochastic
 
     if recentre is not None and recentre not in RECENTRE:
         raise ValueError(f"recentre must be None or one of {RECENTRE}, got {recentre=!r}")
@@ -271,6 +271,7 @@ def predict(
             f"n_samples must be >= 2: the predictive spread (std, interval, CRPS) needs two "
             f"passes, got {n_samples=}"
         )
+    resolve(model, nu)  # a bad nu, or a model with no attention site, fails before any pass
     if model.training:
         warnings.warn(
             "predict: model is in training mode; dropout would add noise to the frozen output "

@@ -12,7 +12,8 @@ handle.remove()``. Backends (one module each, hooked the way each library allows
   unfused paths);
 * :mod:`~attnuq.patching.sdpa` -- any module whose forward calls ``F.scaled_dot_product_attention``.
 
-:func:`find_attention` lists what was found and what cannot be patched, with the reason.
+:func:`find_attention` lists what was found and what cannot be patched, with the reason;
+:func:`resolve` says which ``nu`` each site would get, without patching.
 
 Inside, by responsibility, bottom first (each imports only those above it in this list):
 ``_undo`` (undo primitives), ``_frozen`` (pickling a patched object stores the frozen one),
@@ -30,11 +31,11 @@ import sys
 import types
 from typing import Any
 
-from attnuq.patching._handle import PatchHandle, patch, stochastic
+from attnuq.patching._handle import PatchHandle, patch, resolve, stochastic
 from attnuq.patching._registry import find_attention
 from attnuq.patching._sites import AttentionSite
 
-__all__ = ["AttentionSite", "PatchHandle", "find_attention", "patch", "stochastic"]
+__all__ = ["AttentionSite", "PatchHandle", "find_attention", "patch", "resolve", "stochastic"]
 
 
 class _CallablePackage(types.ModuleType):

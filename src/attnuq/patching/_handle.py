@@ -20,7 +20,7 @@ from attnuq.patching._registry import get_backend, scan
 from attnuq.patching._sites import AttentionSite, SiteState, _GeneratorPool
 from attnuq.patching._undo import Undo
 
-__all__ = ["PatchHandle", "patch", "stochastic"]
+__all__ = ["PatchHandle", "patch", "resolve", "stochastic"]
 
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, PatchHandle] = weakref.WeakKeyDictionary()
 _SITE_OWNER: weakref.WeakKeyDictionary[nn.Module, PatchHandle] = weakref.WeakKeyDictionary()
@@ -171,6 +171,60 @@ def _describe(model: nn.Module) -> str:
     return ", ".join(f"{k} x{v}" if v > 1 else k for k, v in counts.items())
 
 
+def _plan(
+    model: nn.Module, nu: object
+) -> tuple[list[tuple[AttentionSite, nn.Module]], dict[str, int | tuple[int | None, ...] | None]]:
+    """The patchable ``(site, module)`` pairs of ``model`` and each site's validated ``nu``."""
+    claimed, unknown = scan(model)
+    ok = [(s, m) for s, m in claimed if s.patchable]
+    if not ok:
+        bad = [s for s, _ in claimed if not s.patchable] + unknown
+        lines = "; ".join(f"{s.name or '<root>'} ({s.module_type}): {s.reason}" for s in bad)
+        raise ValueError(
+            f"no attention site that attnuq can patch in {type(model).__name__}; modules found: "
+            f"{_describe(model)}" + (f"; unpatchable: {lines}" if lines else "")
+        )
+    nus = resolve_nu(nu, [s for s, _ in ok])
+    for s, _ in ok:
+        n = nus[s.name]
+        if isinstance(n, tuple) and s.num_heads is not None and len(n) != s.num_heads:
+            raise ValueError(
+                f"per-head nu for site {s.name!r} has {len(n)} entries but it has "
+                f"{s.num_heads} heads, got nu={n}"
+            )
+    return ok, nus
+
+
+def resolve(model: nn.Module, nu: NuSpec) -> dict[str, int | tuple[int | None, ...] | None]:
+    """What :func:`patch` would give each attention site of ``model``, without patching it.
+
+    Runs the same checks as :func:`patch` (a model with no patchable site, a bad ``nu``, a
+    pattern that matches no site, a per-head list of the wrong length), so a caller such as
+    :func:`attnuq.predict` can refuse bad input before any forward pass.
+
+    Returns
+    -------
+    dict
+        Site name -> ``nu`` (int ``>= 1``, per-head tuple, or None for a deterministic site), in
+        the model's module order.
+
+    Examples
+    --------
+    >>> import torch
+    >>> enc = torch.nn.TransformerEncoder(
+    ...     torch.nn.TransformerEncoderLayer(8, 2, batch_first=True), 2, enable_nested_tensor=False)
+    >>> resolve(enc, {"layers.0.*": 4})
+    {'layers.0.self_attn': 4, 'layers.1.self_attn': None}
+    >>> resolve(enc, 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: nu must be a positive int, got nu=0 (for every site)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return _plan(model, nu)[1]
+
+
 def patch(
     model: nn.Module,
     nu: NuSpec,
@@ -263,24 +317,8 @@ def patch(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
         raise TypeError(f"seed must be an int or None, got {seed=}")
-    claimed, unknown = scan(model)
-    ok = [(s, m) for s, m in claimed if s.patchable]
-    if not ok:
-        bad = [s for s, _ in claimed if not s.patchable] + unknown
-        lines = "; ".join(f"{s.name or '<root>'} ({s.module_type}): {s.reason}" for s in bad)
-        raise ValueError(
-            f"no attention site that attnuq can patch in {type(model).__name__}; modules found: "
-            f"{_describe(model)}" + (f"; unpatchable: {lines}" if lines else "")
-        )
+    ok, nus = _plan(model, nu)
     sites = [s for s, _ in ok]
-    nus = resolve_nu(nu, sites)
-    for s in sites:
-        n = nus[s.name]
-        if isinstance(n, tuple) and s.num_heads is not None and len(n) != s.num_heads:
-            raise ValueError(
-                f"per-head nu for site {s.name!r} has {len(n)} entries but it has "
-                f"{s.num_heads} heads, got nu={n}"
-            )
     pool = _GeneratorPool(None if seed is None else int(seed))
     with _LOCK:
         other = _ACTIVE.get(model)
