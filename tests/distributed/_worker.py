@@ -121,6 +121,9 @@ def runner(rank: int, world: int, out: Path) -> dict[str, Any]:
     for name, groups in (
         ("whole", [Group(parts=(f"g{i}",), methods=["a", "b"], reuse=1) for i in range(5)]),
         ("items", [Group(parts=("one",), methods=["a", "b", "c", "d"], reuse=1)]),
+        # a and d share work (as sa-paper and sa-conformal share SA draws): dealt as one unit
+        ("bundle", [Group(parts=("one",), methods=["a", "b", "c", "d"], reuse=1,
+                          together=[("a", "d")])]),
     ):
         root = out / f"runner_{name}_w{world}"
         store = RunStore(root, suite="fake", info={"command": "t", "date": "d", "machine": "m"})

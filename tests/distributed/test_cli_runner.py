@@ -80,6 +80,23 @@ def test_runner_items_of_one_group(world: int, launched: dict[str, Any]) -> None
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_runner_bundle_goes_to_one_rank(world: int, launched: dict[str, Any]) -> None:
+    """``Group.together=[("a", "d")]``: units [a, d], [b], [c] dealt round robin, so a and d
+    run on rank 0 one after the other (without the bundle d would be method 3, rank 3 % world);
+    c fails as before."""
+    res = results(launched, world)
+    root = launched["out"][world] / f"runner_bundle_w{world}"
+    want = {"a": 0, "d": 0, "b": 1, "c": 2 % world}
+    for m, r in want.items():
+        if m == "c":
+            assert (root / "one" / "c.err.txt").is_file()
+            continue
+        rec = json.loads((root / "one" / f"{m}.json").read_text())
+        assert rec["rank"] == r, (m, rec)
+    assert res[0]["runner"]["bundle"] == ("returned", 3, 0, ["one/c"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_primary_first(world: int, launched: dict[str, Any]) -> None:
     """Rank 0 runs the work first (makes the cache, a writer); then the others (find it, not
     writers); outside the block every rank is back to its own default (rank 0 writes)."""

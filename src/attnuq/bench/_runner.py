@@ -23,10 +23,11 @@ Under a ``torch.distributed`` process group (``torchrun ... -m attnuq.cli bench 
 ranks share the items: rank 0 decides what is to do (the stored records, as above) and tells
 the others; with at least as many groups to do as ranks, each group goes whole to one rank
 (round robin: its ``setup``, e.g. a backbone trained and cached, runs once), else the items are
-dealt out one by one (round robin) and a group held by several ranks is set up by the lowest
-of them first, then by the others (which then find its caches; only the first holder has
-:func:`attnuq.distributed.is_writer` true during ``setup``, the flag the suites' setup writes
-check, so each is written once). Each rank saves the records of
+dealt out one by one (round robin; a bundle of :attr:`Group.together`, methods that share
+work such as one set of SA draws, as one item) and a group held by several ranks is set up
+by the lowest of them first, then by the others (which then find its caches; only the first
+holder has :func:`attnuq.distributed.is_writer` true during ``setup``, the flag the suites'
+setup writes check, so each is written once). Each rank saves the records of
 its own items (one writer per file, atomic; the ranks share the results folder: one machine, or
 a shared file system); ``on_saved`` runs on rank 0 only. ``setup`` and ``run_one`` run inside
 :func:`attnuq.distributed.local`: the ``predict`` / ``calibrate`` calls of a rank's own item
@@ -80,13 +81,17 @@ class Group:
     ``methods`` the method names in run order, ``reuse`` the key a stored record must carry to
     be reused (``method_reuse[m]`` instead for a method whose key differs, e.g. one that
     depends on ``--ensemble``), ``payload`` whatever the suite's ``setup`` needs (not
-    compared)."""
+    compared). ``together``: bundles of methods that share work inside one process (e.g.
+    ``("sa-paper", "sa-conformal")``: one set of SA draws scores both rows); under a process
+    group the items of a bundle still to do go to one rank as one unit, in ``methods`` order
+    (names not among ``methods`` are ignored)."""
 
     parts: tuple[str, ...]
     methods: Sequence[str]
     reuse: Any = None
     payload: Any = None
     method_reuse: Mapping[str, Any] = field(default_factory=dict)
+    together: Sequence[Sequence[str]] = ()
 
     def reuse_for(self, method: str) -> Any:
         """The reuse key of ``method``'s record in this group."""
@@ -98,6 +103,34 @@ class Group:
             raise ValueError(f"group parts must be plain folder names, got {bad!r}")
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods of group {self.parts} repeat: {list(self.methods)}")
+        seen: set[str] = set()
+        for b in self.together:
+            if isinstance(b, str) or not all(isinstance(m, str) for m in b):
+                raise TypeError(f"together must hold sequences of method names, got {b!r}")
+            if seen & set(b) or len(set(b)) != len(b):
+                raise ValueError(f"a method is in two bundles of together={self.together!r}")
+            seen |= set(b)
+
+    def units(self, todo: Sequence[str]) -> list[list[str]]:
+        """``todo`` cut into the units dealt to ranks: each bundle of :attr:`together` one unit
+        (its members in ``todo``, in order), every other method alone.
+
+        Examples
+        --------
+        >>> g = Group(parts=("x",), methods=list("abcd"), together=[("a", "c")])
+        >>> g.units(list("abcd")), g.units(["b", "c", "d"])
+        ([['a', 'c'], ['b'], ['d']], [['b'], ['c'], ['d']])
+        """
+        bundle = {m: tuple(b) for b in self.together for m in b}
+        out: list[list[str]] = []
+        placed: set[str] = set()
+        for m in todo:
+            if m in placed:
+                continue
+            unit = [x for x in todo if x in bundle[m]] if m in bundle else [m]
+            placed.update(unit)
+            out.append(unit)
+        return out
 
 
 def _default_reuse_of(record: Mapping[str, Any]) -> Any:
@@ -377,13 +410,13 @@ def _run_sharded(
             if k % world == rank:
                 mine[gi] = list(todo[gi])
     else:
-        items = [(gi, m) for gi in live for m in todo[gi]]
-        for k, (gi, m) in enumerate(items):
+        units = [(gi, u) for gi in live for u in groups[gi].units(todo[gi])]
+        for k, (gi, u) in enumerate(units):  # a bundle of `together` is one unit
             hs = holders.setdefault(gi, [])
             if k % world not in hs:
                 hs.append(k % world)
             if k % world == rank:
-                mine.setdefault(gi, []).append(m)
+                mine.setdefault(gi, []).extend(u)
         for hs in holders.values():
             hs.sort()
     bar = tqdm(total=sum(len(v) for v in mine.values()),

@@ -339,7 +339,9 @@ def run(args: argparse.Namespace) -> Path:
     if kept:
         print(f"[era5] resuming: already scored {sorted(kept)}", flush=True)
     order = sorted(methods, key=_RUN_ORDER.index)
-    summary = run_items(store, [Group(parts=(), methods=order, reuse=key)], lambda g: None,
+    group = Group(parts=(), methods=order, reuse=key,
+                  together=[("sa-paper", "sa-conformal")])  # sa-conformal: sa-paper's draws
+    summary = run_items(store, [group], lambda g: None,
                         run_one, progress=False, rerun=[m for m in order if m not in kept],
                         on_saved=write)
     write(final=not summary.failed)  # failures: recorded in runs/<method>.err.txt, page partial

@@ -341,7 +341,8 @@ def run(args: argparse.Namespace) -> Path:
     parts = (path.stem,)
     order = sorted(methods, key=_RUN_ORDER.index)
     group = Group(parts=parts, methods=[m for m in order if m not in merged], reuse=None,
-                  method_reuse={m: _reuse(cfg, m) for m in ALL_METHODS})
+                  method_reuse={m: _reuse(cfg, m) for m in ALL_METHODS},
+                  together=[("sa-paper", "sa-conformal")])  # one set of SA draws, one rank
     if args.resume:  # a stored record of another config is an error, not something to redo
         for m in ALL_METHODS:
             rec = store.load(parts, m, check=False)
