@@ -9,10 +9,12 @@ Data + backbone + config on the bench spine; methods by registry name.
   valid times; targets: the field at ``t + 6 h`` and ``t + 24 h``.
 * Backbone: :class:`attnuq.models.vit_field.ViTFieldForecaster` (HF ViT blocks, patch 4),
   trained by :func:`attnuq.training.fit` with early stopping on val, saved, reloaded, frozen.
-* Methods: ``sa-paper``, ``sa-crps``, ``sa-conformal``, ``mc-dropout``, ``ensemble`` (member 0 =
-  the backbone) from :mod:`attnuq.methods`; the references ``persistence`` and ``climatology``
-  with the per-grid-point quantiles of their val residuals. Scores per lead on the test days:
-  :func:`attnuq.bench._fields.field_scores`, maps of mean error and predicted spread.
+* Methods: ``sa-paper``, ``sa-crps``, ``sa-conformal``, ``conformal`` (split conformal on the
+  frozen forecast, one factor per lead and grid point), ``mc-dropout``, ``ensemble`` (member 0 =
+  the backbone) and the SA variants of issue #20 (``sa``, ``sa-debiased``, ``sa-recentred``,
+  ``sa-floor``, ``sa-layer``) from :mod:`attnuq.methods`; the references ``persistence`` and
+  ``climatology`` with the per-grid-point quantiles of their val residuals. Scores per lead on
+  the test days: :func:`attnuq.bench._fields.field_scores`, maps of mean error and predicted spread.
 
 Each method is one run record ``<out>/era5/runs/<method>.json`` (+ maps ``.npz``), reused by
 ``--resume`` under the same config; the page ``<out>/era5.md``, its twin and the ``era5`` key of
@@ -63,12 +65,12 @@ __all__ = ["ALL_METHODS", "add_arguments", "field_scores", "render", "render_pag
 
 #: every method the suite knows, in table order; also the default of ``--methods`` (issue #19)
 ALL_METHODS: tuple[str, ...] = (
-    "sa-paper", "sa-crps", "sa-conformal", "mc-dropout", "ensemble", "persistence", "climatology",
-    "sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer")
+    "sa-paper", "sa-crps", "sa-conformal", "conformal", "mc-dropout", "ensemble", "persistence",
+    "climatology", "sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer")
 #: the SA variants of issue #20 (each with the SA rows' budget)
 _SA_VARIANTS = ("sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer")
-_RUN_ORDER = ("sa-paper", "sa-conformal", "persistence", "climatology", "sa-crps", "mc-dropout",
-              "ensemble", *_SA_VARIANTS)
+_RUN_ORDER = ("sa-paper", "sa-conformal", "persistence", "climatology", "conformal", "sa-crps",
+              "mc-dropout", "ensemble", *_SA_VARIANTS)
 #: rows this suite computes itself (the others are registered methods: the registry's text)
 _IMPLEMENTATIONS = {
     "persistence": "this suite: the field at issue time plus val residual quantiles per (lead, "
@@ -271,8 +273,8 @@ def run(args: argparse.Namespace) -> Path:
           "progress": progress, "nu_range": (1, args.nu_max)}
     fitted: dict[str, Any] = {}
     kwargs = {"sa-paper": sa, "sa-crps": sa, "sa-conformal": sa, **dict.fromkeys(_SA_VARIANTS, sa),
-              "ensemble": {
-        "n_members": args.ensemble}, "mc-dropout": {"n_samples": args.n_samples, "seed": args.seed}}
+              "ensemble": {"n_members": args.ensemble}, "conformal": {},
+              "mc-dropout": {"n_samples": args.n_samples, "seed": args.seed}}
 
     def run_one(_ctx: Any, _g: Group, name: str) -> dict[str, Any]:
         t0, trained = time.perf_counter(), []
