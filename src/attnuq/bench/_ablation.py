@@ -45,8 +45,8 @@ from typing import Any
 
 from attnuq.bench._page import Page, Table, fmt
 
-__all__ = ["LEVEL", "METRICS", "PAIRS", "ablation_block", "ablation_table", "is_sa",
-           "point_flag"]
+__all__ = ["LEVEL", "METRICS", "PAIRS", "ablation_block", "ablation_table", "floor_line",
+           "is_sa", "point_flag"]
 
 #: the nominal level of the coverage column
 LEVEL = 0.95
@@ -223,7 +223,8 @@ def ablation_block(page: Page, rows: Mapping[str, Mapping[str, Any]], *, point: 
                    frozen: float | None,
                    metrics: Sequence[str] = ("point", "crps", "coverage", "width", "w1"),
                    digits: int = 3, heading: str | None = None, title: str = "",
-                   flag: bool = True, nu: Mapping[str, Any] | None = None) -> bool:
+                   flag: bool = True, nu: Mapping[str, Any] | None = None,
+                   floor: Mapping[str, Any] | None = None) -> bool:
     """Append the ablation table of ``rows`` to ``page`` when a pair is complete.
 
     The block is a blank line (unless the page ends in one), then ``## heading`` (a section)
@@ -231,7 +232,9 @@ def ablation_block(page: Page, rows: Mapping[str, Mapping[str, Any]], *, point: 
     with ``flag=True`` the :func:`point_flag` line over every SA row of ``rows``, and, when
     ``nu`` (method -> its calibrated ``nu``: a number, a mapping attention site -> ``nu``, or a
     mapping split or seed label -> one of those) holds ``sa-layer``'s, the line with its per-site
-    ``nu`` beside ``sa-crps``'s shared one. Nothing is appended when no pair of :data:`PAIRS`
+    ``nu`` beside ``sa-crps``'s shared one, and with ``floor`` (method -> its run record or
+    info, or a list of those over splits or seeds) the :func:`floor_line` of each floored row
+    of the table. Nothing is appended when no pair of :data:`PAIRS`
     is complete; returns whether it was appended.
 
     >>> page = Page("demo", "Demo")
@@ -271,9 +274,69 @@ sa-paper 5.300 (+6.0 %).
             r[1] == "sa-layer" for r in table.rows):
         page.add(f"* nu of sa-layer per attention site: {_nu_text(nu['sa-layer'])}; shared nu "
                  f"of sa-crps: {_nu_text(nu.get('sa-crps'))}.")
+    if floor is not None:
+        for m in dict.fromkeys(r[1] for r in table.rows):
+            line = floor_line(m, floor.get(m))
+            if line is not None:
+                page.add(line)
     if flag:
         line = point_flag({m: r.get("point") for m, r in rows.items()}, frozen, metric=point,
                           digits=digits)
         if line is not None:
             page.add(line)
     return True
+
+
+def floor_line(method: str, info: Any) -> str | None:
+    """The page line with the spread floor ``beta`` that ``method`` chose on validation.
+
+    ``info``: the method's record (keys ``floor_beta_units``, ``floor_beta``, ``floor_factor``
+    of :class:`attnuq.conformal.FloorConformal`), or a list of records (one per split or seed:
+    the line gives the chosen units over them). ``None`` when no record has a floor. ``beta``
+    is in units of the validation residual scale, chosen from
+    :data:`attnuq.conformal.FLOOR_GRID`: ``inf`` is plain conformal (a constant width), ``0``
+    the SA-normalised score, and at the grid's largest finite value the floor still dominates
+    any spread much smaller than the residuals.
+
+    >>> floor_line("sa", {"floor_beta_units": 4.0, "floor_beta": 4.886, "floor_factor": 0.67})
+    "* floor of sa: beta = 4 val residual-scale units (4.886 in the target's units, factor \
+0.67; the largest finite value of the grid: the width is close to a constant)."
+    >>> floor_line("sa", [{"floor_beta_units": 0.25}, {"floor_beta_units": math.inf}])
+    '* floor of sa over 2 runs: beta = 0.25, inf val residual-scale units (inf = plain conformal).'
+    >>> floor_line("sa-paper", {"nu": 4}) is None
+    True
+    """
+    from attnuq.conformal import FLOOR_GRID
+
+    def has_floor(r: Any) -> bool:  # a finite beta, or inf (plain conformal)
+        if not isinstance(r, Mapping):
+            return False
+        u = r.get("floor_beta_units")
+        return _num(u) is not None or (isinstance(u, float) and u == math.inf)
+
+    recs = [r for r in (info if isinstance(info, list) else [info]) if has_floor(r)]
+    if not recs:
+        return None
+    top = max(b for b in FLOOR_GRID if math.isfinite(b))
+    units = [float(r["floor_beta_units"]) for r in recs]
+
+    def note(us: list[float]) -> str:
+        if any(math.isinf(u) for u in us):
+            return "inf = plain conformal"
+        return ("the largest finite value of the grid: the width is close to a constant"
+                if any(u >= top for u in us) else "")
+
+    if len(recs) == 1:
+        r = recs[0]
+        parts = []
+        if (b := _num(r.get("floor_beta"))) is not None:
+            parts.append(f"{b:.4g} in the target's units")
+        if (f := _num(r.get("floor_factor"))) is not None:
+            parts.append(f"factor {f:.4g}")
+        tail = "; ".join(x for x in (", ".join(parts), note(units)) if x)
+        return (f"* floor of {method}: beta = {units[0]:g} val residual-scale units"
+                + (f" ({tail})." if tail else "."))
+    n = note(units)
+    return (f"* floor of {method} over {len(recs)} runs: beta = "
+            f"{', '.join(f'{u:g}' for u in units)} val residual-scale units"
+            + (f" ({n})." if n else "."))

@@ -271,7 +271,8 @@ def render_page(out: Path, table: Path) -> Page:
                        point="MSE", frozen=res.get("frozen", {}).get("mse"),
                        metrics=("point", "crps", "coverage", "w1"), digits=4,
                        heading="Ablations: SA variants against their reference rows",
-                       nu={k: v.get("nu_map", v.get("nu")) for k, v in rows.items()})
+                       nu={k: v.get("nu_map", v.get("nu")) for k, v in rows.items()},
+                       floor=dict(rows))
         page.add("")
         page.implementations(p["implementations"], trailing_blank=False)
     notes = c.get("note") or []

@@ -156,6 +156,15 @@ def _nu_of(rows: list[dict[str, Any]], ds: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _floor_of(rows: list[dict[str, Any]], ds: str) -> dict[str, list[dict[str, Any]]]:
+    """Per SA row of ``ds``: the ``info`` of its splits, in split order (the floor's beta)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in sorted(_of(rows, ds), key=lambda r: int(r["split"])):
+        if is_sa(r["method"]) and isinstance(r.get("info"), dict):
+            out.setdefault(r["method"], []).append(r["info"])
+    return out
+
+
 def _ablation_rows(stats: dict[str, dict[str, tuple[float, float]]]
                    ) -> dict[str, dict[str, float]]:
     """The rows of the ablation table (:mod:`attnuq.bench._ablation`): means over splits."""
@@ -277,7 +286,7 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
         if ablation_block(page, _ablation_rows(stats), point="RMSE", frozen=_frozen_rmse(stats),
                           title=f"**Ablations on {ds}** (SA variants against their reference "
                           "rows, means over splits):", flag=False,  # the flag: in the verdict
-                          nu=_nu_of(rows, ds)):
+                          nu=_nu_of(rows, ds), floor=_floor_of(rows, ds)):
             page.add("")
         page.add(f"![PIT histograms {ds}](uci/pit_{ds}.png)" if out.name == "uci"
                  else f"PIT histograms: `{out / f'pit_{ds}.png'}`", "")

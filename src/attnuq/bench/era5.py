@@ -488,7 +488,8 @@ def render(p: dict[str, Any]) -> Page:
                                "rmse_lat"), metrics=("point", "crps", "coverage", "w1"),
                            title=f"**Ablations at {key}** (SA variants against their reference "
                            "rows; RMSE latitude-weighted):",
-                           nu={k: res[k].get("nu_map", res[k].get("nu")) for k in sc})
+                           nu={k: res[k].get("nu_map", res[k].get("nu")) for k in sc},
+                           floor={k: res[k] for k in sc})
             page.add("")
     if scored:
         page.implementations(p["implementations"])
