@@ -210,11 +210,16 @@ def test_native_status_is_public_and_says_which_path_runs():
     import attnuq.ops
 
     st = attnuq.ops.native_status()
-    assert set(st) == {"available", "enabled", "openmp", "reason"}
+    assert set(st) == {"available", "enabled", "openmp", "fused", "simd", "reason"}
     assert st["available"] == _native.status()["available"]
     assert st["reason"] == _native.status()["reason"]
     if st["available"]:
         assert "compiled with" in str(st["reason"])
+        assert st["simd"] in ("avx512", "portable") and st["fused"] is True
+        with _native.unfused():
+            assert attnuq.ops.native_status()["fused"] is False
+    else:
+        assert st["simd"] is None and st["fused"] is False
 
 
 @pytest.mark.skipif(not hasattr(os, "getuid"), reason="no user ids on this platform")

@@ -64,6 +64,10 @@ def test_gather_calls_are_bounded_and_give_the_single_call_result(monkeypatch, s
     monkeypatch.setattr(mod, "_GATHER_ELEMS", 40 * nu)
     monkeypatch.setattr(mod.F, "embedding_bag", counting)
     y = sampled_attention(q, k, v, nu=nu, block_size=block_size, generator=_gen(7))
+    if sampler == "fused":  # the kernel gathers the drawn rows itself: no embedding_bag call
+        assert calls == []
+        torch.testing.assert_close(y, ref, rtol=0, atol=0)
+        return
     chunk = 16 * nu
     assert len(calls) > 1, calls
     assert max(calls) <= 40 * nu + chunk, calls

@@ -50,15 +50,19 @@ import torch
 from attnuq.ops import phi as _phi
 
 __all__ = [
-    "available", "disabled", "levy_forward", "native_status", "sample_block", "sample_rows",
-    "status",
+    "available", "disabled", "fused_available", "fused_call", "levy_forward", "native_status",
+    "sample_block", "sample_rows", "status", "unfused",
 ]
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("sample_rows.c", "levy.c")  # compiled together into one library
+_SOURCES = ("sample_rows.c", "levy.c", "fused.c")  # compiled together into one library
+# ATTNUQ_NATIVE_PORTABLE=1: build without AVX-512 (-mno-avx512f), i.e. the portable 8-lane path
+# of the fused kernels, as an AVX2 machine runs it (for tests on an AVX-512 machine)
+_PORTABLE_ENV = "ATTNUQ_NATIVE_PORTABLE"
 # fewest score elements per thread before rows are split over threads
 _MIN_ELEMS_PER_THREAD = 1 << 15
 _enabled = True
+_fused_enabled = True
 
 
 def _cache_dirs() -> list[Path]:
@@ -140,6 +144,8 @@ def _compile(cc: str, flags: list[str], out: Path) -> str | None:
 
 # words of struct levy_args (csrc/levy.c), passed as one int64 array in its field order
 _LEVY_ARGS_WORDS = 43
+# words of struct fused_args (csrc/fused.c)
+_FUSED_ARGS_WORDS = 33
 # return codes of attnuq_levy_* (or-ed over threads)
 _LEVY_NOMEM = 1
 _LEVY_NONFINITE = 2
@@ -163,11 +169,12 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"no C compiler ({cc!r}: {exc}); set CC or install one"
     errors = []
+    extra = ["-mno-avx512f"] if os.environ.get(_PORTABLE_ENV, "").strip() == "1" else []
     for flags in (  # -fno-math-errno: sqrt vectorises (the kernels never read errno)
-        ["-O3", "-fno-math-errno", "-march=native", "-fopenmp"],
-        ["-O3", "-fno-math-errno", "-fopenmp"],
-        ["-O3", "-fno-math-errno", "-march=native"],
-        ["-O3", "-fno-math-errno"],
+        ["-O3", "-fno-math-errno", "-march=native", "-fopenmp", *extra],
+        ["-O3", "-fno-math-errno", "-fopenmp", *extra],
+        ["-O3", "-fno-math-errno", "-march=native", *extra],
+        ["-O3", "-fno-math-errno", *extra],
     ):
         key = hashlib.sha256(
             "\0".join(
@@ -219,6 +226,17 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             errors.append(f"{path}: struct levy_args has {lib.attnuq_levy_args_words()} words, "
                           f"levy_forward passes {_LEVY_ARGS_WORDS} (sources out of sync)")
             continue
+        for name in ("attnuq_fused_sample_f32", "attnuq_fused_moments_f32"):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int64
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_double]
+        for name in ("attnuq_fused_args_words", "attnuq_fused_lanes"):
+            getattr(lib, name).restype = ctypes.c_int64
+            getattr(lib, name).argtypes = []
+        if lib.attnuq_fused_args_words() != _FUSED_ARGS_WORDS:
+            errors.append(f"{path}: struct fused_args has {lib.attnuq_fused_args_words()} "
+                          f"words, _fused_call passes {_FUSED_ARGS_WORDS} (sources out of sync)")
+            continue
         lib.attnuq_phi_tab_len.restype = ctypes.c_int64
         lib.attnuq_phi_tab_len.argtypes = []
         lib.attnuq_phi_f64.restype = None
@@ -244,25 +262,40 @@ def status() -> dict[str, object]:
 def native_status() -> dict[str, object]:
     """Which CPU path attnuq's operators take, and why.
 
-    Returns ``{"available", "enabled", "openmp", "reason"}``: whether the C kernels are
-    compiled and loaded, whether they are switched on (``ATTNUQ_NATIVE=0`` or
-    :func:`disabled` switch them off), whether they split rows over OpenMP threads, and the
-    compiler line and library path, or why they are not in use (no compiler, a cache folder
-    refused because another user owns it, ...). Without the kernels the pure-torch paths run:
-    the same distribution for the sampler, the same numbers to rounding for Levy attention.
+    Returns ``{"available", "enabled", "openmp", "fused", "simd", "reason"}``: whether the C
+    kernels are compiled and loaded, whether they are switched on (``ATTNUQ_NATIVE=0`` or
+    :func:`disabled` switch them off), whether they split rows over OpenMP threads, whether
+    the fused attention kernels run (``fused``), which vector path those were built for
+    (``simd``: ``"avx512"``, 16 float lanes, or ``"portable"``, 8 lanes as on AVX2, forced by
+    ``ATTNUQ_NATIVE_PORTABLE=1``; None without the kernels), and the compiler line and library
+    path, or why they are not in use (no compiler, a cache folder refused because another user
+    owns it, ...). Without the kernels the pure-torch paths run: the same distribution for the
+    sampler, the same numbers to rounding for Levy attention and the moments.
+
+    Dispatch on the CPU (:func:`attnuq.ops.sampled_attention`, :func:`attnuq.ops.attention_moments`):
+    float32 computation (float32, float16 and bfloat16 inputs) with no gradient for ``v``
+    (moments: for none of ``q``, ``k``, ``v``) takes the fused kernels when ``fused`` is true
+    and any ``attn_mask`` fits one bias table (a mask that is the same for every query, or at
+    most ``2**22`` elements once expanded to every query row); the moments also need
+    ``block_size=None``. Otherwise the sampler runs torch's score GEMM and the row kernels
+    (``available``), or pure torch ops.
 
     Examples
     --------
     >>> import attnuq.ops
     >>> s = attnuq.ops.native_status()
     >>> sorted(s), isinstance(s["reason"], str)
-    (['available', 'enabled', 'openmp', 'reason'], True)
+    (['available', 'enabled', 'fused', 'openmp', 'reason', 'simd'], True)
     >>> s["openmp"] <= s["available"]  # OpenMP only ever reported for a loaded kernel
     True
     """
     lib, reason = _load()
+    lanes = None if lib is None else int(lib.attnuq_fused_lanes())
     return {"available": lib is not None, "enabled": _enabled,
-            "openmp": lib is not None and _has_openmp(lib), "reason": reason}
+            "openmp": lib is not None and _has_openmp(lib),
+            "fused": lib is not None and _enabled and _fused_enabled,
+            "simd": None if lanes is None else "avx512" if lanes == 16 else "portable",
+            "reason": reason}
 
 
 def available() -> bool:
@@ -436,6 +469,137 @@ def _dispatch(
     pool = _pool(workers - 1)
     futs = [pool.submit(run, bounds[i], bounds[i + 1], 1) for i in range(1, workers)]
     return [run(bounds[0], bounds[1], 1)] + [f.result() for f in futs]
+
+
+def fused_available() -> bool:
+    """True when the fused float32 attention kernels (``csrc/fused.c``) may run: the library is
+    loaded, :func:`disabled` is not active and neither is :func:`unfused`."""
+    return _fused_enabled and available()
+
+
+@contextlib.contextmanager
+def unfused() -> Iterator[None]:
+    """Within the block the samplers and moments skip the fused kernels (the row kernels and
+    torch's GEMM run instead; for tests and benchmarks).
+
+    Example
+    -------
+    >>> from attnuq.ops import _native
+    >>> with _native.unfused():
+    ...     _native.fused_available()
+    False
+    """
+    global _fused_enabled
+    prev, _fused_enabled = _fused_enabled, False
+    try:
+        yield
+    finally:
+        _fused_enabled = prev
+
+
+def _fused_lanes() -> int | None:
+    """Vector lanes of the loaded fused kernels (16: AVX-512, 8: the portable path), or None."""
+    lib = _load()[0]
+    return None if lib is None else int(lib.attnuq_fused_lanes())
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def fused_call(
+    what: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None,
+    causal_lq: int,
+    chunk: tuple[int, int, int, int],
+    v: torch.Tensor,
+    offs: torch.Tensor,
+    step: int,
+    dv: int,
+    empty: torch.Tensor,
+    *,
+    seed: int = 0,
+    nu: int = 0,
+    block: int = 0,
+    out: torch.Tensor | None = None,
+    var: torch.Tensor | None = None,
+    idx: torch.Tensor | None = None,
+) -> None:
+    """Run a fused kernel of ``csrc/fused.c`` on rows ``i0:i1`` of groups ``g0:g1`` (``chunk``).
+
+    ``what`` is ``"sample"`` (dense sampler, ``block = 0``, or key-blocked with ``block``
+    keys per block) or ``"moments"``. All float tensors float32 on the CPU: ``q`` ``(G, M, D)``
+    and ``k`` ``(G, Lk, D)`` with unit last stride; ``scale`` multiplies ``q`` (log2 units);
+    ``bias`` None or ``(G, M | 1, Lk)`` additive log2 bias with unit key stride; ``causal_lq``
+    0, or ``Lq`` when row ``i`` sees keys ``j <= i mod Lq``; value ``j`` of group ``g`` is row
+    ``offs[g] + j * step`` of ``v`` ``(rows, dv)`` (unit last stride; ``offs`` ``(G,)`` int64);
+    ``empty`` ``(G, M)`` bool, written for the chunk's rows. Sampler: ``nu`` draws per row
+    from uniforms that the kernel derives from ``seed`` (an int in ``[0, 2**63)``), the group
+    and the row (a SplitMix64 stream per row, ``csrc/fused.c``), so the draws do not depend on
+    the chunk; ``out`` ``(G, M, dv)`` contiguous or None gets the mean drawn value row, ``idx``
+    ``(g, rows, nu)`` int32 or int64 contiguous or None the drawn keys. Moments: ``out`` and
+    ``var`` ``(G, M, dv)`` contiguous get the mean and the per-dimension variance.
+    """
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(f"native kernels unavailable: {_load()[1]}")
+    g0, g1, i0, i1 = chunk
+    G, M, D = q.shape
+    lk = k.shape[1]
+    f32 = torch.float32
+    rows = (g1 - g0) * (i1 - i0)
+    checks = [
+        q.device.type == "cpu" and q.dtype == f32 and q.stride(2) == 1,
+        k.dtype == f32 and k.shape == (G, lk, D) and k.stride(2) == 1,
+        bias is None or (bias.dtype == f32 and bias.dim() == 3 and bias.shape[0] == G
+                         and bias.shape[1] in (1, M) and bias.shape[2] == lk
+                         and bias.stride(2) == 1),
+        0 <= g0 <= g1 <= G and 0 <= i0 <= i1 <= M,
+        v.dtype == f32 and v.dim() == 2 and v.shape[1] == dv and (dv == 0 or v.stride(1) == 1),
+        offs.dtype == torch.int64 and offs.shape == (G,) and offs.is_contiguous(),
+        empty.dtype == torch.bool and empty.shape == (G, M) and empty.is_contiguous(),
+        out is None or (out.dtype == f32 and out.shape == (G, M, dv) and out.is_contiguous()),
+    ]
+    if what == "sample":
+        checks += [
+            nu >= 1 and 0 <= seed < 2**63,
+            idx is None or (idx.dtype in (torch.int32, torch.int64) and idx.is_contiguous()
+                            and idx.shape == (g1 - g0, i1 - i0, nu)),
+        ]
+    elif what == "moments":
+        checks += [out is not None and var is not None and var.dtype == f32
+                   and var.shape == (G, M, dv) and var.is_contiguous()]
+    else:
+        checks = [False]
+    if not all(checks):
+        raise ValueError(
+            f"fused_call({what!r}) got inconsistent buffers (check {checks.index(False)}): q "
+            f"{tuple(q.shape)} {q.dtype} stride {q.stride()}, k {tuple(k.shape)} {k.dtype}, "
+            f"bias {None if bias is None else (tuple(bias.shape), bias.dtype, bias.stride())}, "
+            f"chunk {chunk}, v {tuple(v.shape)} {v.dtype}, offs {tuple(offs.shape)} "
+            f"{offs.dtype}, empty {tuple(empty.shape)} {empty.dtype}, seed {seed}, nu {nu}, "
+            f"block {block}, out "
+            f"{None if out is None else (tuple(out.shape), out.dtype)}, idx "
+            f"{None if idx is None else (tuple(idx.shape), idx.dtype)}"
+        )
+    threads = _row_workers(rows, lk, max(nu, dv)) if _has_openmp(lib) else 1
+    words = [
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+        G, M, lk, D,
+        _ptr(bias), 0 if bias is None else bias.stride(0),
+        0 if bias is None or bias.shape[1] == 1 else bias.stride(1),
+        int(causal_lq > 0), max(1, causal_lq), g0, g1, i0, i1,
+        seed, nu, max(0, block), v.data_ptr(), v.stride(0), offs.data_ptr(), step, dv,
+        _ptr(out), _ptr(var), _ptr(idx), int(idx is not None and idx.dtype == torch.int64),
+        empty.data_ptr(), threads,
+    ]
+    args = (ctypes.c_int64 * _FUSED_ARGS_WORDS)(*words)
+    fn = lib.attnuq_fused_sample_f32 if what == "sample" else lib.attnuq_fused_moments_f32
+    if fn(ctypes.addressof(args), float(scale)):
+        raise MemoryError(f"fused {what} kernel could not allocate scratch for Lk={lk}, D={D}")
 
 
 @functools.cache

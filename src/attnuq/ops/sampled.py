@@ -357,6 +357,62 @@ def _sample_blocked(
         yield (g0, g1, i0, i1), choice
 
 
+def _fused_bias(att: Attn) -> tuple[bool, torch.Tensor | None]:
+    """``(applies, bias)``: whether the fused float32 kernels of :mod:`attnuq.ops._native`
+    take this call (CPU, float32 computation, the kernels loaded and switched on, any mask one
+    bias table :meth:`Attn._bias_table` with unit key stride), and that table (or None)."""
+    if not (att.q.device.type == "cpu" and att.q.dtype == torch.float32
+            and _native.fused_available()):
+        return False, None
+    if att.mask is None:
+        return True, None
+    bias = att._bias_table(torch.float32)
+    if bias is None or bias.stride(-1) != 1:
+        return False, None
+    return True, bias
+
+
+def _fused_inputs(att: Attn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``q``, ``k`` with unit feature stride, and the value rows ``(w, offs, step)`` of
+    :meth:`Attn.value_rows` (``w`` with unit last stride, ``offs`` ``(G,)`` int64)."""
+    q = att.q if att.q.stride(-1) == 1 else att.q.contiguous()
+    k = att.k if att.k.stride(-1) == 1 else att.k.contiguous()
+    w, offs, step = att.value_rows()
+    if att.dv and w.stride(-1) != 1:
+        w = w.contiguous()
+    return q, k, w, offs.reshape(-1).to(torch.int64), step
+
+
+@torch.no_grad()
+def _sample_fused(
+    att: Attn,
+    nu: int,
+    block_size: int | None,
+    generator: torch.Generator | None,
+    empty: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+    idx: torch.Tensor | None = None,
+) -> None:
+    """The dense (``block_size`` None or ``>= Lk``) or key-blocked sampler in the fused kernel:
+    scores tile by tile, draws and (into ``out`` ``(G, M, Dv)`` float32, contiguous) the mean
+    drawn value rows, and/or the drawn keys into ``idx`` ``(G, M, nu)``; fills ``empty``.
+
+    One seed is drawn from ``generator`` (an int64); the kernel derives every uniform from it,
+    the row and the draw (one SplitMix64 stream per query row, ``csrc/fused.c``), so the same
+    generator state gives the same draws, whatever the threads, and no tensor of uniforms
+    exists (the key-blocked sampler needs one uniform per draw and key block)."""
+    lk = att.lk
+    block = block_size if block_size is not None and block_size < lk else 0
+    q, k, w, offs, step = _fused_inputs(att)
+    seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator, dtype=torch.int64))
+    _native.fused_call(
+        "sample", q, k, att.scale, bias, att.lq if att.causal else 0,
+        (0, att.groups, 0, att.rows), w, offs, step, att.dv, empty, seed=seed, nu=nu,
+        block=block, out=out, idx=idx,
+    )  # fmt: skip
+
+
 def _draw_chunks(
     att: Attn,
     nu: int,
@@ -384,6 +440,10 @@ def _draw(
     if att.lk == 0:
         return torch.zeros(att.groups, att.rows, nu, dtype=torch.long, device=dev), empty
     idx = torch.empty(att.groups, att.rows, nu, dtype=att.index_dtype, device=dev)
+    fused, bias = _fused_bias(att)
+    if fused:
+        _sample_fused(att, nu, block_size, generator, empty, bias, idx=idx)
+        return idx, empty
     for (g0, g1, i0, i1), ic in _draw_chunks(att, nu, block_size, generator, empty):
         idx[g0:g1, i0:i1] = ic
     return idx, empty
@@ -622,8 +682,15 @@ def _sampled_impl(
     # gather buffer (no (G, M, nu) tensor).
     out = torch.empty(g, m, dv, dtype=att.out_dtype, device=q.device)
     empty = torch.empty(g, m, dtype=torch.bool, device=q.device)
-    with torch.no_grad():
-        _gather(_draw_chunks(att, nu, block_size, generator, empty), w, offs, step, nu, out)
+    fused, bias = _fused_bias(att)
+    if fused:  # scores, draws and the gather in one compiled pass (float32)
+        res = out if out.dtype == torch.float32 else torch.empty(g, m, dv, device=q.device)
+        _sample_fused(att, nu, block_size, generator, empty, bias, out=res)
+        if res is not out:
+            out.copy_(res)
+    else:
+        with torch.no_grad():
+            _gather(_draw_chunks(att, nu, block_size, generator, empty), w, offs, step, nu, out)
     if bool(empty.any()):
         if empty_rows == "error":
             raise empty_rows_error(att, empty)
@@ -737,6 +804,26 @@ def _moments(att: Attn, block_size: int) -> tuple[torch.Tensor, torch.Tensor, to
         torch.cat(vars_).view(*shape, dv),
         torch.cat(empties).view(shape),
     )
+
+
+def _moments_fused(att: Attn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Mean, var ``(G, M, Dv)`` and empty ``(G, M)`` by the fused moments kernel (CPU, float32,
+    no gradient; None where :func:`_fused_bias` says it does not apply): per tile of query rows
+    the scores, the exact row maximum, ``e = 2^(s - max)`` and one micro-GEMM of ``e`` with the
+    values ``[vc, vc^2]`` centred on their unweighted mean (the formulas of :func:`_moments`)."""
+    ok, bias = _fused_bias(att)
+    if not ok:
+        return None
+    q, k, w, offs, step = _fused_inputs(att)
+    g, m, dv = att.groups, att.rows, att.dv
+    mean = torch.empty(g, m, dv)
+    var = torch.empty(g, m, dv)
+    empty = torch.empty(g, m, dtype=torch.bool)
+    _native.fused_call(
+        "moments", q, k, att.scale, bias, att.lq if att.causal else 0, (0, g, 0, m), w, offs,
+        step, dv, empty, out=mean, var=var,
+    )  # fmt: skip
+    return mean, var, empty
 
 
 def _moments_sdpa(
@@ -910,7 +997,9 @@ def _moments_impl(
         return z, z.clone()
     fused = None
     if block_size is None and not grad:
-        fused = _moments_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa, att)
+        fused = _moments_fused(att)
+        if fused is None:
+            fused = _moments_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa, att)
     mean, var, empty = fused if fused is not None else _moments(att, block_size or att.lk)
     if empty_rows == "error" and bool(empty.any()):
         raise empty_rows_error(att, empty)

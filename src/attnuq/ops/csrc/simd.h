@@ -45,26 +45,52 @@ typedef int64_t v4l __attribute__((vector_size(32)));
 DEFINE_VEC_OPS(v8f, v8i, float, ld8, st8, splat8, sel8, max8)
 DEFINE_VEC_OPS(v4d, v4l, double, ld4d, st4d, splat4d, sel4d, max4d)
 
-/* 2^x lane-wise for x <= 0 (x may be -inf); exactly 0 below -126. */
-static inline v8f exp2_nonpos8(v8f x) {
-    const v8f lo = splat8(-126.0f);
-    const v8f magic = splat8(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    v8i small = x < lo;
-    v8f xc = sel8(small, lo, x);
-    v8f fn = (xc + magic) - magic; /* nearest integer, |xc - fn| <= 1/2 */
-    v8f f = xc - fn;
-    v8f p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    v8i n = __builtin_convertvector(fn, v8i);
-    v8i bits = (n + 127) << 23; /* 2^n, n in [-126, 0]: a normal float */
-    v8f sc;
-    memcpy(&sc, &bits, sizeof sc);
-    return sel8(small, splat8(0.0f), p * sc);
-}
+/* 2^x lane-wise for x <= 0 (x may be -inf); exactly 0 below -126 (for float vectors VT of
+ * integer vectors VI: the Cephes exp2f polynomial on [-1/2, 1/2], relative error below 2e-7). */
+#define DEFINE_EXP2(NAME, VT, VI, SPLAT, SEL)                                                   \
+    static inline VT NAME(VT x) {                                                               \
+        const VT lo = SPLAT(-126.0f);                                                           \
+        const VT magic = SPLAT(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */   \
+        VI small = x < lo;                                                                      \
+        VT xc = SEL(small, lo, x);                                                              \
+        VT fn = (xc + magic) - magic; /* nearest integer, |xc - fn| <= 1/2 */                   \
+        VT f = xc - fn;                                                                         \
+        VT p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;                               \
+        p = p * f + 9.618437357674640e-3f;                                                      \
+        p = p * f + 5.550332471162809e-2f;                                                      \
+        p = p * f + 2.402264791363012e-1f;                                                      \
+        p = p * f + 6.931472028550421e-1f;                                                      \
+        p = p * f + 1.0f;                                                                       \
+        VI n = __builtin_convertvector(fn, VI);                                                 \
+        VI bits = (n + 127) << 23; /* 2^n, n in [-126, 0]: a normal float */                    \
+        VT sc;                                                                                  \
+        memcpy(&sc, &bits, sizeof sc);                                                          \
+        return SEL(small, SPLAT(0.0f), p * sc);                                                 \
+    }
+
+DEFINE_EXP2(exp2_nonpos8, v8f, v8i, splat8, sel8)
+
+/*
+ * The widest float vector of the target: 16 lanes (one AVX-512 register) when the compiler
+ * targets AVX-512F, else 8 (AVX2, or narrower SIMD that the compiler splits them into). The
+ * fused kernels (fused.c) size their register tiles by it.
+ */
+#ifdef __AVX512F__
+#define VW 16
+typedef float vwf __attribute__((vector_size(64)));
+typedef int32_t vwi __attribute__((vector_size(64)));
+DEFINE_VEC_OPS(vwf, vwi, float, ldw, stw, splatw, selw, maxw)
+DEFINE_EXP2(exp2_nonposw, vwf, vwi, splatw, selw)
+#else
+#define VW 8
+typedef v8f vwf;
+typedef v8i vwi;
+static inline vwf ldw(const float *p) { return ld8(p); }
+static inline void stw(float *p, vwf x) { st8(p, x); }
+static inline vwf splatw(float a) { return splat8(a); }
+static inline vwf maxw(vwf a, vwf b) { return max8(a, b); }
+static inline vwf exp2_nonposw(vwf x) { return exp2_nonpos8(x); }
+#endif
 
 /* 2^x lane-wise for x <= 0 (x may be -inf), by libm's exp2 per lane. */
 static inline v4d exp2_nonpos4d(v4d x) {

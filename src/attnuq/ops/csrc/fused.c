@@ -1,0 +1,608 @@
+/*
+ * attnuq: fused CPU attention kernels (float32): the dense and the key-blocked sampler of
+ * attnuq.ops.sampled_attention, and attnuq.ops.attention_moments, each computing its scores
+ * tile by tile so that no score matrix larger than a tile of query rows ever exists.
+ *
+ * Work unit: one group g (a key/value head with the query rows that read it) and one tile of
+ * MR query rows. Per group the keys are packed once into panels of NR keys, feature-major
+ * (Kp[p][d][c] = k[p NR + c][d], zero past Lk), so that a register-blocked micro-GEMM computes
+ * an MR x NR block of scores with 2 MR vector accumulators: for every feature d, two vector
+ * loads of the panel, MR broadcasts of the (pre-scaled) query entries and 2 MR fused
+ * multiply-adds. With AVX-512 (VW = 16 lanes) MR = 8, NR = 32: 16 of the 32 registers hold
+ * accumulators; on the portable path (VW = 8, e.g. AVX2) MR = 4, NR = 16: 8 of 16 registers.
+ * The tile's scores (MR rows x the keys they may see) then stay in L1/L2 for the rest:
+ *
+ *   s_ij = (scale q_i) . k_j + bias_ij   (log2 units; bias from attn_mask, -inf = excluded)
+ *
+ * and query i of a causal call only sees keys j <= i mod Lq (its row is treated as having
+ * that many keys). The scale (SDPA scale times log2 e) multiplies q before the products, so the
+ * scores differ from torch's GEMM (alpha after the sum) in rounding only; everything after is
+ * exact on the scores as computed.
+ *
+ * Dense sampler: per row the maximum m, e_j = 2^(s_j - m), the blocked CDF of cdf.h and one
+ * inverse-CDF lookup per uniform (the layout and lookup of the row kernel in sample_rows.c:
+ * exact draws from the softmax of the scores, keys of zero weight never drawn), then the mean of
+ * the nu drawn value rows (summed in draw order, times 1/nu) into the output.
+ *
+ * Key-blocked sampler: the same per key block of `block` keys with the running choice of
+ * sample_rows.c's block kernel (coin u < p = 2^(lb - run'), then the lookup of u / p in the
+ * block's CDF); one uniform per (row, block, draw).
+ *
+ * Moments: per row m, e_j, l = sum_j e_j, then a second micro-GEMM e (MR x keys) times the
+ * packed values [vc, vc^2] (vc = v - vbar, vbar the unweighted mean of the group's values, as in
+ * attnuq.ops.sampled._moments) gives a1 = sum_j e_j vc_j and a2 = sum_j e_j vc_j^2; then
+ * mean = a1 / l + vbar and var = max(a2 / l - (a1 / l)^2, 0). The row's maximum is exact (the
+ * whole row of scores is in the tile), so no online rescaling is needed.
+ *
+ * Rows whose every key is excluded are flagged empty (indices 0, zero output rows).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cdf.h"
+#include "simd.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#ifndef MR
+#ifdef __AVX512F__
+#define MR 8
+#else
+#define MR 4
+#endif
+#endif
+#define NR (2 * VW)
+
+/* The arguments, passed as one int64 array in this field order (pointers as integers). */
+struct fused_args {
+    int64_t q, q_sg, q_sm;           /* const float *: q (G, M, D), unit feature stride */
+    int64_t k, k_sg, k_sl;           /* k (G, Lk, D), unit feature stride */
+    int64_t G, M, Lk, D;
+    int64_t bias, b_sg, b_sm;        /* const float * (G, M | 1, Lk) log2 bias (unit key stride) */
+    int64_t causal, lq;              /* row i sees keys j <= i mod lq */
+    int64_t g0, g1, i0, i1;          /* the chunk: rows i0:i1 of groups g0:g1 */
+    int64_t seed, nu, block;         /* uniforms' seed (see uniform()); block 0: dense */
+    int64_t v, v_sr, offs, step, Dv; /* value j of group g: v + (offs[g] + j step) v_sr */
+    int64_t out, var;                /* float (G, M, Dv) contiguous, or 0 */
+    int64_t idx, idx64;              /* chunk (g, rows, nu) int32 / int64 (idx64) keys, or 0 */
+    int64_t empty;                   /* uint8 (G, M): 1 = no admissible key */
+    int64_t nthreads;
+};
+
+int64_t attnuq_fused_args_words(void) { return (int64_t)(sizeof(struct fused_args) / 8); }
+
+/* Lanes of the vectors the fused kernels use (16: the AVX-512 path, 8: the portable one). */
+int64_t attnuq_fused_lanes(void) { return VW; }
+
+#define BELOW_ONE_F (1.0f - 5.9604645e-08f)
+
+/* SplitMix64's output function (a bijective 64-bit mixer). */
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* The uniforms of query row i of group g: its key rk = mix64(seed + (g M + i + 1) c2) starts a
+ * SplitMix64 stream, whose n-th output mix64(rk + (n + 1) c1) gives the n-th uniform of the row
+ * from its top 24 bits (a float32 in [0, 1), as torch.rand's). Draw k of key block b uses
+ * n = b nu + k. The draws therefore depend on the seed and the row only, not on how the rows
+ * are split into chunks or over threads. */
+static inline uint64_t row_key(const struct fused_args *a, int64_t g, int64_t i) {
+    return mix64((uint64_t)a->seed + (uint64_t)(g * a->M + i + 1) * 0xd1b54a32d192ed03ULL);
+}
+
+static inline float uniform(uint64_t rk, int64_t n) {
+    uint64_t x = mix64(rk + (uint64_t)(n + 1) * 0x9e3779b97f4a7c15ULL);
+    return (float)(x >> 40) * 5.9604645e-08f; /* 2^-24 */
+}
+
+static void *alloc64(size_t bytes) {
+    size_t n = (bytes + 63) / 64 * 64;
+    return aligned_alloc(64, n ? n : 64);
+}
+
+/* Kp[p][d][c] = k[p NR + c][d] for the panels p < np (zero past Lk). */
+static void pack_k(const float *k, int64_t sl, int64_t Lk, int64_t D, int64_t np, float *Kp) {
+    for (int64_t p = 0; p < np; p++) {
+        float *dst = Kp + p * D * NR;
+        for (int64_t c = 0; c < NR; c++) {
+            int64_t j = p * NR + c;
+            if (j < Lk) {
+                const float *src = k + j * sl;
+                for (int64_t d = 0; d < D; d++) dst[d * NR + c] = src[d];
+            } else {
+                for (int64_t d = 0; d < D; d++) dst[d * NR + c] = 0.0f;
+            }
+        }
+    }
+}
+
+/* S[r][p NR + c] (row stride ld) = qs[r] . k[p NR + c] for r < MR, panels p < np. */
+static void score_tile(const float *restrict qs, const float *restrict Kp, int64_t D, int64_t np,
+                       float *restrict S, int64_t ld) {
+    for (int64_t p = 0; p < np; p++) {
+        const float *kp = Kp + p * D * NR;
+        vwf acc[MR][2];
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = splatw(0.0f);
+        for (int64_t d = 0; d < D; d++) {
+            vwf k0 = ldw(kp + d * NR), k1 = ldw(kp + d * NR + VW);
+#pragma GCC unroll 16
+            for (int r = 0; r < MR; r++) {
+                float b = qs[r * D + d]; /* scalar * vector: a broadcast */
+                acc[r][0] += b * k0;
+                acc[r][1] += b * k1;
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; r++) {
+            stw(S + r * ld + p * NR, acc[r][0]);
+            stw(S + r * ld + p * NR + VW, acc[r][1]);
+        }
+    }
+}
+
+/* A[r][c] (row stride lda, columns c0 .. c0 + NR) = sum_{j < nk} E[r][j] VV[j][c]. */
+static void pv_tile(const float *restrict E, int64_t ld, int64_t nk, const float *restrict VV,
+                    int64_t W, int64_t c0, float *restrict A, int64_t lda) {
+    vwf acc[MR][2];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = splatw(0.0f);
+    for (int64_t j = 0; j < nk; j++) {
+        vwf v0 = ldw(VV + j * W + c0), v1 = ldw(VV + j * W + c0 + VW);
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; r++) {
+            float b = E[r * ld + j];
+            acc[r][0] += b * v0;
+            acc[r][1] += b * v1;
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; r++) {
+        stw(A + r * lda + c0, acc[r][0]);
+        stw(A + r * lda + c0 + VW, acc[r][1]);
+    }
+}
+
+static float max_row(const float *s, int64_t L) {
+    vwf mv = splatw(-INFINITY);
+    int64_t j = 0;
+    for (; j + VW <= L; j += VW) mv = maxw(ldw(s + j), mv);
+    float m = -INFINITY;
+    for (int l = 0; l < VW; l++) m = mv[l] > m ? mv[l] : m;
+    for (; j < L; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
+#ifdef __AVX512F__
+/* exp2_nonposw with the AVX-512 rounding and scaling instructions: the same nearest integer n,
+ * the same polynomial and the same correctly rounded p 2^n, so bit for bit the same weights. */
+static inline vwf exp2_fast(vwf x) {
+    __m512 xv;
+    memcpy(&xv, &x, sizeof xv);
+    __mmask16 keep = _mm512_cmp_ps_mask(xv, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+    __m512 fnv = _mm512_roundscale_ps(_mm512_max_ps(xv, _mm512_set1_ps(-126.0f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vwf fn, xc;
+    memcpy(&fn, &fnv, sizeof fn);
+    __m512 xcv = _mm512_max_ps(xv, _mm512_set1_ps(-126.0f));
+    memcpy(&xc, &xcv, sizeof xc);
+    vwf f = xc - fn;
+    vwf p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    __m512 pv;
+    memcpy(&pv, &p, sizeof pv);
+    __m512 r = _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(pv, fnv));
+    vwf out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+/* find_float (cdf.h) with vector compares: the same counts, so the same key. */
+static inline int64_t find_fast(const float *P, const float *cum, int64_t nb, int64_t bl,
+                                float t) {
+    if (nb > 64) return find_float(P, cum, nb, bl, t);
+    const __m512 tv = _mm512_set1_ps(t);
+    int64_t b = 0;
+    for (int64_t i = 1; i < nb; i += 16) {
+        __mmask16 m = nb - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nb - i)) - 1u);
+        __m512 c = _mm512_maskz_loadu_ps(m, cum + i);
+        b += __builtin_popcount(_mm512_mask_cmp_ps_mask(m, c, tv, _CMP_LE_OQ));
+    }
+    const __mmask16 lm = (__mmask16)((1u << bl) - 1u); /* bl <= 16 */
+    const __m512i vi = _mm512_add_epi32(
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                                             15), _mm512_set1_epi32((int)nb)),
+        _mm512_set1_epi32((int)b));
+    __m512 pv = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lm, vi, P, 4);
+    __m512 x = _mm512_add_ps(_mm512_set1_ps(cum[b]), pv);
+    int64_t l = __builtin_popcount(_mm512_mask_cmp_ps_mask(lm, x, tv, _CMP_LE_OQ));
+    if (l < bl) return l * nb + b;
+    return find_float(P, cum, nb, bl, t); /* a rounding miss: the scalar fallback */
+}
+#define EXP2_ROW exp2_fast
+#define FIND find_fast
+#else
+#define EXP2_ROW exp2_nonposw
+#define FIND find_float
+#endif
+
+/* e[0:L] = 2^(s - m) (e may be s), e[L:Lp] = 0; returns sum_j e_j when want_sum. */
+static float exp_row(const float *s, int64_t L, float m, float *e, int64_t Lp, int want_sum) {
+    vwf mb = splatw(m), acc = splatw(0.0f);
+    int64_t j = 0;
+    for (; j + VW <= L; j += VW) {
+        vwf x = EXP2_ROW(ldw(s + j) - mb);
+        acc += x;
+        stw(e + j, x);
+    }
+    if (j < L) {
+        float tail[VW];
+        for (int l = 0; l < VW; l++) tail[l] = j + l < L ? s[j + l] - m : -INFINITY;
+        vwf x = EXP2_ROW(ldw(tail));
+        acc += x;
+        stw(tail, x);
+        memcpy(e + j, tail, (size_t)(L - j) * sizeof(float));
+        j = L;
+    }
+    for (; j < Lp; j++) e[j] = 0.0f;
+    float t = 0.0f;
+    if (want_sum)
+        for (int l = 0; l < VW; l++) t += acc[l];
+    return t;
+}
+
+static inline void put_idx(const struct fused_args *a, int64_t pos, int64_t j) {
+    if (a->idx64)
+        ((int64_t *)a->idx)[pos] = j;
+    else
+        ((int32_t *)a->idx)[pos] = (int32_t)j;
+}
+
+/* Mean of the nu value rows chosen[0:nu] of group g into o[0:Dv]: per element the sum in draw
+ * order times 1/nu (vector accumulators, 4 vectors of columns at a time). */
+static void gather_mean(const struct fused_args *a, int64_t g, const int64_t *chosen, float *o) {
+    const float *v = (const float *)a->v;
+    const int64_t base = ((const int64_t *)a->offs)[g];
+    const int64_t Dv = a->Dv, nu = a->nu, step = a->step, sr = a->v_sr;
+    const float inv = 1.0f / (float)nu;
+    int64_t d = 0;
+    for (; d + 4 * VW <= Dv; d += 4 * VW) {
+        vwf a0 = splatw(0.0f), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t kk = 0; kk < nu; kk++) {
+            const float *vr = v + (base + chosen[kk] * step) * sr + d;
+            a0 += ldw(vr);
+            a1 += ldw(vr + VW);
+            a2 += ldw(vr + 2 * VW);
+            a3 += ldw(vr + 3 * VW);
+        }
+        stw(o + d, a0 * inv);
+        stw(o + d + VW, a1 * inv);
+        stw(o + d + 2 * VW, a2 * inv);
+        stw(o + d + 3 * VW, a3 * inv);
+    }
+    for (; d + VW <= Dv; d += VW) {
+        vwf a0 = splatw(0.0f);
+        for (int64_t kk = 0; kk < nu; kk++) a0 += ldw(v + (base + chosen[kk] * step) * sr + d);
+        stw(o + d, a0 * inv);
+    }
+    for (; d < Dv; d++) {
+        float t = 0.0f;
+        for (int64_t kk = 0; kk < nu; kk++) t += v[(base + chosen[kk] * step) * sr + d];
+        o[d] = t * inv;
+    }
+}
+
+/* per-thread scratch */
+struct scratch {
+    float *qs, *S, *E, *cum, *A;
+    float *rmax, *rsum; /* key-blocked: per tile row, the running maximum and mass */
+    int64_t *chosen;    /* MR x nu drawn keys */
+    int64_t ld;
+};
+
+static void scratch_free(struct scratch *w) {
+    free(w->qs);
+    free(w->S);
+    free(w->E);
+    free(w->cum);
+    free(w->A);
+    free(w->rmax);
+    free(w->rsum);
+    free(w->chosen);
+}
+
+static inline int64_t chunk_row(const struct fused_args *a, int64_t g, int64_t i) {
+    return (g - a->g0) * (a->i1 - a->i0) + (i - a->i0);
+}
+
+/* Dense draws of row i from its scores s[0:L] (overwritten by the CDF) into ch[0:nu]; returns
+ * whether the row has a key of positive weight. */
+static int dense_row(const struct fused_args *a, struct scratch *w, int64_t g, int64_t i,
+                     float *s, int64_t L, int64_t *ch) {
+    const int64_t nu = a->nu;
+    const uint64_t rk = row_key(a, g, i);
+    float m = L > 0 ? max_row(s, L) : -INFINITY;
+    if (!(m > -INFINITY)) return 0;
+    int64_t nb, bl;
+    layout(L, &nb, &bl);
+    exp_row(s, L, m, s, nb * bl, 0);
+    float total = cdf_float(s, nb, bl, w->cum);
+    for (int64_t kk = 0; kk < nu; kk++) ch[kk] = FIND(s, w->cum, nb, bl, uniform(rk, kk) * total);
+    return 1;
+}
+
+/*
+ * Key block blk (keys jb .. jb + L - 1, scores s[0:L]) of row i: with the block's maximum m_b
+ * and mass t_b = sum 2^(s - m_b), the row's running maximum M and mass R (relative to M) become
+ * those of all blocks so far, and each draw is replaced with probability p = t_b 2^(m_b - M') /
+ * R' (the block's share of the mass so far) by the inverse-CDF key of u / p within the block.
+ * The same coin and lookup as sample_rows.c's block kernel; the mass is kept linearly (one
+ * exp2f per block instead of two log2f and two exp2f).
+ */
+static void block_row(const struct fused_args *a, struct scratch *w, int64_t g, int64_t i,
+                      int64_t r, const float *s, int64_t L, int64_t jb, int64_t blk) {
+    const int64_t nu = a->nu;
+    float m = max_row(s, L);
+    if (!(m > -INFINITY)) return;
+    int64_t nb, bl;
+    layout(L, &nb, &bl);
+    exp_row(s, L, m, w->E, nb * bl, 0);
+    float total = cdf_float(w->E, nb, bl, w->cum);
+    float M = w->rmax[r], R = w->rsum[r], share, p;
+    if (!(M > -INFINITY)) {
+        M = m;
+        R = total;
+        p = 1.0f;
+    } else if (m <= M) {
+        share = total * exp2f(m - M);
+        R += share;
+        p = share / R;
+    } else {
+        R = R * exp2f(M - m) + total;
+        M = m;
+        p = total / R;
+    }
+    w->rmax[r] = M;
+    w->rsum[r] = R;
+    const uint64_t rk = row_key(a, g, i);
+    int64_t *ch = w->chosen + r * nu;
+    for (int64_t kk = 0; kk < nu; kk++) {
+        float uk = uniform(rk, blk * nu + kk);
+        if (!(uk < p)) continue;
+        float x = uk / p;
+        if (x > BELOW_ONE_F) x = BELOW_ONE_F;
+        ch[kk] = jb + FIND(w->E, w->cum, nb, bl, x * total);
+    }
+}
+
+/* Row i's flag, keys and mean drawn value row (zeros for an empty row). */
+static void finish_row(const struct fused_args *a, int64_t g, int64_t i, int ok, int64_t *ch) {
+    const int64_t nu = a->nu;
+    ((uint8_t *)a->empty)[g * a->M + i] = (uint8_t)!ok;
+    if (!ok)
+        for (int64_t kk = 0; kk < nu; kk++) ch[kk] = 0;
+    if (a->idx) {
+        const int64_t base = chunk_row(a, g, i) * nu;
+        for (int64_t kk = 0; kk < nu; kk++) put_idx(a, base + kk, ch[kk]);
+    }
+    if (a->out) {
+        float *o = (float *)a->out + (g * a->M + i) * a->Dv;
+        if (ok)
+            gather_mean(a, g, ch, o);
+        else
+            for (int64_t d = 0; d < a->Dv; d++) o[d] = 0.0f;
+    }
+}
+
+/* s[0:L] += the bias of row i of group g at keys j0 .. j0 + L - 1 (when there is a mask). */
+static inline void add_bias(const struct fused_args *a, int64_t g, int64_t i, int64_t j0,
+                            float *s, int64_t L) {
+    if (a->bias == 0) return;
+    const float *b = (const float *)a->bias + g * a->b_sg + i * a->b_sm + j0;
+    for (int64_t j = 0; j < L; j++) s[j] += b[j];
+}
+
+/*
+ * One tile: rows t .. t + nr - 1 of group g. Scores by the micro-GEMM (per key block for the
+ * key-blocked sampler, whose panels Kp start at each block: ppb panels per block), the bias and
+ * the causal limit, then per row the sampler or the moments.
+ */
+static void tile(const struct fused_args *a, float scale, int moments, const float *Kp,
+                 int64_t ppb, const float *VV, const float *vbar, int64_t W, struct scratch *w,
+                 int64_t g, int64_t t) {
+    const int64_t D = a->D, Lk = a->Lk;
+    const int64_t nr = a->i1 - t < MR ? a->i1 - t : MR;
+    const float *q = (const float *)a->q + g * a->q_sg;
+    int64_t nk[MR], nkt = 0;
+    for (int r = 0; r < MR; r++) {
+        int64_t i = t + r;
+        if (r < nr) {
+            const float *qr = q + i * a->q_sm;
+            for (int64_t d = 0; d < D; d++) w->qs[r * D + d] = qr[d] * scale;
+            int64_t lim = a->causal ? i % a->lq + 1 : Lk;
+            nk[r] = lim < Lk ? lim : Lk;
+        } else {
+            for (int64_t d = 0; d < D; d++) w->qs[r * D + d] = 0.0f;
+            nk[r] = 0;
+        }
+        nkt = nk[r] > nkt ? nk[r] : nkt;
+    }
+    if (!moments && a->block > 0) { /* key-blocked sampler */
+        const int64_t B = a->block;
+        for (int64_t r = 0; r < nr; r++) {
+            w->rmax[r] = -INFINITY;
+            w->rsum[r] = 0.0f;
+            for (int64_t kk = 0; kk < a->nu; kk++) w->chosen[r * a->nu + kk] = 0;
+        }
+        for (int64_t jb = 0, blk = 0; jb < nkt; jb += B, blk++) {
+            const int64_t nkb = nkt - jb < B ? nkt - jb : B;
+            score_tile(w->qs, Kp + blk * ppb * D * NR, D, (nkb + NR - 1) / NR, w->S, w->ld);
+            for (int64_t r = 0; r < nr; r++) {
+                int64_t L = nk[r] - jb < B ? nk[r] - jb : B;
+                if (L <= 0) continue;
+                float *s = w->S + r * w->ld;
+                add_bias(a, g, t + r, jb, s, L);
+                block_row(a, w, g, t + r, r, s, L, jb, blk);
+            }
+        }
+        for (int64_t r = 0; r < nr; r++)
+            finish_row(a, g, t + r, w->rmax[r] > -INFINITY, w->chosen + r * a->nu);
+        return;
+    }
+    const int64_t np = (nkt + NR - 1) / NR;
+    score_tile(w->qs, Kp, D, np, w->S, w->ld);
+    if (!moments) {
+        for (int64_t r = 0; r < nr; r++) {
+            float *s = w->S + r * w->ld;
+            add_bias(a, g, t + r, 0, s, nk[r]);
+            int ok = dense_row(a, w, g, t + r, s, nk[r], w->chosen);
+            finish_row(a, g, t + r, ok, w->chosen);
+        }
+        return;
+    }
+    /* moments: e in place (zero past each row's keys, up to the panels' end), row sums */
+    float l[MR];
+    const int64_t kend = np * NR;
+    for (int64_t r = 0; r < MR; r++) {
+        float *s = w->S + r * w->ld;
+        float m = -INFINITY;
+        if (r < nr && nk[r] > 0) {
+            add_bias(a, g, t + r, 0, s, nk[r]);
+            m = max_row(s, nk[r]);
+        }
+        if (m > -INFINITY) {
+            l[r] = exp_row(s, nk[r], m, s, kend, 1);
+        } else {
+            l[r] = 0.0f;
+            for (int64_t j = 0; j < kend; j++) s[j] = 0.0f;
+        }
+    }
+    for (int64_t c0 = 0; c0 < W; c0 += NR) pv_tile(w->S, w->ld, nkt, VV, W, c0, w->A, W);
+    const int64_t Dv = a->Dv;
+    for (int64_t r = 0; r < nr; r++) {
+        int64_t i = t + r;
+        float *mo = (float *)a->out + (g * a->M + i) * Dv;
+        float *vo = (float *)a->var + (g * a->M + i) * Dv;
+        const float *ar = w->A + r * W;
+        int ok = l[r] > 0.0f;
+        ((uint8_t *)a->empty)[g * a->M + i] = (uint8_t)!ok;
+        if (!ok) {
+            for (int64_t d = 0; d < Dv; d++) mo[d] = vo[d] = 0.0f;
+            continue;
+        }
+        float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < Dv; d++) {
+            float mc = ar[d] * inv;
+            float var = ar[Dv + d] * inv - mc * mc;
+            mo[d] = mc + vbar[d];
+            vo[d] = var > 0.0f ? var : 0.0f;
+        }
+    }
+}
+
+/* vbar = mean of the group's value rows; VV[j] = [vc_j, vc_j^2, 0 ...] (W columns). */
+static void pack_values(const struct fused_args *a, int64_t g, int64_t W, float *VV,
+                        float *vbar) {
+    const float *v = (const float *)a->v;
+    const int64_t base = ((const int64_t *)a->offs)[g], Dv = a->Dv, Lk = a->Lk;
+    double *acc = (double *)calloc((size_t)(Dv > 0 ? Dv : 1), sizeof(double));
+    for (int64_t j = 0; j < Lk; j++) {
+        const float *vr = v + (base + j * a->step) * a->v_sr;
+        if (acc)
+            for (int64_t d = 0; d < Dv; d++) acc[d] += vr[d];
+    }
+    for (int64_t d = 0; d < Dv; d++) vbar[d] = acc ? (float)(acc[d] / (double)Lk) : 0.0f;
+    free(acc);
+    for (int64_t j = 0; j < Lk; j++) {
+        const float *vr = v + (base + j * a->step) * a->v_sr;
+        float *dst = VV + j * W;
+        for (int64_t d = 0; d < Dv; d++) {
+            float c = vr[d] - vbar[d];
+            dst[d] = c;
+            dst[Dv + d] = c * c;
+        }
+        for (int64_t c = 2 * Dv; c < W; c++) dst[c] = 0.0f;
+    }
+}
+
+/* Returns 0, or 1 when scratch could not be allocated. */
+static int64_t run(const struct fused_args *a, float scale, int moments) {
+    const int64_t Lk = a->Lk, D = a->D;
+    /* keys in blocks of Bk (the key-blocked sampler's block, else all keys), ppb panels each */
+    const int64_t Bk = !moments && a->block > 0 && a->block < Lk ? a->block : Lk;
+    const int64_t nblk = (Lk + Bk - 1) / Bk, ppb = (Bk + NR - 1) / NR;
+    const int64_t W = moments ? (2 * a->Dv + NR - 1) / NR * NR : 0;
+    /* a row of L keys pads to nb bl < L + nb(L) weights, nb(L) <= nb(Bk) */
+    int64_t nbb, blb;
+    layout(Bk, &nbb, &blb);
+    const int64_t ld = (ppb * NR > Bk + nbb ? ppb * NR : Bk + nbb) + VW;
+    float *Kp = (float *)alloc64((size_t)(nblk * ppb * D * NR) * sizeof(float));
+    float *VV = moments ? (float *)alloc64((size_t)(Lk * W) * sizeof(float)) : NULL;
+    float *vbar = moments ? (float *)alloc64((size_t)a->Dv * sizeof(float)) : NULL;
+    if (Kp == NULL || (moments && (VV == NULL || vbar == NULL))) {
+        free(Kp);
+        free(VV);
+        free(vbar);
+        return 1;
+    }
+    int64_t err = 0;
+    int64_t nth = a->nthreads;
+    (void)nth;
+    const int64_t ntile = (a->i1 - a->i0 + MR - 1) / MR;
+    const int64_t nu1 = a->nu > 0 ? a->nu : 1;
+#pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : err)
+    {
+        struct scratch w = {0};
+        w.ld = ld;
+        w.qs = (float *)alloc64((size_t)(MR * (D > 0 ? D : 1)) * sizeof(float));
+        w.S = (float *)alloc64((size_t)(MR * ld) * sizeof(float));
+        w.E = (float *)alloc64((size_t)(Bk + nbb + VW) * sizeof(float));
+        w.cum = (float *)alloc64((size_t)(nbb + 1) * sizeof(float));
+        w.A = moments ? (float *)alloc64((size_t)(MR * W) * sizeof(float)) : NULL;
+        w.rmax = (float *)alloc64(MR * sizeof(float));
+        w.rsum = (float *)alloc64(MR * sizeof(float));
+        w.chosen = (int64_t *)malloc((size_t)(MR * nu1) * sizeof(int64_t));
+        int mine = w.qs && w.S && w.E && w.cum && w.rmax && w.rsum && w.chosen &&
+                   (!moments || w.A);
+        if (!mine) err |= 1;
+        for (int64_t g = a->g0; g < a->g1; g++) {
+#pragma omp single
+            {
+                const float *kg = (const float *)a->k + g * a->k_sg;
+                for (int64_t b = 0; b < nblk; b++) {
+                    int64_t j0 = b * Bk, nkb = Lk - j0 < Bk ? Lk - j0 : Bk;
+                    pack_k(kg + j0 * a->k_sl, a->k_sl, nkb, D, ppb, Kp + b * ppb * D * NR);
+                }
+                if (moments) pack_values(a, g, W, VV, vbar);
+            }
+#pragma omp for schedule(static)
+            for (int64_t tt = 0; tt < ntile; tt++)
+                if (mine) tile(a, scale, moments, Kp, ppb, VV, vbar, W, &w, g, a->i0 + tt * MR);
+        }
+        scratch_free(&w);
+    }
+    free(Kp);
+    free(VV);
+    free(vbar);
+    return err;
+}
+
+int64_t attnuq_fused_sample_f32(const int64_t *words, double scale) {
+    return run((const struct fused_args *)words, (float)scale, 0);
+}
+
+int64_t attnuq_fused_moments_f32(const int64_t *words, double scale) {
+    return run((const struct fused_args *)words, (float)scale, 1);
+}
