@@ -272,12 +272,15 @@ def native_status() -> dict[str, object]:
     owns it, ...). Without the kernels the pure-torch paths run: the same distribution for the
     sampler, the same numbers to rounding for Levy attention and the moments.
 
-    Dispatch on the CPU (:func:`attnuq.ops.sampled_attention`, :func:`attnuq.ops.attention_moments`):
-    float32 computation (float32, float16 and bfloat16 inputs) with no gradient for ``v``
-    (moments: for none of ``q``, ``k``, ``v``) takes the fused kernels when ``fused`` is true
-    and any ``attn_mask`` fits one bias table (a mask that is the same for every query, or at
-    most ``2**22`` elements once expanded to every query row); the moments also need
-    ``block_size=None``. Otherwise the sampler runs torch's score GEMM and the row kernels
+    Dispatch on the CPU. :func:`attnuq.ops.sampled_attention` (dense or key-blocked) with
+    float32 computation (float32, float16 and bfloat16 inputs) takes the fused kernels when
+    ``fused`` is true and any ``attn_mask`` fits one bias table (a mask that is the same for
+    every query, or at most ``2**22`` elements once expanded to every query row): scores, draws
+    and the gather of the drawn value rows in one pass (with a gradient for ``v`` the kernel
+    draws the indices and ``embedding_bag`` gathers them, as the backward needs).
+    :func:`attnuq.ops.attention_moments` takes them under the same conditions with
+    ``block_size=None`` and no gradient for ``q``, ``k`` or ``v``. Otherwise (float64, a larger
+    per-query mask, :func:`unfused`) the sampler runs torch's score GEMM and the row kernels
     (``available``), or pure torch ops.
 
     Examples

@@ -1,0 +1,268 @@
+"""Tests of the fused CPU kernels (``csrc/fused.c``, :func:`attnuq.ops._native.fused_call`).
+
+The scores are made exact in float32 (small integer queries and keys, scale 1 in log2 units,
+boolean masks), so every draw can be checked against the exact (float64) inverse CDF in the
+kernel's key order with the uniforms the kernel derives from its seed (SplitMix64, re-derived
+here in Python): a wrong key order, block, uniform or lookup fails deterministically. The
+statistical checks of the fused path (chi-square against the softmax, moments against the
+closed form, masks, causal, GQA, the same generator state giving the same draws) are the
+sampler tests of ``test_sampled.py`` and ``test_sampled_sizes.py``, which run every CPU path
+(``tests/ops/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnuq.ops import _native
+
+needs_kernel = pytest.mark.skipif(
+    not _native.available(),
+    reason=f"native kernels unavailable: {_native.status()['reason']}",
+)
+
+LANES, MAXBL = 8, 16  # the CDF layout of csrc/cdf.h
+_M64 = (1 << 64) - 1
+# tolerance of a uniform's distance to a CDF edge: the kernel's 2^x is within 2e-7 (relative)
+# and its sums have at most nb + 16 float32 terms; the largest miss measured in
+# test_native.py's row-kernel test was 4.2e-7
+TOL = 1e-6
+
+
+def _mix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _uniforms(seed: int, row: int, n: int) -> list[float]:
+    """The first ``n`` uniforms of global query row ``row`` (``g * M + i``), as csrc/fused.c
+    derives them: a SplitMix64 stream per row, the top 24 bits of each output."""
+    rk = _mix64((seed + (row + 1) * 0xD1B54A32D192ED03) & _M64)
+    return [(_mix64((rk + (c + 1) * 0x9E3779B97F4A7C15) & _M64) >> 40) * 2.0**-24
+            for c in range(n)]
+
+
+def _kernel_order(lk: int) -> list[int]:
+    """The CDF order of csrc/cdf.h: ``nb = 8 ceil(L / 128)`` blocks, key ``j = l nb + b`` is
+    entry ``l`` of block ``b``; blocks in order, entries in order."""
+    nb = max(LANES, LANES * -(-lk // (LANES * MAXBL)))
+    return sorted(range(lk), key=lambda j: (j % nb, j // nb))
+
+
+def _inverse_cdf(w: list[float], x: float) -> tuple[int | None, bool]:
+    """``(key, sure)``: the key of threshold ``x`` in ``[0, 1)`` under weights ``w`` taken in the
+    kernel order, and whether ``x`` is farther than TOL from every CDF edge."""
+    order = _kernel_order(len(w))
+    total = math.fsum(w)
+    c = 0.0
+    for j in order:
+        lo, c = c, c + w[j] / total
+        if w[j] > 0 and lo <= x < c:
+            return j, abs(x - lo) > TOL and abs(c - x) > TOL
+    return None, False
+
+
+def _case(g: int, m: int, lk: int, d: int, dv: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-3, 4, (g, m, d), generator=gen).float()
+    k = torch.randint(-3, 4, (g, lk, d), generator=gen).float()
+    v = torch.randn(g * lk, dv, generator=gen)
+    offs = torch.arange(g, dtype=torch.int64) * lk
+    return q, k, v, offs
+
+
+def _run(q, k, v, offs, nu, *, keep=None, causal_lq=0, block=0, seed=12345, idt=torch.int64):
+    g, m, _ = q.shape
+    bias = None
+    if keep is not None:  # (G, 1 | M, Lk) boolean -> additive log2 bias
+        bias = torch.where(keep, 0.0, float("-inf")).float()
+    idx = torch.empty(g, m, nu, dtype=idt)
+    out = torch.empty(g, m, v.shape[1])
+    empty = torch.empty(g, m, dtype=torch.bool)
+    _native.fused_call("sample", q, k, 1.0, bias, causal_lq, (0, g, 0, m), v, offs, 1,
+                       v.shape[1], empty, seed=seed, nu=nu, block=block, out=out, idx=idx)
+    return idx, out, empty, bias
+
+
+def _exact_scores(q, k, bias, causal_lq):
+    """float64 scores ``(G, M, Lk)`` (exact: small integers) and each row's key count."""
+    s = q.double() @ k.double().transpose(1, 2)
+    if bias is not None:
+        s = s + bias.double()
+    m, lk = q.shape[1], k.shape[1]
+    nk = [min(lk, i % causal_lq + 1) if causal_lq else lk for i in range(m)]
+    return s, nk
+
+
+@needs_kernel
+@pytest.mark.parametrize("lk", [1, 17, 100, 300])
+@pytest.mark.parametrize("variant", ["plain", "key-mask", "row-mask", "causal"])
+def test_dense_draws_are_the_exact_inverse_cdf_of_the_seeded_uniforms(lk, variant):
+    """Every draw of the dense fused sampler is the key whose CDF interval (kernel order, over
+    the keys the row may see) holds its uniform; masked and future keys are never drawn; rows
+    with no key are flagged empty with zero output; the output row is the mean of the drawn
+    value rows (float32 sums of nu = 24 rows: 1e-5)."""
+    g, m, d, dv, nu = 2, 21, 5, 7, 24
+    q, k, v, offs = _case(g, m, lk, d, dv, seed=lk)
+    keep, causal_lq = None, 0
+    gen = torch.Generator().manual_seed(lk + 1)
+    if variant == "key-mask":
+        keep = torch.rand(g, 1, lk, generator=gen) < 0.7
+        keep[1] = False  # every row of group 1 is empty
+    elif variant == "row-mask":
+        keep = torch.rand(g, m, lk, generator=gen) < 0.5
+        keep[0, 3] = False
+    elif variant == "causal":
+        causal_lq = 7  # M = 3 query heads of Lq = 7 (GQA folding)
+    idx, out, empty, bias = _run(q, k, v, offs, nu, keep=keep, causal_lq=causal_lq,
+                                 idt=torch.int32 if lk == 17 else torch.int64)
+    s, nk = _exact_scores(q, k, bias, causal_lq)
+    checked = 0
+    for gi in range(g):
+        for i in range(m):
+            row = s[gi, i, : nk[i]]
+            if not bool(torch.isfinite(row).any()):
+                assert empty[gi, i] and (idx[gi, i] == 0).all() and (out[gi, i] == 0).all()
+                continue
+            assert not empty[gi, i]
+            w = torch.exp2(row - row.max()).tolist()
+            us = _uniforms(12345, gi * m + i, nu)
+            for kk in range(nu):
+                j = int(idx[gi, i, kk])
+                assert j < nk[i] and w[j] > 0, (gi, i, j)  # neither future nor masked
+                want, sure = _inverse_cdf(w, us[kk])
+                if sure:
+                    assert j == want, (gi, i, kk, j, want)
+                    checked += 1
+            mean = v[offs[gi] + idx[gi, i].long()].double().mean(0)
+            torch.testing.assert_close(out[gi, i].double(), mean, rtol=0, atol=1e-5)
+    assert checked > 0.95 * nu * sum(1 for x in nk if x) * (1 if variant == "plain" else 0.3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("lk,block", [(50, 16), (300, 128), (33, 32)])
+def test_blocked_draws_follow_the_running_choice_with_the_seeded_uniforms(lk, block):
+    """The key-blocked fused sampler against a float64 replay of its algorithm: per key block
+    b (in order) the share p_b of the block in the mass of blocks 0..b; draw k is replaced iff
+    its uniform u (number b nu + k of the row's stream) is below p_b, by the block's
+    inverse-CDF key of u / p_b. Draws whose coin or lookup is within TOL of an edge in any
+    block are not compared (float32 rounding of p_b); at least 90 % are."""
+    g, m, d, dv, nu = 2, 9, 4, 3, 16
+    q, k, v, offs = _case(g, m, lk, d, dv, seed=lk + block)
+    keep = torch.rand(g, 1, lk, generator=torch.Generator().manual_seed(2)) < 0.8
+    keep[0, 0, :block] = False  # group 0: the first block is empty
+    idx, _, empty, bias = _run(q, k, v, offs, nu, keep=keep, block=block)
+    s, _ = _exact_scores(q, k, bias, 0)
+    nblk = -(-lk // block)
+    compared = total = 0
+    for gi in range(g):
+        for i in range(m):
+            us = _uniforms(12345, gi * m + i, nblk * nu)
+            row = s[gi, i]
+            mx = float(row.max())
+            w_all = torch.exp2(row - mx).tolist()
+            for kk in range(nu):
+                choice, sure, seen = 0, True, 0.0
+                for b in range(nblk):
+                    wb = w_all[b * block: (b + 1) * block]
+                    mass = math.fsum(wb)
+                    if mass == 0:
+                        continue
+                    seen += mass
+                    p = mass / seen
+                    u = us[b * nu + kk]
+                    sure = sure and abs(u - p) > TOL
+                    if u < p:
+                        j, ok = _inverse_cdf(wb, min(u / p, 1 - 2**-24))
+                        sure = sure and ok
+                        choice = b * block + (j if j is not None else 0)
+                total += 1
+                if sure:
+                    compared += 1
+                    assert int(idx[gi, i, kk]) == choice, (gi, i, kk)
+            assert not empty[gi, i]
+    assert compared >= 0.9 * total
+
+
+@needs_kernel
+def test_threads_and_index_width_change_no_draw():
+    """Tiles are split over OpenMP threads; each row's draws depend on its scores and its own
+    uniform stream only, so two threads give the same keys and output, and int32 indices the
+    int64 ones."""
+    q, k, v, offs = _case(3, 200, 150, 8, 5, seed=9)  # 600 rows x 150 keys: 2 workers
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = _run(q, k, v, offs, 6)
+        torch.set_num_threads(2)
+        assert _native._row_workers(600, 150, 6) == 2
+        two = _run(q, k, v, offs, 6)
+    finally:
+        torch.set_num_threads(threads)
+    narrow = _run(q, k, v, offs, 6, idt=torch.int32)
+    for a, b in zip(one[:3], two[:3], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(one[0], narrow[0].long()) and torch.equal(one[1], narrow[1])
+
+
+@needs_kernel
+def test_fused_call_rejects_bad_buffers():
+    q, k, v, offs = _case(1, 4, 6, 3, 2, seed=1)
+    empty = torch.empty(1, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="inconsistent buffers"):
+        _native.fused_call("sample", q.double(), k, 1.0, None, 0, (0, 1, 0, 4), v, offs, 1, 2,
+                           empty, seed=1, nu=2)
+    with pytest.raises(ValueError, match="seed -1"):
+        _native.fused_call("sample", q, k, 1.0, None, 0, (0, 1, 0, 4), v, offs, 1, 2, empty,
+                           seed=-1, nu=2)
+    with pytest.raises(ValueError, match="inconsistent buffers"):
+        _native.fused_call("moments", q, k, 1.0, None, 0, (0, 1, 0, 4), v, offs, 1, 2, empty,
+                           out=torch.empty(1, 4, 2))  # no var
+    with pytest.raises(ValueError, match="inconsistent buffers"):
+        _native.fused_call("softmax", q, k, 1.0, None, 0, (0, 1, 0, 4), v, offs, 1, 2, empty)
+
+
+def _portable_case():
+    from attnuq.ops import attention_moments
+    from attnuq.ops.sampled import _sample_indices
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 50, 40, generator=gen), torch.randn(2, 3, 150, 40, generator=gen)
+    v = torch.randn(2, 3, 150, 24, generator=gen)
+    keep = torch.rand(2, 1, 1, 150, generator=gen) > 0.2
+    draws = [
+        _sample_indices(q, k, v, nu=30, generator=torch.Generator().manual_seed(3), **kw)[0]
+        for kw in ({}, {"is_causal": True}, {"attn_mask": keep, "block_size": 32})
+    ]
+    return draws, attention_moments(q, k, v, attn_mask=keep)
+
+
+@needs_kernel
+def test_the_portable_build_draws_what_the_vector_build_draws(monkeypatch):
+    """``ATTNUQ_NATIVE_PORTABLE=1`` builds the fused kernels without AVX-512 (8 lanes, the
+    AVX2 path; on an AVX2 machine both builds are that one). Every score is the same sequence
+    of float32 fused multiply-adds over the features in both (one lane per key), 2^x and the
+    lookup are the same operations, so the draws are the same keys; the moments sum their
+    lanes in another order: equal to 1e-6 (values of order 1)."""
+    ref_draws, ref_moments = _portable_case()
+    saved = _native._load.cache_info().currsize
+    monkeypatch.setenv("ATTNUQ_NATIVE_PORTABLE", "1")
+    _native._load.cache_clear()
+    try:
+        st = _native.native_status()
+        assert st["available"] and st["simd"] == "portable", st
+        assert "-mno-avx512f" in str(st["reason"])
+        draws, moments = _portable_case()
+    finally:
+        monkeypatch.undo()
+        _native._load.cache_clear()
+        if saved:
+            _native._load()
+    assert _native.native_status()["simd"] in ("avx512", "portable")
+    for a, b in zip(draws, ref_draws, strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(moments, ref_moments, rtol=0, atol=1e-6)
