@@ -62,6 +62,7 @@ _CHEAP_KW: dict[str, dict[str, Any]] = {
     "sa-paper": {"n_samples": 8, "n_passes": 3, "progress": False},
     "sa-scale": {"n_samples": 8, "n_passes": 3, "progress": False},
     "sa-crps": {"n_samples": 8, "n_passes": 3, "progress": False},
+    "sa-coverage": {"n_samples": 8, "n_passes": 3, "progress": False},
     "sa-conformal": {"n_samples": 8, "n_passes": 3, "progress": False},
     "sa": {"n_samples": 8, "n_passes": 3, "progress": False},
     "sa-debiased": {"n_samples": 8, "n_passes": 3, "progress": False},

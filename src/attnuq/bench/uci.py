@@ -58,11 +58,12 @@ from attnuq.distributed import is_writer
 __all__ = ["DEFAULT_METHODS", "aggregate", "render_page", "run", "run_one", "write_table"]
 
 DEFAULT_METHODS: tuple[str, ...] = (
-    "sa", "sa-paper", "sa-scale", "sa-crps", "sa-conformal", "sa-debiased", "sa-recentred",
-    "sa-floor", "sa-layer", "mc-dropout", "ensemble", "swag", "multiswag", "ivon", "laplace", "hsa",
-    "conformal", "gaussian")
+    "sa", "sa-paper", "sa-scale", "sa-crps", "sa-conformal", "sa-debiased", "sa-coverage",
+    "sa-recentred", "sa-floor", "sa-layer", "mc-dropout", "ensemble", "swag", "multiswag", "ivon",
+    "laplace", "hsa", "conformal", "gaussian")
 _SAMPLED = {"sa-paper", "sa-scale", "sa-crps", "sa-conformal", "mc-dropout", "swag", "multiswag",
-            "ivon", "hsa", "sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer"}
+            "ivon", "hsa", "sa", "sa-debiased", "sa-coverage", "sa-recentred", "sa-floor",
+            "sa-layer"}
 _LEVEL = 0.95
 #: ``--batch-size auto``: (fit rows at most, batch size), else the last
 AUTO_BATCH = ((2_000, 32), (20_000, 128), (None, 256))

@@ -19,6 +19,7 @@ Registered names (:func:`available_methods`):
 ``sa-floor``   ``sa-paper`` with the conformal floor of ``sa``
 ``sa-scale``   SA, ``nu`` by matching the perturbation scale to the residual scale
 ``sa-crps``    SA, ``nu`` by minimum CRPS
+``sa-coverage`` SA, ``nu`` by the val coverage of the passes' Student-t 95 % interval
 ``sa-conformal`` SA (``L_SA``) + split-conformal scaling on the ``cal`` part
 ``sa-layer``   SA with a per-layer ``nu_l = nu_0 r^(l/(L-1))`` (CRPS; ablation of ``sa-crps``)
 ``mc-dropout`` dropout active at test time on the frozen model
@@ -80,6 +81,7 @@ register_method("sa-recentred", StochasticAttention, criterion="paper", recentre
 register_method("sa-floor", StochasticAttention, criterion="paper", floor=True)
 register_method("sa-scale", StochasticAttention, criterion="scale")
 register_method("sa-crps", StochasticAttention, criterion="crps")
+register_method("sa-coverage", StochasticAttention, criterion="coverage")
 register_method("sa-conformal", StochasticAttention, criterion="paper", conformal=True)
 register_method("sa-layer", StochasticAttention, criterion="crps", per_layer="geometric")
 register_method("mc-dropout", MCDropout)
