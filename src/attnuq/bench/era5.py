@@ -492,10 +492,10 @@ def render(p: dict[str, Any]) -> Page:
                            floor={k: res[k] for k in sc})
             page.add("")
     if "sa" in res:  # issue #20's goal for this suite, read off the W1 column
-        w1 = {f"+{ld}h": res["sa"]["per_lead"][f"+{ld}h"]["pit_w1"] for ld in leads}
+        sa_w1 = {f"+{ld}h": res["sa"]["per_lead"][f"+{ld}h"]["pit_w1"] for ld in leads}
         page.add("Issue #20's ERA5 goal, native W1(PIT, U) of `sa` at most 0.05 at every lead: "
                  + "; ".join(f"{k} {fmt(v)} ({'met' if v <= 0.05 else 'not met'})"
-                             for k, v in w1.items()) + ".", "")
+                             for k, v in sa_w1.items()) + ".", "")
     if scored:
         page.implementations(p["implementations"])
     if c.get("note"):
