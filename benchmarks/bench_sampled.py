@@ -75,23 +75,24 @@ TARGETS = {
 }
 WHY_NOT = {
     "sampled_attention nu=8": (
-        "the sampler's floor is the score GEMM plus the exponentials; the scores come from "
-        "torch's batched GEMM (`baddbmm` into a cache-sized chunk), which alone costs about "
-        "0.6x SDPA here because SDPA's flash kernel keeps its tiles in cache and the GEMM "
-        "writes a 1 MiB score matrix per head; reaching 0.7x needs a fused score tile "
-        "(micro-GEMM + exp + CDF per row in registers/L1), not attempted in this round"
+        "the fused kernel (`csrc/fused.c`: per tile of 8 query rows a register-blocked "
+        "micro-GEMM of the scores, then max, 2^x, the block CDF, the draws and the gather in "
+        "L1/L2) costs about its score GEMM (2 L D flops per query, the same as SDPA's first "
+        "GEMM) plus the exponentials, i.e. a little over half of SDPA, plus the input checks of "
+        "`prepare` (one pass over q, k and v); on this shared machine the ratio moves by about "
+        "+-0.1 between runs with the load of the other jobs"
     ),
     "attention_moments (mean + var)": (
-        "the path is now two fused SDPA calls (values `v - vbar` and `(v - vbar)^2`; the CPU "
-        "flash kernel needs equal query and value widths, so one call with `[v, v^2]` would "
-        "need zero-padded queries and keys, the same work): its floor is 2x SDPA plus the "
-        "input checks; 1.5x needs one fused pass over the keys with a width-2Dv accumulator "
-        "at flash efficiency (our own kernel)"
+        "the fused kernel does the score GEMM and one GEMM of the weights with `[vc, vc^2]` "
+        "(width 2 Dv): 3 L D (D + 2 Dv) / D flops per query against SDPA's 2 GEMMs of the "
+        "same width as its scores, so its floor at equal GEMM efficiency is 1.5x SDPA"
     ),
     "sampled_attention nu=8, block_size=128": (
-        "now a C kernel per key block (max, 2^x, block CDF, running log-mass, every draw's "
-        "coin and lookup in one pass) after torch's score GEMM per block; the remaining cost "
-        "over the dense path is the per-block GEMM calls and one uniform per draw and block"
+        "the fused kernel computes each key block's score tile with the same micro-GEMM and "
+        "runs the running-choice update per block (block max, 2^x, block CDF, one exp2f for "
+        "the running mass, one uniform per draw and block, the coin and the lookup); the cost "
+        "over the dense kernel is the per-block work on 4 blocks of 128 keys and about twice "
+        "the lookups (a draw is replaced in block b with probability ~1/b)"
     ),
 }
 
@@ -129,6 +130,22 @@ def speed(repeats: int) -> list[dict[str, Any]]:
         ("attention_moments, torch path (block_size=512)", None,
          lambda: attention_moments(q, k, v, block_size=512), sdpa(), "SDPA"),
     ]
+    if _native.available():  # the row kernels (torch's score GEMM), for comparison
+
+        def unfused(fn: Callable[[], Any]) -> Callable[[], Any]:
+            def run() -> Any:
+                with _native.unfused():
+                    return fn()
+
+            return run
+
+        rows += [
+            ("sampled_attention nu=8, row kernels (unfused)", 8, unfused(sa(8)), sdpa(), "SDPA"),
+            ("sampled_attention nu=8, block_size=128, row kernels (unfused)", 8,
+             unfused(sa(8, block_size=128)), sdpa(), "SDPA"),
+            ("attention_moments, two SDPA calls (unfused)", None,
+             unfused(lambda: attention_moments(q, k, v)), sdpa(), "SDPA"),
+        ]
     if _native.available():  # the pure-torch sampler, for comparison with the C kernel
 
         def torch_path(nu: int) -> Callable[[], Any]:
@@ -202,6 +219,8 @@ def _child(variant: str, threads: int) -> None:
         bs = block if variant == "blocked" else None
         return sampled_attention(q, k, v, nu=MEM_NU, generator=gen, block_size=bs)
 
+    if variant in ("dense-unchunked", "dense-rows"):
+        _native._fused_enabled = False  # torch's score GEMM and the row kernel
     if variant == "dense-unchunked":
         # one whole head (Lq x Lk) per chunk instead of 128-query chunks
         _sampled._DENSE_MIN_ROWS = n
@@ -254,7 +273,8 @@ def memory(threads: int) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
     out = []
-    for variant in tqdm(["dense", "blocked", "dense-unchunked", "sdpa"], desc="memory",
+    for variant in tqdm(["dense", "blocked", "dense-rows", "dense-unchunked", "sdpa"],
+                        desc="memory",
                         file=sys.stderr):
         res = subprocess.run(
             [sys.executable, __file__, "--_child", variant, "--threads", str(threads)],
@@ -324,9 +344,12 @@ def _render_memory(mem: list[dict[str, Any]]) -> list[str]:
     flush_bags = min(g * rows_all, max(1, _sampled._GATHER_OUT_ELEMS // MEM_SHAPE[3]))
     idx_mb = flush_bags * MEM_NU * 4 / 2**20
     y_mb = flush_bags * MEM_SHAPE[3] * 4 / 2**20
-    blk_rows = max(min(rows_all, _sampled._BLOCKED_MIN_ROWS),
-                   _sampled._BLOCKED_SAMPLE_ELEMS // (MEM_BLOCK + MEM_NU))
-    blk_buf_mb = blk_rows * MEM_BLOCK * 4 / 2**20
+    # fused kernels (csrc/fused.c): keys packed in panels of 32 (AVX-512), tiles of 8 rows whose
+    # score rows are padded to the CDF layout (at most Lk + nb(Lk) + 16 floats)
+    kp_mb = -(-n // 32) * 32 * MEM_SHAPE[3] * 4 / 2**20
+    nb_all, nb_blk = 8 * -(-n // 128), 8 * -(-MEM_BLOCK // 128)
+    tile_mb = 8 * (n + nb_all + 16) * 4 / 2**20
+    tile_blk_mb = 8 * (MEM_BLOCK + nb_blk + 16) * 4 / 2**20
     lines = [
         f"## Peak memory: B, H, L, D = {MEM_SHAPE}, nu = {MEM_NU}",
         "",
@@ -334,8 +357,10 @@ def _render_memory(mem: list[dict[str, Any]]) -> list[str]:
         "resident memory during the call minus resident memory just before it (inputs "
         f"excluded, output included; the output itself is {out_mb:.0f} MiB for every variant). "
         "*Working* = peak extra minus the output: the memory a variant needs besides the "
-        "unavoidable result. Variants: `dense` is the shipped dense path (query-chunked); "
-        f"`blocked` is `block_size={MEM_BLOCK}`; `dense-unchunked` is the dense path with one "
+        "unavoidable result. Variants: `dense` is the shipped dense path (the fused kernel); "
+        f"`blocked` is `block_size={MEM_BLOCK}` (the fused kernel); `dense-rows` is the dense "
+        "path with torch's score GEMM into query chunks and the row kernel (what ran before "
+        "the fused kernels, `_native.unfused()`); `dense-unchunked` is that path with one "
         "whole head's `Lq x Lk` matrix per chunk (what a dense operator that materialises the "
         "probabilities costs); `sdpa` is `F.scaled_dot_product_attention` for context.",
         "",
@@ -373,24 +398,30 @@ def _render_memory(mem: list[dict[str, Any]]) -> list[str]:
         "",
         "| blocked / ... | peak extra (incl. output) | working (excl. output) |",
         "|---|---|---|",
-        f"| dense as shipped (query-chunked) | {_verdict(ratio('blocked', 'dense', 0.0))} | "
+        f"| dense as shipped (fused) | {_verdict(ratio('blocked', 'dense', 0.0))} | "
         f"{_verdict(ratio('blocked', 'dense', out_mb))} |",
+        f"| dense with the row kernels (query-chunked) | "
+        f"{_verdict(ratio('blocked', 'dense-rows', 0.0))} | "
+        f"{_verdict(ratio('blocked', 'dense-rows', out_mb))} |",
         f"| dense with query chunking disabled (materialising) | "
         f"{_verdict(ratio('blocked', 'dense-unchunked', 0.0))} | "
         f"{_verdict(ratio('blocked', 'dense-unchunked', out_mb))} |",
         "",
-        "What the working sets hold (sizes computed from the shapes and the chunking constants "
-        "in `attnuq.ops.sampled`, not measured): the shipped dense path keeps one chunk of "
-        f"{dense_rows} query rows' scores against all {n} keys ({dense_buf_mb:.1f} MiB); both "
-        f"paths gather the drawn value rows in `embedding_bag` calls of at most {flush_bags} "
+        "What the working sets hold (sizes computed from the shapes and the constants in "
+        "`attnuq.ops.sampled` and `csrc/fused.c`, not measured): the fused paths (`dense`, "
+        f"`blocked`) hold the packed keys of one group ({kp_mb:.1f} MiB: `Lk x D` floats, the "
+        f"size of one head's `k`), per thread one tile of 8 query rows' scores ({tile_mb:.2f} "
+        f"MiB dense, {tile_blk_mb:.3f} MiB blocked) and 8 rows of drawn keys; no uniforms "
+        "(derived from one seed in the kernel), no index tensor and no gather buffer (the "
+        "kernel averages the drawn value rows into the output). So the blocked path saves only "
+        "the dense tile here; both are bounded by one head's keys, independent of the number of "
+        "queries. The row-kernel dense path keeps one chunk of "
+        f"{dense_rows} query rows' scores against all {n} keys ({dense_buf_mb:.1f} MiB) and "
+        f"gathers the drawn value rows in `embedding_bag` calls of at most {flush_bags} "
         f"queries (`_GATHER_OUT_ELEMS`): their int32 indices ({idx_mb:.1f} MiB) and gathered "
         f"rows ({y_mb:.1f} MiB, copied into the output), besides embedding_bag's own int64 "
-        "bookkeeping; the uniforms are drawn chunk by chunk. The blocked path holds one chunk "
-        f"of {blk_rows} rows: block scores ({blk_buf_mb:.1f} MiB) and a few `(rows, nu)` "
-        "tensors, independent of `Lk` and of the number of queries. The materialising variant "
-        "holds one chunk of at most `_CHUNK_MAX_ELEMS` elements. Before the gather cap (this "
-        "round) every variant also held a gathered-rows temporary as large as the output "
-        "(32 MiB here): working sets of 53-56 MiB for all three.",
+        "bookkeeping; its uniforms are drawn chunk by chunk. The materialising variant holds "
+        "one chunk of at most `_CHUNK_MAX_ELEMS` elements.",
     ]
     return lines
 
@@ -444,9 +475,10 @@ def main(argv: list[str] | None = None) -> None:
     global CLOCK
     CLOCK = args.clock or ("thread" if args.threads == 1 else "wall")
     info = run_info([".venv/bin/python", "benchmarks/bench_sampled.py", *sys.argv[1:]])
-    st = _native.status()
+    st = _native.native_status()
     info["sampler"] = (
-        f"C kernel ({st['reason']})" if st["available"] else f"pure torch ({st['reason']})"
+        f"C kernels, fused={st['fused']}, simd={st['simd']} ({st['reason']})"
+        if st["available"] else f"pure torch ({st['reason']})"
     )
     info["clock"] = (
         "CPU time of the calling thread (time.thread_time; with 1 intra-op thread every kernel "

@@ -124,11 +124,21 @@ static void pack_k(const float *k, int64_t sl, int64_t Lk, int64_t D, int64_t np
     }
 }
 
-/* S[r][p NR + c] (row stride ld) = qs[r] . k[p NR + c] for r < MR, panels p < np. */
+/*
+ * S[r][j] (row stride ld, j = p NR + c < np NR) = qs[r] . k[j] + bias[r][j] for j < lim[r] and
+ * -inf for lim[r] <= j (bias[r] NULL: no bias; bias NULL: none for any row), for r < MR and the
+ * panels p < np; mx[r] = max_j S[r][j] (-inf when lim[r] = 0). The bias and the limit are
+ * applied as each panel leaves the registers, so no pass over the scores is needed for them.
+ */
 static void score_tile(const float *restrict qs, const float *restrict Kp, int64_t D, int64_t np,
-                       float *restrict S, int64_t ld) {
+                       float *restrict S, int64_t ld, const float *const *bias,
+                       const int64_t *lim, float *mx) {
+    vwf mv[MR];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; r++) mv[r] = splatw(-INFINITY);
     for (int64_t p = 0; p < np; p++) {
         const float *kp = Kp + p * D * NR;
+        const int64_t j0 = p * NR;
         vwf acc[MR][2];
 #pragma GCC unroll 16
         for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = splatw(0.0f);
@@ -143,9 +153,36 @@ static void score_tile(const float *restrict qs, const float *restrict Kp, int64
         }
 #pragma GCC unroll 16
         for (int r = 0; r < MR; r++) {
-            stw(S + r * ld + p * NR, acc[r][0]);
-            stw(S + r * ld + p * NR + VW, acc[r][1]);
+            float *dst = S + r * ld + j0;
+            const float *br = bias != NULL ? bias[r] : NULL;
+            if (j0 + NR <= lim[r]) { /* a full panel of admissible keys */
+                vwf s0 = acc[r][0], s1 = acc[r][1];
+                if (br != NULL) {
+                    s0 += ldw(br + j0);
+                    s1 += ldw(br + j0 + VW);
+                }
+                mv[r] = maxw(mv[r], maxw(s0, s1));
+                stw(dst, s0);
+                stw(dst + VW, s1);
+            } else { /* the row's last keys, or none */
+                float tmp[NR];
+                stw(tmp, acc[r][0]);
+                stw(tmp + VW, acc[r][1]);
+                for (int c = 0; c < NR; c++) {
+                    int64_t j = j0 + c;
+                    tmp[c] = j < lim[r] ? tmp[c] + (br != NULL ? br[j] : 0.0f) : -INFINITY;
+                }
+                vwf s0 = ldw(tmp), s1 = ldw(tmp + VW);
+                mv[r] = maxw(mv[r], maxw(s0, s1));
+                stw(dst, s0);
+                stw(dst + VW, s1);
+            }
         }
+    }
+    for (int r = 0; r < MR; r++) {
+        float m = -INFINITY;
+        for (int l = 0; l < VW; l++) m = mv[r][l] > m ? mv[r][l] : m;
+        mx[r] = m;
     }
 }
 
@@ -169,16 +206,6 @@ static void pv_tile(const float *restrict E, int64_t ld, int64_t nk, const float
         stw(A + r * lda + c0, acc[r][0]);
         stw(A + r * lda + c0 + VW, acc[r][1]);
     }
-}
-
-static float max_row(const float *s, int64_t L) {
-    vwf mv = splatw(-INFINITY);
-    int64_t j = 0;
-    for (; j + VW <= L; j += VW) mv = maxw(ldw(s + j), mv);
-    float m = -INFINITY;
-    for (int l = 0; l < VW; l++) m = mv[l] > m ? mv[l] : m;
-    for (; j < L; j++) m = s[j] > m ? s[j] : m;
-    return m;
 }
 
 #ifdef __AVX512F__
@@ -263,6 +290,41 @@ static float exp_row(const float *s, int64_t L, float m, float *e, int64_t Lp, i
     return t;
 }
 
+/*
+ * In place: s[0:L] (scores, maximum m) -> the in-block prefix P of the weights e = 2^(s - m) in
+ * the layout of cdf.h (nb blocks of bl entries, zero weights past L up to nb bl), and cum[0..nb]
+ * the prefix of the block totals; returns the total. One pass instead of exp_row + cdf_float,
+ * with the same sums in the same order (so the same P, cum and draws).
+ */
+static float exp_cdf(float *s, int64_t L, float m, int64_t nb, int64_t bl, float *cum) {
+    for (int64_t j = L; j < nb * bl; j++) s[j] = -INFINITY; /* 2^-inf = 0 */
+    int64_t b = 0;
+    const vwf mb = splatw(m);
+    for (; b + VW <= nb; b += VW) {
+        vwf run = EXP2_ROW(ldw(s + b) - mb);
+        stw(s + b, run);
+        for (int64_t l = 1; l < bl; l++) {
+            float *p = s + l * nb + b;
+            run = EXP2_ROW(ldw(p) - mb) + run;
+            stw(p, run);
+        }
+    }
+    const v8f m8 = splat8(m);
+    for (; b < nb; b += 8) { /* nb is a multiple of 8 */
+        v8f run = exp2_nonpos8(ld8(s + b) - m8);
+        st8(s + b, run);
+        for (int64_t l = 1; l < bl; l++) {
+            float *p = s + l * nb + b;
+            run = exp2_nonpos8(ld8(p) - m8) + run;
+            st8(p, run);
+        }
+    }
+    const float *last = s + (bl - 1) * nb;
+    cum[0] = 0;
+    for (b = 0; b < nb; b++) cum[b + 1] = cum[b] + last[b];
+    return cum[nb];
+}
+
 static inline void put_idx(const struct fused_args *a, int64_t pos, int64_t j) {
     if (a->idx64)
         ((int64_t *)a->idx)[pos] = j;
@@ -306,7 +368,7 @@ static void gather_mean(const struct fused_args *a, int64_t g, const int64_t *ch
 
 /* per-thread scratch */
 struct scratch {
-    float *qs, *S, *E, *cum, *A;
+    float *qs, *S, *cum, *A;
     float *rmax, *rsum; /* key-blocked: per tile row, the running maximum and mass */
     int64_t *chosen;    /* MR x nu drawn keys */
     int64_t ld;
@@ -315,7 +377,6 @@ struct scratch {
 static void scratch_free(struct scratch *w) {
     free(w->qs);
     free(w->S);
-    free(w->E);
     free(w->cum);
     free(w->A);
     free(w->rmax);
@@ -327,24 +388,22 @@ static inline int64_t chunk_row(const struct fused_args *a, int64_t g, int64_t i
     return (g - a->g0) * (a->i1 - a->i0) + (i - a->i0);
 }
 
-/* Dense draws of row i from its scores s[0:L] (overwritten by the CDF) into ch[0:nu]; returns
- * whether the row has a key of positive weight. */
+/* Dense draws of row i from its scores s[0:L] (maximum m; overwritten by the CDF) into
+ * ch[0:nu]; returns whether the row has a key of positive weight. */
 static int dense_row(const struct fused_args *a, struct scratch *w, int64_t g, int64_t i,
-                     float *s, int64_t L, int64_t *ch) {
+                     float *s, int64_t L, float m, int64_t *ch) {
     const int64_t nu = a->nu;
     const uint64_t rk = row_key(a, g, i);
-    float m = L > 0 ? max_row(s, L) : -INFINITY;
-    if (!(m > -INFINITY)) return 0;
+    if (!(L > 0 && m > -INFINITY)) return 0;
     int64_t nb, bl;
     layout(L, &nb, &bl);
-    exp_row(s, L, m, s, nb * bl, 0);
-    float total = cdf_float(s, nb, bl, w->cum);
+    float total = exp_cdf(s, L, m, nb, bl, w->cum);
     for (int64_t kk = 0; kk < nu; kk++) ch[kk] = FIND(s, w->cum, nb, bl, uniform(rk, kk) * total);
     return 1;
 }
 
 /*
- * Key block blk (keys jb .. jb + L - 1, scores s[0:L]) of row i: with the block's maximum m_b
+ * Key block blk (keys jb .. jb + L - 1, scores s[0:L], maximum m) of row i: with m_b = m
  * and mass t_b = sum 2^(s - m_b), the row's running maximum M and mass R (relative to M) become
  * those of all blocks so far, and each draw is replaced with probability p = t_b 2^(m_b - M') /
  * R' (the block's share of the mass so far) by the inverse-CDF key of u / p within the block.
@@ -352,14 +411,12 @@ static int dense_row(const struct fused_args *a, struct scratch *w, int64_t g, i
  * exp2f per block instead of two log2f and two exp2f).
  */
 static void block_row(const struct fused_args *a, struct scratch *w, int64_t g, int64_t i,
-                      int64_t r, const float *s, int64_t L, int64_t jb, int64_t blk) {
+                      int64_t r, float *s, int64_t L, float m, int64_t jb, int64_t blk) {
     const int64_t nu = a->nu;
-    float m = max_row(s, L);
     if (!(m > -INFINITY)) return;
     int64_t nb, bl;
     layout(L, &nb, &bl);
-    exp_row(s, L, m, w->E, nb * bl, 0);
-    float total = cdf_float(w->E, nb, bl, w->cum);
+    float total = exp_cdf(s, L, m, nb, bl, w->cum); /* in place: the tile holds this block */
     float M = w->rmax[r], R = w->rsum[r], share, p;
     if (!(M > -INFINITY)) {
         M = m;
@@ -378,12 +435,21 @@ static void block_row(const struct fused_args *a, struct scratch *w, int64_t g, 
     w->rsum[r] = R;
     const uint64_t rk = row_key(a, g, i);
     int64_t *ch = w->chosen + r * nu;
-    for (int64_t kk = 0; kk < nu; kk++) {
-        float uk = uniform(rk, blk * nu + kk);
-        if (!(uk < p)) continue;
-        float x = uk / p;
-        if (x > BELOW_ONE_F) x = BELOW_ONE_F;
-        ch[kk] = jb + FIND(w->E, w->cum, nb, bl, x * total);
+    for (int64_t k0 = 0; k0 < nu; k0 += 64) { /* the coins of 64 draws, then the lookups */
+        const int n = nu - k0 < 64 ? (int)(nu - k0) : 64;
+        float ub[64];
+        uint64_t take = 0;
+        for (int c = 0; c < n; c++) {
+            ub[c] = uniform(rk, blk * nu + k0 + c);
+            take |= (uint64_t)(ub[c] < p) << c;
+        }
+        while (take) { /* no branch per coin: one pass over the replaced draws */
+            const int c = __builtin_ctzll(take);
+            take &= take - 1;
+            float x = ub[c] / p;
+            if (x > BELOW_ONE_F) x = BELOW_ONE_F;
+            ch[k0 + c] = jb + FIND(s, w->cum, nb, bl, x * total);
+        }
     }
 }
 
@@ -406,12 +472,13 @@ static void finish_row(const struct fused_args *a, int64_t g, int64_t i, int ok,
     }
 }
 
-/* s[0:L] += the bias of row i of group g at keys j0 .. j0 + L - 1 (when there is a mask). */
-static inline void add_bias(const struct fused_args *a, int64_t g, int64_t i, int64_t j0,
-                            float *s, int64_t L) {
-    if (a->bias == 0) return;
-    const float *b = (const float *)a->bias + g * a->b_sg + i * a->b_sm + j0;
-    for (int64_t j = 0; j < L; j++) s[j] += b[j];
+/* Row pointers of the bias of rows t .. t + MR - 1 at key j0 (rows past nr: unused). */
+static const float *const *bias_rows(const struct fused_args *a, int64_t g, int64_t t,
+                                     int64_t nr, int64_t j0, const float **rows) {
+    if (a->bias == 0) return NULL;
+    for (int64_t r = 0; r < MR; r++)
+        rows[r] = (const float *)a->bias + g * a->b_sg + (t + (r < nr ? r : 0)) * a->b_sm + j0;
+    return rows;
 }
 
 /*
@@ -439,6 +506,11 @@ static void tile(const struct fused_args *a, float scale, int moments, const flo
         }
         nkt = nk[r] > nkt ? nk[r] : nkt;
     }
+    if (t + 2 * MR <= a->i1) /* the next tile's query rows, while this one computes */
+        for (int r = 0; r < MR; r++)
+            for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(q + (t + MR + r) * a->q_sm + d);
+    const float *brows[MR];
+    float mx[MR];
     if (!moments && a->block > 0) { /* key-blocked sampler */
         const int64_t B = a->block;
         for (int64_t r = 0; r < nr; r++) {
@@ -448,26 +520,26 @@ static void tile(const struct fused_args *a, float scale, int moments, const flo
         }
         for (int64_t jb = 0, blk = 0; jb < nkt; jb += B, blk++) {
             const int64_t nkb = nkt - jb < B ? nkt - jb : B;
-            score_tile(w->qs, Kp + blk * ppb * D * NR, D, (nkb + NR - 1) / NR, w->S, w->ld);
-            for (int64_t r = 0; r < nr; r++) {
+            int64_t lim[MR];
+            for (int r = 0; r < MR; r++) {
                 int64_t L = nk[r] - jb < B ? nk[r] - jb : B;
-                if (L <= 0) continue;
-                float *s = w->S + r * w->ld;
-                add_bias(a, g, t + r, jb, s, L);
-                block_row(a, w, g, t + r, r, s, L, jb, blk);
+                lim[r] = L > 0 ? L : 0;
             }
+            score_tile(w->qs, Kp + blk * ppb * D * NR, D, (nkb + NR - 1) / NR, w->S, w->ld,
+                       bias_rows(a, g, t, nr, jb, brows), lim, mx);
+            for (int64_t r = 0; r < nr; r++)
+                if (lim[r] > 0)
+                    block_row(a, w, g, t + r, r, w->S + r * w->ld, lim[r], mx[r], jb, blk);
         }
         for (int64_t r = 0; r < nr; r++)
             finish_row(a, g, t + r, w->rmax[r] > -INFINITY, w->chosen + r * a->nu);
         return;
     }
     const int64_t np = (nkt + NR - 1) / NR;
-    score_tile(w->qs, Kp, D, np, w->S, w->ld);
+    score_tile(w->qs, Kp, D, np, w->S, w->ld, bias_rows(a, g, t, nr, 0, brows), nk, mx);
     if (!moments) {
         for (int64_t r = 0; r < nr; r++) {
-            float *s = w->S + r * w->ld;
-            add_bias(a, g, t + r, 0, s, nk[r]);
-            int ok = dense_row(a, w, g, t + r, s, nk[r], w->chosen);
+            int ok = dense_row(a, w, g, t + r, w->S + r * w->ld, nk[r], mx[r], w->chosen);
             finish_row(a, g, t + r, ok, w->chosen);
         }
         return;
@@ -477,11 +549,7 @@ static void tile(const struct fused_args *a, float scale, int moments, const flo
     const int64_t kend = np * NR;
     for (int64_t r = 0; r < MR; r++) {
         float *s = w->S + r * w->ld;
-        float m = -INFINITY;
-        if (r < nr && nk[r] > 0) {
-            add_bias(a, g, t + r, 0, s, nk[r]);
-            m = max_row(s, nk[r]);
-        }
+        float m = r < nr ? mx[r] : -INFINITY;
         if (m > -INFINITY) {
             l[r] = exp_row(s, nk[r], m, s, kend, 1);
         } else {
@@ -568,13 +636,12 @@ static int64_t run(const struct fused_args *a, float scale, int moments) {
         w.ld = ld;
         w.qs = (float *)alloc64((size_t)(MR * (D > 0 ? D : 1)) * sizeof(float));
         w.S = (float *)alloc64((size_t)(MR * ld) * sizeof(float));
-        w.E = (float *)alloc64((size_t)(Bk + nbb + VW) * sizeof(float));
         w.cum = (float *)alloc64((size_t)(nbb + 1) * sizeof(float));
         w.A = moments ? (float *)alloc64((size_t)(MR * W) * sizeof(float)) : NULL;
         w.rmax = (float *)alloc64(MR * sizeof(float));
         w.rsum = (float *)alloc64(MR * sizeof(float));
         w.chosen = (int64_t *)malloc((size_t)(MR * nu1) * sizeof(int64_t));
-        int mine = w.qs && w.S && w.E && w.cum && w.rmax && w.rsum && w.chosen &&
+        int mine = w.qs && w.S && w.cum && w.rmax && w.rsum && w.chosen &&
                    (!moments || w.A);
         if (!mine) err |= 1;
         for (int64_t g = a->g0; g < a->g1; g++) {
