@@ -36,6 +36,23 @@ exists. A chunk's rows are sized by ``Lk + 2 nu`` (its scores, uniforms and indi
 each query chunk only scores the keys up to its last position. No tensor of
 ``B*H*Lq*Lk*nu`` (or ``B*H*Lq*Lk``) elements is formed.
 
+Fused CPU kernels (float32). On CPU, with float32 computation (float32, float16 and bfloat16
+inputs) and any ``attn_mask`` one bias table (:meth:`Attn._bias_table`), both samplers and
+:func:`attention_moments` (``block_size=None``, no gradient) run the fused C kernels of
+``csrc/fused.c`` instead (:func:`attnuq.ops.native_status` says whether they are in use): per
+key/value group the keys are packed once, and per tile of 8 query rows (4 on the portable,
+non-AVX-512 build) a register-blocked micro-GEMM computes the tile's scores against all keys
+(key-blocked: one key block at a time), which then stay in L1/L2 for the row maximum, ``2^(s -
+max)``, the blocked CDF and the draws, and the mean of the drawn value rows is written straight
+into the output (no ``embedding_bag``). Their uniforms come from one int64 seed drawn from the
+generator: the kernel derives each query row's uniforms from it (a SplitMix64 stream per row), so
+no uniform or index tensor exists and the draws do not depend on chunks or threads. The scores
+differ from torch's GEMM in rounding only (the scale multiplies ``q`` first); the draws are exact
+inverse-CDF draws from the softmax of the scores as computed, as on the other paths. With a
+gradient for ``v`` the kernel draws the indices and ``embedding_bag`` gathers them. Float64, a
+per-query mask larger than the bias table allows, or :func:`attnuq.ops._native.unfused` take the
+paths above.
+
 Sizes. Every call first estimates the bytes it will allocate (the output, one chunk, the
 gather buffer; with a gradient for ``v`` every index) and refuses, before allocating anything,
 a call that needs more than the memory budget (:func:`max_bytes`: ``$ATTNUQ_MAX_BYTES``,
@@ -538,10 +555,12 @@ def sampled_attention(
         one chunk of queries against all keys (``rows * (Lk + 2 nu)`` about ``2**19`` elements,
         at least 128 rows when that fits in ``2**24`` elements, at least one row). Without a
         gradient for ``v`` neither path holds the ``(B, H, Lq, nu)`` drawn indices; with one,
-        both do (the backward needs them).
+        both do (the backward needs them). On CPU in float32 both run the fused kernels
+        (module docstring), which hold one key/value group's packed keys and, per thread, the
+        scores of a tile of 8 query rows against all keys (dense) or one key block (blocked).
     generator : torch.Generator, optional
         Source of the uniforms; the same generator state (and the same arguments) gives the same
-        draws. CUDA tensors (float16, bfloat16, float32, no gradient for ``v``) take the Triton
+        draws (the fused CPU kernels draw one seed from it and derive the uniforms from it). CUDA tensors (float16, bfloat16, float32, no gradient for ``v``) take the Triton
         kernel when triton imports (:mod:`attnuq.ops._triton`): it draws one seed from the
         generator, and its draws differ from the CPU paths' (the same distribution).
     empty_rows : {"error", "zero"}

@@ -34,6 +34,13 @@
  * mean = a1 / l + vbar and var = max(a2 / l - (a1 / l)^2, 0). The row's maximum is exact (the
  * whole row of scores is in the tile), so no online rescaling is needed.
  *
+ * The bias, the causal limit (-inf past it) and the row maximum are applied as each panel of
+ * scores leaves the registers; 2^(s - m) and the in-block prefix of the CDF are one pass.
+ *
+ * Uniforms: none are passed in. The caller draws one seed from its generator; the uniforms of
+ * query row i of group g are a SplitMix64 stream keyed by (seed, g M + i) (uniform() below), so
+ * the draws depend on the seed and the row only, not on chunks or threads.
+ *
  * Rows whose every key is excluded are flagged empty (indices 0, zero output rows).
  */
 #include <math.h>
@@ -309,14 +316,26 @@ static float exp_cdf(float *s, int64_t L, float m, int64_t nb, int64_t bl, float
             stw(p, run);
         }
     }
-    const v8f m8 = splat8(m);
-    for (; b < nb; b += 8) { /* nb is a multiple of 8 */
-        v8f run = exp2_nonpos8(ld8(s + b) - m8);
-        st8(s + b, run);
-        for (int64_t l = 1; l < bl; l++) {
-            float *p = s + l * nb + b;
-            run = exp2_nonpos8(ld8(p) - m8) + run;
-            st8(p, run);
+    if (b < nb) { /* the last 8 blocks (nb is a multiple of 8): 2^x at full width first */
+        const int64_t Lp = nb * bl;
+        int64_t j = 0;
+        if (nb < VW) {
+            for (; j + VW <= Lp; j += VW) stw(s + j, EXP2_ROW(ldw(s + j) - mb));
+            for (; j < Lp; j += 8) st8(s + j, exp2_nonpos8(ld8(s + j) - splat8(m)));
+            v8f run = ld8(s);
+            for (int64_t l = 1; l < bl; l++) {
+                run = ld8(s + l * nb) + run;
+                st8(s + l * nb, run);
+            }
+        } else {
+            const v8f m8 = splat8(m);
+            v8f run = exp2_nonpos8(ld8(s + b) - m8);
+            st8(s + b, run);
+            for (int64_t l = 1; l < bl; l++) {
+                float *p = s + l * nb + b;
+                run = exp2_nonpos8(ld8(p) - m8) + run;
+                st8(p, run);
+            }
         }
     }
     const float *last = s + (bl - 1) * nb;
