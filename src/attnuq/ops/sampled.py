@@ -560,7 +560,8 @@ def sampled_attention(
         scores of a tile of 8 query rows against all keys (dense) or one key block (blocked).
     generator : torch.Generator, optional
         Source of the uniforms; the same generator state (and the same arguments) gives the same
-        draws (the fused CPU kernels draw one seed from it and derive the uniforms from it). CUDA tensors (float16, bfloat16, float32, no gradient for ``v``) take the Triton
+        draws (the fused CPU kernels draw one seed from it and derive the uniforms from it).
+        CUDA tensors (float16, bfloat16, float32, no gradient for ``v``) take the Triton
         kernel when triton imports (:mod:`attnuq.ops._triton`): it draws one seed from the
         generator, and its draws differ from the CPU paths' (the same distribution).
     empty_rows : {"error", "zero"}
