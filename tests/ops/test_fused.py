@@ -12,6 +12,7 @@ sampler tests of ``test_sampled.py`` and ``test_sampled_sizes.py``, which run ev
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -266,3 +267,169 @@ def test_the_portable_build_draws_what_the_vector_build_draws(monkeypatch):
     for a, b in zip(draws, ref_draws, strict=True):
         assert torch.equal(a, b)
     torch.testing.assert_close(moments, ref_moments, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused path through the public operators, float32 (most of test_sampled.py is float64,
+# which the fused kernels leave to the other paths)
+# ---------------------------------------------------------------------------------------------
+P_MIN = 1e-6  # chi-square p-value threshold: false-failure probability 1e-6 per test
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _qkv32(b, hq, hk, lq, lk, d, dv=None, seed=0, scale=1.0):
+    g = _gen(seed)
+    q = torch.randn(b, hq, lq, d, generator=g) * scale
+    k = torch.randn(b, hk, lk, d, generator=g)
+    v = torch.randn(b, hk, lk, dv or d, generator=g)
+    return q, k, v
+
+
+@pytest.fixture
+def fused_on():
+    if not _native.fused_available():
+        pytest.skip(f"fused kernels unavailable: {_native.native_status()}")
+    assert _native.native_status()["fused"]
+
+
+@pytest.mark.parametrize("block_size", [None, 1, 3, 16])
+def test_float32_draws_follow_the_softmax(fused_on, block_size):
+    """40k draws per query (float32, GQA, key padding and causal, Lq = 5 < Lk = 37) against the
+    float64 softmax of the same float32 inputs: excluded keys never drawn; chi-square per query
+    (20 queries, each with false-failure probability P_MIN)."""
+    import numpy as np
+    from tests.ops._reference_sampled import chi2_gof_pvalue, ref_probs
+
+    from attnuq.ops.sampled import _sample_indices
+
+    lk, nu = 37, 40_000
+    q, k, v = _qkv32(2, 2, 1, 5, lk, 8, seed=3, scale=0.6)
+    pad = torch.ones(2, 1, 1, lk, dtype=torch.bool)
+    pad[0, ..., 2] = False
+    pad[1, ..., 30:] = False
+    idx, empty = _sample_indices(q, k, v, nu=nu, attn_mask=pad, is_causal=True,
+                                 enable_gqa=True, block_size=block_size, generator=_gen(4))
+    assert not empty.any()
+    p = ref_probs(q, k, pad, True, None, True).numpy()
+    counts = torch.nn.functional.one_hot(idx, lk).sum(-2).numpy()
+    for b in range(2):
+        for h in range(2):
+            for i in range(5):
+                c, pr = counts[b, h, i], p[b, h, i]
+                assert (c[pr == 0] == 0).all(), (b, h, i)
+                assert chi2_gof_pvalue(c[pr > 0], pr[pr > 0]) > P_MIN, (b, h, i)
+    assert np.isclose(counts.sum(), 2 * 2 * 5 * nu)
+
+
+@pytest.mark.parametrize("case", ["none", "bool", "per-query", "additive", "causal",
+                                  "causal+bool"])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_float32_moments_match_the_closed_form(fused_on, case, gqa):
+    """Fused moments (float32) against the float64 closed form of the same inputs: 2e-5 on
+    values of order 1 (float32 scores and sums over 40 keys)."""
+    from tests.ops._reference_sampled import ref_moments, ref_probs
+
+    from attnuq.ops import attention_moments
+
+    hq, hk = (4, 2) if gqa else (3, 3)
+    q, k, v = _qkv32(2, hq, hk, 6, 40, 16, dv=5, seed=11)
+    g = _gen(12)
+    mask, causal = None, case.startswith("causal")
+    if case in ("bool", "causal+bool"):
+        mask = torch.rand(2, 1, 1, 40, generator=g) > 0.3
+    elif case == "per-query":
+        mask = torch.rand(2, hq, 6, 40, generator=g) > 0.5
+        mask[..., 0] = True
+    elif case == "additive":
+        mask = torch.randn(2, hq, 1, 40, generator=g)
+        mask[..., -3:] = float("-inf")
+    mean, var = attention_moments(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    p = ref_probs(q, k, None if mask is None else mask.double() if mask.is_floating_point()
+                  else mask, causal, None, gqa)
+    mu, var_ref = ref_moments(p, v)
+    torch.testing.assert_close(mean.double(), mu, rtol=0, atol=2e-5)
+    torch.testing.assert_close(var.double(), var_ref, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_float32_non_finite_inputs_are_reported(fused_on, bad, which, masked):
+    """In float32 the check of q and k is the fused kernel's (it reads every entry): the error
+    names the tensor as the other paths' check does, for either sampler and the moments; a
+    boolean mask keeps the deferred check, an additive one the up-front check."""
+    from attnuq.ops import attention_moments, sampled_attention
+
+    t = dict(zip("qkv", _qkv32(1, 2, 2, 9, 20, 8), strict=True))
+    t[which][0, 1, 7, 3] = bad
+    mask = (torch.rand(1, 1, 1, 20, generator=_gen(1)) > 0.5) if masked else None
+    if masked:
+        mask[..., 0] = True
+    calls = (
+        lambda: sampled_attention(t["q"], t["k"], t["v"], nu=2, attn_mask=mask),
+        lambda: sampled_attention(t["q"], t["k"], t["v"], nu=2, attn_mask=mask, block_size=4),
+        lambda: attention_moments(t["q"], t["k"], t["v"], attn_mask=mask),
+        lambda: attention_moments(t["q"], t["k"], t["v"], attn_mask=mask.float().log()
+                                  if masked else None),
+    )
+    for fn in calls:
+        with pytest.raises(ValueError, match=rf"^{which} contains non-finite"):
+            fn()
+
+
+@pytest.mark.parametrize("block_size", [None, 3])
+def test_float32_same_generator_state_same_draws(fused_on, block_size):
+    """The same generator state gives the same output (one seed, the uniforms derived from it);
+    another state other draws; the gradient path (the kernel's indices, then embedding_bag)
+    gives the no-gradient path's output."""
+    from attnuq.ops import sampled_attention
+
+    q, k, v = _qkv32(2, 2, 2, 30, 50, 8, seed=18)
+    kw = dict(nu=6, block_size=block_size, is_causal=True)
+    a = sampled_attention(q, k, v, generator=_gen(123), **kw)
+    b = sampled_attention(q, k, v, generator=_gen(123), **kw)
+    c = sampled_attention(q, k, v, generator=_gen(124), **kw)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    vg = v.clone().requires_grad_(True)
+    y = sampled_attention(q, k, vg, generator=_gen(123), **kw)
+    torch.testing.assert_close(y.detach(), a, rtol=0, atol=1e-6)  # sum order: embedding_bag
+    y.sum().backward()
+    assert vg.grad is not None and vg.grad.sum().item() == pytest.approx(2 * 2 * 30 * 1.0 * 8)
+
+
+@pytest.mark.parametrize("lk", [1, 2, 3, 4])
+def test_float32_exhaustive_padding_and_causal(fused_on, lk):
+    """Every key-padding pattern of Lk keys with causal queries (Lq 1-4), float32: padded and
+    future keys never drawn, empty rows flagged (zero output / the error), each output row a
+    mean of one-hot value rows."""
+    from attnuq.ops import sampled_attention
+    from attnuq.ops.sampled import _sample_indices
+
+    pats = torch.tensor(list(itertools.product([False, True], repeat=lk)))
+    nb = pats.shape[0]
+    for lq in range(1, 5):
+        q, k, _ = _qkv32(nb, 2, 2, lq, lk, 3, seed=lk * 10 + lq)
+        v = torch.eye(lk).expand(nb, 2, lk, lk)
+        pad = pats.view(nb, 1, 1, lk)
+        allowed = pad & torch.ones(lq, lk, dtype=torch.bool).tril()
+        empty_ref = ~allowed.any(-1).expand(nb, 2, lq)
+        for bs in [None, *range(1, lk + 1)]:
+            idx, empty = _sample_indices(q, k, v, nu=16, attn_mask=pad, is_causal=True,
+                                         block_size=bs, generator=_gen(bs or 0))
+            assert torch.equal(empty, empty_ref)
+            drawn = torch.nn.functional.one_hot(idx, lk).sum(-2) > 0
+            ok = allowed.expand(nb, 2, lq, lk) | empty_ref.unsqueeze(-1)
+            assert not (drawn & ~ok).any(), f"{lq=} {lk=} {bs=}"
+            y = sampled_attention(q, k, v, nu=16, attn_mask=pad, is_causal=True,
+                                  block_size=bs, generator=_gen(1), empty_rows="zero")
+            assert not ((y > 0) & ~allowed.expand_as(y)).any()
+            assert (y[empty_ref] == 0).all()
+            torch.testing.assert_close(y.sum(-1)[~empty_ref],
+                                       torch.ones(int((~empty_ref).sum())))
+            if empty_ref.any():
+                with pytest.raises(ValueError, match="every key masked"):
+                    sampled_attention(q, k, v, nu=2, attn_mask=pad, is_causal=True,
+                                      block_size=bs)

@@ -530,8 +530,10 @@ def fused_call(
     out: torch.Tensor | None = None,
     var: torch.Tensor | None = None,
     idx: torch.Tensor | None = None,
-) -> None:
-    """Run a fused kernel of ``csrc/fused.c`` on rows ``i0:i1`` of groups ``g0:g1`` (``chunk``).
+) -> bool:
+    """Run a fused kernel of ``csrc/fused.c`` on rows ``i0:i1`` of groups ``g0:g1`` (``chunk``);
+    returns whether every entry of ``q`` (those rows) and ``k`` (those groups) is finite (when
+    not, the outputs are meaningless and the caller reports the input).
 
     ``what`` is ``"sample"`` (dense sampler, ``block = 0``, or key-blocked with ``block``
     keys per block) or ``"moments"``. All float tensors float32 on the CPU: ``q`` ``(G, M, D)``
@@ -601,8 +603,10 @@ def fused_call(
     ]
     args = (ctypes.c_int64 * _FUSED_ARGS_WORDS)(*words)
     fn = lib.attnuq_fused_sample_f32 if what == "sample" else lib.attnuq_fused_moments_f32
-    if fn(ctypes.addressof(args), float(scale)):
+    code = int(fn(ctypes.addressof(args), float(scale)))
+    if code & 1:
         raise MemoryError(f"fused {what} kernel could not allocate scratch for Lk={lk}, D={D}")
+    return not code & 2
 
 
 @functools.cache

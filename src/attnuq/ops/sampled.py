@@ -93,7 +93,7 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-from attnuq._validation import check_nu, check_positive_int
+from attnuq._validation import check_finite, check_nu, check_positive_int
 from attnuq.ops import _native, _rng, _triton
 from attnuq.ops._attn_common import (
     _MAX_BYTES_ENV,
@@ -400,6 +400,46 @@ def _fused_inputs(att: Attn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
     return q, k, w, offs.reshape(-1).to(torch.int64), step
 
 
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    fused_ok: bool,
+) -> tuple[Attn, bool]:
+    """``(att, deferred)``: :func:`prepare`'s folding of the inputs, and whether the check of
+    ``q`` and ``k`` for NaN/inf is left to the fused kernel, which reads every entry of both
+    anyway (it reports one; the caller then runs :func:`_check_values`). Deferred only when
+    ``fused_ok`` (the caller will take the fused path if :func:`_fused_bias` agrees), the mask
+    is absent or boolean (an additive one keeps :func:`prepare`'s check), no tensor is empty and
+    the fused kernels take the call; ``v`` is then checked here by one sum, as :func:`prepare`
+    does. Otherwise :func:`prepare` checks everything as usual."""
+    tensors = all(isinstance(t, torch.Tensor) for t in (q, k, v))
+    if (
+        fused_ok and tensors and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and (attn_mask is None or (isinstance(attn_mask, torch.Tensor)
+                                   and attn_mask.dtype == torch.bool))
+        and min(q.numel(), k.numel(), v.numel()) > 0 and _native.fused_available()
+    ):
+        att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa, check_values=False)
+        if _fused_bias(att)[0]:
+            if not bool(torch.isfinite(v.sum(dtype=att.q.dtype))):
+                _check_values(q, k, v)
+            return att, True
+    return prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa), False
+
+
+def _check_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise :func:`attnuq._validation.check_finite`'s error for the first of ``q``, ``k``,
+    ``v`` holding NaN/inf (as :func:`prepare` does; nothing when all are finite)."""
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        check_finite(t, name)
+
+
 @torch.no_grad()
 def _sample_fused(
     att: Attn,
@@ -410,10 +450,11 @@ def _sample_fused(
     bias: torch.Tensor | None,
     out: torch.Tensor | None = None,
     idx: torch.Tensor | None = None,
-) -> None:
+) -> bool:
     """The dense (``block_size`` None or ``>= Lk``) or key-blocked sampler in the fused kernel:
     scores tile by tile, draws and (into ``out`` ``(G, M, Dv)`` float32, contiguous) the mean
     drawn value rows, and/or the drawn keys into ``idx`` ``(G, M, nu)``; fills ``empty``.
+    Returns whether every entry of ``q`` and ``k`` was finite.
 
     One seed is drawn from ``generator`` (an int64); the kernel derives every uniform from it,
     the row and the draw (one SplitMix64 stream per query row, ``csrc/fused.c``), so the same
@@ -423,7 +464,7 @@ def _sample_fused(
     block = block_size if block_size is not None and block_size < lk else 0
     q, k, w, offs, step = _fused_inputs(att)
     seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator, dtype=torch.int64))
-    _native.fused_call(
+    return _native.fused_call(
         "sample", q, k, att.scale, bias, att.lq if att.causal else 0,
         (0, att.groups, 0, att.rows), w, offs, step, att.dv, empty, seed=seed, nu=nu,
         block=block, out=out, idx=idx,
@@ -667,7 +708,8 @@ def _sampled_impl(
             q, k, v, nu=nu, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa, generator=generator, empty_rows=empty_rows,
         )  # fmt: skip
-    att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    v_grad = torch.is_grad_enabled() and bool(getattr(v, "requires_grad", 0))
+    att, deferred = _prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa, not v_grad)
     if att.groups * att.rows == 0 or att.lk == 0:
         if att.groups * att.rows > 0 and empty_rows == "error":  # no keys at all
             raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
@@ -705,7 +747,8 @@ def _sampled_impl(
     fused, bias = _fused_bias(att)
     if fused:  # scores, draws and the gather in one compiled pass (float32)
         res = out if out.dtype == torch.float32 else torch.empty(g, m, dv, device=q.device)
-        _sample_fused(att, nu, block_size, generator, empty, bias, out=res)
+        if not _sample_fused(att, nu, block_size, generator, empty, bias, out=res) and deferred:
+            _check_values(q, k, v)  # the kernel saw NaN/inf in q or k: raises
         if res is not out:
             out.copy_(res)
     else:
@@ -826,9 +869,12 @@ def _moments(att: Attn, block_size: int) -> tuple[torch.Tensor, torch.Tensor, to
     )
 
 
-def _moments_fused(att: Attn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Mean, var ``(G, M, Dv)`` and empty ``(G, M)`` by the fused moments kernel (CPU, float32,
-    no gradient; None where :func:`_fused_bias` says it does not apply): per tile of query rows
+def _moments_fused(
+    att: Attn,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool] | None:
+    """Mean, var ``(G, M, Dv)``, empty ``(G, M)`` and whether every entry of ``q`` and ``k`` was
+    finite, by the fused moments kernel (CPU, float32, no gradient; None where
+    :func:`_fused_bias` says it does not apply): per tile of query rows
     the scores, the exact row maximum, ``e = 2^(s - max)`` and one micro-GEMM of ``e`` with the
     values ``[vc, vc^2]`` centred on their unweighted mean (the formulas of :func:`_moments`)."""
     ok, bias = _fused_bias(att)
@@ -839,11 +885,11 @@ def _moments_fused(att: Attn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     mean = torch.empty(g, m, dv)
     var = torch.empty(g, m, dv)
     empty = torch.empty(g, m, dtype=torch.bool)
-    _native.fused_call(
+    finite = _native.fused_call(
         "moments", q, k, att.scale, bias, att.lq if att.causal else 0, (0, g, 0, m), w, offs,
         step, dv, empty, out=mean, var=var,
     )  # fmt: skip
-    return mean, var, empty
+    return mean, var, empty, finite
 
 
 def _moments_sdpa(
@@ -1009,18 +1055,23 @@ def _moments_impl(
             q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa, empty_rows=empty_rows,
         )  # fmt: skip
-    att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    att, deferred = _prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa,
+                             block_size is None and not grad)
     if att.groups * att.rows == 0 or att.lk == 0 or att.dv == 0:
         if att.groups * att.rows > 0 and att.lk == 0 and empty_rows == "error":
             raise empty_rows_error(att, torch.ones(att.groups, att.rows, dtype=torch.bool))
         z = torch.zeros(att.out_shape, dtype=att.out_dtype, device=q.device)
         return z, z.clone()
-    fused = None
+    res: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     if block_size is None and not grad:
-        fused = _moments_fused(att)
-        if fused is None:
-            fused = _moments_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa, att)
-    mean, var, empty = fused if fused is not None else _moments(att, block_size or att.lk)
+        fz = _moments_fused(att)
+        if fz is not None:
+            if not fz[3] and deferred:
+                _check_values(q, k, v)  # the kernel saw NaN/inf in q or k: raises
+            res = fz[0], fz[1], fz[2]
+        else:
+            res = _moments_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa, att)
+    mean, var, empty = res if res is not None else _moments(att, block_size or att.lk)
     if empty_rows == "error" and bool(empty.any()):
         raise empty_rows_error(att, empty)
     return att.unfold(mean).to(att.out_dtype), att.unfold(var).to(att.out_dtype)

@@ -115,20 +115,26 @@ static void *alloc64(size_t bytes) {
     return aligned_alloc(64, n ? n : 64);
 }
 
-/* Kp[p][d][c] = k[p NR + c][d] for the panels p < np (zero past Lk). */
-static void pack_k(const float *k, int64_t sl, int64_t Lk, int64_t D, int64_t np, float *Kp) {
+/* Kp[p][d][c] = k[p NR + c][d] for the panels p < np (zero past Lk); returns whether every
+ * entry of k read is finite. */
+static int pack_k(const float *k, int64_t sl, int64_t Lk, int64_t D, int64_t np, float *Kp) {
+    int fin = 1; /* every packed entry finite (|x| <= FLT_MAX: false for inf and NaN) */
     for (int64_t p = 0; p < np; p++) {
         float *dst = Kp + p * D * NR;
         for (int64_t c = 0; c < NR; c++) {
             int64_t j = p * NR + c;
             if (j < Lk) {
                 const float *src = k + j * sl;
-                for (int64_t d = 0; d < D; d++) dst[d * NR + c] = src[d];
+                for (int64_t d = 0; d < D; d++) {
+                    dst[d * NR + c] = src[d];
+                    fin &= fabsf(src[d]) <= 3.40282347e+38f;
+                }
             } else {
                 for (int64_t d = 0; d < D; d++) dst[d * NR + c] = 0.0f;
             }
         }
     }
+    return fin;
 }
 
 /*
@@ -503,20 +509,25 @@ static const float *const *bias_rows(const struct fused_args *a, int64_t g, int6
 /*
  * One tile: rows t .. t + nr - 1 of group g. Scores by the micro-GEMM (per key block for the
  * key-blocked sampler, whose panels Kp start at each block: ppb panels per block), the bias and
- * the causal limit, then per row the sampler or the moments.
+ * the causal limit, then per row the sampler or the moments. Returns whether the tile's query
+ * entries are finite.
  */
-static void tile(const struct fused_args *a, float scale, int moments, const float *Kp,
+static int tile(const struct fused_args *a, float scale, int moments, const float *Kp,
                  int64_t ppb, const float *VV, const float *vbar, int64_t W, struct scratch *w,
                  int64_t g, int64_t t) {
     const int64_t D = a->D, Lk = a->Lk;
     const int64_t nr = a->i1 - t < MR ? a->i1 - t : MR;
     const float *q = (const float *)a->q + g * a->q_sg;
     int64_t nk[MR], nkt = 0;
+    int fin = 1; /* the tile's query entries finite */
     for (int r = 0; r < MR; r++) {
         int64_t i = t + r;
         if (r < nr) {
             const float *qr = q + i * a->q_sm;
-            for (int64_t d = 0; d < D; d++) w->qs[r * D + d] = qr[d] * scale;
+            for (int64_t d = 0; d < D; d++) {
+                w->qs[r * D + d] = qr[d] * scale;
+                fin &= fabsf(qr[d]) <= 3.40282347e+38f;
+            }
             int64_t lim = a->causal ? i % a->lq + 1 : Lk;
             nk[r] = lim < Lk ? lim : Lk;
         } else {
@@ -552,7 +563,7 @@ static void tile(const struct fused_args *a, float scale, int moments, const flo
         }
         for (int64_t r = 0; r < nr; r++)
             finish_row(a, g, t + r, w->rmax[r] > -INFINITY, w->chosen + r * a->nu);
-        return;
+        return fin;
     }
     const int64_t np = (nkt + NR - 1) / NR;
     score_tile(w->qs, Kp, D, np, w->S, w->ld, bias_rows(a, g, t, nr, 0, brows), nk, mx);
@@ -561,7 +572,7 @@ static void tile(const struct fused_args *a, float scale, int moments, const flo
             int ok = dense_row(a, w, g, t + r, w->S + r * w->ld, nk[r], mx[r], w->chosen);
             finish_row(a, g, t + r, ok, w->chosen);
         }
-        return;
+        return fin;
     }
     /* moments: e in place (zero past each row's keys, up to the panels' end), row sums */
     float l[MR];
@@ -597,6 +608,7 @@ static void tile(const struct fused_args *a, float scale, int moments, const flo
             vo[d] = var > 0.0f ? var : 0.0f;
         }
     }
+    return fin;
 }
 
 /* vbar = mean of the group's value rows; VV[j] = [vc_j, vc_j^2, 0 ...] (W columns). */
@@ -624,7 +636,8 @@ static void pack_values(const struct fused_args *a, int64_t g, int64_t W, float 
     }
 }
 
-/* Returns 0, or 1 when scratch could not be allocated. */
+/* Returns 0, or-ed with 1 when scratch could not be allocated and 2 when an entry of q or k
+ * read is not finite (the caller then reports the input; the outputs are meaningless). */
 static int64_t run(const struct fused_args *a, float scale, int moments) {
     const int64_t Lk = a->Lk, D = a->D;
     /* keys in blocks of Bk (the key-blocked sampler's block, else all keys), ppb panels each */
@@ -669,13 +682,15 @@ static int64_t run(const struct fused_args *a, float scale, int moments) {
                 const float *kg = (const float *)a->k + g * a->k_sg;
                 for (int64_t b = 0; b < nblk; b++) {
                     int64_t j0 = b * Bk, nkb = Lk - j0 < Bk ? Lk - j0 : Bk;
-                    pack_k(kg + j0 * a->k_sl, a->k_sl, nkb, D, ppb, Kp + b * ppb * D * NR);
+                    if (!pack_k(kg + j0 * a->k_sl, a->k_sl, nkb, D, ppb, Kp + b * ppb * D * NR))
+                    err |= 2;
                 }
                 if (moments) pack_values(a, g, W, VV, vbar);
             }
 #pragma omp for schedule(static)
             for (int64_t tt = 0; tt < ntile; tt++)
-                if (mine) tile(a, scale, moments, Kp, ppb, VV, vbar, W, &w, g, a->i0 + tt * MR);
+                if (mine && !tile(a, scale, moments, Kp, ppb, VV, vbar, W, &w, g, a->i0 + tt * MR))
+                    err |= 2;
         }
         scratch_free(&w);
     }
