@@ -22,7 +22,10 @@ def test_demo_writes_report_and_reuses_model(
     for name in ("report.html", "results.json", "pit.png", "reliability.png",
                  "calibration_curve.png", "intervals.png", "model.pt"):
         assert (out / name).is_file(), name
-    res = json.loads((out / "results.json").read_text())
+    def strict(token: str) -> None:  # NaN / Infinity are not JSON: undefined scores are null
+        raise AssertionError(f"results.json holds {token}")
+
+    res = json.loads((out / "results.json").read_text(), parse_constant=strict)
     methods = [row[0] for row in res["tables"][0]["rows"]]
     assert methods == ["SA", "SA, paper recipe", "MC dropout"]
     assert res["summary"]["chosen nu (sa: auto criterion, BO)"] >= 1

@@ -31,7 +31,8 @@ def test_report_embeds_tables_figures_and_meta(tmp_path: Path) -> None:
             "title": "Demo <b>",
             "summary": {"nu": 4, "coverage": 0.951234},
             "tables": [{"title": "Scores", "columns": ["method", "crps"],
-                        "rows": [["SA", 0.12345678], ["MC dropout", float("nan")]],
+                        "rows": [["SA", 0.12345678], ["MC dropout", float("nan")],
+                                 ["conformal", None]],
                         "note": "lower is better"}],
             "figures": [{"file": "fig.png", "caption": "PIT"}],
             "meta": {"command": "attnuq demo"},
@@ -40,6 +41,7 @@ def test_report_embeds_tables_figures_and_meta(tmp_path: Path) -> None:
     page = render_report(p).read_text()
     assert "Demo &lt;b&gt;" in page  # escaped
     assert "0.1235" in page and "0.9512" in page and "–" in page
+    assert "<td>n/a</td>" in page  # None: undefined, e.g. a rank correlation of a constant
     assert "data:image/png;base64," in page
     assert "lower is better" in page and "attnuq demo" in page
 

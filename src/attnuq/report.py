@@ -84,6 +84,8 @@ def load_results(path: str | Path) -> dict[str, Any]:
 
 
 def _fmt(v: Any) -> str:
+    if v is None:  # undefined (e.g. a rank correlation of a constant spread)
+        return "n/a"
     if isinstance(v, float):
         if math.isnan(v):
             return "–"

@@ -23,6 +23,7 @@ Examples
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from pathlib import Path
@@ -57,7 +58,7 @@ def _pit(pred: Any, y: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return metrics.pit_samples(pred.samples, y, generator=gen)
 
 
-def _scores(pred: Any, y: torch.Tensor, gen: torch.Generator) -> dict[str, float]:
+def _scores(pred: Any, y: torch.Tensor, gen: torch.Generator) -> dict[str, float | None]:
     from attnuq import metrics
 
     lo, hi = pred.interval(0.95)
@@ -69,10 +70,33 @@ def _scores(pred: Any, y: torch.Tensor, gen: torch.Generator) -> dict[str, float
         "coverage 95%": float(metrics.coverage(lo, hi, y)),
         "PI-95 width": float(metrics.interval_width(lo, hi)),
         "W1(PIT, U)": float(metrics.pit_w1(_pit(pred, y, gen))),
-        # undefined for a constant spread (the floor may choose beta = inf: plain conformal)
+        # undefined for a constant spread (the floor may choose beta = inf: plain conformal):
+        # None, shown as n/a (JSON null, not NaN)
         "Spearman(|err|, std)": float(metrics.spearman_spread_error(std, pred.mean, y))
-        if float(std.max() - std.min()) > 0 else float("nan"),
+        if float(std.max() - std.min()) > 0 else None,
     }
+
+
+def _beta_text(units: float) -> float | str:
+    """The floor's beta for results.json: a number, or ``"inf (plain conformal)"`` (JSON has no
+    infinity)."""
+    return units if math.isfinite(units) else "inf (plain conformal)"
+
+
+def _json_safe(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced, so results.json is strict JSON: NaN (an
+    undefined score) by None, +-inf (e.g. the floor's ``beta = inf``) by ``"inf"`` / ``"-inf"``.
+
+    >>> _json_safe({"a": [1.0, float("nan")], "b": float("inf")})
+    {'a': [1.0, None], 'b': 'inf'}
+    """
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
 
 
 def _fingerprint(
@@ -248,7 +272,8 @@ def _run_demo(
             sa_method = m
         sc = _scores(p, y_units, torch.Generator().manual_seed(seed))
         rows.append([label, *sc.values(), secs])
-        print(f"[attnuq demo] {label:>15}: " + ", ".join(f"{k} {v:.3f}" for k, v in sc.items()))
+        print(f"[attnuq demo] {label:>15}: " + ", ".join(
+            f"{k} {'n/a (constant spread)' if v is None else f'{v:.3f}'}" for k, v in sc.items()))
     columns = ["method", *_scores(preds["SA"], y_units, torch.Generator()).keys(), "seconds"]
     nu = int(sa_method.nu)
 
@@ -289,7 +314,8 @@ def _run_demo(
         "summary": {
             "chosen nu (sa: auto criterion, BO)": nu,
             "criterion used by auto": sa_method.criterion_resolved,
-            "floor beta (units of the val residual scale)": sa_method.floor_fit.beta_units,
+            "floor beta (units of the val residual scale)": _beta_text(
+                sa_method.floor_fit.beta_units),
             "rows fit / val / cal / test": " / ".join(str(v) for v in sizes.values()),
             "model": "reused from a previous run" if reused else
                      f"trained here in {train_seconds:.0f} s",
@@ -305,14 +331,16 @@ def _run_demo(
                     "'sa': auto criterion, draws recentred on the frozen output, a conformal "
                     "floor with beta on val and the factor on cal; a Gaussian predictive); SA, "
                     "paper recipe is 'sa-paper' (L_SA, raw draws). NLL uses a Gaussian with the "
-                    "predictive's mean and std.",
+                    "predictive's mean and std. Spearman(|err|, std) is n/a where "
+                    "the spread is the same for every input (the floor chose beta = inf: "
+                    "the plain conformal width).",
         }],
         "figures": figures,
         "methods": infos,
         "calibration": sa_method.report.to_dict(),
         "meta": info,
     }
-    atomic_write_json(out / "results.json", results, indent=2, default=float)
+    atomic_write_json(out / "results.json", _json_safe(results), indent=2, default=float)
     page = render_report(out / "results.json")
     print(f"[attnuq demo] done in {time.perf_counter() - t_start:.0f} s")
     return page.parent
