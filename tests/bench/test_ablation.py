@@ -227,6 +227,15 @@ def test_ett_page_shows_the_table_and_flag_when_variant_rows_are_stored(tmp_path
     assert "## Ablations: SA variants against their reference rows" in text
     off = 100 * (pm / fm - 1)
     assert f"sa-paper {pm:.4f} ({off:+.1f} %)" in text and abs(off) > 1  # the 1 % flag
+    # issue #20's goal line, from the sa row (half sa-paper's numbers: MSE far off the frozen)
+    cov, sm = res["sa"]["coverage"], res["sa"]["mse"]
+    assert (f"`sa` native 95 % coverage at least 0.85 with MSE within 1 % of the frozen "
+            f"model's: coverage {cov:.3f}, MSE {sm:.4f} ({100 * (sm / fm - 1):+.2f} % against "
+            f"{fm:.4f}): not met.") in text
+    res["sa"].update(mse=fm, coverage=0.9)
+    (tmp_path / "ett_results.json").write_text(json.dumps(p))
+    text = render_page(tmp_path, tmp_path / "ett.md").markdown()
+    assert f"coverage 0.900, MSE {fm:.4f} (+0.00 % against {fm:.4f}): met." in text
 
 
 def test_era5_page_shows_the_table_per_lead_when_variant_rows_are_stored() -> None:

@@ -254,3 +254,39 @@ def test_the_recommended_sa_row_counts_as_sa_and_gets_the_suite_budget(tmp_path:
            "gaussian 3.000" in text
     for name in ("sa", "sa-debiased", "sa-recentred", "sa-floor"):
         assert _method_kwargs(name, args) == {"n_samples": 10, "progress": False}, name
+
+
+def test_issue_20_goal_lines_count_the_recommended_row_only(tmp_path: Path) -> None:
+    """sa against the baselines alone (a better sa-crps does not count for it); sa-debiased's raw
+    coverage within 5 points; met / not met / open by the sets still to run."""
+    from attnuq.bench._uci_page import _stats, goal_lines
+
+    rows = []
+    sets = (("a", 1.0, 0.5, 0.93), ("b", 3.0, 0.5, 0.80), ("c", 1.0, 2.0, 0.99))
+    for ds, sa_w, sa_c, cov in sets:
+        for k in range(2):
+            rows += [_row(ds, "sa", k, sa_w, sa_c), _row(ds, "gaussian", k, 2.0, 1.0),
+                     _row(ds, "sa-crps", k, 0.5, 0.1), _row(ds, "sa-debiased", k, 9.0, 9.0)]
+            rows[-1]["metrics"]["coverage_native"] = cov
+    per = {ds: _stats(rows, ds, ()) for ds in "abc"}
+    lines = goal_lines(per)
+    assert lines == [
+        "* issue #20 goal, `sa`: narrowest calibrated PI-95 on at least 5 of 6 sets: 2 of the 3 "
+        "run (a, c): open (3 set(s) not yet run).",
+        "* issue #20 goal, `sa`: best CRPS on at least 4 of 6 sets: 2 of the 3 run (a, b): "
+        "open (3 set(s) not yet run).",
+        "* issue #20 goal, `sa-debiased` (the default criterion's row): raw 95 % coverage of "
+        "the default criterion within 5 points on at least 4 of 6 sets: 2 of the 3 run (a, c): "
+        "open (3 set(s) not yet run).",
+    ]
+    # 6 sets run, sa losing width on 2 of them (b, e): 4 < 5, not met; CRPS 5 of 6: met
+    per.update({d: per[k] for d, k in (("d", "a"), ("e", "b"), ("f", "a"))})
+    got = goal_lines(per)
+    assert got[0].endswith("4 of the 6 run (a, c, d, f): not met.")
+    assert got[1].endswith("5 of the 6 run (a, b, d, e, f): met.")
+    args = argparse.Namespace(n_blocks=1, max_epochs=1, patience=1, batch_size=32, n_samples=10,
+                              swag_epochs=1)
+    info = {"command": "attnuq bench uci", "date": "d", "machine": "m"}
+    text = write_table(tmp_path / "t.md", tmp_path, rows, info, args).read_text()
+    assert "issue #20's goals are counted for the recommended row alone:" in text
+    assert lines[0] in text

@@ -273,6 +273,14 @@ def render_page(out: Path, table: Path) -> Page:
                        heading="Ablations: SA variants against their reference rows",
                        nu={k: v.get("nu_map", v.get("nu")) for k, v in rows.items()},
                        floor=dict(rows))
+        fz = res.get("frozen", {}).get("mse")
+        if "sa" in rows and fz:  # issue #20's ETTh1 goal, read off the sa row
+            cov, mse = rows["sa"]["coverage"], rows["sa"]["mse"]
+            ok = cov >= 0.85 and abs(mse / fz - 1) <= 0.01
+            page.add("", "Issue #20's ETTh1 goal, `sa` native 95 % coverage at least 0.85 with "
+                     f"MSE within 1 % of the frozen model's: coverage {fmt(cov, 3)}, MSE "
+                     f"{fmt(mse)} ({100 * (mse / fz - 1):+.2f} % against {fmt(fz)}): "
+                     f"{'met' if ok else 'not met'}.")
         page.add("")
         page.implementations(p["implementations"], trailing_blank=False)
     notes = c.get("note") or []
