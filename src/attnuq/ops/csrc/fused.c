@@ -358,8 +358,12 @@ static inline void put_idx(const struct fused_args *a, int64_t pos, int64_t j) {
 }
 
 /* Mean of the nu value rows chosen[0:nu] of group g into o[0:Dv]: per element the sum in draw
- * order times 1/nu (vector accumulators, 4 vectors of columns at a time). */
-static void gather_mean(const struct fused_args *a, int64_t g, const int64_t *chosen, float *o) {
+ * order times 1/nu (vector accumulators, 4 vectors of columns at a time). With stream (a large
+ * output, AVX-512) whole cache lines go to memory by non-temporal stores: no read of the
+ * output's lines before they are written (the output is not read back here). */
+static void gather_mean(const struct fused_args *a, int64_t g, const int64_t *chosen, float *o,
+                        int stream) {
+    (void)stream; /* used on the AVX-512 path only */
     const float *v = (const float *)a->v;
     const int64_t base = ((const int64_t *)a->offs)[g];
     const int64_t Dv = a->Dv, nu = a->nu, step = a->step, sr = a->v_sr;
@@ -374,6 +378,17 @@ static void gather_mean(const struct fused_args *a, int64_t g, const int64_t *ch
             a2 += ldw(vr + 2 * VW);
             a3 += ldw(vr + 3 * VW);
         }
+#ifdef __AVX512F__
+        if (stream && ((uintptr_t)(o + d) & 63) == 0) { /* whole lines: stream them out */
+            vwf r[4] = {a0 * inv, a1 * inv, a2 * inv, a3 * inv};
+            for (int l = 0; l < 4; l++) {
+                __m512 x;
+                memcpy(&x, &r[l], sizeof x);
+                _mm512_stream_ps(o + d + l * VW, x);
+            }
+            continue;
+        }
+#endif
         stw(o + d, a0 * inv);
         stw(o + d + VW, a1 * inv);
         stw(o + d + 2 * VW, a2 * inv);
@@ -491,7 +506,7 @@ static void finish_row(const struct fused_args *a, int64_t g, int64_t i, int ok,
     if (a->out) {
         float *o = (float *)a->out + (g * a->M + i) * a->Dv;
         if (ok)
-            gather_mean(a, g, ch, o);
+            gather_mean(a, g, ch, o, a->G * a->M * a->Dv >= (1 << 20));
         else
             for (int64_t d = 0; d < a->Dv; d++) o[d] = 0.0f;
     }
@@ -692,6 +707,9 @@ static int64_t run(const struct fused_args *a, float scale, int moments) {
                 if (mine && !tile(a, scale, moments, Kp, ppb, VV, vbar, W, &w, g, a->i0 + tt * MR))
                     err |= 2;
         }
+#ifdef __AVX512F__
+        _mm_sfence(); /* this thread's streamed output rows are written before it returns */
+#endif
         scratch_free(&w);
     }
     free(Kp);
