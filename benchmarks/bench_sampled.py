@@ -347,6 +347,9 @@ def render(info: dict[str, Any], sp: list[dict[str, Any]], mem: list[dict[str, A
                 "hundredths between runs (SDPA's own time varies by more than 20 % within one "
                 "run: compare the reference column), so a ratio within about 0.05 of the target "
                 "is met or missed by the load of the other jobs, not by the code."
+                + (f" This run: median {r['ratio']:.2f}, IQR {r['ratio_q25']:.2f}-"
+                   f"{r['ratio_q75']:.2f}, {'met' if ok else 'missed'} by less than that spread."
+                   if abs(r["ratio"] - target) < 0.05 else "")
             )
     lines += [""]
     if mem:
