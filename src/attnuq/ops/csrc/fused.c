@@ -4,7 +4,8 @@
  * tile by tile so that no score matrix larger than a tile of query rows ever exists.
  *
  * Work unit: one group g (a key/value head with the query rows that read it) and one tile of
- * MR query rows. Per group the keys are packed once into panels of NR keys, feature-major
+ * MR query rows; each thread takes a contiguous range of (group, tile) units (no barriers). Per
+ * group (and thread) the keys are packed once into panels of NR keys, feature-major
  * (Kp[p][d][c] = k[p NR + c][d], zero past Lk), so that a register-blocked micro-GEMM computes
  * an MR x NR block of scores with 2 MR vector accumulators: for every feature d, two vector
  * loads of the panel, MR broadcasts of the (pre-scaled) query entries and 2 MR fused
@@ -663,22 +664,26 @@ static int64_t run(const struct fused_args *a, float scale, int moments) {
     int64_t nbb, blb;
     layout(Bk, &nbb, &blb);
     const int64_t ld = (ppb * NR > Bk + nbb ? ppb * NR : Bk + nbb) + VW;
-    float *Kp = (float *)alloc64((size_t)(nblk * ppb * D * NR) * sizeof(float));
-    float *VV = moments ? (float *)alloc64((size_t)(Lk * W) * sizeof(float)) : NULL;
-    float *vbar = moments ? (float *)alloc64((size_t)a->Dv * sizeof(float)) : NULL;
-    if (Kp == NULL || (moments && (VV == NULL || vbar == NULL))) {
-        free(Kp);
-        free(VV);
-        free(vbar);
-        return 1;
-    }
     int64_t err = 0;
     int64_t nth = a->nthreads;
     (void)nth;
     const int64_t ntile = (a->i1 - a->i0 + MR - 1) / MR;
+    const int64_t items = (a->g1 - a->g0) * ntile; /* (group, tile) pairs, group-major */
     const int64_t nu1 = a->nu > 0 ? a->nu : 1;
+    /*
+     * Each thread takes one contiguous range of (group, tile) items and packs the keys (and,
+     * for the moments, the values) of each group it enters into buffers of its own: no barrier
+     * between threads (a thread descheduled on a loaded machine holds up no other), at the cost
+     * of packing a group twice where a range boundary splits it.
+     */
 #pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : err)
     {
+        int64_t tid = 0, nt = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        const int64_t it0 = items * tid / nt, it1 = items * (tid + 1) / nt;
         struct scratch w = {0};
         w.ld = ld;
         w.qs = (float *)alloc64((size_t)(MR * (D > 0 ? D : 1)) * sizeof(float));
@@ -688,33 +693,39 @@ static int64_t run(const struct fused_args *a, float scale, int moments) {
         w.rmax = (float *)alloc64(MR * sizeof(float));
         w.rsum = (float *)alloc64(MR * sizeof(float));
         w.chosen = (int64_t *)malloc((size_t)(MR * nu1) * sizeof(int64_t));
+        float *Kp = NULL, *VV = NULL, *vbar = NULL;
+        if (it0 < it1) {
+            Kp = (float *)alloc64((size_t)(nblk * ppb * D * NR) * sizeof(float));
+            VV = moments ? (float *)alloc64((size_t)(Lk * W) * sizeof(float)) : NULL;
+            vbar = moments ? (float *)alloc64((size_t)a->Dv * sizeof(float)) : NULL;
+        }
         int mine = w.qs && w.S && w.cum && w.rmax && w.rsum && w.chosen &&
-                   (!moments || w.A);
+                   (!moments || w.A) && (it0 >= it1 || (Kp && (!moments || (VV && vbar))));
         if (!mine) err |= 1;
-        for (int64_t g = a->g0; g < a->g1; g++) {
-#pragma omp single
-            {
+        int64_t packed = -1; /* the group whose keys Kp holds */
+        for (int64_t it = it0; mine && it < it1; it++) {
+            const int64_t g = a->g0 + it / ntile, tt = it % ntile;
+            if (g != packed) {
                 const float *kg = (const float *)a->k + g * a->k_sg;
                 for (int64_t b = 0; b < nblk; b++) {
                     int64_t j0 = b * Bk, nkb = Lk - j0 < Bk ? Lk - j0 : Bk;
                     if (!pack_k(kg + j0 * a->k_sl, a->k_sl, nkb, D, ppb, Kp + b * ppb * D * NR))
-                    err |= 2;
+                        err |= 2;
                 }
                 if (moments) pack_values(a, g, W, VV, vbar);
+                packed = g;
             }
-#pragma omp for schedule(static)
-            for (int64_t tt = 0; tt < ntile; tt++)
-                if (mine && !tile(a, scale, moments, Kp, ppb, VV, vbar, W, &w, g, a->i0 + tt * MR))
-                    err |= 2;
+            if (!tile(a, scale, moments, Kp, ppb, VV, vbar, W, &w, g, a->i0 + tt * MR))
+                err |= 2;
         }
 #ifdef __AVX512F__
         _mm_sfence(); /* this thread's streamed output rows are written before it returns */
 #endif
         scratch_free(&w);
+        free(Kp);
+        free(VV);
+        free(vbar);
     }
-    free(Kp);
-    free(VV);
-    free(vbar);
     return err;
 }
 
