@@ -39,9 +39,10 @@ each query chunk only scores the keys up to its last position. No tensor of
 Fused CPU kernels (float32). On CPU, with float32 computation (float32, float16 and bfloat16
 inputs) and any ``attn_mask`` one bias table (:meth:`Attn._bias_table`), both samplers and
 :func:`attention_moments` (``block_size=None``, no gradient) run the fused C kernels of
-``csrc/fused.c`` instead (:func:`attnuq.ops.native_status` says whether they are in use): per
-key/value group the keys are packed once, and per tile of 8 query rows (4 on the portable,
-non-AVX-512 build) a register-blocked micro-GEMM computes the tile's scores against all keys
+``csrc/fused.c`` instead (:func:`attnuq.ops.native_status` says whether they are in use): each
+thread takes a contiguous range of (group, tile) units and packs the keys of each key/value
+group it enters once; per tile of 8 query rows (4 on the portable, non-AVX-512 build) a
+register-blocked micro-GEMM computes the tile's scores against all keys
 (key-blocked: one key block at a time), which then stay in L1/L2 for the row maximum, ``2^(s -
 max)``, the blocked CDF and the draws, and the mean of the drawn value rows is written straight
 into the output (no ``embedding_bag``). Their uniforms come from one int64 seed drawn from the
@@ -81,7 +82,8 @@ chunking: its chunks are whole groups or row blocks of one group in order, and c
 of several groups, which changes the order.)
 
 Inputs are checked for NaN/inf with one sum per tensor (a finite sum proves all entries finite;
-otherwise an exact count is made for the message).
+otherwise an exact count is made for the message). On the fused path with no mask or a boolean
+one, ``q`` and ``k`` are checked by the kernel as it reads them (the same message follows).
 """
 
 from __future__ import annotations
@@ -597,7 +599,7 @@ def sampled_attention(
         at least 128 rows when that fits in ``2**24`` elements, at least one row). Without a
         gradient for ``v`` neither path holds the ``(B, H, Lq, nu)`` drawn indices; with one,
         both do (the backward needs them). On CPU in float32 both run the fused kernels
-        (module docstring), which hold one key/value group's packed keys and, per thread, the
+        (module docstring), which hold per thread one key/value group's packed keys and the
         scores of a tile of 8 query rows against all keys (dense) or one key block (blocked).
     generator : torch.Generator, optional
         Source of the uniforms; the same generator state (and the same arguments) gives the same
