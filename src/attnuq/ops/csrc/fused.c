@@ -25,9 +25,10 @@
  * exact draws from the softmax of the scores, keys of zero weight never drawn), then the mean of
  * the nu drawn value rows (summed in draw order, times 1/nu) into the output.
  *
- * Key-blocked sampler: the same per key block of `block` keys with the running choice of
- * sample_rows.c's block kernel (coin u < p = 2^(lb - run'), then the lookup of u / p in the
- * block's CDF); one uniform per (row, block, draw).
+ * Key-blocked sampler: the same per key block of `block` keys (its own micro-GEMM tile) with
+ * the running choice of sample_rows.c's block kernel (coin u < p, p the block's share of the
+ * mass of the blocks so far, then the lookup of u / p in the block's CDF; see block_row()); one
+ * uniform per (row, block, draw).
  *
  * Moments: per row m, e_j, l = sum_j e_j, then a second micro-GEMM e (MR x keys) times the
  * packed values [vc, vc^2] (vc = v - vbar, vbar the unweighted mean of the group's values, as in
