@@ -219,6 +219,26 @@ def _check_observed_finite(t: torch.Tensor, m: torch.Tensor, name: str) -> None:
         )
 
 
+class _Call(NamedTuple):
+    """The arguments of one :func:`levy_attention` call after its option checks (what the
+    eager path and the custom op take; tensors not yet validated)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    a: torch.Tensor
+    times: torch.Tensor
+    mask: torch.Tensor
+    alpha: float | torch.Tensor
+    beta: float | torch.Tensor
+    h: float | torch.Tensor
+    omega: torch.Tensor | None
+    phase: torch.Tensor | None
+    D: torch.Tensor | None
+    per_dim: bool
+    block_size: int
+    backend: str
+
+
 class _Inputs(NamedTuple):
     q: torch.Tensor
     k: torch.Tensor
@@ -731,32 +751,17 @@ def levy_attention(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad
         for t in (q, k, a, times, alpha, beta, h, omega, phase, D))
+    call = _Call(q, k, a, times, mask, alpha, beta, h, omega, phase, D, per_dim, block_size,
+                 backend)
     if not needs_grad and isinstance(q, torch.Tensor) and _rng.tracing(q):
         # traced inference (torch.compile, torch.export): one opaque custom op
-        return _levy_via_op(q, k, a, times, mask, alpha, beta, h, omega, phase, D, per_dim,
-                            block_size, backend)
-    return _levy_attention_impl(q, k, a, times, mask, alpha, beta, h, omega, phase, D, per_dim,
-                                block_size, backend, needs_grad)
+        return _levy_via_op(call)
+    return _levy_attention_impl(call, needs_grad)
 
 
-def _levy_attention_impl(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    a: torch.Tensor,
-    times: torch.Tensor,
-    mask: torch.Tensor,
-    alpha: float | torch.Tensor,
-    beta: float | torch.Tensor,
-    h: float | torch.Tensor,
-    omega: torch.Tensor | None,
-    phase: torch.Tensor | None,
-    D: torch.Tensor | None,
-    per_dim: bool,
-    block_size: int,
-    backend: str,
-    needs_grad: bool,
-) -> LevyResult:
+def _levy_attention_impl(call: _Call, needs_grad: bool) -> LevyResult:
     """:func:`levy_attention` after its option checks (eager; the custom op's body)."""
+    q, k, a, times, mask, alpha, beta, h, omega, phase, D, per_dim, block_size, backend = call
     want_native = backend in ("native", "auto")
     light = want_native and not needs_grad
     inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D, light=light)
@@ -895,8 +900,8 @@ def _levy_op(
 ) -> list[torch.Tensor]:
     """``attnuq::levy_attention``: the fields of :func:`levy_attention` (no autograd)."""
     with torch.no_grad():
-        res = _levy_attention_impl(q, k, a, times, mask, alpha, beta, h, omega, phase, D,
-                                   per_dim, block_size, backend, False)
+        res = _levy_attention_impl(_Call(q, k, a, times, mask, alpha, beta, h, omega, phase, D,
+                                         per_dim, block_size, backend), False)
     empty = q.new_empty((0,))
     return [empty.clone() if t is None else t.clone(memory_format=torch.contiguous_format)
             for t in (getattr(res, f) for f in _LEVY_FIELDS)]
@@ -913,28 +918,14 @@ def _levy_fake(
     return [q.new_empty(full), dim[0], *(q.new_empty((B, H, Q)) for _ in range(4)), dim[1]]
 
 
-def _levy_via_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    a: torch.Tensor,
-    times: torch.Tensor,
-    mask: torch.Tensor,
-    alpha: float | torch.Tensor,
-    beta: float | torch.Tensor,
-    h: float | torch.Tensor,
-    omega: torch.Tensor | None,
-    phase: torch.Tensor | None,
-    D: torch.Tensor | None,
-    per_dim: bool,
-    block_size: int,
-    backend: str,
-) -> LevyResult:
+def _levy_via_op(call: _Call) -> LevyResult:
+    q, per_dim = call.q, call.per_dim
+
     def tens(x: float | torch.Tensor) -> torch.Tensor:
         return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=q.dtype,
                                                                   device=q.device)
 
-    out = _levy_op(q, k, a, times, mask, tens(alpha), tens(beta), tens(h), omega, phase, D,
-                   per_dim, block_size, backend)
+    out = _levy_op(*call[:5], tens(call.alpha), tens(call.beta), tens(call.h), *call[8:])
     mean, var, evidence, p_empty, phi, sigma, sigma_dim = out
     return LevyResult(mean=mean, var=var if per_dim else None, evidence=evidence,
                       p_empty=p_empty, phi=phi, sigma=sigma,
