@@ -357,15 +357,18 @@ def test_float32_moments_match_the_closed_form(fused_on, case, gqa):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("which", ["q", "k", "v"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_float32_non_finite_inputs_are_reported(fused_on, bad, which, masked):
+@pytest.mark.parametrize("lk,d", [(20, 8), (70, 32)])
+def test_float32_non_finite_inputs_are_reported(fused_on, bad, which, masked, lk, d):
     """In float32 the check of q and k is the fused kernel's (it reads every entry): the error
     names the tensor as the other paths' check does, for either sampler and the moments; a
-    boolean mask keeps the deferred check, an additive one the up-front check."""
+    boolean mask keeps the deferred check, an additive one the up-front check. (Lk = 70,
+    D = 32: the bad key sits in a full panel of 32 keys, packed by the AVX-512 transposes;
+    Lk = 20, D = 8: the scalar packing.)"""
     from attnuq.ops import attention_moments, sampled_attention
 
-    t = dict(zip("qkv", _qkv32(1, 2, 2, 9, 20, 8), strict=True))
+    t = dict(zip("qkv", _qkv32(1, 2, 2, 9, lk, d), strict=True))
     t[which][0, 1, 7, 3] = bad
-    mask = (torch.rand(1, 1, 1, 20, generator=_gen(1)) > 0.5) if masked else None
+    mask = (torch.rand(1, 1, 1, lk, generator=_gen(1)) > 0.5) if masked else None
     if masked:
         mask[..., 0] = True
     calls = (

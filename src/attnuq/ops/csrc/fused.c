@@ -117,12 +117,58 @@ static void *alloc64(size_t bytes) {
     return aligned_alloc(64, n ? n : 64);
 }
 
+#ifdef __AVX512F__
+/* dst[d ldo + c] = src[c ld + d] for c, d < 16 (a 16 x 16 transpose in registers); returns
+ * whether all 256 entries are finite. */
+static inline int transpose16(const float *src, int64_t ld, float *dst, int64_t ldo) {
+    __m512 r[16], t[16];
+    const __m512 big = _mm512_set1_ps(3.40282347e+38f);
+    __mmask16 ok = 0xffff;
+    for (int i = 0; i < 16; i++) {
+        r[i] = _mm512_loadu_ps(src + i * ld);
+        ok &= _mm512_cmp_ps_mask(_mm512_abs_ps(r[i]), big, _CMP_LE_OQ);
+    }
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * ldo, r[i]);
+    return ok == 0xffff;
+}
+#endif
+
 /* Kp[p][d][c] = k[p NR + c][d] for the panels p < np (zero past Lk); returns whether every
  * entry of k read is finite. */
 static int pack_k(const float *k, int64_t sl, int64_t Lk, int64_t D, int64_t np, float *Kp) {
     int fin = 1; /* every packed entry finite (|x| <= FLT_MAX: false for inf and NaN) */
     for (int64_t p = 0; p < np; p++) {
         float *dst = Kp + p * D * NR;
+#ifdef __AVX512F__
+        if ((p + 1) * NR <= Lk && D % 16 == 0) { /* a full panel: 16 x 16 transposes */
+            for (int64_t d0 = 0; d0 < D; d0 += 16)
+                for (int c0 = 0; c0 < NR; c0 += 16)
+                    fin &= transpose16(k + (p * NR + c0) * sl + d0, sl, dst + d0 * NR + c0, NR);
+            continue;
+        }
+#endif
         for (int64_t c = 0; c < NR; c++) {
             int64_t j = p * NR + c;
             if (j < Lk) {
