@@ -101,7 +101,6 @@ def test_committed_results_are_run_records() -> None:
         assert rec["method"] == m and rec["scores"] == p["results"][m], m
         assert rec["fan"] == p["fan_chart"][m] and rec["reuse"] == _reuse(p["config"], m), m
         assert rec["run_info"]["command"] == credited.get(m, p["run"]["command"]), m
-    assert "ensemble" not in credited  # the last invocation scored it
 
 
 def _tiny_csv(path: Path, n: int = 520) -> Path:
@@ -264,3 +263,21 @@ def test_bench_ett_torn_results_and_another_budget(tmp_path: Path) -> None:
     assert not other["reused"] and other["epochs_run"] == 1
     assert Path(other["model_dir"]).name.startswith("backbone-")
     assert first["model_dir"] == str(out / "ett" / "backbone")
+
+
+def test_render_only_rewrites_page_twin_and_summary_key(tmp_path: Path) -> None:
+    """--render-only needs only the stored JSON; it also refreshes the ``ett`` summary key."""
+    import shutil
+
+    from attnuq.bench.ett import summary
+    from attnuq.cli import main
+
+    res = Path(__file__).resolve().parents[2] / "docs" / "results"
+    (tmp_path / "ett").mkdir()
+    shutil.copy(res / "ett" / "ett_results.json", tmp_path / "ett")
+    (tmp_path / "summary.json").write_text(json.dumps({"uci": {"kept": 1}, "ett": {"old": 1}}))
+    assert main(["bench", "ett", "--out", str(tmp_path), "--render-only"]) == 0
+    assert (tmp_path / "ett.md").read_text() == (res / "ett.md").read_text()
+    got = json.loads((tmp_path / "summary.json").read_text())
+    payload = json.loads((res / "ett" / "ett_results.json").read_text())
+    assert got["uci"] == {"kept": 1} and got["ett"] == json.loads(json.dumps(summary(payload)))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -253,8 +254,13 @@ def run(args: argparse.Namespace) -> Path:
     from attnuq.training import predict_batched
 
     res_dir = Path(args.out) / "ett"
-    if getattr(args, "render_only", False):
+    if getattr(args, "render_only", False):  # the page, its twin and the summary key
+        from attnuq.bench._page import update_summary
+
         render_page(res_dir, res_dir.parent / "ett.md").write(res_dir.parent / "ett.md")
+        payload = json.loads((res_dir / "ett_results.json").read_text())
+        if "frozen" in payload.get("results", {}):
+            update_summary(res_dir.parent / "summary.json", "ett", summary(payload))
         return res_dir
     torch.set_num_threads(check_positive_int(args.threads, "threads"))
     device = resolve_device(getattr(args, "device", "cpu"))
