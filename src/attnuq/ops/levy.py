@@ -80,8 +80,13 @@ Implementation notes
     widths); keys and values are overlapping views of one ``[kn | v - ref | second moment]``
     buffer, the keys' padding being met by the queries' zeros. Masked keys get an additive
     ``-1e4`` (weight exactly 0).
-  - With autograd (the kernel's log-sum-exp output has no gradient): a sentinel key with known
-    score ``-beta`` and value ``e_0`` is prepended; its output weight ``o_q`` gives
+  - With autograd on CPU (float32, float64): the same flash kernel and its log-sum-exp in a
+    custom autograd function with a hand-derived backward (:class:`_FlashBlock`): key
+    normalisation, centred values and the attention per block, and ONE call of the kernel's
+    backward, handed a zero value column whose gradient carries ``dL/d lse`` (verified by
+    gradcheck in float64). No sentinel key, no extra normaliser column.
+  - With autograd elsewhere (or a torch build without the CPU flash backward): a sentinel key
+    with known score ``-beta`` and value ``e_0`` is prepended; its output weight ``o_q`` gives
     ``Z_q e^{beta} = (1 - o_q) / o_q`` (every observed term is ``>= 1`` relative to the
     sentinel, so ``o_q <= 1/2`` and there is no cancellation), and
     ``Lambda_q = alpha e^{-2 beta} (1 - o_q) / o_q``. Masked keys get score ``-1e4``.
@@ -827,7 +832,11 @@ def _levy_attention_impl(call: _Call, needs_grad: bool) -> LevyResult:
             from attnuq.ops import _triton
 
             flash = _triton.levy_flash(needs_grad, q)
-        if needs_grad or not (lse_ok or flash is not None):
+        if needs_grad and lse_ok and _FLASH_BWD is not None:
+            # autograd on CPU: flash forward + its log-sum-exp, one flash backward call
+            z, mom = _accumulate_flash_grad(qn, blocks, mom_b, ref, inp.beta, per_dim)
+            log_scale = -inp.beta[:, None]  # Lambda = alpha e^{-beta} z
+        elif needs_grad or not (lse_ok or flash is not None):
             z, mom = _accumulate_sdpa(qn, blocks, mom_b, ref, inp.beta, per_dim)
             log_scale = -2 * inp.beta[:, None]  # Lambda = alpha e^{-2 beta} z
         else:
@@ -1115,6 +1124,144 @@ def _accumulate_sdpa(
         t_parts.append(out[..., 1 : 1 + w_cols] / o[..., None])
     z = _ordered_sum(z_parts)
     return z, _ordered_sum(t_parts) / torch.where(z > 0, z, torch.ones_like(z))[..., None]
+
+
+# the CPU flash kernel's backward (recomputes the weights from q, k and the log-sum-exp)
+_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+class _FlashBlock(torch.autograd.Function):
+    r"""One block of the differentiable CPU path: key normalisation, centred values, one flash
+    attention call with its log-sum-exp, and a hand-derived backward around ONE flash backward.
+
+    Inputs: ``qa`` ``(B, H, Q, E)`` (``beta qn``), ``k`` ``(B, H, N, E)`` (raw keys),
+    ``vbar`` ``(B, H, N, dv)``, ``within`` ``(B, H, N, ws)`` or ``None``, ``ref``
+    ``(B, H, 1, dv)``, ``bias`` ``(B, 1, 1, N)`` (additive mask, no gradient), ``per_dim``.
+    Forward, with ``kn = k / max(|k|, eps)``, ``vc = vbar - ref``, ``sq = vc^2 + s`` (per
+    dimension) or ``|vc|^2 + tr s`` (``ws = 1``), scores ``s_qi = qa_q . kn_i + bias_i``:
+
+    .. math::
+
+        lse_q = \log \sum_i e^{s_{qi}},\quad p_{qi} = e^{s_{qi} - lse_q},\quad
+        out_q = \sum_i p_{qi} v_i,\quad v_i = [vc_i, sq_i, 0, \dots].
+
+    Backward (``g = dL/d out``, ``g^{lse} = dL/d lse``):
+
+    .. math::
+
+        \frac{\partial L}{\partial s_{qi}} = p_{qi}\big(g_q\cdot(v_i - out_q) + g^{lse}_q\big),
+        \quad
+        \bar{vc}_i = \bar v_{i,vc} + 2\, vc_i \odot \bar v_{i,sq},\quad
+        \bar k_i = \frac{\bar{kn}_i - [|k_i| > eps]\, kn_i (kn_i \cdot \bar{kn}_i)}
+                        {\max(|k_i|, eps)},
+
+    ``bar vbar = bar vc``, ``bar ref = -sum_i bar vc_i``, ``bar s = bar v_{sq}``. The kernel
+    needs equal head dims: ONE buffer ``[kn | vc | sq | 0]`` of width ``E + dp``
+    (``dp = max(E, dv + ws + 1)``) holds keys (its first ``dp`` columns; their padding is met by
+    the queries' zeros) and values (its last ``dp``). Value column ``c = dv + ws`` is
+    identically 0, so its output gradient is free: the backward sets ``g_c = 1`` and hands the
+    kernel ``out_c = -g^{lse}``; the kernel's ``rowsum(g * out)`` becomes
+    ``g . out - g^{lse}`` and its ``p (g . v_i - rowsum)`` is exactly the line above, so one
+    flash backward gives every gradient (no sentinel key, no normaliser column). Masked keys
+    have ``p = 0`` exactly, so their gradients are exact zeros. Returns ``out``
+    ``(B, H, Q, dp)`` and ``lse`` ``(B, H, Q)``; verified by ``torch.autograd.gradcheck`` in
+    float64 (tests/ops/test_levy.py).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, qa: torch.Tensor, k: torch.Tensor, vbar: torch.Tensor,
+        within: torch.Tensor | None, ref: torch.Tensor, bias: torch.Tensor, per_dim: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        B, H, Q, E = qa.shape
+        N, dv = k.shape[2], vbar.shape[-1]
+        ws = dv if per_dim else 1
+        c = dv + ws
+        dp = max(E, c + 1)
+        # (B, L, H, .) memory passed as (B, H, L, .) views (the kernel's fast layout)
+        qp = qa.new_empty(B, Q, H, dp).transpose(1, 2)
+        qp[..., :E] = qa
+        qp[..., E:] = 0.0
+        buf = k.new_empty(B, N, H, E + dp).transpose(1, 2)  # [kn | vc | sq | 0]
+        nrm = torch.linalg.vector_norm(k, dim=-1, keepdim=True)
+        nrm_c = nrm.clamp_min(1e-12)
+        torch.div(k, nrm_c, out=buf[..., :E])
+        vc = torch.sub(vbar, ref, out=buf[..., E : E + dv])
+        if per_dim:
+            sq = buf[..., E + dv : E + c]
+            if within is None:
+                torch.mul(vc, vc, out=sq)
+            else:
+                torch.addcmul(within, vc, vc, out=sq)
+        else:
+            tr = torch.linalg.vecdot(vc, vc)[..., None]
+            buf[..., E + dv : E + c] = tr if within is None else tr + within
+        buf[..., E + c :] = 0.0
+        assert _FLASH is not None
+        kp, vp = buf[..., :dp], buf[..., E:]
+        out, lse = _FLASH(qp, kp, vp, 0.0, False, attn_mask=bias, scale=1.0)
+        ctx.save_for_backward(qp, buf, nrm, out, lse, bias)
+        ctx.dims = (E, dv, ws, within is not None)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: Any, g_out: torch.Tensor, g_lse: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        qp, buf, nrm, out, lse, bias = ctx.saved_tensors
+        E, dv, ws, has_within = ctx.dims
+        c = dv + ws
+        dp = buf.shape[-1] - E
+        g = g_out.clone(memory_format=torch.contiguous_format)
+        g[..., c] = 1.0
+        o = out.clone(memory_format=torch.contiguous_format)
+        o[..., c] = -g_lse
+        assert _FLASH_BWD is not None
+        gq, gkn, gv = _FLASH_BWD(g, qp, buf[..., :dp], buf[..., E:], o, lse, 0.0, False,
+                                 attn_mask=bias, scale=1.0)
+        kn, vc = buf[..., :E], buf[..., E : E + dv]
+        gkn = gkn[..., :E]
+        # F.normalize's backward: the clamp has no gradient below eps
+        radial = torch.linalg.vecdot(kn, gkn)[..., None] * (nrm > 1e-12)
+        g_k = (gkn - kn * radial) / nrm.clamp_min(1e-12)
+        g_sq = gv[..., dv:c]
+        g_vc = torch.addcmul(gv[..., :dv], vc, g_sq, value=2.0)  # g_sq broadcasts if ws = 1
+        g_ref = -g_vc.sum(2, keepdim=True)
+        g_within = g_sq if has_within else None
+        return gq[..., :E], g_k, g_vc, g_within, g_ref, None, None
+
+
+def _accumulate_flash_grad(
+    qn: torch.Tensor,
+    blocks: list[_Inputs],
+    mom_b: list[tuple[torch.Tensor, torch.Tensor | None]],
+    ref: torch.Tensor,
+    beta: torch.Tensor,
+    per_dim: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z = sum_i e^{beta cos_i}`` ``(B, H, Q)`` and the moments ``sum_i p_i v_i``
+    ``(B, H, Q, W)`` (0 where ``z = 0``), differentiable: the autograd path on CPU.
+
+    One :class:`_FlashBlock` call per block (CPU flash forward with its log-sum-exp; one flash
+    backward call in the backward pass), combined as in :func:`_accumulate_lse`,
+    ``sum_b (z_b / z) out_b`` (with one block the weight is 1, or 0 for an empty series).
+    """
+    dv = mom_b[0][0].shape[-1]
+    w_cols = dv + (dv if per_dim else 1)
+    qa = qn * beta[:, None, None]
+    z_parts, t_parts = [], []
+    for blk, (vbar, within) in zip(blocks, mom_b, strict=True):
+        bias = torch.where(blk.mask, 0.0, -1e4).to(qn.dtype)[:, None, None, :]
+        out, lse = _FlashBlock.apply(qa, blk.k, vbar, within, ref, bias, per_dim)
+        z_parts.append(torch.exp(lse))
+        t_parts.append(out[..., :w_cols])
+    z = _ordered_sum(z_parts)
+    if len(z_parts) == 1:
+        return z, t_parts[0] * (z > 0)[..., None].to(qn.dtype)
+    zs = torch.where(z > 0, z, torch.ones_like(z))
+    return z, _ordered_sum([(zb / zs)[..., None] * ob for zb, ob in zip(z_parts, t_parts,
+                                                                        strict=True)])
 
 
 def _accumulate_lse(
