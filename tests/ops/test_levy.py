@@ -245,6 +245,33 @@ def test_flash_block_gradcheck(per_dim: bool, within: bool) -> None:
                                rtol=1e-12)
     assert bool((out[..., dv + ws :] == 0).all())
 
+
+@pytest.mark.parametrize("dw", [5, 40, 1])
+def test_shared_field_gradcheck(dw: int) -> None:
+    """The hand-derived backward of the shared-frequency value field (``vbar`` and the
+    within-atom variance from the pair features) against finite differences: gradcheck in
+    float64 w.r.t. ``a``, ``cos z``, ``sin z`` and both weight matrices; ``dw = 40`` takes the
+    ``(BN x 2P) @ (2P x out)`` product, 5 and 1 the transposed one. The forward is checked
+    against the pair features built from the outer products."""
+    g = torch.Generator().manual_seed(4)
+    B, H, N, Dv, K = 2, 2, 3, 5, 3
+    P = K * (K + 1) // 2
+    a = torch.randn(B, H, N, Dv, generator=g, dtype=F64)
+    z = torch.randn(K, B * N, generator=g, dtype=F64) * 3
+    wm = torch.randn(K, H * Dv, generator=g, dtype=F64)
+    ws = torch.randn(2 * P, H * dw, generator=g, dtype=F64)
+    leaves = tuple(t.clone().requires_grad_(True) for t in (a, torch.cos(z), torch.sin(z), wm, ws))
+    assert torch.autograd.gradcheck(levy_mod._SharedField.apply, leaves, eps=1e-6, atol=1e-7,
+                                    rtol=1e-5)
+    vbar, s = levy_mod._SharedField.apply(*leaves)
+    c, sn = torch.cos(z).t(), torch.sin(z).t()  # (BN, K)
+    iu, ju, _ = levy_mod._pair_index(K, F64, torch.device("cpu"))
+    feats = torch.cat([c[:, iu] * c[:, ju], sn[:, iu] * sn[:, ju]], dim=1)  # (BN, 2P)
+    torch.testing.assert_close(
+        vbar, a + (c @ wm).view(B, N, H, Dv).transpose(1, 2), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(
+        s, (feats @ ws).view(B, N, H, dw).transpose(1, 2), atol=1e-12, rtol=1e-12)
+
 def test_gradients_finite_with_empty_series_and_large_beta() -> None:
     args, kw = make_problem(B=2, H=2, Q=2, N=5)
     q, k, a, times, mask = args

@@ -309,7 +309,7 @@ def _fast_inputs(
         return None
     # one sum proves every entry finite (an inf or NaN entry makes it inf or NaN)
     big = (times, om, ph, dd) if light else (times, k, q, om, ph, dd)
-    total = torch.cat([t.detach().reshape(-1) for t in big if t is not None]).sum()
+    total = torch.stack([t.detach().sum() for t in big if t is not None]).sum()
     if not math.isfinite(float(total)):
         return None
     # |a| <= finfo.max ** (1/4): a is finite and its masked rows stay finite through the operator
@@ -570,6 +570,66 @@ def _field(inp: _Inputs, per_dim: bool) -> _Field | None:
     return _Field(wm=wm.transpose(-1, -2), ws=w.transpose(-1, -2))
 
 
+class _SharedField(torch.autograd.Function):
+    r"""The value field at the observations when all heads share the time features: ``vbar`` and
+    the within-atom variance ``s`` with a hand-derived backward (no per-diagonal autograd nodes).
+
+    Inputs: ``a`` ``(B, H, N, Dv)``, ``ct = cos z``, ``st = sin z`` ``(K, B N)``, ``wm``
+    ``(K, H Dv)``, ``ws`` ``(2P, H dw)`` (:func:`_field`). With the pair features
+    ``f = [c_k c_l, s_k s_l]_{k <= l}`` ``(2P, B N)`` (by diagonal ``d = l - k``):
+
+    .. math::
+
+        \bar v = a + (c^\top w_m),\qquad s = f^\top w_s,
+
+    and the backward, with ``G_m = dL/d\bar v``, ``G_s = dL/ds`` as ``(B N, .)`` matrices:
+    ``dL/da = G_m``, ``dL/dw_m = c G_m``, ``dL/dw_s = f G_s``, ``dL/df = w_s G_s^\top`` and,
+    per diagonal, ``dL/dx_{k} += (dL/df_{k,k+d}) x_{k+d}``, ``dL/dx_{k+d} += (dL/df_{k,k+d})
+    x_k`` for ``x = c, s``; ``dL/dc`` gains ``w_m G_m^\top``. Verified by gradcheck in float64.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, a: torch.Tensor, ct: torch.Tensor, st: torch.Tensor, wm: torch.Tensor,
+        ws: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        B, H, N, Dv = a.shape
+        K = ct.shape[0]
+        feats_t = torch.cat([x[: K - d] * x[d:] for x in (ct, st) for d in range(K)])  # (2P, BN)
+        vbar = a + (ct.t() @ wm).view(B, N, H, Dv).transpose(1, 2)
+        if ws.shape[1] < 32:
+            # few outputs (the trace: one per head): (out x 2P) @ (2P x BN) is an order of
+            # magnitude faster than (BN x 2P) @ (2P x out) with the transposed feature matrix
+            s = (ws.t() @ feats_t).t().view(B, N, H, -1).transpose(1, 2)
+        else:
+            s = (feats_t.t() @ ws).view(B, N, H, -1).transpose(1, 2)
+        ctx.save_for_backward(ct, st, wm, ws, feats_t)
+        return vbar, s
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: Any, g_vbar: torch.Tensor, g_s: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        ct, st, wm, ws, feats_t = ctx.saved_tensors
+        K, BN = ct.shape
+        gm = g_vbar.transpose(1, 2).reshape(BN, -1)  # (BN, H Dv)
+        gs = g_s.transpose(1, 2).reshape(BN, -1)  # (BN, H dw)
+        g_wm = ct @ gm
+        g_ws = feats_t @ gs
+        g_f = ws @ gs.t()  # (2P, BN)
+        g_x = torch.zeros(2, K, BN, dtype=ct.dtype, device=ct.device)
+        g_x[0] = wm @ gm.t()
+        off = 0
+        for i, x in enumerate((ct, st)):
+            for d in range(K):
+                gd = g_f[off : off + K - d]
+                g_x[i, : K - d].addcmul_(gd, x[d:])
+                g_x[i, d:].addcmul_(gd, x[: K - d])
+                off += K - d
+        return g_vbar, g_x[0], g_x[1], g_wm, g_ws
+
+
 def _value_moments(
     inp: _Inputs, fld: _Field | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -583,22 +643,13 @@ def _value_moments(
     a = inp.a
     if fld is None or inp.omega is None or inp.phase is None:
         return a, None
-    B, H, N, Dv = a.shape
+    B, N = a.shape[0], a.shape[2]
     if inp.omega.shape[0] == 1:
         # shared time features, one GEMM each for all heads. Features are built transposed,
         # (K, B N) and (2P, B N), so that every product runs over B N contiguous numbers (a
         # (B N, K) layout has inner loops of K - d elements and costs several times more)
-        K = inp.omega.shape[-1]
         zt = inp.omega[0][:, None] * inp.times.reshape(1, B * N) + inp.phase[0][:, None]
-        ct, st = torch.cos(zt), torch.sin(zt)  # (K, B N)
-        feats_t = torch.cat([x[: K - d] * x[d:] for x in (ct, st) for d in range(K)])  # (2P, BN)
-        vbar = a + (ct.t() @ fld.wm).view(B, N, H, Dv).transpose(1, 2)
-        if fld.ws.shape[1] < 32:
-            # few outputs (the trace: one per head): (out x 2P) @ (2P x BN) is an order of
-            # magnitude faster than (BN x 2P) @ (2P x out) with the transposed feature matrix
-            s = (fld.ws.t() @ feats_t).t().view(B, N, H, -1).transpose(1, 2)
-        else:
-            s = (feats_t.t() @ fld.ws).view(B, N, H, -1).transpose(1, 2)
+        vbar, s = _SharedField.apply(a, torch.cos(zt), torch.sin(zt), fld.wm, fld.ws)
         return vbar, s
     z = inp.times[:, None, :, None] * inp.omega[None, :, None, :] + inp.phase[None, :, None, :]
     c = torch.cos(z)  # (B, H, N, K)
@@ -1178,28 +1229,31 @@ class _FlashBlock(torch.autograd.Function):
         ws = dv if per_dim else 1
         c = dv + ws
         dp = max(E, c + 1)
-        # (B, L, H, .) memory passed as (B, H, L, .) views (the kernel's fast layout)
-        qp = qa.new_empty(B, Q, H, dp).transpose(1, 2)
-        qp[..., :E] = qa
+        # everything below is indexed (B, L, H, .), the memory order of the buffers, of the
+        # kernel's outputs and of the module's projections (one common order is several times
+        # faster than mixed ones); the kernel gets (B, H, L, .) views
+        qp = qa.new_empty(B, Q, H, dp)
+        qp[..., :E] = qa.transpose(1, 2)
         qp[..., E:] = 0.0
-        buf = k.new_empty(B, N, H, E + dp).transpose(1, 2)  # [kn | vc | sq | 0]
-        nrm = torch.linalg.vector_norm(k, dim=-1, keepdim=True)
-        nrm_c = nrm.clamp_min(1e-12)
-        torch.div(k, nrm_c, out=buf[..., :E])
-        vc = torch.sub(vbar, ref, out=buf[..., E : E + dv])
+        buf = k.new_empty(B, N, H, E + dp)  # [kn | vc | sq | 0] per observation and head
+        kt = k.transpose(1, 2)
+        nrm = torch.linalg.vector_norm(kt, dim=-1, keepdim=True).clamp_min_(1e-12)
+        torch.div(kt, nrm, out=buf[..., :E])
+        vc = torch.sub(vbar.transpose(1, 2), ref.transpose(1, 2), out=buf[..., E : E + dv])
+        wt = None if within is None else within.transpose(1, 2)
         if per_dim:
             sq = buf[..., E + dv : E + c]
-            if within is None:
+            if wt is None:
                 torch.mul(vc, vc, out=sq)
             else:
-                torch.addcmul(within, vc, vc, out=sq)
+                torch.addcmul(wt, vc, vc, out=sq)
         else:
             tr = torch.linalg.vecdot(vc, vc)[..., None]
-            buf[..., E + dv : E + c] = tr if within is None else tr + within
+            buf[..., E + dv : E + c] = tr if wt is None else tr + wt
         buf[..., E + c :] = 0.0
         assert _FLASH is not None
-        kp, vp = buf[..., :dp], buf[..., E:]
-        out, lse = _FLASH(qp, kp, vp, 0.0, False, attn_mask=bias, scale=1.0)
+        out, lse = _FLASH(qp.transpose(1, 2), buf[..., :dp].transpose(1, 2),
+                          buf[..., E:].transpose(1, 2), 0.0, False, attn_mask=bias, scale=1.0)
         ctx.save_for_backward(qp, buf, nrm, out, lse, bias)
         ctx.dims = (E, dv, ws, within is not None)
         return out, lse
@@ -1213,23 +1267,31 @@ class _FlashBlock(torch.autograd.Function):
         E, dv, ws, has_within = ctx.dims
         c = dv + ws
         dp = buf.shape[-1] - E
-        g = g_out.clone(memory_format=torch.contiguous_format)
+        g = torch.empty_like(out)  # out's (B, Q, H, dp) memory order
+        g[..., :c] = g_out[..., :c]
         g[..., c] = 1.0
-        o = out.clone(memory_format=torch.contiguous_format)
+        g[..., c + 1 :] = 0.0  # columns of zero values: their gradients are 0 anyway
+        o = out.clone()
         o[..., c] = -g_lse
         assert _FLASH_BWD is not None
-        gq, gkn, gv = _FLASH_BWD(g, qp, buf[..., :dp], buf[..., E:], o, lse, 0.0, False,
+        gq, gkn, gv = _FLASH_BWD(g, qp.transpose(1, 2), buf[..., :dp].transpose(1, 2),
+                                 buf[..., E:].transpose(1, 2), o, lse, 0.0, False,
                                  attn_mask=bias, scale=1.0)
+        # (B, N, H, .) views of the kernel's gradients (its memory order)
+        gkn, gv = gkn.transpose(1, 2)[..., :E], gv.transpose(1, 2)
         kn, vc = buf[..., :E], buf[..., E : E + dv]
-        gkn = gkn[..., :E]
-        # F.normalize's backward: the clamp has no gradient below eps
-        radial = torch.linalg.vecdot(kn, gkn)[..., None] * (nrm > 1e-12)
-        g_k = (gkn - kn * radial) / nrm.clamp_min(1e-12)
+        # F.normalize's backward: (g - kn (kn . g)) / max(|k|, eps); the clamp (|k| <= eps)
+        # passes no radial part
+        radial = torch.linalg.vecdot(kn, gkn)[..., None]
+        if bool((nrm <= 1e-12).any()):
+            radial = radial * (nrm > 1e-12)
+        g_k = torch.addcmul(gkn, kn, radial, value=-1.0).div_(nrm)
         g_sq = gv[..., dv:c]
         g_vc = torch.addcmul(gv[..., :dv], vc, g_sq, value=2.0)  # g_sq broadcasts if ws = 1
-        g_ref = -g_vc.sum(2, keepdim=True)
-        g_within = g_sq if has_within else None
-        return gq[..., :E], g_k, g_vc, g_within, g_ref, None, None
+        g_ref = -g_vc.sum(1, keepdim=True)
+        g_within = g_sq.transpose(1, 2) if has_within else None
+        return (gq[..., :E], g_k.transpose(1, 2), g_vc.transpose(1, 2), g_within,
+                g_ref.transpose(1, 2), None, None)
 
 
 def _accumulate_flash_grad(
