@@ -201,14 +201,17 @@ def test_gradcheck_mean_and_sigma(backend: str, monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.parametrize("per_dim", [True, False])
 @pytest.mark.parametrize("within", [True, False])
-def test_flash_block_gradcheck(per_dim: bool, within: bool) -> None:
+@pytest.mark.parametrize("trace_loss", [False, True])
+def test_flash_block_gradcheck(per_dim: bool, within: bool, trace_loss: bool) -> None:
     """The hand-derived backward of the CPU training path's block (key normalisation, centred
     values, flash attention with its log-sum-exp; one flash backward call) against finite
     differences: gradcheck in float64, full Jacobians of ``out`` and ``lse`` w.r.t. every
-    differentiable input, masked keys (additive -1e4) included. (A fully masked series is left
-    out here: its scores sit near -1e4, where central differences lose about 1e-4 * 2^-52 / eps
-    ~ 2e-6 to rounding; the operator multiplies that block by z > 0 = 0 anyway, see
-    test_gradients_finite_with_empty_series_and_large_beta.)"""
+    differentiable input, masked keys (additive -1e4) included. ``trace_loss``: the outputs
+    read the second-moment columns only through their sum, so the incoming gradient is the same
+    on each of them and the backward takes its narrow ``[vc, tr sq]`` path. (A fully masked
+    series is left out here: its scores sit near -1e4, where central differences lose about
+    1e-4 * 2^-52 / eps ~ 2e-6 to rounding; the operator multiplies that block by z > 0 = 0
+    anyway, see test_gradients_finite_with_empty_series_and_large_beta.)"""
     if levy_mod._FLASH is None or levy_mod._FLASH_BWD is None:
         pytest.fail("this torch build lacks the CPU flash-attention kernels the path needs")
     g = torch.Generator().manual_seed(3)
@@ -228,12 +231,16 @@ def test_flash_block_gradcheck(per_dim: bool, within: bool) -> None:
           *rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = levy_mod._FlashBlock.apply(qa_, k_, v_, rest[0] if rest else None, r_,
                                               bias, per_dim)
+        if trace_loss:
+            return torch.cat([out[..., :dv], out[..., dv : dv + ws].sum(-1, keepdim=True)],
+                             -1), lse
         return out, lse
 
     inputs = (*leaves, *([] if sl is None else [sl]))
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
     # the forward is the plain definition (one softmax over the observed keys)
-    out, lse = f(*inputs)
+    with torch.no_grad():
+        out, lse = levy_mod._FlashBlock.apply(*inputs[:3], sl, inputs[3], bias, per_dim)
     kn = k / k.norm(dim=-1, keepdim=True)
     sc = qa @ kn.transpose(-1, -2) + bias
     vc = vbar - ref

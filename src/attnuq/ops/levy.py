@@ -1214,9 +1214,13 @@ class _FlashBlock(torch.autograd.Function):
     kernel ``out_c = -g^{lse}``; the kernel's ``rowsum(g * out)`` becomes
     ``g . out - g^{lse}`` and its ``p (g . v_i - rowsum)`` is exactly the line above, so one
     flash backward gives every gradient (no sentinel key, no normaliser column). Masked keys
-    have ``p = 0`` exactly, so their gradients are exact zeros. Returns ``out``
-    ``(B, H, Q, dp)`` and ``lse`` ``(B, H, Q)``; verified by ``torch.autograd.gradcheck`` in
-    float64 (tests/ops/test_levy.py).
+    have ``p = 0`` exactly, so their gradients are exact zeros. When the incoming gradient is
+    the same on every ``sq`` column (a loss that reads the second moments only through their
+    sum, e.g. through ``sigma``), the backward runs on ``[vc, tr sq]`` alone: the same
+    gradients (``g . v_i = g_vc . vc_i + g_tr tr sq_i``) from a kernel of width ``dv + 2``
+    instead of ``2 dv + 1``. Returns ``out`` ``(B, H, Q, max(E, dv + ws))`` and ``lse``
+    ``(B, H, Q)``; both backward paths verified by ``torch.autograd.gradcheck`` in float64
+    (tests/ops/test_levy.py).
     """
 
     @staticmethod
@@ -1228,7 +1232,9 @@ class _FlashBlock(torch.autograd.Function):
         N, dv = k.shape[2], vbar.shape[-1]
         ws = dv if per_dim else 1
         c = dv + ws
-        dp = max(E, c + 1)
+        # the forward needs width max(E, c); the backward one more (the zero value column c).
+        # Buffers have the backward's width, the forward reads their first columns
+        dpf, dp = max(E, c), max(E, c + 1)
         # everything below is indexed (B, L, H, .), the memory order of the buffers, of the
         # kernel's outputs and of the module's projections (one common order is several times
         # faster than mixed ones); the kernel gets (B, H, L, .) views
@@ -1252,8 +1258,9 @@ class _FlashBlock(torch.autograd.Function):
             buf[..., E + dv : E + c] = tr if wt is None else tr + wt
         buf[..., E + c :] = 0.0
         assert _FLASH is not None
-        out, lse = _FLASH(qp.transpose(1, 2), buf[..., :dp].transpose(1, 2),
-                          buf[..., E:].transpose(1, 2), 0.0, False, attn_mask=bias, scale=1.0)
+        out, lse = _FLASH(qp[..., :dpf].transpose(1, 2), buf[..., :dpf].transpose(1, 2),
+                          buf[..., E : E + dpf].transpose(1, 2), 0.0, False, attn_mask=bias,
+                          scale=1.0)
         ctx.save_for_backward(qp, buf, nrm, out, lse, bias)
         ctx.dims = (E, dv, ws, within is not None)
         return out, lse
@@ -1266,16 +1273,42 @@ class _FlashBlock(torch.autograd.Function):
         qp, buf, nrm, out, lse, bias = ctx.saved_tensors
         E, dv, ws, has_within = ctx.dims
         c = dv + ws
-        dp = buf.shape[-1] - E
-        g = torch.empty_like(out)  # out's (B, Q, H, dp) memory order
-        g[..., :c] = g_out[..., :c]
-        g[..., c] = 1.0
-        g[..., c + 1 :] = 0.0  # columns of zero values: their gradients are 0 anyway
-        o = out.clone()
-        o[..., c] = -g_lse
+        g_sq_in = g_out[..., dv:c]
+        # a loss that reads the second moments only through their sum over dimensions (sigma;
+        # the per-dimension var and sigma_dim unused) sends the same gradient to every sq
+        # column: then the backward needs only [vc, tr sq] (width dv + 1, exactly the same
+        # gradients: g . v_i = g_vc . vc_i + g_tr tr sq_i), about 60 % of the full kernel's cost
+        narrow = ws > 1 and bool((g_sq_in == g_sq_in[..., :1]).all())
+        cw = dv + 1 if narrow else c  # value columns the kernel sees, then the zero column
+        dp = max(E, cw + 1)
+        B, Q, H = out.shape[0], out.shape[2], out.shape[1]
+        if narrow:
+            keys_vals = buf.new_empty((*buf.shape[:3], E + dp))
+            keys_vals[..., : E + dv] = buf[..., : E + dv]
+            keys_vals[..., E + dv] = buf[..., E + dv : E + c].sum(-1)
+            keys_vals[..., E + dv + 1 :] = 0.0
+        else:
+            keys_vals = buf
+        # gradient and output rows in out's (B, Q, H, .) memory order, width dp
+        g = out.new_empty(B, Q, H, dp)
+        o = out.new_empty(B, Q, H, dp)
+        gt, ot = g.transpose(1, 2), o.transpose(1, 2)
+        gt[..., :dv] = g_out[..., :dv]
+        ot[..., :dv] = out[..., :dv]
+        if narrow:
+            gt[..., dv] = g_sq_in[..., 0]
+            ot[..., dv] = out[..., dv:c].sum(-1)
+        else:
+            gt[..., dv:c] = g_sq_in
+            ot[..., dv:c] = out[..., dv:c]
+        gt[..., cw] = 1.0
+        ot[..., cw] = -g_lse
+        gt[..., cw + 1 :] = 0.0  # columns of zero values: their gradients are 0 anyway
+        ot[..., cw + 1 :] = 0.0
         assert _FLASH_BWD is not None
-        gq, gkn, gv = _FLASH_BWD(g, qp.transpose(1, 2), buf[..., :dp].transpose(1, 2),
-                                 buf[..., E:].transpose(1, 2), o, lse, 0.0, False,
+        gq, gkn, gv = _FLASH_BWD(gt, qp[..., :dp].transpose(1, 2),
+                                 keys_vals[..., :dp].transpose(1, 2),
+                                 keys_vals[..., E : E + dp].transpose(1, 2), ot, lse, 0.0, False,
                                  attn_mask=bias, scale=1.0)
         # (B, N, H, .) views of the kernel's gradients (its memory order)
         gkn, gv = gkn.transpose(1, 2)[..., :E], gv.transpose(1, 2)
@@ -1286,10 +1319,12 @@ class _FlashBlock(torch.autograd.Function):
         if bool((nrm <= 1e-12).any()):
             radial = radial * (nrm > 1e-12)
         g_k = torch.addcmul(gkn, kn, radial, value=-1.0).div_(nrm)
-        g_sq = gv[..., dv:c]
-        g_vc = torch.addcmul(gv[..., :dv], vc, g_sq, value=2.0)  # g_sq broadcasts if ws = 1
+        g_sq = gv[..., dv : dv + 1] if narrow else gv[..., dv:c]
+        g_vc = torch.addcmul(gv[..., :dv], vc, g_sq, value=2.0)  # g_sq broadcasts if 1 wide
         g_ref = -g_vc.sum(1, keepdim=True)
-        g_within = g_sq.transpose(1, 2) if has_within else None
+        g_within = None
+        if has_within:
+            g_within = (g_sq.expand(-1, -1, -1, ws) if narrow else g_sq).transpose(1, 2)
         return (gq[..., :E], g_k.transpose(1, 2), g_vc.transpose(1, 2), g_within,
                 g_ref.transpose(1, 2), None, None)
 
