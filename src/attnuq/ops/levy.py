@@ -1207,20 +1207,21 @@ class _FlashBlock(torch.autograd.Function):
                         {\max(|k_i|, eps)},
 
     ``bar vbar = bar vc``, ``bar ref = -sum_i bar vc_i``, ``bar s = bar v_{sq}``. The kernel
-    needs equal head dims: ONE buffer ``[kn | vc | sq | 0]`` of width ``E + dp``
-    (``dp = max(E, dv + ws + 1)``) holds keys (its first ``dp`` columns; their padding is met by
-    the queries' zeros) and values (its last ``dp``). Value column ``c = dv + ws`` is
-    identically 0, so its output gradient is free: the backward sets ``g_c = 1`` and hands the
-    kernel ``out_c = -g^{lse}``; the kernel's ``rowsum(g * out)`` becomes
+    needs equal head dims: ONE buffer ``[kn | T | Z | vc | sq | 0]`` per observation and head
+    holds keys (its first columns; their padding is met by the queries' zeros) and values
+    (``[vc | sq]`` in the forward, ``[vc | sq | 0]`` in the backward). A value column that is
+    identically 0 has a free output gradient: the backward sets its ``g = 1`` and hands the
+    kernel ``out = -g^{lse}`` there; the kernel's ``rowsum(g * out)`` becomes
     ``g . out - g^{lse}`` and its ``p (g . v_i - rowsum)`` is exactly the line above, so one
     flash backward gives every gradient (no sentinel key, no normaliser column). Masked keys
     have ``p = 0`` exactly, so their gradients are exact zeros. When the incoming gradient is
     the same on every ``sq`` column (a loss that reads the second moments only through their
     sum, e.g. through ``sigma``), the backward runs on ``[vc, tr sq]`` alone: the same
     gradients (``g . v_i = g_vc . vc_i + g_tr tr sq_i``) from a kernel of width ``dv + 2``
-    instead of ``2 dv + 1``. Returns ``out`` ``(B, H, Q, max(E, dv + ws))`` and ``lse``
-    ``(B, H, Q)``; both backward paths verified by ``torch.autograd.gradcheck`` in float64
-    (tests/ops/test_levy.py).
+    instead of ``2 dv + 1``, on the values ``[T | Z | vc]`` (``T = tr sq`` written into the
+    buffer then, ``Z = 0`` the zero column). Returns ``out`` ``(B, H, Q, max(E, dv + ws))``
+    and ``lse`` ``(B, H, Q)``; both backward paths verified by ``torch.autograd.gradcheck``
+    in float64 (tests/ops/test_levy.py).
     """
 
     @staticmethod
@@ -1232,36 +1233,40 @@ class _FlashBlock(torch.autograd.Function):
         N, dv = k.shape[2], vbar.shape[-1]
         ws = dv if per_dim else 1
         c = dv + ws
-        # the forward needs width max(E, c); the backward one more (the zero value column c).
-        # Buffers have the backward's width, the forward reads their first columns
-        dpf, dp = max(E, c), max(E, c + 1)
+        dp = max(E, c + 1, dv + 2)  # the widest view the kernel gets (forward and backward)
+        pad = max(E - c, 1)
+        v0 = E + 2  # first value column: [kn | T | Z | vc | sq | 0 ...] (module docstring)
         # everything below is indexed (B, L, H, .), the memory order of the buffers, of the
         # kernel's outputs and of the module's projections (one common order is several times
         # faster than mixed ones); the kernel gets (B, H, L, .) views
         qp = qa.new_empty(B, Q, H, dp)
         qp[..., :E] = qa.transpose(1, 2)
         qp[..., E:] = 0.0
-        buf = k.new_empty(B, N, H, E + dp)  # [kn | vc | sq | 0] per observation and head
+        buf = k.new_empty(B, N, H, v0 + c + pad)
         kt = k.transpose(1, 2)
         nrm = torch.linalg.vector_norm(kt, dim=-1, keepdim=True).clamp_min_(1e-12)
         torch.div(kt, nrm, out=buf[..., :E])
-        vc = torch.sub(vbar.transpose(1, 2), ref.transpose(1, 2), out=buf[..., E : E + dv])
+        buf[..., E:v0] = 0.0  # T (the trace column of the narrow backward) and Z
+        vc = torch.sub(vbar.transpose(1, 2), ref.transpose(1, 2), out=buf[..., v0 : v0 + dv])
         wt = None if within is None else within.transpose(1, 2)
         if per_dim:
-            sq = buf[..., E + dv : E + c]
+            sq = buf[..., v0 + dv : v0 + c]
             if wt is None:
                 torch.mul(vc, vc, out=sq)
             else:
                 torch.addcmul(wt, vc, vc, out=sq)
         else:
             tr = torch.linalg.vecdot(vc, vc)[..., None]
-            buf[..., E + dv : E + c] = tr if wt is None else tr + wt
-        buf[..., E + c :] = 0.0
+            buf[..., v0 + dv : v0 + c] = tr if wt is None else tr + wt
+        buf[..., v0 + c :] = 0.0
+        dpf = max(E, c)
         assert _FLASH is not None
         out, lse = _FLASH(qp[..., :dpf].transpose(1, 2), buf[..., :dpf].transpose(1, 2),
-                          buf[..., E : E + dpf].transpose(1, 2), 0.0, False, attn_mask=bias,
+                          buf[..., v0 : v0 + dpf].transpose(1, 2), 0.0, False, attn_mask=bias,
                           scale=1.0)
-        ctx.save_for_backward(qp, buf, nrm, out, lse, bias)
+        ctx.save_for_backward(out, lse, bias)
+        # intermediates, kept on ctx (the narrow backward writes its T column into buf)
+        ctx.bufs = (qp, buf, nrm)
         ctx.dims = (E, dv, ws, within is not None)
         return out, lse
 
@@ -1270,57 +1275,57 @@ class _FlashBlock(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: Any, g_out: torch.Tensor, g_lse: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        qp, buf, nrm, out, lse, bias = ctx.saved_tensors
+        out, lse, bias = ctx.saved_tensors
+        qp, buf, nrm = ctx.bufs
         E, dv, ws, has_within = ctx.dims
         c = dv + ws
+        v0 = E + 2
         g_sq_in = g_out[..., dv:c]
         # a loss that reads the second moments only through their sum over dimensions (sigma;
         # the per-dimension var and sigma_dim unused) sends the same gradient to every sq
-        # column: then the backward needs only [vc, tr sq] (width dv + 1, exactly the same
-        # gradients: g . v_i = g_vc . vc_i + g_tr tr sq_i), about 60 % of the full kernel's cost
+        # column: then the backward needs only [T = tr sq, Z, vc] (width dv + 2, exactly the
+        # same gradients: g . v_i = g_vc . vc_i + g_tr tr sq_i), about 60 % of the full cost
         narrow = ws > 1 and bool((g_sq_in == g_sq_in[..., :1]).all())
-        cw = dv + 1 if narrow else c  # value columns the kernel sees, then the zero column
-        dp = max(E, cw + 1)
-        B, Q, H = out.shape[0], out.shape[2], out.shape[1]
+        B, H, Q = out.shape[:3]
         if narrow:
-            keys_vals = buf.new_empty((*buf.shape[:3], E + dp))
-            keys_vals[..., : E + dv] = buf[..., : E + dv]
-            keys_vals[..., E + dv] = buf[..., E + dv : E + c].sum(-1)
-            keys_vals[..., E + dv + 1 :] = 0.0
+            # values [T | Z | vc | ...] start at column E; the kernel's value columns beyond
+            # dv + 2 (if E > dv + 2) get gradient 0 and are ignored
+            dp, first, zc = max(E, dv + 2), E, 1
+            torch.sum(buf[..., v0 + dv : v0 + c], -1, out=buf[..., E])
         else:
-            keys_vals = buf
+            # values [vc | sq | 0 ...] start at column v0; column c is the zero column
+            dp, first, zc = max(E, c + 1), v0, c
         # gradient and output rows in out's (B, Q, H, .) memory order, width dp
-        g = out.new_empty(B, Q, H, dp)
-        o = out.new_empty(B, Q, H, dp)
-        gt, ot = g.transpose(1, 2), o.transpose(1, 2)
-        gt[..., :dv] = g_out[..., :dv]
-        ot[..., :dv] = out[..., :dv]
+        gt = out.new_zeros(B, Q, H, dp).transpose(1, 2)
+        ot = out.new_zeros(B, Q, H, dp).transpose(1, 2)
         if narrow:
-            gt[..., dv] = g_sq_in[..., 0]
-            ot[..., dv] = out[..., dv:c].sum(-1)
+            gt[..., 0] = g_sq_in[..., 0]
+            ot[..., 0] = out[..., dv:c].sum(-1)
+            gt[..., 2 : 2 + dv] = g_out[..., :dv]
+            ot[..., 2 : 2 + dv] = out[..., :dv]
         else:
-            gt[..., dv:c] = g_sq_in
-            ot[..., dv:c] = out[..., dv:c]
-        gt[..., cw] = 1.0
-        ot[..., cw] = -g_lse
-        gt[..., cw + 1 :] = 0.0  # columns of zero values: their gradients are 0 anyway
-        ot[..., cw + 1 :] = 0.0
+            gt[..., :c] = g_out[..., :c]
+            ot[..., :c] = out[..., :c]
+        gt[..., zc] = 1.0
+        ot[..., zc] = -g_lse
         assert _FLASH_BWD is not None
-        gq, gkn, gv = _FLASH_BWD(gt, qp[..., :dp].transpose(1, 2),
-                                 keys_vals[..., :dp].transpose(1, 2),
-                                 keys_vals[..., E : E + dp].transpose(1, 2), ot, lse, 0.0, False,
-                                 attn_mask=bias, scale=1.0)
+        gq, gkn, gv = _FLASH_BWD(gt, qp[..., :dp].transpose(1, 2), buf[..., :dp].transpose(1, 2),
+                                 buf[..., first : first + dp].transpose(1, 2), ot, lse, 0.0,
+                                 False, attn_mask=bias, scale=1.0)
         # (B, N, H, .) views of the kernel's gradients (its memory order)
         gkn, gv = gkn.transpose(1, 2)[..., :E], gv.transpose(1, 2)
-        kn, vc = buf[..., :E], buf[..., E : E + dv]
+        if narrow:
+            g_vv, g_sq = gv[..., 2 : 2 + dv], gv[..., :1]
+        else:
+            g_vv, g_sq = gv[..., :dv], gv[..., dv:c]
+        kn, vc = buf[..., :E], buf[..., v0 : v0 + dv]
         # F.normalize's backward: (g - kn (kn . g)) / max(|k|, eps); the clamp (|k| <= eps)
         # passes no radial part
         radial = torch.linalg.vecdot(kn, gkn)[..., None]
         if bool((nrm <= 1e-12).any()):
             radial = radial * (nrm > 1e-12)
         g_k = torch.addcmul(gkn, kn, radial, value=-1.0).div_(nrm)
-        g_sq = gv[..., dv : dv + 1] if narrow else gv[..., dv:c]
-        g_vc = torch.addcmul(gv[..., :dv], vc, g_sq, value=2.0)  # g_sq broadcasts if 1 wide
+        g_vc = torch.addcmul(g_vv, vc, g_sq, value=2.0)  # g_sq broadcasts if 1 wide
         g_ref = -g_vc.sum(1, keepdim=True)
         g_within = None
         if has_within:
