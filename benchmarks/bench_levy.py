@@ -34,6 +34,7 @@ Other rows (informational unless a target is given):
   closed form. Target: >= 20x slower than the closed form.
 * ``train step`` -- forward + backward of ``mean.sum() + sigma.sum()`` against the softmax
   reference's ``mean.sum()`` (autograd path of the operator; the kernel is inference-only).
+  Target (issue 22): ``<= 1.5``.
 * ``fresh allocator`` -- the first row, timed before the allocator warm-up below.
 
 Memory allocator: glibc returns freed heap memory to the OS until a large block has been freed
@@ -242,7 +243,7 @@ def run_config(
         softmax_reference(layer, x).sum().backward()
 
     t = time_pair(train_levy, train_ref, max(5, repeats // 2))
-    add(_row(f"train step fwd+bwd vs softmax ({tag})", t, "(info)", None))
+    add(_row(f"train step fwd+bwd vs softmax ({tag})", t, "<= 1.5", t[2] <= 1.5))
     return rows
 
 
@@ -274,8 +275,18 @@ NOTES = """\
 * Without a C compiler (or with ``ATTNUQ_NATIVE=0``) the fused torch path runs: one CPU
   flash-attention call with values ``[v_i - ref, (v_i - ref)^2 + s_i]`` whose log-sum-exp gives
   ``Lambda``; the `torch path` rows time it.
-* Training (autograd) uses the differentiable torch path (a sentinel key of known score
-  recovers the normaliser the softmax drops).
+* Training (autograd) on CPU: per block one custom autograd function (``_FlashBlock`` in
+  ``ops/levy.py``): key normalisation, centred values ``[vc, sq]`` and the CPU flash-attention
+  kernel with its log-sum-exp (``Lambda = alpha e^{lse - beta}``) in the forward; in the
+  backward ONE call of the kernel's backward, handed an identically-zero value column whose
+  output gradient is set to 1 and whose output to ``-dL/d lse`` (so the kernel's
+  ``rowsum(g * out)`` carries the normaliser's gradient), then the hand-derived backward of the
+  normalisation and centring. When the loss reads the second moments only through their sum
+  (``sigma``, as here) the backward runs on ``[tr sq, 0, vc]`` (width ``Dv + 2`` instead of
+  ``2 Dv + 1``). The value field (pair features, two GEMMs) is a second custom function with
+  a hand-derived backward. Both are checked by gradcheck in float64. The matched softmax
+  layer's SDPA runs the same kernel at width ``Dv``: the Levy forward needs ``2 Dv`` (mean
+  and second moment), which is most of the remaining gap.
 """
 
 
@@ -286,7 +297,13 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "",
         f"Command: `{meta['command']}`  ",
         f"Date: {meta['date']}  ",
-        f"Machine: {meta['machine']}",
+        f"Machine: {meta['machine']}"
+        + (f"; load average {meta['load_end']} at the end" if meta.get("load_end") else ""),
+        "",
+        "The machine is shared: background jobs of other sessions (two long benchmark runs) "
+        "kept its 2 cores busy during the run (see the load averages), so absolute times are "
+        "inflated and noisy; each ratio pairs the two sides call by call, which cancels most of "
+        "the shared slowdown.",
         "",
         f"Setting: B={B}, N={N} observations (70-100 % observed), Q={Q} queries, H={H} heads, "
         f"d_model={D_MODEL}, {C} channels, float32. Times are medians over alternating runs; "
@@ -383,7 +400,8 @@ def main() -> None:
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(machine, flush=True)
     rows = run(args.repeats, args.draws_repeats)
-    meta = {"command": cmd, "date": date, "machine": machine}
+    meta = {"command": cmd, "date": date, "machine": machine,
+            "load_end": f"{os.getloadavg()[0]:.1f}"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render({**meta, "png": png.name}, rows))
     args.json.write_text(json.dumps({**meta, "rows": rows}, indent=2))

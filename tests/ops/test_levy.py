@@ -623,3 +623,35 @@ def test_inference_path_float32_masked_garbage_is_bit_identical() -> None:
         r2 = levy_attention(q, k2, a2, times, mask, **kw)
         for f in FIELDS:
             assert torch.equal(getattr(r, f), getattr(r2, f)), (fill, f)
+
+
+@pytest.mark.parametrize("fill", [math.nan, 1e200, 3.0])
+def test_autograd_path_masked_garbage(fill: float) -> None:
+    """CPU autograd path (flash kernels, q, k, a checked through the finiteness of the sums):
+    masked rows of k and a holding NaN, values whose squares overflow (1e200 in float64: the
+    sums turn non-finite, the detailed checks zero those rows and the call repeats) or ordinary
+    garbage give bit-identical outputs and gradients, exact zeros on the masked rows; a NaN at
+    an observed entry raises with the detailed message."""
+    args, kw = make_problem(B=2, H=2, Q=3, N=9)
+    kw["backend"] = "sdpa"
+    q, k, a, times, mask = args
+    m4 = mask[:, None, :, None]
+
+    def run(k_: torch.Tensor, a_: torch.Tensor) -> tuple[LevyResult, tuple[torch.Tensor, ...]]:
+        leaves = [t.clone().requires_grad_(True) for t in (q, k_, a_)]
+        r = levy_attention(*leaves, times, mask, **kw)
+        grads = torch.autograd.grad(r.mean.sum() + r.sigma.sum() + r.evidence.sum(), leaves)
+        return r, grads
+
+    r, g = run(k, a)
+    r2, g2 = run(torch.where(m4, k, fill), torch.where(m4, a, fill))
+    for f in FIELDS:
+        assert torch.equal(getattr(r, f), getattr(r2, f)), f
+    assert torch.equal(g[0], g2[0])
+    for x, y in zip(g[1:], g2[1:], strict=True):
+        assert torch.equal(torch.where(m4, x, 0.0), y)
+        assert bool((y.masked_select(~m4.expand_as(y)) == 0).all())
+    a_bad = a.clone()
+    a_bad[0, 1, 0, 0] = math.nan  # entry 0 is observed in every series
+    with pytest.raises(ValueError, match="a contains non-finite values at observed"):
+        run(k, a_bad)

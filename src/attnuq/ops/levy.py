@@ -819,7 +819,13 @@ def _levy_attention_impl(call: _Call, needs_grad: bool) -> LevyResult:
     """:func:`levy_attention` after its option checks (eager; the custom op's body)."""
     q, k, a, times, mask, alpha, beta, h, omega, phase, D, per_dim, block_size, backend = call
     want_native = backend in ("native", "auto")
-    light = want_native and not needs_grad
+    # CPU autograd through the flash kernels: q, k and a are checked afterwards, by the
+    # finiteness of the sums (a non-finite entry, observed or masked, or an overflowing square
+    # makes them NaN/inf; then the detailed checks run and the call is repeated on their inputs)
+    grad_light = (needs_grad and backend in ("auto", "sdpa") and isinstance(q, torch.Tensor)
+                  and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+                  and _FLASH is not None and _FLASH_BWD is not None)
+    light = (want_native and not needs_grad) or grad_light
     inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D, light=light)
     if q.shape[0] * q.shape[1] * q.shape[2] == 0:  # B, H or Q is 0: nothing to compute
         return _empty_result(q, a, per_dim, needs_grad,
@@ -838,10 +844,28 @@ def _levy_attention_impl(call: _Call, needs_grad: bool) -> LevyResult:
             # the kernel met a non-finite observed row (or squares that overflow): the detailed
             # checks raise with a precise message; if they pass, the torch path below runs
             inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
-        elif light:
+        elif light and not grad_light:
             # the light checks left q, k and a to the kernel, which does not run: check them here
             inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
         backend = "auto"
+    if grad_light:
+        res = _torch_path(inp, per_dim, block_size, backend, needs_grad, check_sums=True)
+        if res is not None:
+            return res
+        inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
+    res = _torch_path(inp, per_dim, block_size, backend, needs_grad)
+    assert res is not None
+    return res
+
+
+def _torch_path(
+    inp: _Inputs, per_dim: bool, block_size: int, backend: str, needs_grad: bool,
+    check_sums: bool = False,
+) -> LevyResult | None:
+    """The torch paths of :func:`levy_attention` on validated inputs. With ``check_sums``
+    (inputs whose ``q``, ``k``, ``a`` are unchecked) ``None`` when the sums over observations
+    are not all finite."""
+    q, a, mask = inp.q, inp.a, inp.mask
     B, H = q.shape[:2]
     Dv = a.shape[-1]
     # Every per-observation quantity and every sum over observations is computed on fixed-size,
@@ -899,6 +923,8 @@ def _levy_attention_impl(call: _Call, needs_grad: bool) -> LevyResult:
         z, tsum, log_scale = _accumulate_explicit(qn, kn_b, vals_b, blocks, inp.beta)
         mom = tsum / torch.where(z > 0, z, torch.ones_like(z))[..., None]
 
+    if check_sums and not math.isfinite(float(z.detach().sum() + mom.detach().sum())):
+        return None
     nonempty = z > 0
     mu_c, m2 = mom[..., :Dv], mom[..., Dv:]
     # mu_c = 0 where the series is empty, so this is where(nonempty, mu_c + ref, 0)
