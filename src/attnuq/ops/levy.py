@@ -763,10 +763,13 @@ def levy_attention(
     backend : {"auto", "native", "sdpa", "explicit"}
         ``"native"``: the compiled CPU kernel (inference only; float32 or float64; see the
         module docstring); raises ``ValueError`` where it cannot run (autograd, another device
-        or dtype, no C compiler / ``ATTNUQ_NATIVE=0``). ``"sdpa"``: one fused
-        ``F.scaled_dot_product_attention`` per block with a sentinel key that recovers the
-        normaliser (see :func:`_accumulate_sdpa`); needs ``beta <= log(finfo.max) / 4`` (22 in
-        float32, 177 in float64). ``"explicit"``: scores, a max shift, ``exp`` and GEMMs (the
+        or dtype, no C compiler / ``ATTNUQ_NATIVE=0``). ``"sdpa"``: one fused attention call
+        per block; on CPU (float32, float64) the flash kernel, whose log-sum-exp gives the
+        normaliser (with autograd through a custom function whose backward is one call of the
+        kernel's backward, see :class:`_FlashBlock`), elsewhere
+        ``F.scaled_dot_product_attention`` with a sentinel key that recovers it (see
+        :func:`_accumulate_sdpa`); needs ``beta <= log(finfo.max) / 4`` (22 in float32, 177 in
+        float64). ``"explicit"``: scores, a max shift, ``exp`` and GEMMs (the
         reference; any ``beta``). ``"auto"``: ``"native"`` for float32 and float64 on CPU
         without autograd when the kernel is available; otherwise ``"sdpa"`` when ``beta`` allows and
         ``B * H * Q * N_obs >= 65536`` (``N_obs``: most observed entries in a series; below that
