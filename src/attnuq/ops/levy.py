@@ -585,7 +585,8 @@ class _SharedField(torch.autograd.Function):
     and the backward, with ``G_m = dL/d\bar v``, ``G_s = dL/ds`` as ``(B N, .)`` matrices:
     ``dL/da = G_m``, ``dL/dw_m = c G_m``, ``dL/dw_s = f G_s``, ``dL/df = w_s G_s^\top`` and,
     per diagonal, ``dL/dx_{k} += (dL/df_{k,k+d}) x_{k+d}``, ``dL/dx_{k+d} += (dL/df_{k,k+d})
-    x_k`` for ``x = c, s``; ``dL/dc`` gains ``w_m G_m^\top``. Verified by gradcheck in float64.
+    x_k`` for ``x = c, s``; ``dL/dc`` gains ``w_m G_m^\top``. Verified by gradcheck in float64;
+    the backward is differentiable (gradgradcheck, for the explicit backend's double backward).
     """
 
     @staticmethod
@@ -607,12 +608,15 @@ class _SharedField(torch.autograd.Function):
         return vbar, s
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(  # type: ignore[override]
         ctx: Any, g_vbar: torch.Tensor, g_s: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         ct, st, wm, ws, feats_t = ctx.saved_tensors
         K, BN = ct.shape
+        if torch.is_grad_enabled():
+            # double backward (create_graph=True): the backward is made of differentiable ops;
+            # the features are rebuilt from ct, st so that their dependence is on the graph
+            feats_t = torch.cat([x[: K - d] * x[d:] for x in (ct, st) for d in range(K)])
         gm = g_vbar.transpose(1, 2).reshape(BN, -1)  # (BN, H Dv)
         gs = g_s.transpose(1, 2).reshape(BN, -1)  # (BN, H dw)
         g_wm = ct @ gm
