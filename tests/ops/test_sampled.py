@@ -624,24 +624,19 @@ def test_uniforms_are_drawn_chunk_by_chunk(monkeypatch, block_size, sampler):
     monkeypatch.setattr(mod, "_DENSE_MIN_ROWS", 64)
     g, m, lk, nu = 2, 512, 128, 64
     q, k, v = _qkv(1, g, g, m, lk, 8, dv=4, seed=29, dtype=torch.float32)
-    calls: list[int] = []
-    rand = torch.rand
+    calls: list[int] = []  # sizes of the torch.rand draws
+    seeds: list[int] = []  # sizes of the torch.randint draws (the per-call seeds)
 
-    def counting_rand(*args, **kwargs):
-        out = rand(*args, **kwargs)
-        calls.append(out.numel())
-        return out
+    def counting(f, log):  # f wrapped so that each call logs the size of its result
+        def wrapped(*args, **kwargs):
+            out = f(*args, **kwargs)
+            log.append(out.numel())
+            return out
 
-    monkeypatch.setattr(torch, "rand", counting_rand)
-    seeds: list[int] = []
-    randint = torch.randint
+        return wrapped
 
-    def counting_randint(*args, **kwargs):
-        out = randint(*args, **kwargs)
-        seeds.append(out.numel())
-        return out
-
-    monkeypatch.setattr(torch, "randint", counting_randint)
+    monkeypatch.setattr(torch, "rand", counting(torch.rand, calls))
+    monkeypatch.setattr(torch, "randint", counting(torch.randint, seeds))
     sampled_attention(q, k, v, nu=nu, block_size=block_size, generator=_gen(0))
     if sampler == "fused":
         assert calls == [] and seeds and set(seeds) == {1}, (calls, seeds)  # only seeds
