@@ -263,6 +263,13 @@ def test_era5_page_shows_the_table_per_lead_when_variant_rows_are_stored() -> No
     nu = p["results"]["sa-crps"]["nu"]
     assert page.markdown().count(f"* nu of sa-layer per attention site: blocks.0 2, blocks.1 5; "
                                  f"shared nu of sa-crps: {nu:g}.") == len(tables)
+    assert "Issue #20's ERA5 goal" not in page.markdown()  # no sa row: no goal line
+    # the goal line: sa's native W1 per lead against 0.05 (0.05 itself is met)
+    p["results"]["sa"] = copy.deepcopy(p["results"]["sa-crps"])
+    for lead, w in zip(("+6h", "+24h"), (0.05, 0.0501), strict=True):
+        p["results"]["sa"]["per_lead"][lead]["pit_w1"] = w
+    assert ("Issue #20's ERA5 goal, native W1(PIT, U) of `sa` at most 0.05 at every lead: "
+            "+6h 0.0500 (met); +24h 0.0501 (not met).") in render(p).markdown()
 
 
 def test_physionet_page_has_no_sa_pair_and_so_no_table() -> None:
