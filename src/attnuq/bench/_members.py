@@ -9,7 +9,10 @@ same pair an :class:`attnuq.methods.Task` takes as ``make_model`` / ``train_fn``
 one after the other in this process (``jobs=1``) or in ``jobs`` spawned worker processes, each
 with one intra-op thread; the ensemble then reads them from the cache and books their recorded
 training times once (:meth:`Task.member` would also train a missing member inside the
-ensemble's fit, serially; ``Method.fit`` books such time once as well). Every
+ensemble's fit, serially; ``Method.fit`` books such time once as well). A recipe whose
+``train`` takes a ``checkpoint`` keyword gets ``member<index>.ckpt`` in the cache: the member's
+training writes it every epoch and resumes from it when a killed run is started again (the
+file is removed once the member is saved). Every
 member seeds its own initialisation and training (the recipes call ``torch.manual_seed``
 themselves), so a member is bit-identical whichever process trains it, as long as both use one
 thread.
@@ -43,7 +46,9 @@ __all__ = [
     "jobs_text",
     "load_or_train_backbone",
     "member_cache_dir",
+    "member_checkpoint",
     "recipe_spec",
+    "takes_checkpoint",
     "train_members",
 ]
 
@@ -125,12 +130,51 @@ def _train_one(recipe: MemberRecipe, index: int, member_dir: str,
     if single_thread:
         torch.set_num_threads(1)
     model = recipe.make(index)
+    ckpt = member_checkpoint(member_dir, index) if takes_checkpoint(recipe) else None
     t0 = time.perf_counter()
-    out = recipe.train(model, None, None, index)
-    cost = Cost(fit_seconds=time.perf_counter() - t0,
+    if ckpt is None:
+        out = recipe.train(model, None, None, index)
+    else:
+        out = recipe.train(model, None, None, index, checkpoint=ckpt)  # type: ignore[call-arg]
+    seconds = getattr(out, "seconds", None)  # a resumed run's report sums its parts' times
+    resumed = int(getattr(out, "resumed_from", 0) or 0)
+    cost = Cost(fit_seconds=float(seconds) if resumed and seconds is not None
+                else time.perf_counter() - t0,
                 fit_forward=int(getattr(out, "n_forward", 0)))
     save_member(member_dir, index, model.state_dict(), cost)
+    if ckpt is not None:
+        ckpt.unlink(missing_ok=True)
     return index, float(cost.fit_seconds)
+
+
+def member_checkpoint(member_dir: str | Path, index: int) -> Path:
+    """``member_dir/member<index>.ckpt``: where member ``index``'s training checkpoints.
+
+    >>> member_checkpoint("/c", 3).name
+    'member3.ckpt'
+    """
+    return Path(member_dir) / f"member{index}.ckpt"
+
+
+def takes_checkpoint(recipe: Any) -> bool:
+    """Whether ``recipe.train`` accepts a ``checkpoint`` keyword (per-epoch resumable members).
+
+    >>> class A:
+    ...     def train(self, model, train, val, index, checkpoint=None): ...
+    >>> class B:
+    ...     def train(self, model, train, val, index): ...
+    >>> takes_checkpoint(A()), takes_checkpoint(B())
+    (True, False)
+    """
+    import inspect
+
+    fn = getattr(recipe, "train", None)
+    if fn is None:
+        return False
+    try:
+        return "checkpoint" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def train_members(

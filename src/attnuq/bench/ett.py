@@ -175,9 +175,12 @@ class _MemberRecipe:
             patch_stride=self.stride, dropout=self.dropout, seed=self.seed + index,
         )).to(self.device)
 
-    def train(self, model: Any, _train: Any, _val: Any, index: int) -> Any:
+    def train(self, model: Any, _train: Any, _val: Any, index: int,
+              checkpoint: str | Path | None = None) -> Any:
         """Train member ``index`` (MSE, no weight decay, torch seeded, val MSE in batches of
-        512); the backbone (``index == 0``) checkpoints every epoch when one is set."""
+        512); the backbone (``index == 0``) checkpoints every epoch when one is set, member
+        ``index >= 1`` to ``checkpoint`` (given by :func:`attnuq.bench._members.train_members`,
+        so that a killed ensemble run resumes its members where they stopped)."""
         from attnuq.training import fit
 
         dev = torch.device(self.device)
@@ -185,7 +188,7 @@ class _MemberRecipe:
             model, (self.train_xy[0].to(dev), self.train_xy[1].to(dev)),
             (self.val_xy[0].to(dev), self.val_xy[1].to(dev)), metric="mse",
             optimizer=self.optimizer, lr=self.lr, weight_decay=0.0, schedule=self.schedule,
-            checkpoint=self.__dict__.get("_checkpoint") if index == 0 else None,
+            checkpoint=self.__dict__.get("_checkpoint") if index == 0 else checkpoint,
             max_epochs=self.epochs if index == 0 else self.member_epochs,
             patience=self.patience, batch_size=self.batch_size, val_batch_size=512,
             max_steps_per_epoch=self.max_steps_per_epoch, seed=self.seed + index,
