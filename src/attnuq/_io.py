@@ -37,6 +37,7 @@ import contextlib
 import hashlib
 import io
 import json
+import math
 import os
 import tempfile
 import warnings
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "NONFINITE",
     "CorruptFileWarning",
     "atomic_np_savez",
     "atomic_savefig",
@@ -54,8 +56,11 @@ __all__ = [
     "atomic_write_text",
     "cache_key",
     "check_out_dir",
+    "decode_nonfinite",
     "describe_error",
+    "encode_nonfinite",
     "file_identity",
+    "read_json",
     "read_json_or_none",
     "tensor_digest",
     "torch_load_or_none",
@@ -103,13 +108,74 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_write_json(path: str | os.PathLike[str], obj: Any, **dumps_kwargs: Any) -> None:
-    """``json.dumps(obj, **dumps_kwargs)`` written to ``path`` atomically.
+#: how :func:`encode_nonfinite` spells the floats strict JSON (RFC 8259) has no literal for
+NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
-    The text is built before the file is touched, so an object that does not serialise leaves
-    the old file in place.
+
+def encode_nonfinite(obj: Any) -> Any:
+    """``obj`` (nested dicts, lists, tuples) with each non-finite float spelled as a string.
+
+    ``nan`` becomes ``"NaN"``, ``+-inf`` ``"Infinity"`` / ``"-Infinity"`` (the tokens Python's
+    ``json`` would write bare, which strict parsers such as ``jq`` or JavaScript's
+    ``JSON.parse`` refuse); :func:`decode_nonfinite` reverses it. Tuples come back as lists,
+    as ``json`` writes them.
+
+    >>> encode_nonfinite({"beta": float("inf"), "acc": [0.5, float("nan")]})
+    {'beta': 'Infinity', 'acc': [0.5, 'NaN']}
     """
-    atomic_write_text(path, json.dumps(obj, **dumps_kwargs))
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj
+        return "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")
+    if isinstance(obj, dict):
+        return {k: encode_nonfinite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [encode_nonfinite(v) for v in obj]
+    return obj
+
+
+def decode_nonfinite(obj: Any) -> Any:
+    """The inverse of :func:`encode_nonfinite`: the strings ``"NaN"``, ``"Infinity"`` and
+    ``"-Infinity"`` (exactly these) become floats again, anywhere in ``obj``.
+
+    >>> decode_nonfinite({"beta": "Infinity", "acc": [0.5, "NaN"], "name": "inf"})
+    {'beta': inf, 'acc': [0.5, nan], 'name': 'inf'}
+    """
+    if isinstance(obj, str):
+        return NONFINITE.get(obj, obj)
+    if isinstance(obj, dict):
+        return {k: decode_nonfinite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_nonfinite(v) for v in obj]
+    return obj
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """The JSON in ``path`` with the non-finite spellings of :func:`atomic_write_json` decoded
+    (files written before those spellings, with bare ``NaN`` / ``Infinity`` tokens, read too).
+
+    Raises what :func:`json.loads` and :meth:`pathlib.Path.read_bytes` raise.
+    """
+    return decode_nonfinite(json.loads(Path(path).read_bytes().decode("utf-8")))
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, **dumps_kwargs: Any) -> None:
+    """``json.dumps(obj, **dumps_kwargs)`` written to ``path`` atomically, as strict JSON.
+
+    Non-finite floats (a floor's ``beta = inf``, an undefined score ``nan``) are written as the
+    strings of :func:`encode_nonfinite` (``"Infinity"``, ``"NaN"``), so every JSON parser reads
+    the file; :func:`read_json` and :func:`read_json_or_none` turn them back into floats. The
+    text is built before the file is touched, so an object that does not serialise leaves the
+    old file in place.
+
+    >>> import pathlib, tempfile
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "r.json"
+    >>> atomic_write_json(p, {"beta": float("inf")})
+    >>> p.read_text(), read_json(p)
+    ('{"beta": "Infinity"}', {'beta': inf})
+    """
+    kwargs = {**dumps_kwargs, "allow_nan": False}
+    atomic_write_text(path, json.dumps(encode_nonfinite(obj), **kwargs))
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -179,7 +245,7 @@ def read_json_or_none(
     if not p.is_file():
         return None
     try:
-        value = json.loads(p.read_bytes().decode("utf-8"))
+        value = read_json(p)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         _warn_corrupt(p, what, describe_error(exc))
         return None

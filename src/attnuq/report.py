@@ -30,7 +30,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from attnuq._io import atomic_write_text
+from attnuq._io import atomic_write_text, decode_nonfinite
 
 __all__ = ["load_results", "render_report"]
 
@@ -75,7 +75,7 @@ def load_results(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise FileNotFoundError(f"results file not found: {p}")
     try:
-        data = json.loads(p.read_bytes().decode("utf-8"))
+        data = decode_nonfinite(json.loads(p.read_bytes().decode("utf-8")))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{p} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict) or "title" not in data:

@@ -148,6 +148,7 @@ def test_torn_checkpoint_is_retrained_with_a_warning(tmp_path: Path) -> None:
 
 def test_committed_page_regenerates_from_its_json() -> None:
     """docs/results/physionet.md is exactly what render makes of the stored physionet.json."""
+    from attnuq._io import read_json
     from attnuq.bench._physionet_page import build_page
     from attnuq.bench.physionet import render_page
 
@@ -156,7 +157,7 @@ def test_committed_page_regenerates_from_its_json() -> None:
     assert page.markdown() == (root / "physionet.md").read_text()
     assert page.to_dict() == json.loads((root / "physionet.json").read_text())  # the twin
     # the stored Implementations block is what the page shows, not today's texts
-    res = json.loads((root / "physionet" / "physionet.json").read_text())
+    res = read_json(root / "physionet" / "physionet.json")  # non-finite spellings decoded
     res["implementations"]["rows"] = [[k, "changed"] for k, _ in res["implementations"]["rows"]]
     assert "| softmax control (deterministic) | changed |" in build_page(res).markdown()
     # the committed seed records are runner items (``--reuse`` takes them without a warning)

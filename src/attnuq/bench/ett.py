@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -258,10 +257,11 @@ def run(args: argparse.Namespace) -> Path:
 
     res_dir = Path(args.out) / "ett"
     if getattr(args, "render_only", False):  # the page, its twin and the summary key
+        from attnuq._io import read_json
         from attnuq.bench._page import update_summary
 
         render_page(res_dir, res_dir.parent / "ett.md").write(res_dir.parent / "ett.md")
-        payload = json.loads((res_dir / "ett_results.json").read_text())
+        payload = read_json(res_dir / "ett_results.json")
         if "frozen" in payload.get("results", {}):
             update_summary(res_dir.parent / "summary.json", "ett", summary(payload))
         return res_dir

@@ -59,6 +59,7 @@ import torch
 from attnuq._io import (
     atomic_torch_save,
     atomic_write_json,
+    read_json,
     read_json_or_none,
     torch_load_or_none,
 )
@@ -377,7 +378,7 @@ def run(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     md = Path(args.md) if args.md else out.parent / "physionet.md"
     if args.render_only:
-        _write_page(out, md, json.loads((out / "physionet.json").read_text()))
+        _write_page(out, md, read_json(out / "physionet.json"))
         return out
     torch.set_num_threads(max(1, int(args.threads)))
     if args.seeds < 1:
@@ -468,7 +469,7 @@ def _write_page(out: Path, md: Path, results: dict[str, Any]) -> None:
 
 def render_page(out: Path, table: Path) -> Page:
     """The page of the stored ``<out>/physionet.json`` (no training, no writes)."""
-    return build_page(json.loads((Path(out) / "physionet.json").read_text()))
+    return build_page(read_json(Path(out) / "physionet.json"))
 
 
 register("physionet", help="Levy-attention forecaster on PhysioNet 2012 (t-PatchGNN protocol)",

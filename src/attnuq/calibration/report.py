@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from attnuq._io import atomic_write_text
+from attnuq._io import atomic_write_text, decode_nonfinite, encode_nonfinite
 from attnuq.plots import calibration_curve
 
 __all__ = ["CalibrationReport", "Evaluation"]
@@ -224,7 +224,7 @@ class CalibrationReport:
         return d
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
+        return json.dumps(encode_nonfinite(self.to_dict()), indent=indent, allow_nan=False)
 
     def save(self, path: str | Path) -> Path:
         """Write :meth:`to_json` to ``path`` atomically (temporary file + ``os.replace``)."""
@@ -248,7 +248,7 @@ class CalibrationReport:
 
     @classmethod
     def from_json(cls, text: str) -> CalibrationReport:
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(decode_nonfinite(json.loads(text)))
 
     @classmethod
     def load(cls, path: str | Path) -> CalibrationReport:
