@@ -240,3 +240,76 @@ def test_member_training_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     for k in a[0]:
         assert torch.equal(a[0][k], b[0][k]), k
     assert b[1].fit_seconds >= first.seconds
+
+
+_SLEEPY = '''
+import dataclasses, os, sys, time
+from attnuq.bench._members import train_members
+
+
+@dataclasses.dataclass
+class Sleepy:
+    out: str
+
+    def make(self, index):
+        import torch
+        return torch.nn.Linear(1, 1)
+
+    def train(self, model, _t, _v, index):
+        with open(os.path.join(self.out, f"pid{index}.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(os.path.join(self.out, f"pid{index}.tmp"), os.path.join(self.out, f"pid{index}"))
+        time.sleep(600)
+
+
+if __name__ == "__main__":
+    train_members(Sleepy(sys.argv[1]), [1, 2], sys.argv[2], jobs=2)
+'''
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie left for a non-reaping init counts as gone)."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    return "State:\tZ" not in state
+
+
+def test_member_workers_end_when_the_parent_is_killed(tmp_path: Path) -> None:
+    """``kill -9`` of a run training members in worker processes ends the workers too (they
+    would otherwise go on writing member checkpoints that a restarted run also writes)."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "sleepy.py"
+    script.write_text(_SLEEPY)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(tmp_path / "c")])
+    try:
+        deadline = time.monotonic() + 240  # spawned workers import torch: slow on a busy box
+        while time.monotonic() < deadline and not all(
+                (tmp_path / f"pid{i}").is_file() for i in (1, 2)):
+            assert parent.poll() is None, "the training run ended early"
+            time.sleep(0.2)
+        pids = [int((tmp_path / f"pid{i}").read_text()) for i in (1, 2)]
+        assert all(_alive(p) for p in pids)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 60  # the watchdog polls once a second
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    left = [p for p in pids if _alive(p)]
+    for p in left:  # do not leave them behind if the test fails
+        import os
+        import signal
+
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"member workers {left} outlived their killed parent"

@@ -26,6 +26,7 @@ Examples
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -119,6 +120,24 @@ def member_cache_dir(base: str | Path, recipe: Any) -> Path:
     from attnuq._io import cache_key
 
     return Path(base) / cache_key(recipe_spec(recipe))
+
+
+def _exit_with_parent(parent: int, poll_seconds: float = 1.0) -> None:
+    """Worker initializer: end this worker once process ``parent`` is gone.
+
+    A pool's workers outlive a parent that is killed (``SIGTERM``/``SIGKILL`` skip the pool's
+    shutdown), and would go on training members that nobody collects, into the same member
+    checkpoints a restarted run resumes from. A daemon thread polls the parent's pid and
+    ends the worker with ``os._exit`` when it has changed (the worker was re-parented).
+    """
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _train_one(recipe: MemberRecipe, index: int, member_dir: str,
@@ -224,7 +243,8 @@ def train_members(
             print(f"[members] member {i} trained in {sec:.1f} s", flush=True)
         return todo
     ctx = torch.multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=ctx) as pool:
+    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=ctx,
+                             initializer=_exit_with_parent, initargs=(os.getpid(),)) as pool:
         futures = [pool.submit(_train_one, recipe, i, str(member_dir)) for i in todo]
         for f in futures:
             i, sec = f.result()
