@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -199,37 +200,43 @@ def test_gradcheck_mean_and_sigma(backend: str, monkeypatch: pytest.MonkeyPatch)
 
 
 
+@pytest.mark.parametrize("loops", ["compiled", "torch"])
 @pytest.mark.parametrize("per_dim", [True, False])
 @pytest.mark.parametrize("within", [True, False])
 @pytest.mark.parametrize("trace_loss", [False, True])
-def test_flash_block_gradcheck(per_dim: bool, within: bool, trace_loss: bool) -> None:
-    """The hand-derived backward of the CPU training path's block (key normalisation, centred
-    values, flash attention with its log-sum-exp; one flash backward call) against finite
-    differences: gradcheck in float64, full Jacobians of ``out`` and ``lse`` w.r.t. every
-    differentiable input, masked keys (additive -1e4) included. ``trace_loss``: the outputs
-    read the second-moment columns only through their sum, so the incoming gradient is the same
-    on each of them and the backward takes its narrow ``[vc, tr sq]`` path. (A fully masked
-    series is left out here: its scores sit near -1e4, where central differences lose about
+def test_flash_block_gradcheck(per_dim: bool, within: bool, trace_loss: bool, loops: str) -> None:
+    """The hand-derived backward of the CPU training path's block (query and key
+    normalisation, the queries' scale ``beta``, centred values, flash attention with its
+    log-sum-exp; one flash backward call) against finite differences: gradcheck in float64,
+    full Jacobians of ``out`` and ``lse`` w.r.t. every differentiable input, masked keys
+    (additive -1e4) included, for the compiled row loops (csrc/levy_train.c) and the torch ones
+    (``_native.disabled()``, as without a compiler). ``trace_loss``: the outputs read the
+    second-moment columns only through their sum, so the incoming gradient is the same on each
+    of them and the backward takes its narrow ``[vc, tr sq]`` path. (A fully masked series is
+    left out here: its scores sit near -1e4, where central differences lose about
     1e-4 * 2^-52 / eps ~ 2e-6 to rounding; the operator multiplies that block by z > 0 = 0
     anyway, see test_gradients_finite_with_empty_series_and_large_beta.)"""
     if levy_mod._FLASH is None or levy_mod._FLASH_BWD is None:
         pytest.fail("this torch build lacks the CPU flash-attention kernels the path needs")
+    if loops == "compiled" and not _native.available():
+        pytest.skip(f"native kernels unavailable: {_native.status()['reason']}")
     g = torch.Generator().manual_seed(3)
     B, H, Q, N, E, dv = 2, 2, 3, 5, 4, 3
     ws = dv if per_dim else 1
-    qa = torch.randn(B, H, Q, E, generator=g, dtype=F64) * 2
+    q = torch.randn(B, H, Q, E, generator=g, dtype=F64)
+    beta = torch.tensor([1.5, 2.5], dtype=F64)
     k = torch.randn(B, H, N, E, generator=g, dtype=F64)
     vbar = torch.randn(B, H, N, dv, generator=g, dtype=F64)
     s = torch.rand(B, H, N, ws, generator=g, dtype=F64) if within else None
     ref = torch.randn(B, H, 1, dv, generator=g, dtype=F64)
     mask = torch.tensor([[True, False, True, True, False], [False, False, True, False, False]])
     bias = torch.where(mask, 0.0, -1e4).to(F64)[:, None, None, :]
-    leaves = [t.clone().requires_grad_(True) for t in (qa, k, vbar, ref)]
+    leaves = [t.clone().requires_grad_(True) for t in (q, beta, k, vbar, ref)]
     sl = None if s is None else s.clone().requires_grad_(True)
 
-    def f(qa_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor, r_: torch.Tensor,
-          *rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = levy_mod._FlashBlock.apply(qa_, k_, v_, rest[0] if rest else None, r_,
+    def f(q_: torch.Tensor, b_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor,
+          r_: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = levy_mod._FlashBlock.apply(q_, b_, k_, v_, rest[0] if rest else None, r_,
                                               bias, per_dim)
         if trace_loss:
             return torch.cat([out[..., :dv], out[..., dv : dv + ws].sum(-1, keepdim=True)],
@@ -237,10 +244,13 @@ def test_flash_block_gradcheck(per_dim: bool, within: bool, trace_loss: bool) ->
         return out, lse
 
     inputs = (*leaves, *([] if sl is None else [sl]))
-    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
-    # the forward is the plain definition (one softmax over the observed keys)
-    with torch.no_grad():
-        out, lse = levy_mod._FlashBlock.apply(*inputs[:3], sl, inputs[3], bias, per_dim)
+    ctx = _native.disabled() if loops == "torch" else contextlib.nullcontext()
+    with ctx:
+        assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+        # the forward is the plain definition (one softmax over the observed keys)
+        with torch.no_grad():
+            out, lse = levy_mod._FlashBlock.apply(*inputs[:4], sl, inputs[4], bias, per_dim)
+    qa = beta[:, None, None] * q / q.norm(dim=-1, keepdim=True)
     kn = k / k.norm(dim=-1, keepdim=True)
     sc = qa @ kn.transpose(-1, -2) + bias
     vc = vbar - ref

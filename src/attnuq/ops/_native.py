@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("sample_rows.c", "levy.c", "fused.c")  # compiled together into one library
+_SOURCES = ("sample_rows.c", "levy.c", "fused.c", "levy_train.c")  # compiled into one library
 # ATTNUQ_NATIVE_PORTABLE=1: build without AVX-512 (-mno-avx512f), i.e. the portable 8-lane path
 # of the fused kernels, as an AVX2 machine runs it (for tests on an AVX-512 machine)
 _PORTABLE_ENV = "ATTNUQ_NATIVE_PORTABLE"
@@ -236,6 +236,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         if lib.attnuq_fused_args_words() != _FUSED_ARGS_WORDS:
             errors.append(f"{path}: struct fused_args has {lib.attnuq_fused_args_words()} "
                           f"words, _fused_call passes {_FUSED_ARGS_WORDS} (sources out of sync)")
+            continue
+        if not _register_levy_train(lib, errors, path):
             continue
         lib.attnuq_phi_tab_len.restype = ctypes.c_int64
         lib.attnuq_phi_tab_len.argtypes = []
@@ -783,3 +785,260 @@ def levy_forward(
 
     return LevyKernelOutput(mean.transpose(1, 2), t(var), evidence.transpose(1, 2),
                             phi_.transpose(1, 2), sigma.transpose(1, 2), t(sigma_dim))
+
+
+# ----------------------------------------------------------------------------- training loops
+#
+# csrc/levy_train.c: the elementwise passes of the Levy training path (attnuq.ops.levy's
+# _FlashBlock and _SharedField) as plain C loops, float32 and float64. Each wrapper takes
+# tensors whose shapes and strides its caller guarantees (they are private) and checks only
+# what the C code relies on for memory safety.
+
+# words of struct lt_prep_args, lt_post_args, lt_rows_args (csrc/levy_train.c)
+_LT_WORDS = (26, 24, 21, 18)
+_LT_SFX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def _register_levy_train(lib: ctypes.CDLL, errors: list[str], path: Path) -> bool:
+    """Declare the training loops' signatures; False (with the reason in ``errors``) when the
+    library's structs do not match :data:`_LT_WORDS`."""
+    lib.attnuq_levy_train_words.restype = ctypes.c_int64
+    lib.attnuq_levy_train_words.argtypes = [ctypes.c_int64]
+    got = tuple(int(lib.attnuq_levy_train_words(i)) for i in range(4))
+    if got != _LT_WORDS:
+        errors.append(f"{path}: levy_train structs have {got} words, the wrappers pass "
+                      f"{_LT_WORDS} (sources out of sync)")
+        return False
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    for sfx in ("f32", "f64"):
+        for name in ("attnuq_lt_prep_", "attnuq_lt_post_"):
+            fn = getattr(lib, name + sfx)
+            fn.restype = None
+            fn.argtypes = [vp, i64, i64, i64]
+        fn = getattr(lib, "attnuq_lt_uniform_" + sfx)
+        fn.restype, fn.argtypes = i64, [vp]
+        for name in ("attnuq_lt_rows_", "attnuq_lt_qprep_", "attnuq_lt_qpost_"):
+            fn = getattr(lib, name + sfx)
+            fn.restype, fn.argtypes = None, [vp]
+        fn = getattr(lib, "attnuq_lt_pairs_" + sfx)
+        fn.restype, fn.argtypes = None, [vp, vp, i64, i64, vp]
+        fn = getattr(lib, "attnuq_lt_pairs_grad_" + sfx)
+        fn.restype, fn.argtypes = None, [vp, vp, vp, i64, i64, vp, vp]
+    lib.attnuq_lt_phi_f64.restype = None
+    lib.attnuq_lt_phi_f64.argtypes = [vp, i64, vp, vp, vp, vp]
+    return True
+
+
+def train_loops_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """True when the training loops of ``csrc/levy_train.c`` can run on tensors of this dtype
+    and device (CPU float32/float64, the library loaded, :func:`disabled` not active).
+
+    Example
+    -------
+    >>> import torch
+    >>> from attnuq.ops import _native
+    >>> _native.train_loops_available(torch.float16, torch.device("cpu"))
+    False
+    """
+    return device.type == "cpu" and dtype in _LT_SFX and available()
+
+
+def _lt_lib() -> ctypes.CDLL:
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(f"native kernels unavailable: {_load()[1]}")
+    return lib
+
+
+def _words(n: int, words: list[int]) -> ctypes.Array[ctypes.c_int64]:
+    assert len(words) == n, (len(words), n)
+    return (ctypes.c_int64 * n)(*words)
+
+
+def _lt_run(fn: Callable[..., None], args: ctypes.Array[ctypes.c_int64], B: int) -> None:
+    """``fn(args, b0, b1, threads)`` over the batch, split as :func:`_dispatch` does."""
+    lib = _lt_lib()
+    workers = max(1, min(torch.get_num_threads(), B))
+    ref = ctypes.addressof(args)
+
+    def run(b0: int, b1: int, threads: int) -> int:
+        fn(ref, b0, b1, threads)
+        return 0
+
+    if B:
+        _dispatch(lib, B, workers, run)
+
+
+def lt_prep(
+    k: torch.Tensor, vbar: torch.Tensor, within: torch.Tensor | None, ref: torch.Tensor,
+    buf: torch.Tensor, nrm: torch.Tensor, per_dim: bool,
+) -> None:
+    """Forward loop of the training block: ``buf`` ``(B, N, H, W)`` rows
+    ``[kn | tr sq | 0 | vc | sq | 0 ...]`` and ``nrm`` ``(B, N, H)`` (csrc/levy_train.c, prep).
+
+    ``k`` ``(B, N, H, E)``, ``vbar`` ``(B, N, H, dv)``, ``within`` ``(B, N, H, ws)`` or None,
+    ``ref`` ``(B, H, dv)``: any strides with a unit last stride (``within`` may broadcast its
+    last axis); ``buf`` and ``nrm`` contiguous, same dtype.
+    """
+    lib = _lt_lib()
+    B, N, H, E = k.shape
+    dv = vbar.shape[-1]
+    ws = dv if per_dim else 1
+    W = buf.shape[-1]
+    assert (buf.is_contiguous() and nrm.is_contiguous() and buf.shape[:3] == (B, N, H)
+            and W >= E + 2 + dv + ws and vbar.shape[:3] == (B, N, H) and ref.shape == (B, H, dv)
+            and k.stride(3) == 1 and vbar.stride(3) == 1 and ref.stride(2) == 1
+            and nrm.shape == (B, N, H))
+    assert all(t.dtype == k.dtype for t in (vbar, ref, buf, nrm))
+    keep = [k, vbar, ref, buf, nrm]
+    if within is not None:
+        assert within.shape[:3] == (B, N, H) and within.dtype == k.dtype
+        assert within.shape[3] == ws or (within.stride(3) == 0 and per_dim)
+        wst = [*within.stride()[:3], within.stride(3) if within.shape[3] > 1 else 0]
+        keep.append(within)
+    else:
+        wst = [0, 0, 0, 0]
+    args = _words(_LT_WORDS[0], [
+        k.data_ptr(), *k.stride()[:3], vbar.data_ptr(), *vbar.stride()[:3],
+        0 if within is None else within.data_ptr(), *wst, ref.data_ptr(), *ref.stride()[:2],
+        buf.data_ptr(), nrm.data_ptr(), B, N, H, E, dv, ws, W, int(per_dim)])
+    _lt_run(getattr(lib, "attnuq_lt_prep_" + _LT_SFX[k.dtype]), args, B)
+    del keep
+
+
+def lt_post(
+    gk: torch.Tensor, gv: torch.Tensor, buf: torch.Tensor, nrm: torch.Tensor, E: int, dv: int,
+    wsq: int, cols: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward loop of the training block (csrc/levy_train.c, post): from the flash backward's
+    key and value gradients ``gk``, ``gv`` ``(B, N, H, .)`` (unit last stride) and the forward's
+    ``buf``, ``nrm``: ``g_k`` ``(B, N, H, E)``, ``g_vc`` ``(B, N, H, dv)``, ``g_sq``
+    ``(B, N, H, wsq)`` (contiguous) and ``g_ref = -sum_n g_vc`` ``(B, H, dv)``. ``cols``: the
+    columns of ``gv`` where the ``vc`` and the ``sq`` gradients start."""
+    lib = _lt_lib()
+    B, N, H, W = buf.shape
+    assert gk.shape[:3] == (B, N, H) and gv.shape[:3] == (B, N, H)
+    assert gk.stride(3) == 1 and gv.stride(3) == 1 and gk.shape[3] >= E
+    assert gv.shape[3] >= max(cols[0] + dv, cols[1] + wsq)
+    assert buf.is_contiguous() and nrm.is_contiguous()
+    assert gk.dtype == buf.dtype and gv.dtype == buf.dtype and nrm.dtype == buf.dtype
+    g_k = buf.new_empty(B, N, H, E)
+    g_vc = buf.new_empty(B, N, H, dv)
+    g_sq = buf.new_empty(B, N, H, wsq)
+    g_ref = buf.new_empty(B, H, dv)
+    args = _words(_LT_WORDS[1], [
+        gk.data_ptr(), *gk.stride()[:3], gv.data_ptr(), *gv.stride()[:3], buf.data_ptr(),
+        nrm.data_ptr(), g_k.data_ptr(), g_vc.data_ptr(), g_sq.data_ptr(), g_ref.data_ptr(),
+        B, N, H, E, dv, wsq, W, cols[0], cols[1], E + 2])
+    _lt_run(getattr(lib, "attnuq_lt_post_" + _LT_SFX[buf.dtype]), args, B)
+    return g_k, g_vc, g_sq, g_ref
+
+
+def _rows_args(g_out: torch.Tensor, out: torch.Tensor, g_lse: torch.Tensor, dv: int, ws: int,
+               dp: int, narrow: bool, gt: torch.Tensor | None,
+               ot: torch.Tensor | None) -> ctypes.Array[ctypes.c_int64]:
+    B, H, Q = out.shape[:3]
+    assert g_out.shape[:3] == (B, H, Q) and g_out.shape[3] >= dv + ws and out.shape[3] >= dv + ws
+    assert g_out.stride(3) == 1 and out.stride(3) == 1 and g_lse.shape == (B, H, Q)
+    assert g_out.dtype == out.dtype and g_lse.dtype == out.dtype
+    return _words(_LT_WORDS[2], [
+        g_out.data_ptr(), *g_out.stride()[:3], out.data_ptr(), *out.stride()[:3],
+        g_lse.data_ptr(), *g_lse.stride(), 0 if gt is None else gt.data_ptr(),
+        0 if ot is None else ot.data_ptr(), B, H, Q, dv, ws, dp, int(narrow)])
+
+
+def lt_uniform(g_out: torch.Tensor, out: torch.Tensor, g_lse: torch.Tensor, dv: int,
+               ws: int) -> bool:
+    """Whether ``g_out[..., dv : dv + ws]`` is the same on every column, row by row."""
+    lib = _lt_lib()
+    args = _rows_args(g_out, out, g_lse, dv, ws, 0, False, None, None)
+    return bool(getattr(lib, "attnuq_lt_uniform_" + _LT_SFX[out.dtype])(ctypes.addressof(args)))
+
+
+def lt_rows(g_out: torch.Tensor, out: torch.Tensor, g_lse: torch.Tensor, dv: int, ws: int,
+            dp: int, narrow: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient and output rows handed to the flash backward, ``(B, H, Q, dp)`` views of
+    ``(B, Q, H, dp)`` memory (see ``attnuq.ops.levy._FlashBlock.backward``)."""
+    lib = _lt_lib()
+    B, H, Q = out.shape[:3]
+    gt = out.new_empty(B, Q, H, dp)
+    ot = out.new_empty(B, Q, H, dp)
+    assert dp >= (dv + 2 if narrow else dv + ws + 1)
+    args = _rows_args(g_out, out, g_lse, dv, ws, dp, narrow, gt, ot)
+    getattr(lib, "attnuq_lt_rows_" + _LT_SFX[out.dtype])(ctypes.addressof(args))
+    return gt.transpose(1, 2), ot.transpose(1, 2)
+
+
+def lt_pairs(ct: torch.Tensor, st: torch.Tensor) -> torch.Tensor:
+    """Pair features ``[c_k c_l, s_k s_l]_{k <= l}`` ``(K (K + 1), n)`` of contiguous
+    ``(K, n)`` cosines and sines (rows by diagonal ``l - k``, then ``k``)."""
+    lib = _lt_lib()
+    K, n = ct.shape
+    assert ct.is_contiguous() and st.is_contiguous() and st.shape == (K, n)
+    assert st.dtype == ct.dtype
+    feats = ct.new_empty(K * (K + 1), n)
+    getattr(lib, "attnuq_lt_pairs_" + _LT_SFX[ct.dtype])(ct.data_ptr(), st.data_ptr(), K, n,
+                                                          feats.data_ptr())
+    return feats
+
+
+def lt_pairs_grad(g_f: torch.Tensor, ct: torch.Tensor, st: torch.Tensor, g_c: torch.Tensor,
+                  g_s: torch.Tensor) -> None:
+    """``g_c``, ``g_s`` ``(K, n)`` += the backward of :func:`lt_pairs` for ``g_f``."""
+    lib = _lt_lib()
+    K, n = ct.shape
+    assert all(t.is_contiguous() and t.dtype == ct.dtype for t in (g_f, ct, st, g_c, g_s))
+    assert g_f.shape == (K * (K + 1), n) and g_c.shape == (K, n) and g_s.shape == (K, n)
+    getattr(lib, "attnuq_lt_pairs_grad_" + _LT_SFX[ct.dtype])(
+        g_f.data_ptr(), ct.data_ptr(), st.data_ptr(), K, n, g_c.data_ptr(), g_s.data_ptr())
+
+
+@functools.cache
+def _phi_der_table() -> torch.Tensor:
+    """The tables of ``phi'`` (:mod:`attnuq.ops.phi`) in the layout of ``attnuq_lt_phi_f64``
+    (csrc/levy_train.c): Taylor coefficients padded to 24, the pieces, ``0!, ..., 9!``."""
+    taylor = [*_phi._TAYLOR_DER, 0.0][: len(_phi._TAYLOR)]
+    return torch.tensor([*taylor, *(c for piece in _phi._MONO_DER for c in piece),
+                         *_phi._FACT[: _phi._N_ASYMPTOTIC + 2]], dtype=torch.float64)
+
+
+def lt_phi(lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``phi(lam)`` and ``phi'(lam)`` (float64, shaped like ``lam``) for finite ``lam >= 0``
+    (unchecked), by the tables of :mod:`attnuq.ops.phi` in one compiled pass."""
+    lib = _lt_lib()
+    x = lam.detach().to(torch.float64).contiguous()
+    phi_, dphi = torch.empty_like(x), torch.empty_like(x)
+    lib.attnuq_lt_phi_f64(x.data_ptr(), x.numel(), _phi_table().data_ptr(),
+                          _phi_der_table().data_ptr(), phi_.data_ptr(), dphi.data_ptr())
+    return phi_, dphi
+
+
+def lt_queries(q: torch.Tensor, beta: torch.Tensor, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qp`` ``(B, Q, H, dp)`` rows ``[beta_h q / max(|q|, 1e-12) | 0 ...]`` and the norms
+    ``(B, Q, H)`` of ``q`` ``(B, H, Q, E)`` (unit last stride; csrc/levy_train.c, qprep)."""
+    lib = _lt_lib()
+    B, H, Q, E = q.shape
+    assert q.stride(3) == 1 and dp >= E and beta.shape == (H,) and beta.dtype == q.dtype
+    beta = beta.detach().contiguous()
+    qp, qnrm = q.new_empty(B, Q, H, dp), q.new_empty(B, Q, H)
+    args = _words(_LT_WORDS[3], [q.data_ptr(), *q.stride()[:3], beta.data_ptr(), qp.data_ptr(),
+                                 qnrm.data_ptr(), 0, 0, 0, 0, 0, 0, B, H, Q, E, dp])
+    getattr(lib, "attnuq_lt_qprep_" + _LT_SFX[q.dtype])(ctypes.addressof(args))
+    return qp, qnrm
+
+
+def lt_queries_grad(gq: torch.Tensor, beta: torch.Tensor, qp: torch.Tensor, qnrm: torch.Tensor,
+                    E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of :func:`lt_queries` for the flash backward's query gradient ``gq``
+    ``(B, H, Q, .)``: ``g_q`` ``(B, Q, H, E)`` and ``g_beta`` ``(H,)``."""
+    lib = _lt_lib()
+    B, Q, H, dp = qp.shape
+    assert gq.shape[:3] == (B, H, Q) and gq.stride(3) == 1 and gq.dtype == qp.dtype
+    assert qp.is_contiguous() and qnrm.is_contiguous() and beta.shape == (H,)
+    beta = beta.detach().contiguous()
+    g_q, g_beta = qp.new_empty(B, Q, H, E), qp.new_empty(B, H)
+    args = _words(_LT_WORDS[3], [0, 0, 0, 0, beta.data_ptr(), qp.data_ptr(), qnrm.data_ptr(),
+                                 gq.data_ptr(), *gq.stride()[:3], g_q.data_ptr(),
+                                 g_beta.data_ptr(), B, H, Q, E, dp])
+    getattr(lib, "attnuq_lt_qpost_" + _LT_SFX[qp.dtype])(ctypes.addressof(args))
+    return g_q, g_beta.sum(0)

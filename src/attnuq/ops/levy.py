@@ -596,8 +596,18 @@ class _SharedField(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         B, H, N, Dv = a.shape
         K = ct.shape[0]
-        feats_t = torch.cat([x[: K - d] * x[d:] for x in (ct, st) for d in range(K)])  # (2P, BN)
-        vbar = a + (ct.t() @ wm).view(B, N, H, Dv).transpose(1, 2)
+        native = (_native.train_loops_available(ct.dtype, ct.device) and ct.is_contiguous()
+                  and st.is_contiguous())
+        if native:  # one compiled pass (csrc/levy_train.c, pairs)
+            feats_t = _native.lt_pairs(ct, st)
+        else:
+            feats_t = torch.cat([x[: K - d] * x[d:] for x in (ct, st) for d in range(K)])
+        ap = a.transpose(1, 2)  # (B, N, H, Dv): the embeddings' memory order
+        if ap.is_contiguous():
+            vbar = torch.addmm(ap.reshape(B * N, H * Dv), ct.t(), wm)
+            vbar = vbar.view(B, N, H, Dv).transpose(1, 2)
+        else:
+            vbar = a + (ct.t() @ wm).view(B, N, H, Dv).transpose(1, 2)
         if ws.shape[1] < 32:
             # few outputs (the trace: one per head): (out x 2P) @ (2P x BN) is an order of
             # magnitude faster than (BN x 2P) @ (2P x out) with the transposed feature matrix
@@ -605,6 +615,7 @@ class _SharedField(torch.autograd.Function):
         else:
             s = (feats_t.t() @ ws).view(B, N, H, -1).transpose(1, 2)
         ctx.save_for_backward(ct, st, wm, ws, feats_t)
+        ctx.native = native
         return vbar, s
 
     @staticmethod
@@ -613,17 +624,35 @@ class _SharedField(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         ct, st, wm, ws, feats_t = ctx.saved_tensors
         K, BN = ct.shape
-        if torch.is_grad_enabled():
+        create_graph = torch.is_grad_enabled()
+        if create_graph:
             # double backward (create_graph=True): the backward is made of differentiable ops;
             # the features are rebuilt from ct, st so that their dependence is on the graph
             feats_t = torch.cat([x[: K - d] * x[d:] for x in (ct, st) for d in range(K)])
         gm = g_vbar.transpose(1, 2).reshape(BN, -1)  # (BN, H Dv)
-        gs = g_s.transpose(1, 2).reshape(BN, -1)  # (BN, H dw)
         g_wm = ct @ gm
-        g_ws = feats_t @ gs
-        g_f = ws @ gs.t()  # (2P, BN)
-        g_x = torch.zeros(2, K, BN, dtype=ct.dtype, device=ct.device)
-        g_x[0] = wm @ gm.t()
+        H, dw = g_s.shape[1], g_s.shape[3]
+        if dw > 1 and g_s.stride(-1) == 0:
+            # the same gradient on every within column of a head (the training block's backward
+            # on the trace, which expands one column): G_s = g 1^T per head, so
+            # dL/dw_s = (f g) 1^T and dL/df = (w_s 1) g^T, products of width H, not H dw
+            gtr = g_s[..., 0].transpose(1, 2).reshape(BN, H)  # (BN, H)
+            g_ws = (feats_t @ gtr)[:, :, None].expand(-1, -1, dw).reshape(-1, H * dw)
+            g_f = ws.view(-1, H, dw).sum(-1) @ gtr.t()  # (2P, BN)
+        else:
+            gs = g_s.transpose(1, 2).reshape(BN, -1)  # (BN, H dw)
+            g_ws = feats_t @ gs
+            g_f = ws @ gs.t()  # (2P, BN)
+        if create_graph:
+            g_x = torch.zeros(2, K, BN, dtype=ct.dtype, device=ct.device)
+            g_x[0] = wm @ gm.t()
+        else:
+            g_x = torch.empty(2, K, BN, dtype=ct.dtype, device=ct.device)
+            torch.mm(wm, gm.t(), out=g_x[0])
+            g_x[1].zero_()
+        if ctx.native and not create_graph and g_f.is_contiguous():
+            _native.lt_pairs_grad(g_f, ct, st, g_x[0], g_x[1])
+            return g_vbar, g_x[0], g_x[1], g_wm, g_ws
         off = 0
         for i, x in enumerate((ct, st)):
             for d in range(K):
@@ -891,7 +920,6 @@ def _torch_path(
          for blk, mb in zip(blocks, mom_b, strict=True)]
     ) / count  # (B, 1, H * Dv)
     ref = ref.view(B, 1, H, Dv).transpose(1, 2)  # (B, H, 1, Dv)
-    qn = F.normalize(q, dim=-1, eps=1e-12)
     limit = 0.25 * math.log(torch.finfo(q.dtype).max)  # 22 in float32, 177 in float64
     beta_max = float(inp.beta.detach().max())
     if backend == "auto":
@@ -916,17 +944,20 @@ def _torch_path(
             flash = _triton.levy_flash(needs_grad, q)
         if needs_grad and lse_ok and _FLASH_BWD is not None:
             # autograd on CPU: flash forward + its log-sum-exp, one flash backward call
-            z, mom = _accumulate_flash_grad(qn, blocks, mom_b, ref, inp.beta, per_dim)
+            z, mom = _accumulate_flash_grad(q, blocks, mom_b, ref, inp.beta, per_dim)
             log_scale = -inp.beta[:, None]  # Lambda = alpha e^{-beta} z
         elif needs_grad or not (lse_ok or flash is not None):
+            qn = F.normalize(q, dim=-1, eps=1e-12)
             z, mom = _accumulate_sdpa(qn, blocks, mom_b, ref, inp.beta, per_dim)
             log_scale = -2 * inp.beta[:, None]  # Lambda = alpha e^{-2 beta} z
         else:
+            qn = F.normalize(q, dim=-1, eps=1e-12)
             z, mom = _accumulate_lse(qn, blocks, mom_b, ref, inp.beta, per_dim, flash)
             log_scale = -inp.beta[:, None]  # Lambda = alpha e^{-beta} z
     else:
         vals_b = [_centered_values(vbar, within, ref, per_dim) for vbar, within in mom_b]
         kn_b = [F.normalize(blk.k, dim=-1, eps=1e-12) for blk in blocks]  # (B, H, bs, E)
+        qn = F.normalize(q, dim=-1, eps=1e-12)
         z, tsum, log_scale = _accumulate_explicit(qn, kn_b, vals_b, blocks, inp.beta)
         mom = tsum / torch.where(z > 0, z, torch.ones_like(z))[..., None]
 
@@ -944,7 +975,7 @@ def _torch_path(
         var = None
         trace = torch.clamp_min(m2[..., 0] - (mu_c * mu_c).sum(-1), 0.0)
     evidence = inp.alpha[:, None] * torch.exp(log_scale) * z  # (B, H, Q)
-    phi = poisson_phi(evidence)
+    phi = _phi_of_evidence(evidence)
     p_empty = torch.exp(-evidence)
     # same values; _safe_sqrt only changes the gradient at 0
     root = _safe_sqrt if needs_grad else torch.sqrt
@@ -954,6 +985,32 @@ def _torch_path(
         mean=mean, var=var, evidence=evidence, p_empty=p_empty, phi=phi, sigma=sigma,
         sigma_dim=sigma_dim,
     )
+
+
+class _PhiNative(torch.autograd.Function):
+    """``phi(Lambda)`` with its derivative from one compiled pass (``csrc/levy_train.c``; the
+    tables of :mod:`attnuq.ops.phi`, in float64 like :func:`attnuq.ops.poisson_phi`)."""
+
+    @staticmethod
+    def forward(ctx: Any, lam: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        phi64, dphi64 = _native.lt_phi(lam)
+        ctx.save_for_backward(dphi64)
+        return phi64.to(lam.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (dphi64,) = ctx.saved_tensors
+        return (grad_out.to(torch.float64) * dphi64).to(grad_out.dtype)
+
+
+def _phi_of_evidence(evidence: torch.Tensor) -> torch.Tensor:
+    """``phi(Lambda)`` of the operator's evidence (finite and ``>= 0`` by construction): the
+    compiled tables where they run, else :func:`attnuq.ops.poisson_phi` (the same tables)."""
+    if _native.train_loops_available(evidence.dtype, evidence.device):
+        out: torch.Tensor = _PhiNative.apply(evidence)
+        return out
+    return poisson_phi(evidence)
 
 
 # ----------------------------------------------------------------------------- torch.library op
@@ -1259,10 +1316,10 @@ class _FlashBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, qa: torch.Tensor, k: torch.Tensor, vbar: torch.Tensor,
+        ctx: Any, q: torch.Tensor, beta: torch.Tensor, k: torch.Tensor, vbar: torch.Tensor,
         within: torch.Tensor | None, ref: torch.Tensor, bias: torch.Tensor, per_dim: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        B, H, Q, E = qa.shape
+        B, H, Q, E = q.shape
         N, dv = k.shape[2], vbar.shape[-1]
         ws = dv if per_dim else 1
         c = dv + ws
@@ -1272,26 +1329,41 @@ class _FlashBlock(torch.autograd.Function):
         # everything below is indexed (B, L, H, .), the memory order of the buffers, of the
         # kernel's outputs and of the module's projections (one common order is several times
         # faster than mixed ones); the kernel gets (B, H, L, .) views
-        qp = qa.new_empty(B, Q, H, dp)
-        qp[..., :E] = qa.transpose(1, 2)
-        qp[..., E:] = 0.0
+        ctx.native = _native.train_loops_available(k.dtype, k.device)
+        if ctx.native:  # [beta q / |q| | 0] and |q| in one compiled pass
+            qp, qnrm = _native.lt_queries(_unit(q), beta, dp)
+        else:
+            qnrm = torch.linalg.vector_norm(q, dim=-1, keepdim=True).clamp_min_(1e-12)
+            qp = q.new_empty(B, Q, H, dp)
+            torch.mul(q / qnrm, beta[:, None, None], out=qp[..., :E].transpose(1, 2))
+            qp[..., E:] = 0.0
+            qnrm = qnrm.transpose(1, 2)[..., 0]  # (B, Q, H)
         buf = k.new_empty(B, N, H, v0 + c + pad)
         kt = k.transpose(1, 2)
-        nrm = torch.linalg.vector_norm(kt, dim=-1, keepdim=True).clamp_min_(1e-12)
-        torch.div(kt, nrm, out=buf[..., :E])
-        buf[..., E:v0] = 0.0  # T (the trace column of the narrow backward) and Z
-        vc = torch.sub(vbar.transpose(1, 2), ref.transpose(1, 2), out=buf[..., v0 : v0 + dv])
         wt = None if within is None else within.transpose(1, 2)
-        if per_dim:
-            sq = buf[..., v0 + dv : v0 + c]
-            if wt is None:
-                torch.mul(vc, vc, out=sq)
-            else:
-                torch.addcmul(wt, vc, vc, out=sq)
+        if ctx.native:
+            # one compiled pass per row (csrc/levy_train.c, prep): kn, nrm, T = tr sq, vc, sq
+            nrm = k.new_empty(B, N, H)
+            _native.lt_prep(_unit(kt), _unit(vbar.transpose(1, 2)),
+                            None if wt is None else _unit(wt, broadcast_ok=True),
+                            _unit(ref[:, :, 0]), buf, nrm, per_dim)
+            nrm = nrm[..., None]
         else:
-            tr = torch.linalg.vecdot(vc, vc)[..., None]
-            buf[..., v0 + dv : v0 + c] = tr if wt is None else tr + wt
-        buf[..., v0 + c :] = 0.0
+            nrm = torch.linalg.vector_norm(kt, dim=-1, keepdim=True).clamp_min_(1e-12)
+            torch.div(kt, nrm, out=buf[..., :E])
+            buf[..., E:v0] = 0.0  # T (the trace column of the narrow backward) and Z
+            vc = torch.sub(vbar.transpose(1, 2), ref.transpose(1, 2),
+                           out=buf[..., v0 : v0 + dv])
+            if per_dim:
+                sq = buf[..., v0 + dv : v0 + c]
+                if wt is None:
+                    torch.mul(vc, vc, out=sq)
+                else:
+                    torch.addcmul(wt, vc, vc, out=sq)
+            else:
+                tr = torch.linalg.vecdot(vc, vc)[..., None]
+                buf[..., v0 + dv : v0 + c] = tr if wt is None else tr + wt
+            buf[..., v0 + c :] = 0.0
         dpf = max(E, c)
         assert _FLASH is not None
         out, lse = _FLASH(qp[..., :dpf].transpose(1, 2), buf[..., :dpf].transpose(1, 2),
@@ -1299,7 +1371,7 @@ class _FlashBlock(torch.autograd.Function):
                           scale=1.0)
         ctx.save_for_backward(out, lse, bias)
         # intermediates, kept on ctx (the narrow backward writes its T column into buf)
-        ctx.bufs = (qp, buf, nrm)
+        ctx.bufs = (qp, buf, nrm, qnrm, beta)
         ctx.dims = (E, dv, ws, within is not None)
         return out, lse
 
@@ -1309,7 +1381,7 @@ class _FlashBlock(torch.autograd.Function):
         ctx: Any, g_out: torch.Tensor, g_lse: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         out, lse, bias = ctx.saved_tensors
-        qp, buf, nrm = ctx.bufs
+        qp, buf, nrm, qnrm, beta = ctx.bufs
         E, dv, ws, has_within = ctx.dims
         c = dv + ws
         v0 = E + 2
@@ -1318,8 +1390,10 @@ class _FlashBlock(torch.autograd.Function):
         # the per-dimension var and sigma_dim unused) sends the same gradient to every sq
         # column: then the backward needs only [T = tr sq, Z, vc] (width dv + 2, exactly the
         # same gradients: g . v_i = g_vc . vc_i + g_tr tr sq_i), about 60 % of the full cost
-        narrow = ws > 1 and bool((g_sq_in == g_sq_in[..., :1]).all())
         B, H, Q = out.shape[:3]
+        if ctx.native:
+            return _FlashBlock._backward_native(ctx, g_out, g_lse)
+        narrow = ws > 1 and bool((g_sq_in == g_sq_in[..., :1]).all())
         if narrow:
             # values [T | Z | vc | ...] start at column E; the kernel's value columns beyond
             # dv + 2 (if E > dv + 2) get gradient 0 and are ignored
@@ -1363,12 +1437,60 @@ class _FlashBlock(torch.autograd.Function):
         g_within = None
         if has_within:
             g_within = (g_sq.expand(-1, -1, -1, ws) if narrow else g_sq).transpose(1, 2)
-        return (gq[..., :E], g_k.transpose(1, 2), g_vc.transpose(1, 2), g_within,
+        # queries qa = beta qn, qn = q / max(|q|, eps): the same backward as for the keys
+        qn = qp[..., :E].transpose(1, 2) / beta[:, None, None]
+        gqa = gq[..., :E]
+        g_beta = torch.linalg.vecdot(qn, gqa).sum((0, 2))
+        g_qn = gqa * beta[:, None, None]
+        rad_q = torch.linalg.vecdot(qn, g_qn)[..., None] * (qnrm.transpose(1, 2) > 1e-12)[..., None]
+        g_q = torch.addcmul(g_qn, qn, rad_q, value=-1.0) / qnrm.transpose(1, 2)[..., None]
+        return (g_q, g_beta, g_k.transpose(1, 2), g_vc.transpose(1, 2), g_within,
                 g_ref.transpose(1, 2), None, None)
+
+    @staticmethod
+    def _backward_native(
+        ctx: Any, g_out: torch.Tensor, g_lse: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        """:meth:`backward` with the row loops compiled (csrc/levy_train.c: rows, post); the
+        same flash backward call, the same formulas."""
+        out, lse, bias = ctx.saved_tensors
+        qp, buf, nrm, qnrm, beta = ctx.bufs
+        E, dv, ws, has_within = ctx.dims
+        c = dv + ws
+        v0 = E + 2
+        g_out, g_lse = _unit(g_out), g_lse
+        narrow = ws > 1 and _native.lt_uniform(g_out, out, g_lse, dv, ws)
+        if narrow:  # values [T | Z | vc | ...] (T = tr sq, written by the forward's loop)
+            dp, first, cols = max(E, dv + 2), E, (2, 0)
+        else:  # values [vc | sq | 0 ...]
+            dp, first, cols = max(E, c + 1), v0, (0, dv)
+        gt, ot = _native.lt_rows(g_out, out, g_lse, dv, ws, dp, narrow)
+        assert _FLASH_BWD is not None
+        gq, gkn, gv = _FLASH_BWD(gt, qp[..., :dp].transpose(1, 2), buf[..., :dp].transpose(1, 2),
+                                 buf[..., first : first + dp].transpose(1, 2), ot, lse, 0.0,
+                                 False, attn_mask=bias, scale=1.0)
+        wsq = 1 if (narrow or ws == 1) else ws
+        g_k, g_vc, g_sq, g_ref = _native.lt_post(
+            _unit(gkn.transpose(1, 2)), _unit(gv.transpose(1, 2)), buf, nrm[..., 0], E, dv, wsq,
+            cols)
+        g_within = None
+        if has_within:
+            g_within = (g_sq.expand(-1, -1, -1, ws) if wsq < ws else g_sq).transpose(1, 2)
+        g_q, g_beta = _native.lt_queries_grad(gq, beta, qp, qnrm, E)
+        return (g_q.transpose(1, 2), g_beta, g_k.transpose(1, 2), g_vc.transpose(1, 2),
+                g_within, g_ref[:, :, None], None, None)
+
+
+def _unit(t: torch.Tensor, broadcast_ok: bool = False) -> torch.Tensor:
+    """``t`` itself when its last stride is 1 (or 0 with ``broadcast_ok``), else a contiguous
+    copy (what the compiled loops read)."""
+    if t.stride(-1) == 1 or t.shape[-1] == 1 or (broadcast_ok and t.stride(-1) == 0):
+        return t
+    return t.contiguous()
 
 
 def _accumulate_flash_grad(
-    qn: torch.Tensor,
+    q: torch.Tensor,
     blocks: list[_Inputs],
     mom_b: list[tuple[torch.Tensor, torch.Tensor | None]],
     ref: torch.Tensor,
@@ -1384,16 +1506,17 @@ def _accumulate_flash_grad(
     """
     dv = mom_b[0][0].shape[-1]
     w_cols = dv + (dv if per_dim else 1)
-    qa = qn * beta[:, None, None]
     z_parts, t_parts = [], []
     for blk, (vbar, within) in zip(blocks, mom_b, strict=True):
-        bias = torch.where(blk.mask, 0.0, -1e4).to(qn.dtype)[:, None, None, :]
-        out, lse = _FlashBlock.apply(qa, blk.k, vbar, within, ref, bias, per_dim)
+        bias = torch.where(blk.mask, 0.0, -1e4).to(q.dtype)[:, None, None, :]
+        out, lse = _FlashBlock.apply(q, beta, blk.k, vbar, within, ref, bias, per_dim)
         z_parts.append(torch.exp(lse))
         t_parts.append(out[..., :w_cols])
     z = _ordered_sum(z_parts)
     if len(z_parts) == 1:
-        return z, t_parts[0] * (z > 0)[..., None].to(qn.dtype)
+        if bool((z > 0).all()):  # no empty series: the weight is exactly 1
+            return z, t_parts[0]
+        return z, t_parts[0] * (z > 0)[..., None].to(q.dtype)
     zs = torch.where(z > 0, z, torch.ones_like(z))
     return z, _ordered_sum([(zb / zs)[..., None] * ob for zb, ob in zip(z_parts, t_parts,
                                                                         strict=True)])
