@@ -277,17 +277,20 @@ NOTES = """\
   flash-attention call with values ``[v_i - ref, (v_i - ref)^2 + s_i]`` whose log-sum-exp gives
   ``Lambda``; the `torch path` rows time it.
 * Training (autograd) on CPU: per block one custom autograd function (``_FlashBlock`` in
-  ``ops/levy.py``): key normalisation, centred values ``[vc, sq]`` and the CPU flash-attention
-  kernel with its log-sum-exp (``Lambda = alpha e^{lse - beta}``) in the forward; in the
-  backward ONE call of the kernel's backward, handed an identically-zero value column whose
-  output gradient is set to 1 and whose output to ``-dL/d lse`` (so the kernel's
+  ``ops/levy.py``): query and key normalisation, centred values ``[vc, sq]`` and the CPU
+  flash-attention kernel with its log-sum-exp (``Lambda = alpha e^{lse - beta}``) in the
+  forward; in the backward ONE call of the kernel's backward, handed an identically-zero value
+  column whose output gradient is set to 1 and whose output to ``-dL/d lse`` (so the kernel's
   ``rowsum(g * out)`` carries the normaliser's gradient), then the hand-derived backward of the
-  normalisation and centring. When the loss reads the second moments only through their sum
-  (``sigma``, as here) the backward runs on ``[tr sq, 0, vc]`` (width ``Dv + 2`` instead of
+  normalisations and the centring. When the loss reads the second moments only through their
+  sum (``sigma``, as here) the backward runs on ``[tr sq, 0, vc]`` (width ``Dv + 2`` instead of
   ``2 Dv + 1``). The value field (pair features, two GEMMs) is a second custom function with
-  a hand-derived backward. Both are checked by gradcheck in float64. The matched softmax
-  layer's SDPA runs the same kernel at width ``Dv``: the Levy forward needs ``2 Dv`` (mean
-  and second moment), which is most of the remaining gap.
+  a hand-derived backward. Both are checked by gradcheck in float64. The passes over the
+  observation and query rows around the flash kernels (normalisations, ``[vc, sq]``, the
+  backward's rows and gradients, the pair features and their backward, ``phi`` and ``phi'``)
+  are compiled loops (``csrc/levy_train.c``; the torch ops they replace remain the fallback
+  without a compiler). The matched softmax layer's SDPA runs the same flash kernels at width
+  ``Dv``: the Levy forward needs ``2 Dv`` (mean and second moment) and its backward ``Dv + 2``.
 """
 
 
@@ -347,11 +350,11 @@ def _verdicts(rows: list[dict[str, Any]]) -> list[str]:
 
 
 TRAIN_WHY = (
-    "The flash kernel runs at width 2 Dv in the Levy forward (mean and second moment; the "
-    "softmax layer's SDPA at Dv) and at Dv + 2 in its backward; the rest of the gap is "
-    "elementwise passes over the (B, N, H, .) observation tensors that a compiled kernel would "
-    "fuse (key normalisation and centring and their backward, the value field's pair "
-    "features), the input checks and poisson_phi (see the notes below)."
+    "The flash kernels run at width 2 Dv in the Levy forward (mean and second moment; the "
+    "softmax layer's SDPA at Dv) and at Dv + 2 in its backward; the rest of the gap is the "
+    "value field's within-atom variance (pair features and their GEMMs, K > 0), the compiled "
+    "row passes around the flash kernels (csrc/levy_train.c) and the torch ops of the outputs "
+    "(variance, phi, square roots) and their backward (see the notes below)."
 )
 INFERENCE_WHY = (
     "Inference runs the compiled kernel (csrc/levy.c), which the training-path work of issue "

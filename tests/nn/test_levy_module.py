@@ -318,3 +318,59 @@ def test_float32_times_near_1e9_warn_and_shifted_times_do_not() -> None:
         warnings.simplefilter("error")
         layer(**dict(x32, times=(t - base).float(), query_times=(qt - base).float()))
         make_layer()(**dict(x, times=t, query_times=qt))  # float64 layer and times
+
+
+@pytest.mark.parametrize("n_fourier", [0, 3])
+@pytest.mark.parametrize("per_dim", [True, False])
+@pytest.mark.parametrize("out_features", [None, 2])
+def test_levy_train_step_float32_matches_float64_torch_loops(
+    n_fourier: int, per_dim: bool, out_features: int | None
+) -> None:
+    """The float32 training step (autograd on CPU: the flash path with its compiled row loops,
+    csrc/levy_train.c, where they build) against the same layer in float64 with the compiled
+    loops off (``_native.disabled()``: the torch fallback): outputs and the gradients of every
+    parameter and of the input times, with masks, a series with no observation and one with a
+    single one. The problem is big enough (B H Q N_obs >= 65536) for ``backend="auto"`` to take
+    the flash path. Deterministic (no sampling): the tolerance covers float32 rounding only,
+    eps = 6e-8 amplified by sums over ~300 observations, the second moment's cancellation
+    (m2 - mu^2, values O(1)) and the normalisations; observed errors are ~5e-6 (two blocks of 256 here), the bound
+    5e-4 * (1 + |x|) leaves margin for other CPUs' kernels."""
+    from attnuq.ops import _native
+
+    B, N, Q = 4, 300, 40
+    x = make_inputs(B=B, N=N, Q=Q, seed=5)
+    x["mask"][1] = False  # empty series
+    x["mask"][2] = False
+    x["mask"][2, 7] = True  # one observation
+    layer64 = make_layer(seed=2, n_fourier=n_fourier, per_dim=per_dim, out_features=out_features)
+    layer32 = make_layer(seed=2, n_fourier=n_fourier, per_dim=per_dim,
+                         out_features=out_features).float()
+    layer32.load_state_dict({k: v.float() for k, v in layer64.state_dict().items()})
+    g = torch.Generator().manual_seed(9)
+    D_out = out_features or 8
+    w_mean, w_sig = torch.randn(B, Q, D_out, generator=g), torch.randn(B, Q, generator=g)
+    w_dim = torch.randn(B, Q, D_out, generator=g)
+
+    def step(layer: LevyAttention, dt: torch.dtype) -> tuple[list[torch.Tensor], ...]:
+        xs = {k: (v.to(dt) if v.is_floating_point() else v) for k, v in x.items()}
+        xs["times"] = xs["times"].clone().requires_grad_(True)
+        out = layer(**xs)
+        loss = (out.mean * w_mean.to(dt)).sum() + (out.sigma * w_sig.to(dt)).sum()
+        if out.sigma_dim is not None:  # reads the per-dimension moments (full backward)
+            loss = loss + (out.sigma_dim * w_dim.to(dt)).sum()
+        grads = torch.autograd.grad(loss, [xs["times"], *layer.parameters()], allow_unused=True)
+        vals = [out.mean, out.sigma, out.evidence, out.p_empty]
+        vals += [] if out.sigma_dim is None else [out.sigma_dim]
+        return vals, [gr for gr in grads if gr is not None]
+
+    v32, g32 = step(layer32, torch.float32)
+    with _native.disabled():
+        v64, g64 = step(layer64, F64)
+    assert len(g32) == len(g64)
+    for a_, b_ in zip(v32 + g32, v64 + g64, strict=True):
+        assert bool(torch.isfinite(a_).all())
+        torch.testing.assert_close(a_.double(), b_, atol=5e-4, rtol=5e-4)
+    # the empty series: mean 0 (the output bias with a folded projection), sigma and evidence 0
+    bias = 0.0 if layer32.out_proj is None else layer32.out_proj.bias.detach()
+    assert bool((v32[0][1] == bias).all()) and bool((v32[1][1] == 0).all())
+    assert bool((v32[2][1] == 0).all())

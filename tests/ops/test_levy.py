@@ -683,3 +683,33 @@ def test_explicit_backend_double_backward() -> None:
         return r.mean.sum(-1) + r.sigma
 
     assert torch.autograd.gradgradcheck(f, leaves, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("loops", ["compiled", "torch"])
+def test_levy_shared_field_backward_one_column_per_head(loops: str) -> None:
+    """_SharedField's backward when the within gradient is one column per head broadcast over
+    the value dimension (stride 0, as the training block's trace-only backward hands it): the
+    width-H products give the gradients of the materialised (contiguous) gradient, to float64
+    rounding, for the compiled pair loops and the torch ones."""
+    if loops == "compiled" and not _native.available():
+        pytest.skip(f"native kernels unavailable: {_native.status()['reason']}")
+    g = torch.Generator().manual_seed(6)
+    B, H, N, Dv, K = 2, 3, 5, 4, 3
+    P = K * (K + 1) // 2
+    a = torch.randn(B, H, N, Dv, generator=g, dtype=F64)
+    z = torch.randn(K, B * N, generator=g, dtype=F64) * 3
+    wm = torch.randn(K, H * Dv, generator=g, dtype=F64)
+    ws = torch.randn(2 * P, H * Dv, generator=g, dtype=F64)
+    g_vbar = torch.randn(B, N, H, Dv, generator=g, dtype=F64).transpose(1, 2)
+    g_tr = torch.randn(B, N, H, 1, generator=g, dtype=F64).transpose(1, 2)
+    ctx = _native.disabled() if loops == "torch" else contextlib.nullcontext()
+    grads = []
+    with ctx:
+        for g_s in (g_tr.expand(-1, -1, -1, Dv), g_tr.expand(-1, -1, -1, Dv).contiguous()):
+            leaves = [t.clone().requires_grad_(True) for t in (a, torch.cos(z), torch.sin(z), wm,
+                                                             ws)]
+            vbar, s = levy_mod._SharedField.apply(*leaves)
+            grads.append(torch.autograd.grad((vbar, s), leaves, (g_vbar, g_s)))
+    assert grads[0][0].shape == a.shape
+    for x, y in zip(*grads, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-12)
