@@ -797,6 +797,7 @@ def levy_forward(
 # words of struct lt_prep_args, lt_post_args, lt_rows_args (csrc/levy_train.c)
 _LT_WORDS = (26, 24, 21, 18)
 _LT_SFX = {torch.float32: "f32", torch.float64: "f64"}
+_LT_TAIL_WORDS = 39
 
 
 def _register_levy_train(lib: ctypes.CDLL, errors: list[str], path: Path) -> bool:
@@ -826,6 +827,15 @@ def _register_levy_train(lib: ctypes.CDLL, errors: list[str], path: Path) -> boo
         fn.restype, fn.argtypes = None, [vp, vp, vp, i64, i64, vp, vp]
     lib.attnuq_lt_phi_f64.restype = None
     lib.attnuq_lt_phi_f64.argtypes = [vp, i64, vp, vp, vp, vp]
+    lib.attnuq_lt_tail_words.restype, lib.attnuq_lt_tail_words.argtypes = i64, []
+    if lib.attnuq_lt_tail_words() != _LT_TAIL_WORDS:
+        errors.append(f"{path}: struct lt_tail_args has {lib.attnuq_lt_tail_words()} words, "
+                      f"the wrappers pass {_LT_TAIL_WORDS} (sources out of sync)")
+        return False
+    for sfx in ("f32", "f64"):
+        for name in ("attnuq_lt_tail_fwd_", "attnuq_lt_tail_bwd_"):
+            fn = getattr(lib, name + sfx)
+            fn.restype, fn.argtypes = None, [vp]
     return True
 
 
@@ -1042,3 +1052,83 @@ def lt_queries_grad(gq: torch.Tensor, beta: torch.Tensor, qp: torch.Tensor, qnrm
                                  g_beta.data_ptr(), B, H, Q, E, dp])
     getattr(lib, "attnuq_lt_qpost_" + _LT_SFX[qp.dtype])(ctypes.addressof(args))
     return g_q, g_beta.sum(0)
+
+
+class TailOutputs(NamedTuple):
+    """Outputs of :func:`lt_tail`, ``(B, Q, H, ...)`` contiguous (``var``, ``sigma_dim`` None
+    without ``per_dim``), and ``dphi`` ``(B, Q, H)`` float64 ``phi'(evidence)``."""
+
+    mean: torch.Tensor
+    var: torch.Tensor | None
+    evidence: torch.Tensor
+    p_empty: torch.Tensor
+    phi: torch.Tensor
+    sigma: torch.Tensor
+    sigma_dim: torch.Tensor | None
+    dphi: torch.Tensor
+
+
+def _tail_words(mom: torch.Tensor, z: torch.Tensor, ref: torch.Tensor, alpha: torch.Tensor,
+                beta: torch.Tensor, outs: list[torch.Tensor | None],
+                grads: list[torch.Tensor | None], gouts: list[torch.Tensor | None],
+                per_dim: bool) -> ctypes.Array[ctypes.c_int64]:
+    B, H, Q = z.shape
+    dv = ref.shape[-1]
+    assert mom.shape[:3] == (B, H, Q) and mom.shape[3] >= dv + (dv if per_dim else 1)
+    assert mom.stride(3) == 1 and ref.shape == (B, H, dv) and ref.stride(2) == 1
+    assert alpha.shape == (H,) and beta.shape == (H,) and alpha.is_contiguous()
+    assert beta.is_contiguous()
+    assert all(t is None or (t.is_contiguous() and t.dtype in (mom.dtype, torch.float64))
+               for t in (*outs, *grads, *gouts))
+
+    def p(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.data_ptr()
+
+    return _words(_LT_TAIL_WORDS, [
+        mom.data_ptr(), *mom.stride()[:3], z.data_ptr(), *z.stride(), ref.data_ptr(),
+        *ref.stride()[:2], alpha.data_ptr(), beta.data_ptr(), _phi_table().data_ptr(),
+        _phi_der_table().data_ptr(), *(p(t) for t in outs), *(p(t) for t in grads),
+        *(p(t) for t in gouts), B, H, Q, dv, int(per_dim)])
+
+
+def lt_tail(mom: torch.Tensor, z: torch.Tensor, ref: torch.Tensor, alpha: torch.Tensor,
+            beta: torch.Tensor, per_dim: bool) -> TailOutputs:
+    """The operator's outputs from its moments (csrc/levy_train.c, tail): ``mom`` ``(B, H, Q,
+    dv + ws)`` ``[mu | m2]`` (unit last stride), ``z`` ``(B, H, Q)``, ``ref`` ``(B, H, dv)``
+    (unit last stride), ``alpha``, ``beta`` ``(H,)`` contiguous, one dtype."""
+    lib = _lt_lib()
+    B, H, Q = z.shape
+    dv = ref.shape[-1]
+    new = mom.new_empty
+    mean = new(B, Q, H, dv)
+    var = new(B, Q, H, dv) if per_dim else None
+    sd = new(B, Q, H, dv) if per_dim else None
+    ev, pe, phi_, sigma = (new(B, Q, H) for _ in range(4))
+    dphi = torch.empty(B, Q, H, dtype=torch.float64)
+    outs = [mean, var, sd, ev, pe, phi_, sigma, dphi]
+    args = _tail_words(mom, z, ref, alpha, beta, outs, [None] * 7, [None] * 4, per_dim)
+    getattr(lib, "attnuq_lt_tail_fwd_" + _LT_SFX[mom.dtype])(ctypes.addressof(args))
+    return TailOutputs(mean, var, ev, pe, phi_, sigma, sd, dphi)
+
+
+def lt_tail_grad(
+    mom: torch.Tensor, z: torch.Tensor, ref: torch.Tensor, alpha: torch.Tensor,
+    beta: torch.Tensor, per_dim: bool, out: TailOutputs, grads: list[torch.Tensor | None],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of :func:`lt_tail`: ``grads`` are the incoming gradients of ``mean``,
+    ``var``, ``sigma_dim``, ``evidence``, ``p_empty``, ``phi``, ``sigma`` in ``(B, Q, H, ...)``
+    contiguous memory (None = 0). Returns ``g_mom`` ``(B, Q, H, dv + ws)``, ``g_z``
+    ``(B, Q, H)``, ``g_ref`` ``(B, H, dv)`` and ``g_ab`` ``(2, H)`` (alpha, beta)."""
+    lib = _lt_lib()
+    B, H, Q = z.shape
+    dv = ref.shape[-1]
+    g_mom = mom.new_empty(B, Q, H, dv + (dv if per_dim else 1))
+    g_z = mom.new_empty(B, Q, H)
+    g_ref = mom.new_empty(B, H, dv)
+    g_ab = mom.new_empty(B, 2, H)
+    outs = [out.mean, out.var, out.sigma_dim, out.evidence, out.p_empty, out.phi, out.sigma,
+            out.dphi]
+    args = _tail_words(mom, z, ref, alpha, beta, outs, grads, [g_mom, g_z, g_ref, g_ab],
+                       per_dim)
+    getattr(lib, "attnuq_lt_tail_bwd_" + _LT_SFX[mom.dtype])(ctypes.addressof(args))
+    return g_mom, g_z, g_ref, g_ab.sum(0)

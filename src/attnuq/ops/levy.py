@@ -920,6 +920,7 @@ def _torch_path(
          for blk, mb in zip(blocks, mom_b, strict=True)]
     ) / count  # (B, 1, H * Dv)
     ref = ref.view(B, 1, H, Dv).transpose(1, 2)  # (B, H, 1, Dv)
+    tail_native = False
     limit = 0.25 * math.log(torch.finfo(q.dtype).max)  # 22 in float32, 177 in float64
     beta_max = float(inp.beta.detach().max())
     if backend == "auto":
@@ -946,6 +947,7 @@ def _torch_path(
             # autograd on CPU: flash forward + its log-sum-exp, one flash backward call
             z, mom = _accumulate_flash_grad(q, blocks, mom_b, ref, inp.beta, per_dim)
             log_scale = -inp.beta[:, None]  # Lambda = alpha e^{-beta} z
+            tail_native = _native.train_loops_available(q.dtype, q.device)
         elif needs_grad or not (lse_ok or flash is not None):
             qn = F.normalize(q, dim=-1, eps=1e-12)
             z, mom = _accumulate_sdpa(qn, blocks, mom_b, ref, inp.beta, per_dim)
@@ -963,6 +965,13 @@ def _torch_path(
 
     if check_sums and not math.isfinite(float(z.detach().sum() + mom.detach().sum())):
         return None
+    if tail_native:
+        # the outputs and their backward in one compiled pass each (csrc/levy_train.c, tail)
+        mean, var, evidence, p_empty, phi, sigma, sigma_dim = _Tail.apply(
+            mom, z, ref, inp.alpha, inp.beta, per_dim)
+        return LevyResult(mean=mean, var=var if per_dim else None, evidence=evidence,
+                          p_empty=p_empty, phi=phi, sigma=sigma,
+                          sigma_dim=sigma_dim if per_dim else None)
     nonempty = z > 0
     mu_c, m2 = mom[..., :Dv], mom[..., Dv:]
     # mu_c = 0 where the series is empty, so this is where(nonempty, mu_c + ref, 0)
@@ -985,6 +994,62 @@ def _torch_path(
         mean=mean, var=var, evidence=evidence, p_empty=p_empty, phi=phi, sigma=sigma,
         sigma_dim=sigma_dim,
     )
+
+
+class _Tail(torch.autograd.Function):
+    r"""The operator's outputs from the moments of the CPU training path, forward and backward
+    each one compiled pass (``csrc/levy_train.c``, tail), the torch formulas of
+    :func:`_torch_path` with ``Lambda = alpha e^{-beta} z``:
+
+    .. math::
+
+        \text{mean} = \mu + [z > 0]\,\text{ref},\quad
+        \text{var}_j = \max(m_{2,j} - \mu_j^2, 0),\quad
+        \sigma = \sqrt{\operatorname{tr}\text{var}\;\phi(\Lambda)},\quad
+        \sigma_j = \sqrt{\text{var}_j\,\phi(\Lambda)},\quad p_\emptyset = e^{-\Lambda},
+
+    (trace only: ``tr var = max(m2 - |mu|^2, 0)``), square roots with gradient 0 at 0 and the
+    clamp passing its gradient where its argument is ``>= 0``, as ``torch.clamp_min``.
+    Inputs: ``mom`` ``(B, H, Q, Dv + ws)``, ``z`` ``(B, H, Q)``, ``ref`` ``(B, H, 1, Dv)``,
+    ``alpha``, ``beta`` ``(H,)``. Outputs are ``(B, H, Q, ...)`` views of ``(B, Q, H, ...)``
+    memory (the heads of the module concatenate for free); ``var`` and ``sigma_dim`` are empty
+    without ``per_dim``. Checked against the torch formulas (tests/ops/test_levy.py).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, mom: torch.Tensor, z: torch.Tensor, ref: torch.Tensor, alpha: torch.Tensor,
+        beta: torch.Tensor, per_dim: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        args = (_unit(mom), z, _unit(ref[:, :, 0]), alpha.detach().contiguous(),
+                beta.detach().contiguous(), per_dim)
+        o = _native.lt_tail(*args)
+        ctx.args, ctx.o = args, o
+        ctx.set_materialize_grads(False)
+        empty = mom.new_empty(0)
+
+        def t(x: torch.Tensor | None) -> torch.Tensor:
+            return empty if x is None else x.transpose(1, 2)
+
+        return (t(o.mean), t(o.var), t(o.evidence), t(o.p_empty), t(o.phi), t(o.sigma),
+                t(o.sigma_dim))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: Any, *grads: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        per_dim = ctx.args[-1]
+        g_mean, g_var, g_ev, g_pe, g_phi, g_sigma, g_sd = grads
+        if not per_dim:
+            g_var = g_sd = None
+
+        def bqh(g: torch.Tensor | None) -> torch.Tensor | None:
+            return None if g is None else g.transpose(1, 2).contiguous()
+
+        g_mom, g_z, g_ref, g_ab = _native.lt_tail_grad(
+            *ctx.args, ctx.o, [bqh(g) for g in (g_mean, g_var, g_sd, g_ev, g_pe, g_phi, g_sigma)])
+        return g_mom.transpose(1, 2), g_z.transpose(1, 2), g_ref[:, :, None], g_ab[0], g_ab[1], None
 
 
 class _PhiNative(torch.autograd.Function):

@@ -135,10 +135,10 @@ static inline double lt_horner(const double *c, int m, double x) {
     return p;
 }
 
-void attnuq_lt_phi_f64(const double *x, int64_t n, const double *val, const double *der,
-                       double *phi, double *dphi) {
-    for (int64_t i = 0; i < n; i++) {
-        const double L = x[i];
+static void lt_phi1(double L, const double *val, const double *der, double *phi,
+                    double *dphi) {
+    {
+        const int64_t i = 0;
         if (L <= 1.0) {
             phi[i] = lt_horner(val, LT_TAYLOR, L);
             if (dphi) dphi[i] = lt_horner(der, LT_TAYLOR, L);
@@ -166,3 +166,49 @@ void attnuq_lt_phi_f64(const double *x, int64_t n, const double *val, const doub
         }
     }
 }
+
+void attnuq_lt_phi_f64(const double *x, int64_t n, const double *val, const double *der,
+                       double *phi, double *dphi) {
+    for (int64_t i = 0; i < n; i++) lt_phi1(x[i], val, der, phi + i, dphi ? dphi + i : NULL);
+}
+
+/* The outputs of the operator from the moments (forward) and their backward (tail):
+ *   mean = mu + [z > 0] ref,  var_j = max(m2_j - mu_j^2, 0),  tr = sum_j var_j
+ *   (trace only: tr = max(m2 - |mu|^2, 0)),  Lambda = alpha e^{-beta} z,  phi = phi(Lambda),
+ *   p_empty = e^{-Lambda},  sigma = sqrt(tr phi),  sigma_dim = sqrt(var phi)
+ * with the square roots' gradient 0 where their argument is 0 and the clamp's passed where its
+ * argument is >= 0 (as torch.clamp_min). Outputs and incoming gradients are (B, Q, H, .)
+ * contiguous; a NULL gradient is 0. */
+struct lt_tail_args {
+    const void *mom;        /* (b, h, q, [mu | m2]) strides, unit last */
+    int64_t ms[3];
+    const void *z;          /* (b, h, q) strides */
+    int64_t zs[3];
+    const void *ref;        /* (b, h, j) strides, unit last */
+    int64_t rs[2];
+    const void *alpha, *beta; /* (H,) */
+    const double *tab_val, *tab_der;
+    void *mean, *var, *sd, *ev, *pe, *phi, *sigma; /* outputs (var, sd NULL without per_dim) */
+    double *dphi;           /* (B, Q, H) phi'(Lambda), written by the forward */
+    const void *g_mean, *g_var, *g_sd, *g_ev, *g_pe, *g_phi, *g_sigma; /* backward inputs */
+    void *g_mom;            /* (B, Q, H, dv + ws) */
+    void *g_z;              /* (B, Q, H) */
+    void *g_ref;            /* (B, H, dv), sums over q */
+    void *g_ab;             /* (B, 2, H): sums over q of dL/dalpha, dL/dbeta */
+    int64_t dims[5];        /* B, H, Q, dv, per_dim */
+};
+#define LT_TAIL_WORDS 39
+_Static_assert(sizeof(struct lt_tail_args) == LT_TAIL_WORDS * 8, "lt_tail_args words");
+int64_t attnuq_lt_tail_words(void) { return LT_TAIL_WORDS; }
+
+#define T float
+#define SFX f32
+#include "levy_train_tail.h"
+#undef T
+#undef SFX
+
+#define T double
+#define SFX f64
+#include "levy_train_tail.h"
+#undef T
+#undef SFX
