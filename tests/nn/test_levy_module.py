@@ -333,8 +333,8 @@ def test_levy_train_step_float32_matches_float64_torch_loops(
     single one. The problem is big enough (B H Q N_obs >= 65536) for ``backend="auto"`` to take
     the flash path. Deterministic (no sampling): the tolerance covers float32 rounding only,
     eps = 6e-8 amplified by sums over ~300 observations, the second moment's cancellation
-    (m2 - mu^2, values O(1)) and the normalisations; observed errors are ~5e-6 (two blocks of 256 here), the bound
-    5e-4 * (1 + |x|) leaves margin for other CPUs' kernels."""
+    (m2 - mu^2, values O(1)) and the normalisations; observed errors are ~5e-6 (two blocks of
+    256 observations here), the bound 5e-4 * (1 + |x|) leaves margin for other CPUs' kernels."""
     from attnuq.ops import _native
 
     B, N, Q = 4, 300, 40
