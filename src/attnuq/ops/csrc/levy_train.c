@@ -143,9 +143,14 @@ static void lt_phi1(double L, const double *val, const double *der, double *phi,
             phi[i] = lt_horner(val, LT_TAYLOR, L);
             if (dphi) dphi[i] = lt_horner(der, LT_TAYLOR, L);
         } else if (L <= 4096.0) {
-            int64_t piece = (int64_t)floor(log2(L));
+            /* floor(log2 L) from the exponent field (L is a normal double in (1, 4096]) */
+            uint64_t bits;
+            memcpy(&bits, &L, sizeof bits);
+            int64_t piece = (int64_t)((bits >> 52) & 0x7ff) - 1023;
             piece = piece < 0 ? 0 : (piece > LT_PIECES - 1 ? LT_PIECES - 1 : piece);
-            const double lo = ldexp(1.0, (int)piece);
+            const uint64_t lob = (uint64_t)(piece + 1023) << 52;
+            double lo;
+            memcpy(&lo, &lob, sizeof lo);
             double t = (2.0 * L - 3.0 * lo) / lo;
             t = t < -1.0 ? -1.0 : (t > 1.0 ? 1.0 : t);
             phi[i] = lt_horner(val + LT_TAYLOR + piece * LT_DEG1, LT_DEG1, t);

@@ -4,55 +4,80 @@
  */
 
 #define TFN(name) CAT(name, SFX)
+#ifdef _OPENMP
+#define LT_SIMD _Pragma("omp simd")
+#define LT_SIMD_SUM(x) _Pragma(LT_STR(omp simd reduction(+ : x)))
+#define LT_STR(x) #x
+#else
+#define LT_SIMD
+#define LT_SIMD_SUM(x)
+#endif
+#define LT_SQRT(x) ((T)sqrt((double)(x)))
 
-void TFN(attnuq_lt_tail_fwd_)(const struct lt_tail_args *a) {
-    const int64_t B = a->dims[0], H = a->dims[1], Q = a->dims[2], dv = a->dims[3];
-    const int64_t per_dim = a->dims[4];
-    const T *alpha = (const T *)a->alpha, *beta = (const T *)a->beta;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t q = 0; q < Q; q++)
-            for (int64_t h = 0; h < H; h++) {
-                const int64_t r = (b * Q + q) * H + h;
-                const T *mu = (const T *)a->mom + b * a->ms[0] + h * a->ms[1] + q * a->ms[2];
-                const T *m2 = mu + dv;
-                const T *rf = (const T *)a->ref + b * a->rs[0] + h * a->rs[1];
-                const T zz = ((const T *)a->z)[b * a->zs[0] + h * a->zs[1] + q * a->zs[2]];
-                const int nz = zz > 0;
-                T *mean = (T *)a->mean + r * dv;
-                for (int64_t j = 0; j < dv; j++) mean[j] = nz ? mu[j] + rf[j] : mu[j];
-                T tr = 0;
-                if (per_dim) {
-                    T *var = (T *)a->var + r * dv;
-                    for (int64_t j = 0; j < dv; j++) {
-                        const T x = m2[j] - mu[j] * mu[j];
-                        var[j] = x < 0 ? 0 : x;
-                        tr += var[j];
-                    }
-                } else {
-                    T s2 = 0;
-                    for (int64_t j = 0; j < dv; j++) s2 += mu[j] * mu[j];
-                    const T x = m2[0] - s2;
-                    tr = x < 0 ? 0 : x;
+static inline __attribute__((always_inline)) void TFN(lt_tail_fwd_b_)(
+    const struct lt_tail_args *a, int64_t b, const int64_t dv, const T *eb) {
+    const int64_t H = a->dims[1], Q = a->dims[2], per_dim = a->dims[4];
+    const T *alpha = (const T *)a->alpha;
+    for (int64_t q = 0; q < Q; q++)
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t r = (b * Q + q) * H + h;
+            const T *restrict mu = (const T *)a->mom + b * a->ms[0] + h * a->ms[1] + q * a->ms[2];
+            const T *restrict m2 = mu + dv;
+            const T *restrict rf = (const T *)a->ref + b * a->rs[0] + h * a->rs[1];
+            const T zz = ((const T *)a->z)[b * a->zs[0] + h * a->zs[1] + q * a->zs[2]];
+            const T nzf = zz > 0 ? (T)1 : (T)0;
+            T *restrict mean = (T *)a->mean + r * dv;
+            LT_SIMD
+            for (int64_t j = 0; j < dv; j++) mean[j] = mu[j] + rf[j] * nzf;
+            T tr = 0;
+            if (per_dim) {
+                T *restrict var = (T *)a->var + r * dv;
+                LT_SIMD_SUM(tr)
+                for (int64_t j = 0; j < dv; j++) {
+                    const T x = m2[j] - mu[j] * mu[j];
+                    var[j] = x < 0 ? 0 : x;
+                    tr += var[j];
                 }
-                const T ev = alpha[h] * (T)exp(-(double)beta[h]) * zz;
-                double ph, dph;
-                lt_phi1((double)ev, a->tab_val, a->tab_der, &ph, &dph);
-                const T phi = (T)ph;
-                ((T *)a->ev)[r] = ev;
-                ((T *)a->pe)[r] = (T)exp(-(double)ev);
-                ((T *)a->phi)[r] = phi;
-                a->dphi[r] = dph;
-                const T tp = tr * phi;
-                ((T *)a->sigma)[r] = tp > 0 ? (T)sqrt((double)tp) : 0;
-                if (per_dim) {
-                    const T *var = (const T *)a->var + r * dv;
-                    T *sd = (T *)a->sd + r * dv;
-                    for (int64_t j = 0; j < dv; j++) {
-                        const T vp = var[j] * phi;
-                        sd[j] = vp > 0 ? (T)sqrt((double)vp) : 0;
-                    }
+            } else {
+                T s2 = 0;
+                LT_SIMD_SUM(s2)
+                for (int64_t j = 0; j < dv; j++) s2 += mu[j] * mu[j];
+                const T x = m2[0] - s2;
+                tr = x < 0 ? 0 : x;
+            }
+            const T ev = alpha[h] * eb[h] * zz;
+            double ph, dph;
+            lt_phi1((double)ev, a->tab_val, a->tab_der, &ph, &dph);
+            const T phi = (T)ph;
+            ((T *)a->ev)[r] = ev;
+            ((T *)a->pe)[r] = (T)exp(-(double)ev);
+            ((T *)a->phi)[r] = phi;
+            a->dphi[r] = dph;
+            const T tp = tr * phi;
+            ((T *)a->sigma)[r] = tp > 0 ? LT_SQRT(tp) : 0;
+            if (per_dim) {
+                const T *restrict var = (const T *)a->var + r * dv;
+                T *restrict sd = (T *)a->sd + r * dv;
+                LT_SIMD
+                for (int64_t j = 0; j < dv; j++) {
+                    const T vp = var[j] * phi;
+                    sd[j] = vp > 0 ? LT_SQRT(vp) : 0;
                 }
             }
+        }
+}
+
+void TFN(attnuq_lt_tail_fwd_)(const struct lt_tail_args *a) {
+    const int64_t B = a->dims[0], H = a->dims[1], dv = a->dims[3];
+    const T *beta = (const T *)a->beta;
+    T eb[H > 0 ? H : 1];
+    for (int64_t h = 0; h < H; h++) eb[h] = (T)exp(-(double)beta[h]);
+    for (int64_t b = 0; b < B; b++) {
+        if (dv == 16) TFN(lt_tail_fwd_b_)(a, b, 16, eb);
+        else if (dv == 32) TFN(lt_tail_fwd_b_)(a, b, 32, eb);
+        else if (dv == 8) TFN(lt_tail_fwd_b_)(a, b, 8, eb);
+        else TFN(lt_tail_fwd_b_)(a, b, dv, eb);
+    }
 }
 
 void TFN(attnuq_lt_tail_bwd_)(const struct lt_tail_args *a) {
@@ -62,6 +87,8 @@ void TFN(attnuq_lt_tail_bwd_)(const struct lt_tail_args *a) {
     const T *gmean = (const T *)a->g_mean, *gvar = (const T *)a->g_var;
     const T *gsd = (const T *)a->g_sd, *gev = (const T *)a->g_ev, *gpe = (const T *)a->g_pe;
     const T *gphi = (const T *)a->g_phi, *gsig = (const T *)a->g_sigma;
+    T eb[H > 0 ? H : 1];
+    for (int64_t h = 0; h < H; h++) eb[h] = (T)exp(-(double)beta[h]);
     for (int64_t b = 0; b < B; b++) {
         T *gref = (T *)a->g_ref + b * H * dv, *gab = (T *)a->g_ab + b * 2 * H;
         for (int64_t i = 0; i < H * dv; i++) gref[i] = 0;
@@ -120,12 +147,16 @@ void TFN(attnuq_lt_tail_bwd_)(const struct lt_tail_args *a) {
                     for (int64_t j = 0; j < dv; j++) gref[h * dv + j] += gmean[r * dv + j];
                 const T g_ev = (gev ? gev[r] : 0) - (gpe ? gpe[r] : 0) * pe
                                + (T)((double)g_phi * a->dphi[r]);
-                const T eb = (T)exp(-(double)beta[h]);
-                ((T *)a->g_z)[r] = g_ev * alpha[h] * eb;
-                gab[h] += g_ev * eb * zz;
+                const T ebh = eb[h];
+                ((T *)a->g_z)[r] = g_ev * alpha[h] * ebh;
+                gab[h] += g_ev * ebh * zz;
                 gab[H + h] -= g_ev * ev;
             }
     }
 }
 
 #undef TFN
+#undef LT_SIMD
+#undef LT_SIMD_SUM
+#undef LT_STR
+#undef LT_SQRT
