@@ -825,6 +825,8 @@ def _register_levy_train(lib: ctypes.CDLL, errors: list[str], path: Path) -> boo
         fn.restype, fn.argtypes = None, [vp, vp, i64, i64, vp]
         fn = getattr(lib, "attnuq_lt_pairs_grad_" + sfx)
         fn.restype, fn.argtypes = None, [vp, vp, vp, i64, i64, vp, vp]
+        fn = getattr(lib, "attnuq_lt_pairs_grad_heads_" + sfx)
+        fn.restype, fn.argtypes = None, [vp, vp, i64, vp, vp, i64, i64, vp, vp, vp]
     lib.attnuq_lt_phi_f64.restype = None
     lib.attnuq_lt_phi_f64.argtypes = [vp, i64, vp, vp, vp, vp]
     lib.attnuq_lt_tail_words.restype, lib.attnuq_lt_tail_words.argtypes = i64, []
@@ -1132,3 +1134,21 @@ def lt_tail_grad(
                        per_dim)
     getattr(lib, "attnuq_lt_tail_bwd_" + _LT_SFX[mom.dtype])(ctypes.addressof(args))
     return g_mom, g_z, g_ref, g_ab.sum(0)
+
+
+def lt_pairs_grad_heads(wsum: torch.Tensor, gT: torch.Tensor, ct: torch.Tensor,
+                        st: torch.Tensor, g_c: torch.Tensor, g_s: torch.Tensor) -> torch.Tensor:
+    """:func:`lt_pairs_grad` for the rank-``H`` feature gradient ``wsum @ gT`` (``wsum``
+    ``(2P, H)``, ``gT`` ``(H, n)``, contiguous), formed on the fly; returns ``f @ gT^T``
+    ``(2P, H)`` (the weights' gradient), ``f`` the pair features."""
+    lib = _lt_lib()
+    K, n = ct.shape
+    H = gT.shape[0]
+    assert all(t.is_contiguous() and t.dtype == ct.dtype for t in (wsum, gT, ct, st, g_c, g_s))
+    assert wsum.shape == (K * (K + 1), H) and gT.shape == (H, n) and st.shape == (K, n)
+    assert g_c.shape == (K, n) and g_s.shape == (K, n)
+    gws = ct.new_empty(K * (K + 1), H)
+    getattr(lib, "attnuq_lt_pairs_grad_heads_" + _LT_SFX[ct.dtype])(
+        wsum.data_ptr(), gT.data_ptr(), H, ct.data_ptr(), st.data_ptr(), K, n, g_c.data_ptr(),
+        g_s.data_ptr(), gws.data_ptr())
+    return gws

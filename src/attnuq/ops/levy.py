@@ -634,6 +634,18 @@ class _SharedField(torch.autograd.Function):
         gm = g_vbar.transpose(1, 2).reshape(BN, -1)  # (BN, H Dv)
         g_wm = ct @ gm
         H, dw = g_s.shape[1], g_s.shape[3]
+        if (dw > 1 and g_s.stride(-1) == 0 and ctx.native and not create_graph
+                and wm.is_contiguous()):
+            # as below, with the rank-H feature gradient and its products formed in one
+            # compiled pass (csrc/levy_train.c, pairs_grad_heads; the features not re-read)
+            gT = g_s[..., 0].permute(1, 0, 2).reshape(H, BN).contiguous()  # (H, BN)
+            g_x = torch.empty(2, K, BN, dtype=ct.dtype, device=ct.device)
+            torch.mm(wm, gm.t(), out=g_x[0])
+            g_x[1].zero_()
+            wsum = ws.view(-1, H, dw).sum(-1).contiguous()  # (2P, H)
+            g_wsh = _native.lt_pairs_grad_heads(wsum, gT, ct, st, g_x[0], g_x[1])
+            g_ws = g_wsh[:, :, None].expand(-1, -1, dw).reshape(-1, H * dw)
+            return g_vbar, g_x[0], g_x[1], g_wm, g_ws
         if dw > 1 and g_s.stride(-1) == 0:
             # the same gradient on every within column of a head (the training block's backward
             # on the trace, which expands one column): G_s = g 1^T per head, so

@@ -313,6 +313,54 @@ void LTFN(attnuq_lt_pairs_grad_)(const T *gf, const T *ct, const T *st, int64_t 
     }
 }
 
+/* The pair backward for a feature gradient of rank H, g_f(p, i) = sum_h wsum[p][h] gT[h][i]
+ * (the within gradient one column per head), formed chunk by chunk (never stored):
+ * gc, gs (K, n) += as attnuq_lt_pairs_grad_; gws (2P, H) = sum_i f(p, i) gT[h][i]. */
+void LTFN(attnuq_lt_pairs_grad_heads_)(const T *wsum, const T *gT, int64_t H, const T *ct,
+                                       const T *st, int64_t K, int64_t n, T *gc, T *gs,
+                                       T *gws) {
+    enum { CH = 256 };
+    T gf[CH], fv[CH];
+    const int64_t P2 = K * (K + 1);
+    for (int64_t i = 0; i < P2 * H; i++) gws[i] = 0;
+    for (int64_t c0 = 0; c0 < n; c0 += CH) {
+        const int64_t m = n - c0 < CH ? n - c0 : CH;
+        int64_t p = 0;
+        for (int x = 0; x < 2; x++) {
+            const T *X = x ? st : ct;
+            T *G = x ? gs : gc;
+            for (int64_t d = 0; d < K; d++)
+                for (int64_t k = 0; k + d < K; k++, p++) {
+                    const T *restrict u = X + k * n + c0, *restrict v = X + (k + d) * n + c0;
+                    T *restrict gu = G + k * n + c0, *restrict gv = G + (k + d) * n + c0;
+                    for (int64_t i = 0; i < m; i++) {
+                        gf[i] = 0;
+                        fv[i] = u[i] * v[i];
+                    }
+                    for (int64_t h = 0; h < H; h++) {
+                        const T w = wsum[p * H + h];
+                        const T *restrict g = gT + h * n + c0;
+                        T acc = 0;
+                        LT_SIMD_SUM(acc)
+                        for (int64_t i = 0; i < m; i++) {
+                            gf[i] += w * g[i];
+                            acc += fv[i] * g[i];
+                        }
+                        gws[p * H + h] += acc;
+                    }
+                    if (d == 0) {
+                        for (int64_t i = 0; i < m; i++) gu[i] += 2 * gf[i] * u[i];
+                    } else {
+                        for (int64_t i = 0; i < m; i++) {
+                            gu[i] += gf[i] * v[i];
+                            gv[i] += gf[i] * u[i];
+                        }
+                    }
+                }
+        }
+    }
+}
+
 #undef LT_PARFOR
 #undef LT_WIDTHS
 #undef LT_SIMD
