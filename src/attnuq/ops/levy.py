@@ -981,11 +981,11 @@ def _torch_path(
         return None
     if tail_native:
         # the outputs and their backward in one compiled pass each (csrc/levy_train.c, tail)
-        mean, var, evidence, p_empty, phi, sigma, sigma_dim = _Tail.apply(
+        t_mean, t_var, t_ev, t_pe, t_phi, t_sigma, t_sd = _Tail.apply(
             mom, z, ref, inp.alpha, inp.beta, per_dim)
-        return LevyResult(mean=mean, var=var if per_dim else None, evidence=evidence,
-                          p_empty=p_empty, phi=phi, sigma=sigma,
-                          sigma_dim=sigma_dim if per_dim else None)
+        return LevyResult(mean=t_mean, var=t_var if per_dim else None, evidence=t_ev,
+                          p_empty=t_pe, phi=t_phi, sigma=t_sigma,
+                          sigma_dim=t_sd if per_dim else None)
     nonempty = z > 0
     mu_c, m2 = mom[..., :Dv], mom[..., Dv:]
     # mu_c = 0 where the series is empty, so this is where(nonempty, mu_c + ref, 0)
@@ -1061,8 +1061,10 @@ class _Tail(torch.autograd.Function):
         def bqh(g: torch.Tensor | None) -> torch.Tensor | None:
             return None if g is None else g.transpose(1, 2).contiguous()
 
+        mom, z, ref, alpha, beta, _ = ctx.args
         g_mom, g_z, g_ref, g_ab = _native.lt_tail_grad(
-            *ctx.args, ctx.o, [bqh(g) for g in (g_mean, g_var, g_sd, g_ev, g_pe, g_phi, g_sigma)])
+            mom, z, ref, alpha, beta, per_dim, ctx.o,
+            [bqh(g) for g in (g_mean, g_var, g_sd, g_ev, g_pe, g_phi, g_sigma)])
         return g_mom.transpose(1, 2), g_z.transpose(1, 2), g_ref[:, :, None], g_ab[0], g_ab[1], None
 
 
