@@ -96,10 +96,16 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 class Attn:
     """Inputs folded into groups. Shapes: ``q`` ``(G, M, D)``, ``k`` ``(G, Lk, D)``, ``v``
     ``(G, Lk, Dv)``, all in the compute dtype. ``scale`` is the SDPA scale times ``log2(e)``:
-    scores are in log2 units and weights are ``exp2(scores - max)``."""
+    scores are in log2 units and weights are ``exp2(scores - max)``.
 
-    q: torch.Tensor
-    k: torch.Tensor
+    ``q4`` ``(N, Hq, Lq, D)`` and ``k4`` ``(N, Hk, Lk, D)`` are the inputs as given (views; a
+    copy only when the batch dims do not merge into one); the grouped ``q`` and ``k`` are
+    formed from them on first use (a copy when the layout needs one, e.g. Hugging Face's
+    transposed ``(B, L, H, D)`` memory), so the fused kernels, which read the 4-D layout in
+    place, never pay for it."""
+
+    q4: torch.Tensor
+    k4: torch.Tensor
     v_src: torch.Tensor  # v in the compute dtype, as given (*batch, Hk, Lk, Dv): not copied
     scale: float
     mask: torch.Tensor | None  # (N, Hk, R|1, Lq|1, Lk), a broadcast view of the user's mask
@@ -121,6 +127,54 @@ class Attn:
     _cache: dict[tuple[object, ...], torch.Tensor] = field(
         default_factory=dict, repr=False
     )
+
+    @property
+    def q(self) -> torch.Tensor:
+        """``(G, M, D)`` grouped queries (formed once per call, on first use)."""
+        t = self._cache.get(("q",))
+        if t is None:
+            t = _grouped(self.q4, (self.groups, self.rows, self.q4.shape[-1]))
+            self._cache[("q",)] = t
+        return t
+
+    @property
+    def k(self) -> torch.Tensor:
+        """``(G, Lk, D)`` grouped keys (formed once per call, on first use)."""
+        t = self._cache.get(("k",))
+        if t is None:
+            t = _grouped(self.k4, (self.groups, self.lk, self.k4.shape[-1]))
+            self._cache[("k",)] = t
+        return t
+
+    def v4(self) -> torch.Tensor:
+        """``(N, Hk, Lk, Dv)`` values: a view of ``v`` (a copy only when the batch dims do not
+        merge into one)."""
+        return _grouped(self.v_src, (self.n, self.hk, self.lk, self.dv))
+
+    def bias5(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """``attn_mask`` as an additive log2 bias ``(N, Hk, R | 1, Lq | 1, Lk)`` with unit key
+        stride, the broadcast dims of the user's mask of stride 0 (no expanded copy), or None
+        where :meth:`_bias_table` would be None (a per-query mask of more than
+        :data:`_FULL_BIAS_ELEMS` elements once expanded). For the fused kernels, which address
+        every row's bias through these strides."""
+        key = ("mask5", dtype)
+        if key in self._cache:
+            return self._cache[key]
+        mk = self.mask
+        assert mk is not None
+        per_key = mk.shape[2] == 1 and mk.shape[3] == 1
+        table: torch.Tensor | None = None
+        if per_key or self.groups * self.rows * self.lk <= _FULL_BIAS_ELEMS:
+            compact = mk[tuple(
+                slice(0, 1) if st == 0 and sz > 1 else slice(None)
+                for st, sz in zip(mk.stride(), mk.shape, strict=True)
+            )]
+            b = self._to_bias(compact, dtype)
+            if b.shape[-1] != self.lk or b.stride(-1) != 1:
+                b = b.expand(*b.shape[:-1], self.lk).contiguous()
+            table = b.expand(mk.shape)
+        self._cache[key] = table  # type: ignore[assignment]
+        return table
 
     @property
     def index_dtype(self) -> torch.dtype:
@@ -487,7 +541,11 @@ def prepare(
                 f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the "
                 f"attention shape {full} (*batch, Hq, Lq, Lk)"
             )
-        if attn_mask.is_floating_point() and check_values:
+        # a sum below +inf proves no NaN and no +inf (either makes the sum NaN or +inf); only
+        # then (or on overflow) the exact count
+        if attn_mask.is_floating_point() and attn_mask.numel() and not bool(
+            attn_mask.sum() < float("inf")
+        ):
             bad = torch.isnan(attn_mask) | (attn_mask == float("inf"))
             if bool(bad.any()):
                 raise ValueError(
@@ -516,10 +574,10 @@ def prepare(
 
     sc = float(scale) if scale is not None else 1.0 / math.sqrt(d) if d > 0 else 1.0
     cdt = compute_dtype(q.dtype) if convert else q.dtype
-    # grouped q and k (a copy only when the layout needs one, e.g. Hugging Face's transposed
-    # (B, L, H, D) memory); the value check below then reads contiguous memory
-    qg = _grouped(q.to(cdt), (n * hk, r * lq, d))
-    kg = _grouped(k.to(cdt), (n * hk, lk, d))
+    # q and k as (N, H, L, D) views (a copy only when the batch dims do not merge); the grouped
+    # (G, M, D) forms are made on first use (Attn.q, Attn.k)
+    q4 = _grouped(q.to(cdt), (n, hq, lq, d))
+    k4 = _grouped(k.to(cdt), (n, hk, lk, d))
     qk_bound: float | None = None
     if check_values:
         # One cheap reduction per tensor and one host sync: finite extremes of q and k and a
@@ -527,7 +585,7 @@ def prepare(
         # summary is not finite (or overflows) run the exact, slower check that names the count.
         with torch.no_grad():
             summaries = []
-            for t in (qg, kg):
+            for t in (q4, k4):
                 if t.numel():
                     lo, hi = torch.aminmax(t)
                     summaries.append(torch.maximum(hi, -lo))  # max |entry|
@@ -541,8 +599,8 @@ def prepare(
         # |q_i . k_j| <= |q_i|_2 |k_j|_2 <= D max|q| max|k|
         qk_bound = float(both[0] * both[1]) * d
     return Attn(
-        q=qg,
-        k=kg,
+        q4=q4,
+        k4=k4,
         v_src=v.to(cdt),
         scale=sc * LOG2E,
         mask=mask5,

@@ -50,8 +50,8 @@ import torch
 from attnuq.ops import phi as _phi
 
 __all__ = [
-    "available", "disabled", "fused_available", "fused_call", "levy_forward", "native_status",
-    "sample_block", "sample_rows", "status", "unfused",
+    "available", "disabled", "fused_available", "fused_call", "fused_call_4d", "levy_forward",
+    "native_status", "sample_block", "sample_rows", "status", "unfused",
 ]
 
 _CSRC = Path(__file__).with_name("csrc")
@@ -145,7 +145,7 @@ def _compile(cc: str, flags: list[str], out: Path) -> str | None:
 # words of struct levy_args (csrc/levy.c), passed as one int64 array in its field order
 _LEVY_ARGS_WORDS = 43
 # words of struct fused_args (csrc/fused.c)
-_FUSED_ARGS_WORDS = 33
+_FUSED_ARGS_WORDS = 44
 # return codes of attnuq_levy_* (or-ed over threads)
 _LEVY_NOMEM = 1
 _LEVY_NONFINITE = 2
@@ -592,23 +592,121 @@ def fused_call(
             f"{None if out is None else (tuple(out.shape), out.dtype)}, idx "
             f"{None if idx is None else (tuple(idx.shape), idx.dtype)}"
         )
-    threads = _row_workers(rows, lk, max(nu, dv)) if _has_openmp(lib) else 1
+    o_sn = M * dv
     words = [
-        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
-        G, M, lk, D,
-        _ptr(bias), 0 if bias is None else bias.stride(0),
+        q.data_ptr(), q.stride(0), 0, q.stride(1), k.data_ptr(), k.stride(0), 0, k.stride(1),
+        G, M, lk, D, 1, 1, max(1, M),
+        _ptr(bias), 0 if bias is None else bias.stride(0), 0, 0,
         0 if bias is None or bias.shape[1] == 1 else bias.stride(1),
         int(causal_lq > 0), max(1, causal_lq), g0, g1, i0, i1,
-        seed, nu, max(0, block), v.data_ptr(), v.stride(0), offs.data_ptr(), step, dv,
-        _ptr(out), _ptr(var), _ptr(idx), int(idx is not None and idx.dtype == torch.int64),
-        empty.data_ptr(), threads,
+        seed, nu, max(0, block), v.data_ptr(), v.stride(0), 0, step * v.stride(0), offs.data_ptr(),
+        dv,
+        _ptr(out), o_sn, 0, dv, _ptr(var), _ptr(idx),
+        int(idx is not None and idx.dtype == torch.int64), empty.data_ptr(),
     ]
+    return _fused_run(lib, what, words, scale, rows, lk, nu, dv, D)
+
+
+def _fused_run(lib: ctypes.CDLL, what: str, words: list[int], scale: float, rows: int, lk: int,
+               nu: int, dv: int, d: int) -> bool:
+    """Call the fused kernel ``what`` on ``words`` (struct fused_args without its last word,
+    the thread count, which is added here); whether every entry of ``q`` and ``k`` read was
+    finite."""
+    words.append(_row_workers(rows, lk, max(nu, dv)) if _has_openmp(lib) else 1)
     args = (ctypes.c_int64 * _FUSED_ARGS_WORDS)(*words)
     fn = lib.attnuq_fused_sample_f32 if what == "sample" else lib.attnuq_fused_moments_f32
     code = int(fn(ctypes.addressof(args), float(scale)))
     if code & 1:
-        raise MemoryError(f"fused {what} kernel could not allocate scratch for Lk={lk}, D={D}")
+        raise MemoryError(f"fused {what} kernel could not allocate scratch for Lk={lk}, D={d}")
     return not code & 2
+
+
+def _unit_last(t: torch.Tensor) -> bool:
+    return t.shape[-1] <= 1 or t.stride(-1) == 1
+
+
+def fused_call_4d(
+    what: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None,
+    causal: bool,
+    empty: torch.Tensor,
+    *,
+    seed: int = 0,
+    nu: int = 0,
+    block: int = 0,
+    out: torch.Tensor | None = None,
+    var: torch.Tensor | None = None,
+    idx: torch.Tensor | None = None,
+) -> bool:
+    """:func:`fused_call` on every row, reading the inputs in their own 4-D layout (no copy
+    into groups): ``q`` ``(N, Hq, Lq, D)``, ``k`` ``(N, Hk, Lk, D)``, ``v`` ``(N, Hk, Lk, Dv)``
+    float32 with unit last strides and any other strides (``Hq = R Hk``; query head
+    ``h R + r`` reads key/value head ``h``); ``bias`` None or ``(N, Hk, R | 1, Lq | 1, Lk)``
+    (broadcast dims of stride 0 welcome) with unit key stride; ``out`` (and ``var``)
+    ``(N, Hq, Lq, Dv)`` float32 of any strides with a unit last stride (one layout for both).
+    Groups are ``g = n Hk + h``, rows ``i = r Lq + l``, as in :class:`attnuq.ops._attn_common.
+    Attn`; ``empty`` ``(G, M)`` bool contiguous, ``idx`` ``(G, M, nu)`` contiguous, the seed and
+    the draws as :func:`fused_call`'s (the same inputs give the same draws bit for bit)."""
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(f"native kernels unavailable: {_load()[1]}")
+    f32 = torch.float32
+    n, hq, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    dv = v.shape[3]
+    r = hq // max(1, hk)
+    G, M = n * hk, r * lq
+    o = out if out is not None else var
+    checks = [
+        q.device.type == "cpu" and q.dtype == f32 and q.dim() == 4 and _unit_last(q),
+        k.dtype == f32 and k.dim() == 4 and k.shape[0] == n and k.shape[3] == d
+        and hk >= 1 and hq == r * hk and _unit_last(k),
+        v.dtype == f32 and v.dim() == 4 and v.shape[:3] == k.shape[:3] and _unit_last(v),
+        bias is None or (bias.dtype == f32 and bias.dim() == 5
+                         and bias.shape[:2] == (n, hk) and bias.shape[2] in (1, r)
+                         and bias.shape[3] in (1, lq) and bias.shape[4] == lk
+                         and _unit_last(bias)),
+        empty.dtype == torch.bool and empty.shape == (G, M) and empty.is_contiguous(),
+        o is None or (o.dtype == f32 and o.shape == (n, hq, lq, dv) and _unit_last(o)),
+        var is None or out is None or var.stride() == out.stride(),
+    ]
+    if what == "sample":
+        checks += [
+            nu >= 1 and 0 <= seed < 2**63,
+            idx is None or (idx.dtype in (torch.int32, torch.int64) and idx.is_contiguous()
+                            and idx.shape == (G, M, nu)),
+        ]
+    elif what == "moments":
+        checks += [out is not None and var is not None]
+    else:
+        checks = [False]
+    if not all(checks):
+        raise ValueError(
+            f"fused_call_4d({what!r}) got inconsistent buffers (check {checks.index(False)}): "
+            f"q {tuple(q.shape)} {q.dtype} stride {q.stride()}, k {tuple(k.shape)} {k.dtype} "
+            f"stride {k.stride()}, v {tuple(v.shape)} {v.dtype} stride {v.stride()}, bias "
+            f"{None if bias is None else (tuple(bias.shape), bias.dtype, bias.stride())}, "
+            f"empty {tuple(empty.shape)} {empty.dtype}, seed {seed}, nu {nu}, out "
+            f"{None if o is None else (tuple(o.shape), o.dtype, o.stride())}, idx "
+            f"{None if idx is None else (tuple(idx.shape), idx.dtype)}"
+        )
+    bs = (0, 0, 0, 0) if bias is None else tuple(
+        0 if sz == 1 else st for sz, st in zip(bias.shape[:4], bias.stride()[:4], strict=True))
+    os_ = (0, 0, 0) if o is None else o.stride()[:3]
+    words = [
+        q.data_ptr(), *q.stride()[:3], k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+        G, M, lk, d, hk, r, max(1, lq),
+        _ptr(bias), *bs,
+        int(causal), max(1, lq), 0, G, 0, M,
+        seed, nu, max(0, block), v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), 0, dv,
+        _ptr(out), *os_, _ptr(var), _ptr(idx), int(idx is not None and idx.dtype == torch.int64),
+        empty.data_ptr(),
+    ]
+    return _fused_run(lib, what, words, scale, G * M, lk, nu, dv, d)
 
 
 @functools.cache

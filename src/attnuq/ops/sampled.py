@@ -168,7 +168,7 @@ def _estimate_bytes(
     """Bytes a call allocates besides its inputs, by part (an upper estimate from the shapes and
     the chunk plan; ``keep_all``: every drawn index is held, as for a gradient or
     :func:`_draw`)."""
-    es = att.q.element_size()  # compute dtype
+    es = att.q4.element_size()  # compute dtype
     ies = 4 if att.index_dtype == torch.int32 else 8
     g, m, lk, dv = att.groups, att.rows, att.lk, att.dv
     parts = {"output": g * m * dv * (es + torch.empty((), dtype=att.out_dtype).element_size())}
@@ -379,14 +379,14 @@ def _sample_blocked(
 def _fused_bias(att: Attn) -> tuple[bool, torch.Tensor | None]:
     """``(applies, bias)``: whether the fused float32 kernels of :mod:`attnuq.ops._native`
     take this call (CPU, float32 computation, the kernels loaded and switched on, any mask one
-    bias table :meth:`Attn._bias_table` with unit key stride), and that table (or None)."""
-    if not (att.q.device.type == "cpu" and att.q.dtype == torch.float32
+    bias table: :meth:`Attn.bias5`), and that table ``(N, Hk, R | 1, Lq | 1, Lk)`` (or None)."""
+    if not (att.q4.device.type == "cpu" and att.q4.dtype == torch.float32
             and _native.fused_available()):
         return False, None
     if att.mask is None:
         return True, None
-    bias = att._bias_table(torch.float32)
-    if bias is None or bias.stride(-1) != 1:
+    bias = att.bias5(torch.float32)
+    if bias is None:
         return False, None
     return True, bias
 
@@ -415,21 +415,21 @@ def _prepare(
     """``(att, deferred)``: :func:`prepare`'s folding of the inputs, and whether the check of
     ``q`` and ``k`` for NaN/inf is left to the fused kernel, which reads every entry of both
     anyway (it reports one; the caller then runs :func:`_check_values`). Deferred only when
-    ``fused_ok`` (the caller will take the fused path if :func:`_fused_bias` agrees), the mask
-    is absent or boolean (an additive one keeps :func:`prepare`'s check), no tensor is empty and
+    ``fused_ok`` (the caller will take the fused path if :func:`_fused_bias` agrees), no tensor
+    is empty and
     the fused kernels take the call; ``v`` is then checked here by one sum, as :func:`prepare`
-    does. Otherwise :func:`prepare` checks everything as usual."""
+    does (an additive mask is checked by :func:`prepare` in every case). Otherwise
+    :func:`prepare` checks everything as usual."""
     tensors = all(isinstance(t, torch.Tensor) for t in (q, k, v))
     if (
         fused_ok and tensors and q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and (attn_mask is None or (isinstance(attn_mask, torch.Tensor)
-                                   and attn_mask.dtype == torch.bool))
+        and (attn_mask is None or isinstance(attn_mask, torch.Tensor))
         and min(q.numel(), k.numel(), v.numel()) > 0 and _native.fused_available()
     ):
         att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa, check_values=False)
         if _fused_bias(att)[0]:
-            if not bool(torch.isfinite(v.sum(dtype=att.q.dtype))):
+            if not bool(torch.isfinite(v.sum(dtype=att.q4.dtype))):
                 _check_values(q, k, v)
             return att, True
     return prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa), False
@@ -454,8 +454,9 @@ def _sample_fused(
     idx: torch.Tensor | None = None,
 ) -> bool:
     """The dense (``block_size`` None or ``>= Lk``) or key-blocked sampler in the fused kernel:
-    scores tile by tile, draws and (into ``out`` ``(G, M, Dv)`` float32, contiguous) the mean
-    drawn value rows, and/or the drawn keys into ``idx`` ``(G, M, nu)``; fills ``empty``.
+    scores tile by tile, draws and (into ``out`` ``(N, Hq, Lq, Dv)`` float32, any strides with
+    a unit last one) the mean drawn value rows, and/or the drawn keys into ``idx``
+    ``(G, M, nu)``; fills ``empty``. ``q``, ``k`` and ``v`` are read in their own layout.
     Returns whether every entry of ``q`` and ``k`` was finite.
 
     One seed is drawn from ``generator`` (an int64); the kernel derives every uniform from it,
@@ -464,12 +465,10 @@ def _sample_fused(
     exists (the key-blocked sampler needs one uniform per draw and key block)."""
     lk = att.lk
     block = block_size if block_size is not None and block_size < lk else 0
-    q, k, w, offs, step = _fused_inputs(att)
     seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator, dtype=torch.int64))
-    return _native.fused_call(
-        "sample", q, k, att.scale, bias, att.lq if att.causal else 0,
-        (0, att.groups, 0, att.rows), w, offs, step, att.dv, empty, seed=seed, nu=nu,
-        block=block, out=out, idx=idx,
+    return _native.fused_call_4d(
+        "sample", att.q4, att.k4, att.v4(), att.scale, bias, att.causal, empty, seed=seed,
+        nu=nu, block=block, out=out, idx=idx,
     )  # fmt: skip
 
 
@@ -495,7 +494,7 @@ def _draw(
     """All draws at once: ``idx`` ``(G, M, nu)`` (dtype :attr:`Attn.index_dtype`) and ``empty``
     ``(G, M)``. For tests, :func:`_sample_indices` and the autograd path only; the forward
     without gradient consumes :func:`_draw_chunks` chunk by chunk instead."""
-    dev = att.q.device
+    dev = att.q4.device
     empty = torch.ones(att.groups, att.rows, dtype=torch.bool, device=dev)
     if att.lk == 0:
         return torch.zeros(att.groups, att.rows, nu, dtype=torch.long, device=dev), empty
@@ -534,7 +533,7 @@ def _sample_indices(
     block_size = _check_block_size(block_size)
     att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     _check_budget(att, nu, block_size, True, "_sample_indices")
-    dev = att.q.device
+    dev = att.q4.device
     gen = _rng.generator_from_seed(_rng.draw_seed(_rng.resolve(generator, dev), dev), dev)
     idx, empty = _draw(att, nu, block_size, gen)
     return att.unfold(idx.long()), att.unfold(empty.unsqueeze(-1)).squeeze(-1)
@@ -721,9 +720,9 @@ def _sampled_impl(
     g, m, dv = att.groups, att.rows, att.dv
     grad = torch.is_grad_enabled() and att.v_src.requires_grad
     _check_budget(att, nu, block_size, grad, "sampled_attention")
-    # value j of group g is row offs[g] + j * step of w (a view of v's memory when possible)
-    w, offs, step = att.value_rows()
     if grad:
+        # value j of group g is row offs[g] + j * step of w (a view of v's memory when possible)
+        w, offs, step = att.value_rows()
         # All indices (G, M, nu) at once, then the gather: the backward of embedding_bag needs
         # every index anyway (and one dense gradient for v beats one per chunk). The gather runs
         # in calls of fewer than 2**31 indices (torch's CPU kernel counts them in a C int).
@@ -744,18 +743,24 @@ def _sampled_impl(
     # No gradient: the value rows of each run of chunks are gathered as soon as their indices
     # are drawn, straight into the output; besides it, the memory is that of one chunk and the
     # gather buffer (no (G, M, nu) tensor).
-    out = torch.empty(g, m, dv, dtype=att.out_dtype, device=q.device)
     empty = torch.empty(g, m, dtype=torch.bool, device=q.device)
     fused, bias = _fused_bias(att)
     if fused:  # scores, draws and the gather in one compiled pass (float32)
-        res = out if out.dtype == torch.float32 else torch.empty(g, m, dv, device=q.device)
+        # the output in (N, Lq, Hq, Dv) memory, returned as an (N, Hq, Lq, Dv) view, as
+        # F.scaled_dot_product_attention's CPU kernel does: callers that transpose it back to
+        # (B, L, H * Dv) (Hugging Face, timm) then copy nothing
+        hq = att.hk * att.r
+        res = torch.empty(att.n, att.lq, hq, dv, device=q.device).transpose(1, 2)
         if not _sample_fused(att, nu, block_size, generator, empty, bias, out=res) and deferred:
             _check_values(q, k, v)  # the kernel saw NaN/inf in q or k: raises
-        if res is not out:
-            out.copy_(res)
-    else:
-        with torch.no_grad():
-            _gather(_draw_chunks(att, nu, block_size, generator, empty), w, offs, step, nu, out)
+        # rows with no admissible key are zero already (the kernel writes them so)
+        if empty_rows == "error" and bool(empty.any()):
+            raise empty_rows_error(att, empty)
+        return res.to(att.out_dtype).view(att.out_shape)
+    out = torch.empty(g, m, dv, dtype=att.out_dtype, device=q.device)
+    w, offs, step = att.value_rows()
+    with torch.no_grad():
+        _gather(_draw_chunks(att, nu, block_size, generator, empty), w, offs, step, nu, out)
     if bool(empty.any()):
         if empty_rows == "error":
             raise empty_rows_error(att, empty)
@@ -882,14 +887,14 @@ def _moments_fused(
     ok, bias = _fused_bias(att)
     if not ok:
         return None
-    q, k, w, offs, step = _fused_inputs(att)
     g, m, dv = att.groups, att.rows, att.dv
     mean = torch.empty(g, m, dv)
     var = torch.empty(g, m, dv)
     empty = torch.empty(g, m, dtype=torch.bool)
-    finite = _native.fused_call(
-        "moments", q, k, att.scale, bias, att.lq if att.causal else 0, (0, g, 0, m), w, offs,
-        step, dv, empty, out=mean, var=var,
+    shape4 = (att.n, att.hk * att.r, att.lq, dv)
+    finite = _native.fused_call_4d(
+        "moments", att.q4, att.k4, att.v4(), att.scale, bias, att.causal, empty,
+        out=mean.view(shape4), var=var.view(shape4),
     )  # fmt: skip
     return mean, var, empty, finite
 

@@ -68,21 +68,56 @@
 #endif
 #define NR (2 * VW)
 
-/* The arguments, passed as one int64 array in this field order (pointers as integers). */
+/*
+ * The arguments, passed as one int64 array in this field order (pointers as integers; strides
+ * in elements). Group g is (n, h) = (g / hk, g % hk) and its query row i is (r, l) = (i / lq,
+ * i % lq), read from query head h R + r: any 4-D layout (N, H, L, D) of q, k, v and the output
+ * with a unit feature stride is read in place (e.g. Hugging Face's transposed (B, L, H, D)
+ * memory), without copying it into groups.
+ */
 struct fused_args {
-    int64_t q, q_sg, q_sm;           /* const float *: q (G, M, D), unit feature stride */
-    int64_t k, k_sg, k_sl;           /* k (G, Lk, D), unit feature stride */
-    int64_t G, M, Lk, D;
-    int64_t bias, b_sg, b_sm;        /* const float * (G, M | 1, Lk) log2 bias (unit key stride) */
-    int64_t causal, lq;              /* row i sees keys j <= i mod lq */
+    int64_t q, q_sn, q_sh, q_sl;     /* const float *: row (g, i) at q + n q_sn + (h R + r) q_sh
+                                        + l q_sl, unit feature stride */
+    int64_t k, k_sn, k_sh, k_sl;     /* key j of group g at k + n k_sn + h k_sh + j k_sl */
+    int64_t G, M, Lk, D, hk, R, lq;
+    int64_t bias, b_sn, b_sh, b_sr, b_sl; /* const float *: log2 bias of row (g, i) at bias +
+                                        n b_sn + h b_sh + r b_sr + l b_sl (unit key stride) */
+    int64_t causal, clq;             /* row i sees keys j <= i mod clq */
     int64_t g0, g1, i0, i1;          /* the chunk: rows i0:i1 of groups g0:g1 */
     int64_t seed, nu, block;         /* uniforms' seed (see uniform()); block 0: dense */
-    int64_t v, v_sr, offs, step, Dv; /* value j of group g: v + (offs[g] + j step) v_sr */
-    int64_t out, var;                /* float (G, M, Dv) contiguous, or 0 */
+    int64_t v, v_sn, v_sh, v_sl, offs, Dv; /* value j of group g at v + base + j v_sl, base =
+                                        offs[g] v_sn (offs int64 *, when not 0) or n v_sn +
+                                        h v_sh */
+    int64_t out, o_sn, o_sh, o_sl;   /* float: output row (g, i) at out + n o_sn + (h R + r)
+                                        o_sh + l o_sl (unit last stride), or 0 */
+    int64_t var;                     /* float, the output's strides (moments) */
     int64_t idx, idx64;              /* chunk (g, rows, nu) int32 / int64 (idx64) keys, or 0 */
     int64_t empty;                   /* uint8 (G, M): 1 = no admissible key */
     int64_t nthreads;
 };
+
+static inline const float *q_row(const struct fused_args *a, int64_t g, int64_t i) {
+    return (const float *)a->q + (g / a->hk) * a->q_sn + ((g % a->hk) * a->R + i / a->lq) * a->q_sh +
+           (i % a->lq) * a->q_sl;
+}
+
+static inline const float *k_group(const struct fused_args *a, int64_t g) {
+    return (const float *)a->k + (g / a->hk) * a->k_sn + (g % a->hk) * a->k_sh;
+}
+
+static inline const float *bias_row(const struct fused_args *a, int64_t g, int64_t i) {
+    return (const float *)a->bias + (g / a->hk) * a->b_sn + (g % a->hk) * a->b_sh +
+           (i / a->lq) * a->b_sr + (i % a->lq) * a->b_sl;
+}
+
+static inline int64_t v_base(const struct fused_args *a, int64_t g) {
+    return a->offs ? ((const int64_t *)a->offs)[g] * a->v_sn
+                   : (g / a->hk) * a->v_sn + (g % a->hk) * a->v_sh;
+}
+
+static inline int64_t out_off(const struct fused_args *a, int64_t g, int64_t i) {
+    return (g / a->hk) * a->o_sn + ((g % a->hk) * a->R + i / a->lq) * a->o_sh + (i % a->lq) * a->o_sl;
+}
 
 int64_t attnuq_fused_args_words(void) { return (int64_t)(sizeof(struct fused_args) / 8); }
 
@@ -412,15 +447,14 @@ static inline void put_idx(const struct fused_args *a, int64_t pos, int64_t j) {
 static void gather_mean(const struct fused_args *a, int64_t g, const int64_t *chosen, float *o,
                         int stream) {
     (void)stream; /* used on the AVX-512 path only */
-    const float *v = (const float *)a->v;
-    const int64_t base = ((const int64_t *)a->offs)[g];
-    const int64_t Dv = a->Dv, nu = a->nu, step = a->step, sr = a->v_sr;
+    const float *v = (const float *)a->v + v_base(a, g);
+    const int64_t Dv = a->Dv, nu = a->nu, sl = a->v_sl;
     const float inv = 1.0f / (float)nu;
     int64_t d = 0;
     for (; d + 4 * VW <= Dv; d += 4 * VW) {
         vwf a0 = splatw(0.0f), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t kk = 0; kk < nu; kk++) {
-            const float *vr = v + (base + chosen[kk] * step) * sr + d;
+            const float *vr = v + chosen[kk] * sl + d;
             a0 += ldw(vr);
             a1 += ldw(vr + VW);
             a2 += ldw(vr + 2 * VW);
@@ -444,12 +478,12 @@ static void gather_mean(const struct fused_args *a, int64_t g, const int64_t *ch
     }
     for (; d + VW <= Dv; d += VW) {
         vwf a0 = splatw(0.0f);
-        for (int64_t kk = 0; kk < nu; kk++) a0 += ldw(v + (base + chosen[kk] * step) * sr + d);
+        for (int64_t kk = 0; kk < nu; kk++) a0 += ldw(v + chosen[kk] * sl + d);
         stw(o + d, a0 * inv);
     }
     for (; d < Dv; d++) {
         float t = 0.0f;
-        for (int64_t kk = 0; kk < nu; kk++) t += v[(base + chosen[kk] * step) * sr + d];
+        for (int64_t kk = 0; kk < nu; kk++) t += v[chosen[kk] * sl + d];
         o[d] = t * inv;
     }
 }
@@ -552,7 +586,7 @@ static void finish_row(const struct fused_args *a, int64_t g, int64_t i, int ok,
         for (int64_t kk = 0; kk < nu; kk++) put_idx(a, base + kk, ch[kk]);
     }
     if (a->out) {
-        float *o = (float *)a->out + (g * a->M + i) * a->Dv;
+        float *o = (float *)a->out + out_off(a, g, i);
         if (ok)
             gather_mean(a, g, ch, o, a->G * a->M * a->Dv >= (1 << 20));
         else
@@ -565,7 +599,7 @@ static const float *const *bias_rows(const struct fused_args *a, int64_t g, int6
                                      int64_t nr, int64_t j0, const float **rows) {
     if (a->bias == 0) return NULL;
     for (int64_t r = 0; r < MR; r++)
-        rows[r] = (const float *)a->bias + g * a->b_sg + (t + (r < nr ? r : 0)) * a->b_sm + j0;
+        rows[r] = bias_row(a, g, t + (r < nr ? r : 0)) + j0;
     return rows;
 }
 
@@ -580,18 +614,17 @@ static int tile(const struct fused_args *a, float scale, int moments, const floa
                  int64_t g, int64_t t) {
     const int64_t D = a->D, Lk = a->Lk;
     const int64_t nr = a->i1 - t < MR ? a->i1 - t : MR;
-    const float *q = (const float *)a->q + g * a->q_sg;
     int64_t nk[MR], nkt = 0;
     int fin = 1; /* the tile's query entries finite */
     for (int r = 0; r < MR; r++) {
         int64_t i = t + r;
         if (r < nr) {
-            const float *qr = q + i * a->q_sm;
+            const float *qr = q_row(a, g, i);
             for (int64_t d = 0; d < D; d++) {
                 w->qs[r * D + d] = qr[d] * scale;
                 fin &= fabsf(qr[d]) <= 3.40282347e+38f;
             }
-            int64_t lim = a->causal ? i % a->lq + 1 : Lk;
+            int64_t lim = a->causal ? i % a->clq + 1 : Lk;
             nk[r] = lim < Lk ? lim : Lk;
         } else {
             for (int64_t d = 0; d < D; d++) w->qs[r * D + d] = 0.0f;
@@ -601,7 +634,7 @@ static int tile(const struct fused_args *a, float scale, int moments, const floa
     }
     if (t + 2 * MR <= a->i1) /* the next tile's query rows, while this one computes */
         for (int r = 0; r < MR; r++)
-            for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(q + (t + MR + r) * a->q_sm + d);
+            for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(q_row(a, g, t + MR + r) + d);
     const float *brows[MR];
     float mx[MR];
     if (!moments && a->block > 0) { /* key-blocked sampler */
@@ -654,8 +687,8 @@ static int tile(const struct fused_args *a, float scale, int moments, const floa
     const int64_t Dv = a->Dv;
     for (int64_t r = 0; r < nr; r++) {
         int64_t i = t + r;
-        float *mo = (float *)a->out + (g * a->M + i) * Dv;
-        float *vo = (float *)a->var + (g * a->M + i) * Dv;
+        float *mo = (float *)a->out + out_off(a, g, i);
+        float *vo = (float *)a->var + out_off(a, g, i);
         const float *ar = w->A + r * W;
         int ok = l[r] > 0.0f;
         ((uint8_t *)a->empty)[g * a->M + i] = (uint8_t)!ok;
@@ -677,18 +710,18 @@ static int tile(const struct fused_args *a, float scale, int moments, const floa
 /* vbar = mean of the group's value rows; VV[j] = [vc_j, vc_j^2, 0 ...] (W columns). */
 static void pack_values(const struct fused_args *a, int64_t g, int64_t W, float *VV,
                         float *vbar) {
-    const float *v = (const float *)a->v;
-    const int64_t base = ((const int64_t *)a->offs)[g], Dv = a->Dv, Lk = a->Lk;
+    const float *v = (const float *)a->v + v_base(a, g);
+    const int64_t Dv = a->Dv, Lk = a->Lk;
     double *acc = (double *)calloc((size_t)(Dv > 0 ? Dv : 1), sizeof(double));
     for (int64_t j = 0; j < Lk; j++) {
-        const float *vr = v + (base + j * a->step) * a->v_sr;
+        const float *vr = v + j * a->v_sl;
         if (acc)
             for (int64_t d = 0; d < Dv; d++) acc[d] += vr[d];
     }
     for (int64_t d = 0; d < Dv; d++) vbar[d] = acc ? (float)(acc[d] / (double)Lk) : 0.0f;
     free(acc);
     for (int64_t j = 0; j < Lk; j++) {
-        const float *vr = v + (base + j * a->step) * a->v_sr;
+        const float *vr = v + j * a->v_sl;
         float *dst = VV + j * W;
         for (int64_t d = 0; d < Dv; d++) {
             float c = vr[d] - vbar[d];
@@ -753,7 +786,7 @@ static int64_t run(const struct fused_args *a, float scale, int moments) {
         for (int64_t it = it0; mine && it < it1; it++) {
             const int64_t g = a->g0 + it / ntile, tt = it % ntile;
             if (g != packed) {
-                const float *kg = (const float *)a->k + g * a->k_sg;
+                const float *kg = k_group(a, g);
                 for (int64_t b = 0; b < nblk; b++) {
                     int64_t j0 = b * Bk, nkb = Lk - j0 < Bk ? Lk - j0 : Bk;
                     if (!pack_k(kg + j0 * a->k_sl, a->k_sl, nkb, D, ppb, Kp + b * ppb * D * NR))
