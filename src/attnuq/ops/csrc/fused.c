@@ -204,20 +204,33 @@ static int pack_k(const float *k, int64_t sl, int64_t Lk, int64_t D, int64_t np,
             continue;
         }
 #endif
-        for (int64_t c = 0; c < NR; c++) {
-            int64_t j = p * NR + c;
-            if (j < Lk) {
-                const float *src = k + j * sl;
-                for (int64_t d = 0; d < D; d++) {
-                    dst[d * NR + c] = src[d];
-                    fin &= fabsf(src[d]) <= 3.40282347e+38f;
-                }
-            } else {
-                for (int64_t d = 0; d < D; d++) dst[d * NR + c] = 0.0f;
+        /* a partial panel (the last keys; on the portable path any panel): zeros, then the nc
+         * keys column by column (whole 16-key blocks by transposes where D allows) */
+        const int64_t left = Lk - p * NR, nc = left < 0 ? 0 : left < NR ? left : NR;
+        memset(dst, 0, (size_t)(D * NR) * sizeof(float));
+        int64_t c = 0;
+#ifdef __AVX512F__
+        if (D % 16 == 0)
+            for (; c + 16 <= nc; c += 16)
+                for (int64_t d0 = 0; d0 < D; d0 += 16)
+                    fin &= transpose16(k + (p * NR + c) * sl + d0, sl, dst + d0 * NR + c, NR);
+#endif
+        for (; c < nc; c++) {
+            const float *src = k + (p * NR + c) * sl;
+            for (int64_t d = 0; d < D; d++) {
+                dst[d * NR + c] = src[d];
+                fin &= fabsf(src[d]) <= 3.40282347e+38f;
             }
         }
     }
     return fin;
+}
+
+/* {0, 1, ..., VW - 1} */
+static inline vwi lane_iota(void) {
+    vwi x;
+    for (int l = 0; l < VW; l++) x[l] = l;
+    return x;
 }
 
 /*
@@ -260,15 +273,19 @@ static void score_tile(const float *restrict qs, const float *restrict Kp, int64
                 mv[r] = maxw(mv[r], maxw(s0, s1));
                 stw(dst, s0);
                 stw(dst + VW, s1);
-            } else { /* the row's last keys, or none */
-                float tmp[NR];
-                stw(tmp, acc[r][0]);
-                stw(tmp + VW, acc[r][1]);
-                for (int c = 0; c < NR; c++) {
-                    int64_t j = j0 + c;
-                    tmp[c] = j < lim[r] ? tmp[c] + (br != NULL ? br[j] : 0.0f) : -INFINITY;
+            } else { /* the row's last nv keys, or none: lanes past them become -inf */
+                const int64_t nv = lim[r] - j0 < 0 ? 0 : lim[r] - j0; /* < NR */
+                vwf s0 = acc[r][0], s1 = acc[r][1];
+                if (br != NULL && nv > 0) { /* the bias of the nv keys (none read past them) */
+                    float tb[NR];
+                    for (int c = 0; c < NR; c++) tb[c] = c < nv ? br[j0 + c] : 0.0f;
+                    s0 += ldw(tb);
+                    s1 += ldw(tb + VW);
                 }
-                vwf s0 = ldw(tmp), s1 = ldw(tmp + VW);
+                const vwi n0 = lane_iota() * 0 + (int32_t)nv;
+                const vwf ninf = splatw(-INFINITY);
+                s0 = selw(lane_iota() < n0, s0, ninf);
+                s1 = selw(lane_iota() + VW < n0, s1, ninf);
                 mv[r] = maxw(mv[r], maxw(s0, s1));
                 stw(dst, s0);
                 stw(dst + VW, s1);
@@ -342,6 +359,13 @@ static inline int64_t find_fast(const float *P, const float *cum, int64_t nb, in
         __mmask16 m = nb - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nb - i)) - 1u);
         __m512 c = _mm512_maskz_loadu_ps(m, cum + i);
         b += __builtin_popcount(_mm512_mask_cmp_ps_mask(m, c, tv, _CMP_LE_OQ));
+    }
+    if (bl <= 4) { /* few entries per block (short rows): scalar compares beat a gather */
+        const float base = cum[b];
+        int64_t l = 0;
+        for (int64_t i = 0; i < bl; i++) l += (base + P[i * nb + b] <= t);
+        if (l < bl) return l * nb + b;
+        return find_float(P, cum, nb, bl, t); /* a rounding miss: the scalar fallback */
     }
     const __mmask16 lm = (__mmask16)((1u << bl) - 1u); /* bl <= 16 */
     const __m512i vi = _mm512_add_epi32(

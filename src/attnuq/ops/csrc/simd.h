@@ -89,6 +89,7 @@ static inline vwf ldw(const float *p) { return ld8(p); }
 static inline void stw(float *p, vwf x) { st8(p, x); }
 static inline vwf splatw(float a) { return splat8(a); }
 static inline vwf maxw(vwf a, vwf b) { return max8(a, b); }
+static inline vwf selw(vwi m, vwf a, vwf b) { return sel8(m, a, b); }
 static inline vwf exp2_nonposw(vwf x) { return exp2_nonpos8(x); }
 #endif
 
