@@ -436,3 +436,88 @@ def test_float32_exhaustive_padding_and_causal(fused_on, lk):
                 with pytest.raises(ValueError, match="every key masked"):
                     sampled_attention(q, k, v, nu=2, attn_mask=pad, is_causal=True,
                                       block_size=bs)
+
+
+def _hf_layout(b, hq, hk, lq, lk, d, seed):
+    """q, k, v as (B, H, L, D) views of (B, L, H, D) memory (what Hugging Face passes)."""
+    g = _gen(seed)
+    q = torch.randn(b, lq, hq, d, generator=g).transpose(1, 2)
+    k = torch.randn(b, lk, hk, d, generator=g).transpose(1, 2)
+    v = torch.randn(b, lk, hk, d + 3, generator=g).transpose(1, 2)
+    return q, k, v
+
+
+def _hf_mask(b, lq, lk, seed):
+    """Additive (B, 1, Lq, Lk) float mask as Hugging Face builds it: finfo.min on padded keys
+    and above the causal diagonal, and one row of -inf (a query with no key)."""
+    lo = torch.finfo(torch.float32).min
+    m = torch.zeros(b, 1, lq, lk)
+    m[0, ..., lk - lk // 3:] = lo  # padding of batch entry 0
+    m = m.masked_fill(torch.ones(lq, lk, dtype=torch.bool).triu(1), lo)
+    m += 0.5 * torch.randn(b, 1, lq, lk, generator=_gen(seed))  # a per-query bias as well
+    m[-1, :, -1] = float("-inf")
+    return m
+
+
+@pytest.mark.parametrize("lk", [1, 9, 16, 40])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_strided_inputs_give_the_draws_of_contiguous_copies(fused_on, lk, gqa):
+    """The fused kernels read q, k, v and the mask's bias through their (N, H, L) strides:
+    on Hugging Face's transposed memory (with a head-broadcast per-query float mask, GQA, and a
+    query with no key) the draws, the output and the moments equal bit for bit those of
+    contiguous copies of the same inputs (the same kernel on the same numbers and rows); the
+    output comes back in SDPA's (N, Lq, Hq, Dv) memory, the empty row is zero."""
+    from attnuq.ops import attention_moments, sampled_attention
+    from attnuq.ops.sampled import _sample_indices
+
+    hq, hk = (4, 2) if gqa else (3, 3)
+    q, k, v = _hf_layout(2, hq, hk, lk, lk, 8, seed=lk)
+    mask = _hf_mask(2, lk, lk, seed=lk + 1)
+    qc, kc, vc, mc = (t.contiguous() for t in (q, k, v, mask))
+    kw = dict(nu=7, enable_gqa=gqa, empty_rows="zero")
+    a = sampled_attention(q, k, v, attn_mask=mask, generator=_gen(5), **kw)
+    c = sampled_attention(qc, kc, vc, attn_mask=mc, generator=_gen(5), **kw)
+    assert torch.equal(a, c)
+    assert a.transpose(1, 2).is_contiguous()  # (N, Lq, Hq, Dv) memory, as SDPA returns
+    assert torch.equal(a[-1, :, -1], torch.zeros_like(a[-1, :, -1]))
+    with pytest.raises(ValueError, match="every key masked"):
+        sampled_attention(q, k, v, attn_mask=mask, nu=7, enable_gqa=gqa)
+    ia, ea = _sample_indices(q, k, v, nu=7, attn_mask=mask, enable_gqa=gqa, generator=_gen(6))
+    ic, ec = _sample_indices(qc, kc, vc, nu=7, attn_mask=mc, enable_gqa=gqa,
+                             generator=_gen(6))
+    assert torch.equal(ea, ec) and torch.equal(ia[~ea], ic[~ec])
+    ma = attention_moments(q, k, v, attn_mask=mask, enable_gqa=gqa, empty_rows="zero")
+    mo = attention_moments(qc, kc, vc, attn_mask=mc, enable_gqa=gqa, empty_rows="zero")
+    assert all(torch.equal(x, y) for x, y in zip(ma, mo, strict=True))
+
+
+@pytest.mark.parametrize("lk", [9, 16])
+def test_short_rows_strided_draws_follow_the_softmax(fused_on, lk):
+    """Short rows (Lk = 9, 16: one partial key panel, blocks of <= 2 entries) on Hugging
+    Face's transposed memory with GQA and an additive per-query mask (finfo.min padding and
+    causal triangle plus a random bias): 20k draws per query against the float64 softmax of
+    the same float32 inputs; keys of zero weight are never drawn; chi-square per query
+    (2 x 4 x Lk - 1 queries with a key, each with false-failure probability P_MIN: at most
+    6.3e-5 for the test)."""
+    from tests.ops._reference_sampled import chi2_gof_pvalue, ref_probs
+
+    from attnuq.ops.sampled import _sample_indices
+
+    nu = 20_000
+    q, k, v = _hf_layout(2, 4, 2, lk, lk, 8, seed=10 + lk)
+    mask = _hf_mask(2, lk, lk, seed=11 + lk)
+    idx, empty = _sample_indices(q, k, v, nu=nu, attn_mask=mask, enable_gqa=True,
+                                 generator=_gen(12))
+    p = ref_probs(q, k, mask, False, None, True)
+    assert torch.equal(empty, p.sum(-1) == 0)
+    counts = torch.zeros(*idx.shape[:-1], lk, dtype=torch.long).scatter_add_(
+        -1, idx, torch.ones_like(idx)).numpy()
+    p = p.numpy()
+    for b in range(2):
+        for h in range(4):
+            for i in range(lk):
+                c, pr = counts[b, h, i], p[b, h, i]
+                if empty[b, h, i]:
+                    continue
+                assert (c[pr == 0] == 0).all(), (b, h, i)
+                assert chi2_gof_pvalue(c[pr > 0], pr[pr > 0]) > P_MIN, (b, h, i)

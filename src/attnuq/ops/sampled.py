@@ -37,22 +37,25 @@ each query chunk only scores the keys up to its last position. No tensor of
 ``B*H*Lq*Lk*nu`` (or ``B*H*Lq*Lk``) elements is formed.
 
 Fused CPU kernels (float32). On CPU, with float32 computation (float32, float16 and bfloat16
-inputs) and any ``attn_mask`` one bias table (:meth:`Attn._bias_table`), both samplers and
+inputs) and any ``attn_mask`` one bias table (:meth:`Attn.bias5`), both samplers and
 :func:`attention_moments` (``block_size=None``, no gradient) run the fused C kernels of
 ``csrc/fused.c`` instead (:func:`attnuq.ops.native_status` says whether they are in use): each
 thread takes a contiguous range of (group, tile) units and packs the keys of each key/value
 group it enters once; per tile of 8 query rows (4 on the portable, non-AVX-512 build) a
-register-blocked micro-GEMM computes the tile's scores against all keys
-(key-blocked: one key block at a time), which then stay in L1/L2 for the row maximum, ``2^(s -
-max)``, the blocked CDF and the draws, and the mean of the drawn value rows is written straight
-into the output (no ``embedding_bag``). Their uniforms come from one int64 seed drawn from the
-generator: the kernel derives each query row's uniforms from it (a SplitMix64 stream per row), so
-no uniform or index tensor exists and the draws do not depend on chunks or threads. The scores
-differ from torch's GEMM in rounding only (the scale multiplies ``q`` first); the draws are exact
-inverse-CDF draws from the softmax of the scores as computed, as on the other paths. With a
-gradient for ``v`` the kernel draws the indices and ``embedding_bag`` gathers them. Float64, a
-per-query mask larger than the bias table allows, or :func:`attnuq.ops._native.unfused` take the
-paths above.
+register-blocked micro-GEMM computes the tile's scores against all keys (key-blocked: one key
+block at a time), which then stay in L1/L2 for the row maximum, ``2^(s - max)``, the blocked CDF
+and the draws, and the mean of the drawn value rows is written straight into the output (no
+``embedding_bag``). The kernels read ``q``, ``k``, ``v`` and the mask's bias in their own ``(N,
+H, L, D)`` strides (no grouped copy of, e.g., Hugging Face's transposed ``(B, L, H, D)`` memory)
+and write the sampler's output in ``(N, Lq, Hq, Dv)`` memory, returned as an ``(N, Hq, Lq, Dv)``
+view as SDPA's CPU kernel does. Their uniforms come from one int64 seed drawn from the
+generator: the kernel derives each query row's uniforms from it (a SplitMix64 stream per row),
+so no uniform or index tensor exists and the draws do not depend on chunks or threads. The
+scores differ from torch's GEMM in rounding only (the scale multiplies ``q`` first); the draws
+are exact inverse-CDF draws from the softmax of the scores as computed, as on the other paths.
+With a gradient for ``v`` the kernel draws the indices and ``embedding_bag`` gathers them.
+Float64, a per-query mask larger than the bias table allows, or
+:func:`attnuq.ops._native.unfused` take the paths above.
 
 Sizes. Every call first estimates the bytes it will allocate (the output, one chunk, the
 gather buffer; with a gradient for ``v`` every index) and refuses, before allocating anything,
@@ -82,8 +85,9 @@ chunking: its chunks are whole groups or row blocks of one group in order, and c
 of several groups, which changes the order.)
 
 Inputs are checked for NaN/inf with one sum per tensor (a finite sum proves all entries finite;
-otherwise an exact count is made for the message). On the fused path with no mask or a boolean
-one, ``q`` and ``k`` are checked by the kernel as it reads them (the same message follows).
+otherwise an exact count is made for the message); an additive mask by one sum (below ``+inf``
+proves no NaN and no ``+inf``). On the fused path ``q`` and ``k`` are checked by the kernel as
+it reads them (the same message follows).
 """
 
 from __future__ import annotations
@@ -442,7 +446,6 @@ def _check_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         check_finite(t, name)
 
 
-@torch.no_grad()
 def _sample_fused(
     att: Attn,
     nu: int,
