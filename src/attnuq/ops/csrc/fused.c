@@ -96,18 +96,8 @@ struct fused_args {
     int64_t nthreads;
 };
 
-static inline const float *q_row(const struct fused_args *a, int64_t g, int64_t i) {
-    return (const float *)a->q + (g / a->hk) * a->q_sn + ((g % a->hk) * a->R + i / a->lq) * a->q_sh +
-           (i % a->lq) * a->q_sl;
-}
-
 static inline const float *k_group(const struct fused_args *a, int64_t g) {
     return (const float *)a->k + (g / a->hk) * a->k_sn + (g % a->hk) * a->k_sh;
-}
-
-static inline const float *bias_row(const struct fused_args *a, int64_t g, int64_t i) {
-    return (const float *)a->bias + (g / a->hk) * a->b_sn + (g % a->hk) * a->b_sh +
-           (i / a->lq) * a->b_sr + (i % a->lq) * a->b_sl;
 }
 
 static inline int64_t v_base(const struct fused_args *a, int64_t g) {
@@ -115,8 +105,35 @@ static inline int64_t v_base(const struct fused_args *a, int64_t g) {
                    : (g / a->hk) * a->v_sn + (g % a->hk) * a->v_sh;
 }
 
-static inline int64_t out_off(const struct fused_args *a, int64_t g, int64_t i) {
-    return (g / a->hk) * a->o_sn + ((g % a->hk) * a->R + i / a->lq) * a->o_sh + (i % a->lq) * a->o_sl;
+/* Element offsets of rows t .. t + MR - 1 of group g (rows past nr: row t) in q, the bias and
+ * the output, and of the group's values: the integer divisions of the (n, h, r, l) addressing
+ * once per tile (one division per tile instead of four per row and array). */
+struct rows_at {
+    int64_t q[MR], b[MR], o[MR], l[MR], vb;
+};
+
+static void place_rows(const struct fused_args *a, int64_t g, int64_t t, int64_t nr,
+                       struct rows_at *p) {
+    const int64_t gn = g / a->hk, gh = g - gn * a->hk;
+    const int64_t qg = gn * a->q_sn + gh * a->R * a->q_sh;
+    const int64_t bg = gn * a->b_sn + gh * a->b_sh;
+    const int64_t og = gn * a->o_sn + gh * a->R * a->o_sh;
+    int64_t rr = t / a->lq, ll = t - rr * a->lq;
+    for (int r = 0; r < MR; r++) {
+        if (r == nr) { /* rows past the tile's last: row t (never read but for the bias) */
+            rr = t / a->lq;
+            ll = t - rr * a->lq;
+        }
+        p->q[r] = qg + rr * a->q_sh + ll * a->q_sl;
+        p->b[r] = bg + rr * a->b_sr + ll * a->b_sl;
+        p->o[r] = og + rr * a->o_sh + ll * a->o_sl;
+        p->l[r] = ll;
+        if (r < nr && ++ll == a->lq) {
+            ll = 0;
+            rr++;
+        }
+    }
+    p->vb = v_base(a, g);
 }
 
 int64_t attnuq_fused_args_words(void) { return (int64_t)(sizeof(struct fused_args) / 8); }
@@ -468,10 +485,10 @@ static inline void put_idx(const struct fused_args *a, int64_t pos, int64_t j) {
  * order times 1/nu (vector accumulators, 4 vectors of columns at a time). With stream (a large
  * output, AVX-512) whole cache lines go to memory by non-temporal stores: no read of the
  * output's lines before they are written (the output is not read back here). */
-static void gather_mean(const struct fused_args *a, int64_t g, const int64_t *chosen, float *o,
+static void gather_mean(const struct fused_args *a, int64_t vb, const int64_t *chosen, float *o,
                         int stream) {
     (void)stream; /* used on the AVX-512 path only */
-    const float *v = (const float *)a->v + v_base(a, g);
+    const float *v = (const float *)a->v + vb;
     const int64_t Dv = a->Dv, nu = a->nu, sl = a->v_sl;
     const float inv = 1.0f / (float)nu;
     int64_t d = 0;
@@ -505,6 +522,13 @@ static void gather_mean(const struct fused_args *a, int64_t g, const int64_t *ch
         for (int64_t kk = 0; kk < nu; kk++) a0 += ldw(v + chosen[kk] * sl + d);
         stw(o + d, a0 * inv);
     }
+#if VW > 8
+    for (; d + 8 <= Dv; d += 8) { /* 8 columns left (e.g. Dv = 8): half a vector */
+        v8f a0 = splat8(0.0f);
+        for (int64_t kk = 0; kk < nu; kk++) a0 += ld8(v + chosen[kk] * sl + d);
+        st8(o + d, a0 * inv);
+    }
+#endif
     for (; d < Dv; d++) {
         float t = 0.0f;
         for (int64_t kk = 0; kk < nu; kk++) t += v[chosen[kk] * sl + d];
@@ -600,7 +624,8 @@ static void block_row(const struct fused_args *a, struct scratch *w, int64_t g, 
 }
 
 /* Row i's flag, keys and mean drawn value row (zeros for an empty row). */
-static void finish_row(const struct fused_args *a, int64_t g, int64_t i, int ok, int64_t *ch) {
+static void finish_row(const struct fused_args *a, int64_t g, int64_t i, int64_t ooff,
+                       int64_t vb, int ok, int64_t *ch) {
     const int64_t nu = a->nu;
     ((uint8_t *)a->empty)[g * a->M + i] = (uint8_t)!ok;
     if (!ok)
@@ -610,20 +635,19 @@ static void finish_row(const struct fused_args *a, int64_t g, int64_t i, int ok,
         for (int64_t kk = 0; kk < nu; kk++) put_idx(a, base + kk, ch[kk]);
     }
     if (a->out) {
-        float *o = (float *)a->out + out_off(a, g, i);
+        float *o = (float *)a->out + ooff;
         if (ok)
-            gather_mean(a, g, ch, o, a->G * a->M * a->Dv >= (1 << 20));
+            gather_mean(a, vb, ch, o, a->G * a->M * a->Dv >= (1 << 20));
         else
             for (int64_t d = 0; d < a->Dv; d++) o[d] = 0.0f;
     }
 }
 
 /* Row pointers of the bias of rows t .. t + MR - 1 at key j0 (rows past nr: unused). */
-static const float *const *bias_rows(const struct fused_args *a, int64_t g, int64_t t,
-                                     int64_t nr, int64_t j0, const float **rows) {
+static const float *const *bias_rows(const struct fused_args *a, const struct rows_at *p,
+                                     int64_t j0, const float **rows) {
     if (a->bias == 0) return NULL;
-    for (int64_t r = 0; r < MR; r++)
-        rows[r] = bias_row(a, g, t + (r < nr ? r : 0)) + j0;
+    for (int64_t r = 0; r < MR; r++) rows[r] = (const float *)a->bias + p->b[r] + j0;
     return rows;
 }
 
@@ -640,15 +664,17 @@ static int tile(const struct fused_args *a, float scale, int moments, const floa
     const int64_t nr = a->i1 - t < MR ? a->i1 - t : MR;
     int64_t nk[MR], nkt = 0;
     int fin = 1; /* the tile's query entries finite */
+    struct rows_at at;
+    place_rows(a, g, t, nr, &at);
     for (int r = 0; r < MR; r++) {
         int64_t i = t + r;
         if (r < nr) {
-            const float *qr = q_row(a, g, i);
+            const float *qr = (const float *)a->q + at.q[r];
             for (int64_t d = 0; d < D; d++) {
                 w->qs[r * D + d] = qr[d] * scale;
                 fin &= fabsf(qr[d]) <= 3.40282347e+38f;
             }
-            int64_t lim = a->causal ? i % a->clq + 1 : Lk;
+            int64_t lim = !a->causal ? Lk : (a->clq == a->lq ? at.l[r] : i % a->clq) + 1;
             nk[r] = lim < Lk ? lim : Lk;
         } else {
             for (int64_t d = 0; d < D; d++) w->qs[r * D + d] = 0.0f;
@@ -656,9 +682,13 @@ static int tile(const struct fused_args *a, float scale, int moments, const floa
         }
         nkt = nk[r] > nkt ? nk[r] : nkt;
     }
-    if (t + 2 * MR <= a->i1) /* the next tile's query rows, while this one computes */
+    if (t + 2 * MR <= a->i1) { /* the next tile's query rows, while this one computes */
+        struct rows_at nx;
+        place_rows(a, g, t + MR, MR, &nx);
         for (int r = 0; r < MR; r++)
-            for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(q_row(a, g, t + MR + r) + d);
+            for (int64_t d = 0; d < D; d += 16)
+                __builtin_prefetch((const float *)a->q + nx.q[r] + d);
+    }
     const float *brows[MR];
     float mx[MR];
     if (!moments && a->block > 0) { /* key-blocked sampler */
@@ -676,21 +706,22 @@ static int tile(const struct fused_args *a, float scale, int moments, const floa
                 lim[r] = L > 0 ? L : 0;
             }
             score_tile(w->qs, Kp + blk * ppb * D * NR, D, (nkb + NR - 1) / NR, w->S, w->ld,
-                       bias_rows(a, g, t, nr, jb, brows), lim, mx);
+                       bias_rows(a, &at, jb, brows), lim, mx);
             for (int64_t r = 0; r < nr; r++)
                 if (lim[r] > 0)
                     block_row(a, w, g, t + r, r, w->S + r * w->ld, lim[r], mx[r], jb, blk);
         }
         for (int64_t r = 0; r < nr; r++)
-            finish_row(a, g, t + r, w->rmax[r] > -INFINITY, w->chosen + r * a->nu);
+            finish_row(a, g, t + r, at.o[r], at.vb, w->rmax[r] > -INFINITY,
+                       w->chosen + r * a->nu);
         return fin;
     }
     const int64_t np = (nkt + NR - 1) / NR;
-    score_tile(w->qs, Kp, D, np, w->S, w->ld, bias_rows(a, g, t, nr, 0, brows), nk, mx);
+    score_tile(w->qs, Kp, D, np, w->S, w->ld, bias_rows(a, &at, 0, brows), nk, mx);
     if (!moments) {
         for (int64_t r = 0; r < nr; r++) {
             int ok = dense_row(a, w, g, t + r, w->S + r * w->ld, nk[r], mx[r], w->chosen);
-            finish_row(a, g, t + r, ok, w->chosen);
+            finish_row(a, g, t + r, at.o[r], at.vb, ok, w->chosen);
         }
         return fin;
     }
@@ -711,8 +742,8 @@ static int tile(const struct fused_args *a, float scale, int moments, const floa
     const int64_t Dv = a->Dv;
     for (int64_t r = 0; r < nr; r++) {
         int64_t i = t + r;
-        float *mo = (float *)a->out + out_off(a, g, i);
-        float *vo = (float *)a->var + out_off(a, g, i);
+        float *mo = (float *)a->out + at.o[r];
+        float *vo = (float *)a->var + at.o[r];
         const float *ar = w->A + r * W;
         int ok = l[r] > 0.0f;
         ((uint8_t *)a->empty)[g * a->M + i] = (uint8_t)!ok;
