@@ -349,7 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         f"* sampler (dense inverse-CDF step of `sampled_attention`): {sampler}",
         f"* nu = {args.nu}; {args.rounds} rounds over all models, each with {args.repeats} "
         f"alternating timed forwards (frozen, patched) after {args.warmup} warm-up pairs; "
-        "medians pooled over rounds; `torch.inference_mode()`, random weights.",
+        "medians pooled over rounds; `torch.inference_mode()`, random weights. The ratios are "
+        "paired: each patched forward runs right after a frozen one, so both see the same load "
+        "of the shared machine (its load averages above); the absolute times are not "
+        "comparable between runs.",
         "* wall = `time.perf_counter`, cpu = `time.process_time` of the single-threaded process "
         "(less sensitive to the other jobs on a shared machine); the target is judged on both.",
         "* target (issue 3): ratio <= 1.15 (the paper reports +11 % latency on ClimaX at nu=4); "

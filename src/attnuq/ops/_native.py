@@ -650,7 +650,31 @@ def fused_call_4d(
     ``(N, Hq, Lq, Dv)`` float32 of any strides with a unit last stride (one layout for both).
     Groups are ``g = n Hk + h``, rows ``i = r Lq + l``, as in :class:`attnuq.ops._attn_common.
     Attn`; ``empty`` ``(G, M)`` bool contiguous, ``idx`` ``(G, M, nu)`` contiguous, the seed and
-    the draws as :func:`fused_call`'s (the same inputs give the same draws bit for bit)."""
+    the draws as :func:`fused_call`'s (the same inputs give the same draws bit for bit).
+
+    Example
+    -------
+    Hugging Face's transposed ``(B, L, H, D)`` memory is read in place and gives the draws of a
+    contiguous copy; where the kernels are not built, the call is refused with the reason
+    :func:`status` gives:
+
+    >>> import torch
+    >>> from attnuq.ops import _native
+    >>> q, k, v = (x.transpose(1, 2) for x in torch.randn(3, 2, 5, 4, 8).unbind(0))
+    >>> def draws(q, k, v):
+    ...     idx = torch.empty(8, 5, 3, dtype=torch.int64)  # (G, M, nu), G = 2 x 4 groups
+    ...     empty = torch.empty(8, 5, dtype=torch.bool)
+    ...     _native.fused_call_4d("sample", q, k, v, 0.5, None, False, empty, seed=7, nu=3,
+    ...                           idx=idx)
+    ...     return idx
+    >>> try:
+    ...     ok = torch.equal(draws(q, k, v), draws(q.contiguous(), k.contiguous(), v.contiguous()))
+    ... except RuntimeError as e:  # no kernel here
+    ...     ok = _native.status()["available"] is False and str(e).endswith(
+    ...         _native.status()["reason"])
+    >>> ok
+    True
+    """
     lib = _load()[0]
     if lib is None:
         raise RuntimeError(f"native kernels unavailable: {_load()[1]}")
