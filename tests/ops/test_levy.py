@@ -698,8 +698,9 @@ def test_levy_shared_field_backward_one_column_per_head(loops: str) -> None:
     P = K * (K + 1) // 2
     a = torch.randn(B, H, N, Dv, generator=g, dtype=F64)
     z = torch.randn(K, B * N, generator=g, dtype=F64) * 3
-    wm = torch.randn(K, H * Dv, generator=g, dtype=F64)
-    ws = torch.randn(2 * P, H * Dv, generator=g, dtype=F64)
+    # wm and ws in the (1, K)- and (1, 2P)-strided layouts _field hands over
+    wm = torch.randn(H * Dv, K, generator=g, dtype=F64).t()
+    ws = torch.randn(H * Dv, 2 * P, generator=g, dtype=F64).t()
     g_vbar = torch.randn(B, N, H, Dv, generator=g, dtype=F64).transpose(1, 2)
     g_tr = torch.randn(B, N, H, 1, generator=g, dtype=F64).transpose(1, 2)
     ctx = _native.disabled() if loops == "torch" else contextlib.nullcontext()

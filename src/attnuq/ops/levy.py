@@ -634,10 +634,11 @@ class _SharedField(torch.autograd.Function):
         gm = g_vbar.transpose(1, 2).reshape(BN, -1)  # (BN, H Dv)
         g_wm = ct @ gm
         H, dw = g_s.shape[1], g_s.shape[3]
-        if (dw > 1 and g_s.stride(-1) == 0 and ctx.native and not create_graph
-                and wm.is_contiguous()):
+        if dw > 1 and g_s.stride(-1) == 0 and ctx.native and not create_graph:
             # as below, with the rank-H feature gradient and its products formed in one
-            # compiled pass (csrc/levy_train.c, pairs_grad_heads; the features not re-read)
+            # compiled pass (csrc/levy_train.c, pairs_grad_heads; the features not re-read).
+            # wm may have any strides (torch.mm reads them; _field's is the (1, K)-strided
+            # view of a permuted (H, Dv, K) product)
             gT = g_s[..., 0].permute(1, 0, 2).reshape(H, BN).contiguous()  # (H, BN)
             g_x = torch.empty(2, K, BN, dtype=ct.dtype, device=ct.device)
             torch.mm(wm, gm.t(), out=g_x[0])
@@ -927,13 +928,16 @@ def _torch_path(
     # vbar (B, H, bs, Dv); within-atom variance (B, H, bs, Dv) or, per_dim=False, its trace (1)
     mom_b = [_value_moments(blk, fld) for blk in blocks]
     count = mask.sum(-1).clamp_min(1).to(q.dtype)[:, None, None]
-    # reference: plain mean of vbar over observed entries, one (1 x bs) @ (bs x H Dv) GEMM per
-    # series and block, in the (B, N, H, Dv) layout the embeddings come in
-    ref = _ordered_sum(
-        [blk.mask.to(q.dtype)[:, None, :] @ mb[0].transpose(1, 2).reshape(B, -1, H * Dv)
-         for blk, mb in zip(blocks, mom_b, strict=True)]
-    ) / count  # (B, 1, H * Dv)
-    ref = ref.view(B, 1, H, Dv).transpose(1, 2)  # (B, H, 1, Dv)
+
+    def reference() -> torch.Tensor:
+        # reference: plain mean of vbar over observed entries, one (1 x bs) @ (bs x H Dv) GEMM
+        # per series and block, in the (B, N, H, Dv) layout the embeddings come in
+        ref = _ordered_sum(
+            [blk.mask.to(q.dtype)[:, None, :] @ mb[0].transpose(1, 2).reshape(B, -1, H * Dv)
+             for blk, mb in zip(blocks, mom_b, strict=True)]
+        ) / count  # (B, 1, H * Dv)
+        return ref.view(B, 1, H, Dv).transpose(1, 2)  # (B, H, 1, Dv)
+
     tail_native = False
     limit = 0.25 * math.log(torch.finfo(q.dtype).max)  # 22 in float32, 177 in float64
     beta_max = float(inp.beta.detach().max())
@@ -959,18 +963,25 @@ def _torch_path(
             flash = _triton.levy_flash(needs_grad, q)
         if needs_grad and lse_ok and _FLASH_BWD is not None:
             # autograd on CPU: flash forward + its log-sum-exp, one flash backward call
-            z, mom = _accumulate_flash_grad(q, blocks, mom_b, ref, inp.beta, per_dim)
+            # one block (the usual case): _FlashBlock forms the reference itself, the same
+            # GEMM, with its backward folded into the block's (no autograd nodes for it)
+            z, mom, ref = _accumulate_flash_grad(
+                q, blocks, mom_b, None if len(blocks) == 1 else reference(), inp.beta, per_dim,
+                count)
             log_scale = -inp.beta[:, None]  # Lambda = alpha e^{-beta} z
             tail_native = _native.train_loops_available(q.dtype, q.device)
         elif needs_grad or not (lse_ok or flash is not None):
             qn = F.normalize(q, dim=-1, eps=1e-12)
+            ref = reference()
             z, mom = _accumulate_sdpa(qn, blocks, mom_b, ref, inp.beta, per_dim)
             log_scale = -2 * inp.beta[:, None]  # Lambda = alpha e^{-2 beta} z
         else:
             qn = F.normalize(q, dim=-1, eps=1e-12)
+            ref = reference()
             z, mom = _accumulate_lse(qn, blocks, mom_b, ref, inp.beta, per_dim, flash)
             log_scale = -inp.beta[:, None]  # Lambda = alpha e^{-beta} z
     else:
+        ref = reference()
         vals_b = [_centered_values(vbar, within, ref, per_dim) for vbar, within in mom_b]
         kn_b = [F.normalize(blk.k, dim=-1, eps=1e-12) for blk in blocks]  # (B, H, bs, E)
         qn = F.normalize(q, dim=-1, eps=1e-12)
@@ -1398,10 +1409,18 @@ class _FlashBlock(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, q: torch.Tensor, beta: torch.Tensor, k: torch.Tensor, vbar: torch.Tensor,
-        within: torch.Tensor | None, ref: torch.Tensor, bias: torch.Tensor, per_dim: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        within: torch.Tensor | None, ref: torch.Tensor | None, bias: torch.Tensor,
+        per_dim: bool, obs: torch.Tensor | None = None, count: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         B, H, Q, E = q.shape
         N, dv = k.shape[2], vbar.shape[-1]
+        ctx.own_ref = ref is None
+        if ref is None:
+            # the reference formed here (the caller's GEMM, so the same bits) and returned
+            assert obs is not None and count is not None
+            ref_flat = torch.bmm(obs, vbar.transpose(1, 2).reshape(B, N, H * dv)) / count
+            ref = ref_flat.view(B, 1, H, dv).transpose(1, 2)
+            ctx.obs = (obs, count)
         ws = dv if per_dim else 1
         c = dv + ws
         dp = max(E, c + 1, dv + 2)  # the widest view the kernel gets (forward and backward)
@@ -1454,13 +1473,35 @@ class _FlashBlock(torch.autograd.Function):
         # intermediates, kept on ctx (the narrow backward writes its T column into buf)
         ctx.bufs = (qp, buf, nrm, qnrm, beta)
         ctx.dims = (E, dv, ws, within is not None)
+        if ctx.own_ref:
+            return out, lse, ref
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(  # type: ignore[override]
+        ctx: Any, g_out: torch.Tensor, g_lse: torch.Tensor, *g_ref_out: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        grads = _FlashBlock._backward_block(ctx, g_out, g_lse)
+        if not ctx.own_ref:
+            return (*grads, None, None)
+        # ref = (obs @ vbar) / count formed in the forward: its total gradient (the block's,
+        # -sum_i bar vc_i, plus the caller's) reaches vbar as obs_i * bar ref / count
+        obs, count = ctx.obs
+        g_vc, g_ref = grads[3], grads[5]
+        assert g_vc is not None and g_ref is not None
+        if g_ref_out[0] is not None:
+            g_ref = g_ref + g_ref_out[0]
+        B, N = obs.shape[0], obs.shape[2]
+        g_vbar = torch.addcmul(g_vc.transpose(1, 2), obs.view(B, N, 1, 1),
+                               g_ref.transpose(1, 2) / count[..., None])
+        return (*grads[:3], g_vbar.transpose(1, 2), grads[4], None, *grads[6:], None, None)
+
+    @staticmethod
+    def _backward_block(
         ctx: Any, g_out: torch.Tensor, g_lse: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
+        """The gradients of the eight inputs of :meth:`forward` (``ref`` as an input)."""
         out, lse, bias = ctx.saved_tensors
         qp, buf, nrm, qnrm, beta = ctx.bufs
         E, dv, ws, has_within = ctx.dims
@@ -1574,33 +1615,43 @@ def _accumulate_flash_grad(
     q: torch.Tensor,
     blocks: list[_Inputs],
     mom_b: list[tuple[torch.Tensor, torch.Tensor | None]],
-    ref: torch.Tensor,
+    ref: torch.Tensor | None,
     beta: torch.Tensor,
     per_dim: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``z = sum_i e^{beta cos_i}`` ``(B, H, Q)`` and the moments ``sum_i p_i v_i``
-    ``(B, H, Q, W)`` (0 where ``z = 0``), differentiable: the autograd path on CPU.
+    count: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``z = sum_i e^{beta cos_i}`` ``(B, H, Q)``, the moments ``sum_i p_i v_i``
+    ``(B, H, Q, W)`` (0 where ``z = 0``) and the reference ``(B, H, 1, Dv)``, differentiable:
+    the autograd path on CPU.
 
     One :class:`_FlashBlock` call per block (CPU flash forward with its log-sum-exp; one flash
     backward call in the backward pass), combined as in :func:`_accumulate_lse`,
     ``sum_b (z_b / z) out_b`` (with one block the weight is 1, or 0 for an empty series).
+    ``ref=None`` (one block only): the block forms the reference, ``obs @ vbar / count``
+    (``count`` ``(B, 1, 1)``, observed entries per series, at least 1), and returns it.
     """
     dv = mom_b[0][0].shape[-1]
     w_cols = dv + (dv if per_dim else 1)
     z_parts, t_parts = [], []
     for blk, (vbar, within) in zip(blocks, mom_b, strict=True):
         bias = torch.where(blk.mask, 0.0, -1e4).to(q.dtype)[:, None, None, :]
-        out, lse = _FlashBlock.apply(q, beta, blk.k, vbar, within, ref, bias, per_dim)
+        if ref is None:
+            assert len(blocks) == 1
+            out, lse, ref = _FlashBlock.apply(q, beta, blk.k, vbar, within, None, bias, per_dim,
+                                              blk.mask.to(q.dtype)[:, None, :], count)
+        else:
+            out, lse = _FlashBlock.apply(q, beta, blk.k, vbar, within, ref, bias, per_dim)
         z_parts.append(torch.exp(lse))
         t_parts.append(out[..., :w_cols])
+    assert ref is not None
     z = _ordered_sum(z_parts)
     if len(z_parts) == 1:
         if bool((z > 0).all()):  # no empty series: the weight is exactly 1
-            return z, t_parts[0]
-        return z, t_parts[0] * (z > 0)[..., None].to(q.dtype)
+            return z, t_parts[0], ref
+        return z, t_parts[0] * (z > 0)[..., None].to(q.dtype), ref
     zs = torch.where(z > 0, z, torch.ones_like(z))
     return z, _ordered_sum([(zb / zs)[..., None] * ob for zb, ob in zip(z_parts, t_parts,
-                                                                        strict=True)])
+                                                                        strict=True)]), ref
 
 
 def _accumulate_lse(
