@@ -352,9 +352,10 @@ def _verdicts(rows: list[dict[str, Any]]) -> list[str]:
 TRAIN_WHY = (
     "The flash kernels run at width 2 Dv in the Levy forward (mean and second moment; the "
     "softmax layer's SDPA at Dv) and at Dv + 2 in its backward; the rest of the gap is the "
-    "value field's within-atom variance (pair features and their GEMMs, K > 0), the compiled "
-    "row passes around the flash kernels (csrc/levy_train.c) and the torch ops of the outputs "
-    "(variance, phi, square roots) and their backward (see the notes below)."
+    "value field's within-atom variance (pair features and their GEMMs, K > 0), the small "
+    "torch ops that build the field's weights and their autograd backward, the buffers torch's "
+    "CPU flash backward allocates and zero-fills per call, and the compiled row and output "
+    "passes around the flash kernels (csrc/levy_train*.c/h; see the notes below)."
 )
 INFERENCE_WHY = (
     "Inference runs the compiled kernel (csrc/levy.c), which the training-path work of issue "
