@@ -521,3 +521,46 @@ def test_short_rows_strided_draws_follow_the_softmax(fused_on, lk):
                     continue
                 assert (c[pr == 0] == 0).all(), (b, h, i)
                 assert chi2_gof_pvalue(c[pr > 0], pr[pr > 0]) > P_MIN, (b, h, i)
+
+
+@pytest.mark.parametrize("block", [0, 5])
+def test_float_mask_read_in_place_equals_its_log2_table(fused_on, block):
+    """A float32 additive mask is handed to the kernels as it is (``bias_natural``: the kernel
+    converts each entry as it reads it) instead of as a log2 table made by torch first
+    (:meth:`Attn.bias5`). Both give the same draws and moments bit for bit, including
+    entries at ``finfo.min`` and below ``-FLT_MAX / log2(e)`` (whose log2 multiple overflows:
+    kept finite, an ordinary score), ``-inf`` (excluded) and a whole row of ``-inf``; a
+    per-query, head-broadcast mask on Hugging Face's memory, dense and key-blocked."""
+    from attnuq.ops._attn_common import prepare
+
+    lk = 13
+    q, k, v = _hf_layout(2, 4, 2, lk, lk, 8, seed=31)
+    mask = _hf_mask(2, lk, lk, seed=32)
+    mask[1, 0, 2, :4] = -3.0e38  # finite, but times log2(e) below -FLT_MAX
+    mask[1, 0, 3, :] = torch.finfo(torch.float32).min  # a row of ordinary, equal scores
+    mask[0, 0, 4, ::3] = float("-inf")
+    att = prepare(q, k, v, mask, False, None, True)
+    natural, is_natural = att.kernel_bias()
+    table = att.bias5(torch.float32)
+    assert is_natural and natural is not None and table is not None
+    assert natural.data_ptr() == mask.data_ptr()  # no copy of the mask
+    g, m = att.groups, att.rows
+    outs = []
+    for bias, nat in ((natural, True), (table, False)):
+        idx = torch.empty(g, m, 9, dtype=torch.int64)
+        empty = torch.empty(g, m, dtype=torch.bool)
+        _native.fused_call_4d("sample", att.q4, att.k4, att.v4(), att.scale, bias, False,
+                              empty, seed=11, nu=9, block=block, idx=idx, bias_natural=nat)
+        mean = torch.empty(2, 4, lk, v.shape[-1])
+        var = torch.empty_like(mean)
+        empty2 = torch.empty(g, m, dtype=torch.bool)
+        _native.fused_call_4d("moments", att.q4, att.k4, att.v4(), att.scale, bias, False,
+                              empty2, out=mean, var=var, bias_natural=nat)
+        outs.append((idx, empty, mean, var, empty2))
+    (ia, ea, ma, va, fa), (ib, eb, mb, vb, fb) = outs
+    assert torch.equal(ea, eb) and torch.equal(fa, fb) and int(ea.sum()) == 4  # 4 heads
+    assert torch.equal(ia[~ea], ib[~eb])
+    assert torch.equal(ma, mb) and torch.equal(va, vb)
+    # the row at finfo.min everywhere has uniform weights (as in SDPA), not an empty row
+    uniform = v[1].mean(dim=1).repeat_interleave(2, dim=0)  # (Hq, Dv)
+    torch.testing.assert_close(ma[1, :, 3], uniform, atol=1e-5, rtol=0)

@@ -176,6 +176,18 @@ class Attn:
         self._cache[key] = table  # type: ignore[assignment]
         return table
 
+    def kernel_bias(self) -> tuple[torch.Tensor | None, bool]:
+        """``(bias, natural)`` for the fused float32 kernels: a float32 ``attn_mask`` with unit
+        key stride is handed over as it is, ``(N, Hk, R | 1, Lq | 1, Lk)`` with its broadcast
+        dims of stride 0 (``natural``: the kernel converts each entry as it reads it, so the
+        call makes no bias tensor); any other mask is :meth:`bias5`'s log2 table (or None, see
+        there). Requires a mask."""
+        mk = self.mask
+        assert mk is not None
+        if mk.dtype == torch.float32 and (mk.shape[-1] <= 1 or mk.stride(-1) == 1):
+            return mk, True
+        return self.bias5(torch.float32), False
+
     @property
     def index_dtype(self) -> torch.dtype:
         """Dtype of drawn key indices: int32 when every grouped value row ``g * Lk + j``

@@ -145,7 +145,7 @@ def _compile(cc: str, flags: list[str], out: Path) -> str | None:
 # words of struct levy_args (csrc/levy.c), passed as one int64 array in its field order
 _LEVY_ARGS_WORDS = 43
 # words of struct fused_args (csrc/fused.c)
-_FUSED_ARGS_WORDS = 44
+_FUSED_ARGS_WORDS = 45
 # return codes of attnuq_levy_* (or-ed over threads)
 _LEVY_NOMEM = 1
 _LEVY_NONFINITE = 2
@@ -532,6 +532,7 @@ def fused_call(
     out: torch.Tensor | None = None,
     var: torch.Tensor | None = None,
     idx: torch.Tensor | None = None,
+    bias_natural: bool = False,
 ) -> bool:
     """Run a fused kernel of ``csrc/fused.c`` on rows ``i0:i1`` of groups ``g0:g1`` (``chunk``);
     returns whether every entry of ``q`` (those rows) and ``k`` (those groups) is finite (when
@@ -540,9 +541,12 @@ def fused_call(
     ``what`` is ``"sample"`` (dense sampler, ``block = 0``, or key-blocked with ``block``
     keys per block) or ``"moments"``. All float tensors float32 on the CPU: ``q`` ``(G, M, D)``
     and ``k`` ``(G, Lk, D)`` with unit last stride; ``scale`` multiplies ``q`` (log2 units);
-    ``bias`` None or ``(G, M | 1, Lk)`` additive log2 bias with unit key stride; ``causal_lq``
-    0, or ``Lq`` when row ``i`` sees keys ``j <= i mod Lq``; value ``j`` of group ``g`` is row
-    ``offs[g] + j * step`` of ``v`` ``(rows, dv)`` (unit last stride; ``offs`` ``(G,)`` int64);
+    ``bias`` None or ``(G, M | 1, Lk)`` additive log2 bias with unit key stride (with
+    ``bias_natural``: an additive float mask in natural units, which the kernel converts as it
+    reads it: ``b log2(e)``, a finite ``b`` never becoming ``-inf``; no NaN or ``+inf``);
+    ``causal_lq`` 0, or ``Lq`` when row ``i`` sees keys ``j <= i mod Lq``; value ``j`` of
+    group ``g`` is row ``offs[g] + j * step`` of ``v`` ``(rows, dv)`` (unit last stride;
+    ``offs`` ``(G,)`` int64);
     ``empty`` ``(G, M)`` bool, written for the chunk's rows. Sampler: ``nu`` draws per row
     from uniforms that the kernel derives from ``seed`` (an int in ``[0, 2**63)``), the group
     and the row (a SplitMix64 stream per row, ``csrc/fused.c``), so the draws do not depend on
@@ -603,6 +607,7 @@ def fused_call(
         dv,
         _ptr(out), o_sn, 0, dv, _ptr(var), _ptr(idx),
         int(idx is not None and idx.dtype == torch.int64), empty.data_ptr(),
+        int(bias is not None and bias_natural),
     ]
     return _fused_run(lib, what, words, scale, rows, lk, nu, dv, D)
 
@@ -641,12 +646,14 @@ def fused_call_4d(
     out: torch.Tensor | None = None,
     var: torch.Tensor | None = None,
     idx: torch.Tensor | None = None,
+    bias_natural: bool = False,
 ) -> bool:
     """:func:`fused_call` on every row, reading the inputs in their own 4-D layout (no copy
     into groups): ``q`` ``(N, Hq, Lq, D)``, ``k`` ``(N, Hk, Lk, D)``, ``v`` ``(N, Hk, Lk, Dv)``
     float32 with unit last strides and any other strides (``Hq = R Hk``; query head
     ``h R + r`` reads key/value head ``h``); ``bias`` None or ``(N, Hk, R | 1, Lq | 1, Lk)``
-    (broadcast dims of stride 0 welcome) with unit key stride; ``out`` (and ``var``)
+    (broadcast dims of stride 0 welcome) with unit key stride, in log2 units or, with
+    ``bias_natural``, natural ones (as :func:`fused_call`'s); ``out`` (and ``var``)
     ``(N, Hq, Lq, Dv)`` float32 of any strides with a unit last stride (one layout for both).
     Groups are ``g = n Hk + h``, rows ``i = r Lq + l``, as in :class:`attnuq.ops._attn_common.
     Attn`; ``empty`` ``(G, M)`` bool contiguous, ``idx`` ``(G, M, nu)`` contiguous, the seed and
@@ -728,7 +735,7 @@ def fused_call_4d(
         int(causal), max(1, lq), 0, G, 0, M,
         seed, nu, max(0, block), v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), 0, dv,
         _ptr(out), *os_, _ptr(var), _ptr(idx), int(idx is not None and idx.dtype == torch.int64),
-        empty.data_ptr(),
+        empty.data_ptr(), int(bias is not None and bias_natural),
     ]
     return _fused_run(lib, what, words, scale, G * M, lk, nu, dv, d)
 

@@ -37,7 +37,8 @@ each query chunk only scores the keys up to its last position. No tensor of
 ``B*H*Lq*Lk*nu`` (or ``B*H*Lq*Lk``) elements is formed.
 
 Fused CPU kernels (float32). On CPU, with float32 computation (float32, float16 and bfloat16
-inputs) and any ``attn_mask`` one bias table (:meth:`Attn.bias5`), both samplers and
+inputs) and any ``attn_mask`` read in place (float32) or one bias table
+(:meth:`Attn.kernel_bias`), both samplers and
 :func:`attention_moments` (``block_size=None``, no gradient) run the fused C kernels of
 ``csrc/fused.c`` instead (:func:`attnuq.ops.native_status` says whether they are in use): each
 thread takes a contiguous range of (group, tile) units and packs the keys of each key/value
@@ -380,19 +381,21 @@ def _sample_blocked(
         yield (g0, g1, i0, i1), choice
 
 
-def _fused_bias(att: Attn) -> tuple[bool, torch.Tensor | None]:
-    """``(applies, bias)``: whether the fused float32 kernels of :mod:`attnuq.ops._native`
-    take this call (CPU, float32 computation, the kernels loaded and switched on, any mask one
-    bias table: :meth:`Attn.bias5`), and that table ``(N, Hk, R | 1, Lq | 1, Lk)`` (or None)."""
+def _fused_bias(att: Attn) -> tuple[bool, torch.Tensor | None, bool]:
+    """``(applies, bias, natural)``: whether the fused float32 kernels of
+    :mod:`attnuq.ops._native` take this call (CPU, float32 computation, the kernels loaded and
+    switched on, any mask read in place or one bias table: :meth:`Attn.kernel_bias`), the bias
+    ``(N, Hk, R | 1, Lq | 1, Lk)`` (or None) and whether it is a float mask in natural units
+    (else log2)."""
     if not (att.q4.device.type == "cpu" and att.q4.dtype == torch.float32
             and _native.fused_available()):
-        return False, None
+        return False, None, False
     if att.mask is None:
-        return True, None
-    bias = att.bias5(torch.float32)
+        return True, None, False
+    bias, natural = att.kernel_bias()
     if bias is None:
-        return False, None
-    return True, bias
+        return False, None, False
+    return True, bias, natural
 
 
 def _fused_inputs(att: Attn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -455,6 +458,7 @@ def _sample_fused(
     bias: torch.Tensor | None,
     out: torch.Tensor | None = None,
     idx: torch.Tensor | None = None,
+    bias_natural: bool = False,
 ) -> bool:
     """The dense (``block_size`` None or ``>= Lk``) or key-blocked sampler in the fused kernel:
     scores tile by tile, draws and (into ``out`` ``(N, Hq, Lq, Dv)`` float32, any strides with
@@ -471,7 +475,7 @@ def _sample_fused(
     seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator, dtype=torch.int64))
     return _native.fused_call_4d(
         "sample", att.q4, att.k4, att.v4(), att.scale, bias, att.causal, empty, seed=seed,
-        nu=nu, block=block, out=out, idx=idx,
+        nu=nu, block=block, out=out, idx=idx, bias_natural=bias_natural,
     )  # fmt: skip
 
 
@@ -502,9 +506,9 @@ def _draw(
     if att.lk == 0:
         return torch.zeros(att.groups, att.rows, nu, dtype=torch.long, device=dev), empty
     idx = torch.empty(att.groups, att.rows, nu, dtype=att.index_dtype, device=dev)
-    fused, bias = _fused_bias(att)
+    fused, bias, natural = _fused_bias(att)
     if fused:
-        _sample_fused(att, nu, block_size, generator, empty, bias, idx=idx)
+        _sample_fused(att, nu, block_size, generator, empty, bias, idx=idx, bias_natural=natural)
         return idx, empty
     for (g0, g1, i0, i1), ic in _draw_chunks(att, nu, block_size, generator, empty):
         idx[g0:g1, i0:i1] = ic
@@ -747,14 +751,15 @@ def _sampled_impl(
     # are drawn, straight into the output; besides it, the memory is that of one chunk and the
     # gather buffer (no (G, M, nu) tensor).
     empty = torch.empty(g, m, dtype=torch.bool, device=q.device)
-    fused, bias = _fused_bias(att)
+    fused, bias, natural = _fused_bias(att)
     if fused:  # scores, draws and the gather in one compiled pass (float32)
         # the output in (N, Lq, Hq, Dv) memory, returned as an (N, Hq, Lq, Dv) view, as
         # F.scaled_dot_product_attention's CPU kernel does: callers that transpose it back to
         # (B, L, H * Dv) (Hugging Face, timm) then copy nothing
         hq = att.hk * att.r
         res = torch.empty(att.n, att.lq, hq, dv, device=q.device).transpose(1, 2)
-        if not _sample_fused(att, nu, block_size, generator, empty, bias, out=res) and deferred:
+        if not _sample_fused(att, nu, block_size, generator, empty, bias, out=res,
+                             bias_natural=natural) and deferred:
             _check_values(q, k, v)  # the kernel saw NaN/inf in q or k: raises
         # rows with no admissible key are zero already (the kernel writes them so)
         if empty_rows == "error" and bool(empty.any()):
@@ -887,7 +892,7 @@ def _moments_fused(
     :func:`_fused_bias` says it does not apply): per tile of query rows
     the scores, the exact row maximum, ``e = 2^(s - max)`` and one micro-GEMM of ``e`` with the
     values ``[vc, vc^2]`` centred on their unweighted mean (the formulas of :func:`_moments`)."""
-    ok, bias = _fused_bias(att)
+    ok, bias, natural = _fused_bias(att)
     if not ok:
         return None
     g, m, dv = att.groups, att.rows, att.dv
@@ -897,7 +902,7 @@ def _moments_fused(
     shape4 = (att.n, att.hk * att.r, att.lq, dv)
     finite = _native.fused_call_4d(
         "moments", att.q4, att.k4, att.v4(), att.scale, bias, att.causal, empty,
-        out=mean.view(shape4), var=var.view(shape4),
+        out=mean.view(shape4), var=var.view(shape4), bias_natural=natural,
     )  # fmt: skip
     return mean, var, empty, finite
 

@@ -80,7 +80,7 @@ struct fused_args {
                                         + l q_sl, unit feature stride */
     int64_t k, k_sn, k_sh, k_sl;     /* key j of group g at k + n k_sn + h k_sh + j k_sl */
     int64_t G, M, Lk, D, hk, R, lq;
-    int64_t bias, b_sn, b_sh, b_sr, b_sl; /* const float *: log2 bias of row (g, i) at bias +
+    int64_t bias, b_sn, b_sh, b_sr, b_sl; /* const float *: bias of row (g, i) at bias +
                                         n b_sn + h b_sh + r b_sr + l b_sl (unit key stride) */
     int64_t causal, clq;             /* row i sees keys j <= i mod clq */
     int64_t g0, g1, i0, i1;          /* the chunk: rows i0:i1 of groups g0:g1 */
@@ -93,6 +93,8 @@ struct fused_args {
     int64_t var;                     /* float, the output's strides (moments) */
     int64_t idx, idx64;              /* chunk (g, rows, nu) int32 / int64 (idx64) keys, or 0 */
     int64_t empty;                   /* uint8 (G, M): 1 = no admissible key */
+    int64_t bnat;                    /* 1: the bias holds an additive float mask in natural
+                                        units (read in place; see nat_bias), 0: log2 units */
     int64_t nthreads;
 };
 
@@ -251,13 +253,26 @@ static inline vwi lane_iota(void) {
 }
 
 /*
+ * An additive float mask in natural units as the log2 bias: b log2(e) in float32 (one rounding,
+ * as torch's `mask * LOG2E`), except that a finite b whose product overflows to -inf becomes
+ * -FLT_MAX, an ordinary (very low) score as SDPA weights it; -inf stays -inf (key excluded).
+ * NaN and +inf never reach the kernel (the caller refuses such masks).
+ */
+static inline vwf nat_bias(vwf b) {
+    const vwf ninf = splatw(-INFINITY);
+    const vwf t = b * splatw(1.44269504088896340736f);
+    return selw((t == ninf) & (b != ninf), splatw(-3.40282347e+38f), t);
+}
+
+/*
  * S[r][j] (row stride ld, j = p NR + c < np NR) = qs[r] . k[j] + bias[r][j] for j < lim[r] and
  * -inf for lim[r] <= j (bias[r] NULL: no bias; bias NULL: none for any row), for r < MR and the
  * panels p < np; mx[r] = max_j S[r][j] (-inf when lim[r] = 0). The bias and the limit are
  * applied as each panel leaves the registers, so no pass over the scores is needed for them.
+ * nat: the bias rows hold an additive mask in natural units, converted by nat_bias as read.
  */
 static void score_tile(const float *restrict qs, const float *restrict Kp, int64_t D, int64_t np,
-                       float *restrict S, int64_t ld, const float *const *bias,
+                       float *restrict S, int64_t ld, const float *const *bias, int nat,
                        const int64_t *lim, float *mx) {
     vwf mv[MR];
 #pragma GCC unroll 16
@@ -284,8 +299,13 @@ static void score_tile(const float *restrict qs, const float *restrict Kp, int64
             if (j0 + NR <= lim[r]) { /* a full panel of admissible keys */
                 vwf s0 = acc[r][0], s1 = acc[r][1];
                 if (br != NULL) {
-                    s0 += ldw(br + j0);
-                    s1 += ldw(br + j0 + VW);
+                    vwf b0 = ldw(br + j0), b1 = ldw(br + j0 + VW);
+                    if (nat) {
+                        b0 = nat_bias(b0);
+                        b1 = nat_bias(b1);
+                    }
+                    s0 += b0;
+                    s1 += b1;
                 }
                 mv[r] = maxw(mv[r], maxw(s0, s1));
                 stw(dst, s0);
@@ -296,8 +316,13 @@ static void score_tile(const float *restrict qs, const float *restrict Kp, int64
                 if (br != NULL && nv > 0) { /* the bias of the nv keys (none read past them) */
                     float tb[NR];
                     for (int c = 0; c < NR; c++) tb[c] = c < nv ? br[j0 + c] : 0.0f;
-                    s0 += ldw(tb);
-                    s1 += ldw(tb + VW);
+                    vwf b0 = ldw(tb), b1 = ldw(tb + VW);
+                    if (nat) {
+                        b0 = nat_bias(b0);
+                        b1 = nat_bias(b1);
+                    }
+                    s0 += b0;
+                    s1 += b1;
                 }
                 const vwi n0 = lane_iota() * 0 + (int32_t)nv;
                 const vwf ninf = splatw(-INFINITY);
@@ -706,7 +731,7 @@ static int tile(const struct fused_args *a, float scale, int moments, const floa
                 lim[r] = L > 0 ? L : 0;
             }
             score_tile(w->qs, Kp + blk * ppb * D * NR, D, (nkb + NR - 1) / NR, w->S, w->ld,
-                       bias_rows(a, &at, jb, brows), lim, mx);
+                       bias_rows(a, &at, jb, brows), (int)a->bnat, lim, mx);
             for (int64_t r = 0; r < nr; r++)
                 if (lim[r] > 0)
                     block_row(a, w, g, t + r, r, w->S + r * w->ld, lim[r], mx[r], jb, blk);
@@ -717,7 +742,8 @@ static int tile(const struct fused_args *a, float scale, int moments, const floa
         return fin;
     }
     const int64_t np = (nkt + NR - 1) / NR;
-    score_tile(w->qs, Kp, D, np, w->S, w->ld, bias_rows(a, &at, 0, brows), nk, mx);
+    score_tile(w->qs, Kp, D, np, w->S, w->ld, bias_rows(a, &at, 0, brows), (int)a->bnat, nk,
+               mx);
     if (!moments) {
         for (int64_t r = 0; r < nr; r++) {
             int ok = dense_row(a, w, g, t + r, w->S + r * w->ld, nk[r], mx[r], w->chosen);
