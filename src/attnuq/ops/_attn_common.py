@@ -459,11 +459,14 @@ def prepare(
     *,
     check_values: bool = True,
     convert: bool = True,
+    dedup: bool = True,
 ) -> Attn:
     """Validate SDPA-style inputs and fold them into groups (see the module docstring).
 
     ``convert=False`` keeps ``q``, ``k``, ``v`` in their dtype instead of the compute dtype
-    (the Triton kernels read 16-bit inputs as they are)."""
+    (the Triton kernels read 16-bit inputs as they are). ``dedup=False`` skips the check of a
+    per-query mask for equal rows (one pass over the mask), for callers that read the mask in
+    place whatever its rows (the fused kernels with a float32 mask)."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -555,8 +558,8 @@ def prepare(
             )
         # a sum below +inf proves no NaN and no +inf (either makes the sum NaN or +inf); only
         # then (or on overflow) the exact count
-        if attn_mask.is_floating_point() and attn_mask.numel() and not bool(
-            attn_mask.sum() < float("inf")
+        if attn_mask.is_floating_point() and attn_mask.numel() and not (
+            attn_mask.sum().item() < math.inf  # False for NaN as well
         ):
             bad = torch.isnan(attn_mask) | (attn_mask == float("inf"))
             if bool(bad.any()):
@@ -567,7 +570,7 @@ def prepare(
         m = attn_mask
         if m.dim() >= 2 and m.shape[-2] > 1 and m.stride(-2) == 0:
             m = m[..., :1, :]  # an expanded view: one row is the whole mask
-        if m.dim() >= 2 and m.shape[-2] > 1 and m.numel() <= _MASK_DEDUP_ELEMS:
+        if dedup and m.dim() >= 2 and m.shape[-2] > 1 and m.numel() <= _MASK_DEDUP_ELEMS:
             # A mask that is the same for every query (e.g. a key-padding mask that Hugging Face
             # materialised as (B, 1, Lq, Lk)) keeps one row: it is then one additive bias per
             # key for the whole call instead of a gather per chunk. Exact: equal rows.

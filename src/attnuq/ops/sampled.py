@@ -93,6 +93,7 @@ it reads them (the same message follows).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -176,7 +177,7 @@ def _estimate_bytes(
     es = att.q4.element_size()  # compute dtype
     ies = 4 if att.index_dtype == torch.int32 else 8
     g, m, lk, dv = att.groups, att.rows, att.lk, att.dv
-    parts = {"output": g * m * dv * (es + torch.empty((), dtype=att.out_dtype).element_size())}
+    parts = {"output": g * m * dv * (es + att.out_dtype.itemsize)}
     if g * m == 0 or lk == 0 or dv == 0:
         return parts
     blocked = block_size is not None and block_size < lk
@@ -434,9 +435,12 @@ def _prepare(
         and (attn_mask is None or isinstance(attn_mask, torch.Tensor))
         and min(q.numel(), k.numel(), v.numel()) > 0 and _native.fused_available()
     ):
-        att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa, check_values=False)
+        # a float32 mask is read in place by the kernels (Attn.kernel_bias), whatever its rows
+        dedup = attn_mask is None or attn_mask.dtype != torch.float32
+        att = prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa, check_values=False,
+                      dedup=dedup)
         if _fused_bias(att)[0]:
-            if not bool(torch.isfinite(v.sum(dtype=att.q4.dtype))):
+            if not math.isfinite(v.sum(dtype=att.q4.dtype).item()):
                 _check_values(q, k, v)
             return att, True
     return prepare(q, k, v, attn_mask, is_causal, scale, enable_gqa), False
