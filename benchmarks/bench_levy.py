@@ -304,10 +304,9 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"Machine: {meta['machine']}"
         + (f"; load average {meta['load_end']} at the end" if meta.get("load_end") else ""),
         "",
-        "The machine is shared: background jobs of other sessions (two long benchmark runs) "
-        "kept its 2 cores busy during the run (see the load averages), so absolute times are "
-        "inflated and noisy; each ratio pairs the two sides call by call, which cancels most of "
-        "the shared slowdown.",
+        "The machine may be shared with other jobs (see the load averages above: about 1 is "
+        "this run alone on its core), so absolute times can be inflated and noisy; each ratio "
+        "pairs the two sides call by call, which cancels most of a shared slowdown.",
         "",
         f"Setting: B={B}, N={N} observations (70-100 % observed), Q={Q} queries, H={H} heads, "
         f"d_model={D_MODEL}, {C} channels, float32. Times are medians over alternating runs; "
