@@ -71,6 +71,7 @@ import torch
 import torch.nn.functional as F
 
 from attnuq._io import atomic_savefig, atomic_write_json, atomic_write_text
+from attnuq._runtime import cpu_name
 from attnuq.nn import LevyAttention
 from attnuq.ops import _native, levy_attention
 
@@ -249,7 +250,7 @@ def run_config(
 
 
 def machine_line() -> str:
-    return (f"{platform.platform()}, {platform.processor() or platform.machine()}, "
+    return (f"{platform.platform()}, {cpu_name()}, "
             f"{os.cpu_count()} CPUs, torch {torch.__version__}, "
             f"{torch.get_num_threads()} torch thread(s), "
             f"load average {os.getloadavg()[0]:.1f} at start; Levy kernel: "

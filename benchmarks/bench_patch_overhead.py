@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnuq
+from attnuq._runtime import cpu_name
 from attnuq.ops import _native
 
 Bench = tuple[str, str, str, Callable[[], tuple[nn.Module, Callable[[nn.Module], Any]]]]
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
 
     op_rows = _op_bench(args.nu)
     load = os.getloadavg()
-    machine = (f"{platform.platform()}, {platform.processor() or platform.machine()}, "
+    machine = (f"{platform.platform()}, {cpu_name()}, "
                f"{os.cpu_count()} CPUs (torch threads {args.threads}), torch {torch.__version__}, "
                f"python {platform.python_version()}; load average at start "
                f"{load_start[0]:.1f}, at end {load[0]:.1f} (machine shared with other jobs)")

@@ -12,12 +12,52 @@ from typing import Any
 
 import torch
 
-__all__ = ["machine_line", "resolve_device", "run_info", "version"]
+__all__ = ["cpu_name", "machine_line", "resolve_device", "run_info", "version"]
+
+# the vector instruction sets that decide which kernels run, widest first (Linux flag names)
+_ISA_FLAGS = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"), ("neon", "NEON"),
+              ("asimd", "NEON"))
+
+
+def cpu_name(cpuinfo: str | None = None) -> str:
+    r"""The CPU's model name and its widest vector instruction sets, e.g.
+    ``"AMD EPYC (AVX-512)"`` or ``"Intel(R) Xeon(R) Platinum 8480+ (AMX, AVX-512)"``, read from
+    ``/proc/cpuinfo`` (or the text ``cpuinfo``); ``platform.processor()`` or the architecture
+    where that file is absent (macOS, Windows). Float results of the kernels may differ in the
+    last bits between such CPUs, which is why results pages name them.
+
+    Examples
+    --------
+    >>> cpu_name("model name\t: AMD EPYC 9B14\nflags\t\t: fpu sse2 avx2 avx512f\n")
+    'AMD EPYC 9B14 (AVX-512)'
+    >>> cpu_name("") == (platform.processor() or platform.machine())  # nothing known
+    True
+    """
+    text = cpuinfo
+    if text is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                text = f.read(1 << 16)
+        except OSError:
+            text = ""
+    name, flags = "", set[str]()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "hardware", "cpu model") and not name:
+            name = " ".join(value.split())
+        elif key in ("flags", "features") and not flags:
+            flags = set(value.split())
+    name = name or platform.processor() or platform.machine()
+    isas = list(dict.fromkeys(label for flag, label in _ISA_FLAGS if flag in flags))
+    isas = [i for i in isas if not (i == "AVX2" and "AVX-512" in isas)]
+    return f"{name} ({', '.join(isas)})" if isas else name
 
 
 def machine_line() -> str:
-    """One line naming the machine: OS, CPU, cores, Python, torch (and CUDA device if used)."""
-    cpu = platform.processor() or platform.machine()
+    """One line naming the machine: OS, CPU (:func:`cpu_name`), cores, Python, torch (and CUDA
+    device if used)."""
+    cpu = cpu_name()
     parts = [
         f"{platform.system()} {platform.machine()}",
         f"cpu={cpu}",
