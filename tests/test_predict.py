@@ -182,3 +182,56 @@ def test_bad_nu_is_refused_before_any_forward_pass(nu, err, match) -> None:  # t
     with pytest.raises(err, match=match):
         predict(Wrap().eval(), torch.randn(2, 3, 8), nu=nu, n_samples=2)
     assert calls == []  # the frozen pass never ran
+
+
+def _encoder(d: int, ffn: int) -> nn.Module:
+    layer = nn.TransformerEncoderLayer(d, 2, ffn, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+
+
+def _calls(model: nn.Module, **kw: object) -> tuple[list[int], torch.Tensor]:
+    """Batch sizes of the model calls of one predict (the frozen pass first)."""
+    sizes: list[int] = []
+    h = model.register_forward_pre_hook(lambda _m, args: sizes.append(int(args[0].shape[0])))
+    try:
+        x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(0))
+        pred = predict(model, x, nu=2, n_samples=16, progress=False, **kw)  # type: ignore[arg-type]
+    finally:
+        h.remove()
+    return sizes, pred.samples
+
+
+def test_cpu_replicas_are_capped_by_the_widest_activation() -> None:
+    """On the CPU the frozen pass measures the widest module output (here the feed-forward's
+    (4, 6, 64) = 1536 elements for one replica) and each batched call keeps it under
+    max_activation: 6144 allows 4 replicas, so 16 passes take 4 calls; the default cap
+    (CPU_MAX_ACTIVATION) allows all 16 at once; batch_replicas overrides the cap; the hooks
+    that measured it are gone afterwards."""
+    from attnuq.prediction import CPU_MAX_ACTIVATION
+
+    model = _encoder(8, 64)
+    sizes, _ = _calls(model, max_activation=6144)
+    assert sizes == [4] + [16] * 4
+    sizes, _ = _calls(model, max_activation=1)  # below one replica: one replica per call
+    assert sizes == [4] + [4] * 16
+    assert CPU_MAX_ACTIVATION >= 16 * 1536
+    sizes, _ = _calls(model)
+    assert sizes == [4, 64]
+    sizes, _ = _calls(model, max_activation=1, batch_replicas=8)
+    assert sizes == [4, 32, 32]
+    assert all(not m._forward_hooks for m in model.modules())
+    with pytest.raises(ValueError, match="max_activation"):
+        _calls(model, max_activation=0)
+
+
+def test_widest_output_removes_its_hooks_when_the_call_raises() -> None:
+    from attnuq.prediction import widest_output
+
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("boom")
+
+    model = nn.Sequential(nn.Linear(3, 5), Boom())
+    with pytest.raises(RuntimeError, match="boom"):
+        widest_output(model, torch.randn(2, 3))
+    assert all(not m._forward_hooks for m in model.modules())

@@ -2,7 +2,10 @@
 
 The ``S`` stochastic passes are batched: the input batch is replicated ``r`` times along dim 0
 (``(r*B, ...)``, replica-major), run through the patched model in one call, and the output is
-reshaped to ``(r, B, ...)``; chunks of ``r`` replicas keep each call under ``max_rows`` rows.
+reshaped to ``(r, B, ...)``; chunks of ``r`` replicas keep each call under ``max_rows`` rows
+and, on the CPU, its largest module output under ``max_activation`` elements (default
+:data:`CPU_MAX_ACTIVATION`: a call whose activations outgrow the caches runs slower per pass
+than a loop of small calls).
 Each row of the replicated batch draws its own attention weights, so the ``S`` draws of an
 example are i.i.d. given the input. The returned samples are always ``(S, B, ...)``.
 
@@ -26,7 +29,14 @@ from attnuq._validation import check_positive_int
 from attnuq.predictive import RECENTRE, Predictive
 from attnuq.predictive import recentre as _recentre
 
-__all__ = ["predict"]
+__all__ = ["CPU_MAX_ACTIVATION", "predict"]
+
+#: Default cap, on the CPU, on the elements of the largest module output of one batched call
+#: (``2**17`` float32 values: 512 KiB, about a core's L2 cache). Measured
+#: (``benchmarks/bench_predict_batched.py``, one thread, an AVX-512 EPYC): one call of all 32
+#: replicas was slower than the loop of 32 calls for a d=64 TransformerEncoder (91 vs 77 ms)
+#: and an FT-Transformer (773 vs 527 ms), whose replicated activations leave the caches.
+CPU_MAX_ACTIVATION = 1 << 17
 
 #: a model input: one tensor, a tuple/list of positional tensors, or a dict of keyword arguments
 Inputs = Any
@@ -142,6 +152,43 @@ def replicas_per_call(
     return max(1, min(n, check_positive_int(max_rows, "max_rows") // b))
 
 
+def widest_output(model: nn.Module, inputs: Inputs) -> tuple[Any, int]:
+    """``(model output, elements of the largest tensor any submodule returned)`` of one call,
+    measured by forward hooks on every module (removed again, also when the call raises).
+
+    Examples
+    --------
+    >>> import torch
+    >>> m = torch.nn.Sequential(torch.nn.Linear(3, 40), torch.nn.Linear(40, 2))
+    >>> out, widest = widest_output(m, torch.randn(5, 3))
+    >>> out.shape, widest  # the (5, 40) hidden output
+    (torch.Size([5, 2]), 200)
+    """
+    widest = 0
+
+    def hook(_m: nn.Module, _i: Any, out: Any) -> None:
+        nonlocal widest
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                widest = max(widest, t.numel())
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()]
+    try:
+        out = call_model(model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return out, widest
+
+
+def _on_cpu(model: nn.Module, inputs: Inputs) -> bool:
+    ts = _tensors(inputs)
+    if ts:
+        return ts[0].device.type == "cpu"
+    p = next(model.parameters(), None)
+    return p is None or p.device.type == "cpu"
+
+
 def stochastic_passes(
     model: nn.Module,
     inputs: Inputs,
@@ -182,6 +229,7 @@ def predict(
     output_fn: OutputFn | None = None,
     batch_replicas: int | None = None,
     max_rows: int = 8192,
+    max_activation: int | None = None,
     progress: bool | None = None,
     recentre: str | None = None,
     distributed: bool | None = None,
@@ -216,6 +264,13 @@ def predict(
         Replicas of the batch per model call; default ``max(1, max_rows // B)`` (memory cap).
     max_rows
         Cap on rows per model call when ``batch_replicas`` is not given.
+    max_activation
+        When ``batch_replicas`` is not given: cap on the elements of the largest tensor any
+        submodule returns in one call, which the frozen pass measures (forward hooks,
+        :func:`widest_output`) for one replica; ``r`` is at most ``max_activation // widest``
+        (at least 1). Default: :data:`CPU_MAX_ACTIVATION` on the CPU (batching beyond the
+        caches is slower there than a loop), none on other devices (where occupancy favours
+        large calls). The replicas per call change which draws a seed gives, not their law.
     progress
         tqdm progress bar over the passes (``None``: only on a terminal; only on rank 0).
     recentre
@@ -287,7 +342,17 @@ def predict(
             chunk_passes=check_positive_int(chunk_passes, "chunk_passes"), recentre=recentre,
         )
     r = replicas_per_call(b, n, batch_replicas, max_rows)
-    frozen = extract(call_model(model, inputs), output_fn)
+    if max_activation is not None:
+        check_positive_int(max_activation, "max_activation")
+    cap = max_activation
+    if cap is None and batch_replicas is None and _on_cpu(model, inputs):
+        cap = CPU_MAX_ACTIVATION
+    if cap is not None and batch_replicas is None and r > 1:
+        raw, widest = widest_output(model, inputs)
+        r = max(1, min(r, cap // max(1, widest)))
+    else:
+        raw = call_model(model, inputs)
+    frozen = extract(raw, output_fn)
     if frozen.dim() == 0 or frozen.shape[0] != b:
         raise ValueError(
             f"the model output must be batch-first with dim 0 = B = {b}, got "
