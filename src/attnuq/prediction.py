@@ -261,7 +261,8 @@ def predict(
         Maps the model output to the prediction tensor ``(B, ...)`` (default: the tensor itself,
         ``.logits``, or the first element of a tuple).
     batch_replicas
-        Replicas of the batch per model call; default ``max(1, max_rows // B)`` (memory cap).
+        Replicas of the batch per model call; default ``max(1, max_rows // B)`` (memory cap),
+        on the CPU also at most ``max_activation // widest`` (below).
     max_rows
         Cap on rows per model call when ``batch_replicas`` is not given.
     max_activation
