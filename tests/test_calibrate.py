@@ -255,3 +255,28 @@ def test_scalar_output_paper_is_biased_debiased_is_not() -> None:
         bands[crit] = grid.noise_band
     assert bands["auto"] == bands["paper-debiased"]
     assert max(bands["paper-debiased"]) < star["paper"]  # the bias is resolved by the data
+
+
+def test_cpu_passes_are_batched_within_the_activation_cap() -> None:
+    """On the CPU calibrate caps the replicas per call as predict does: a model whose
+    feed-forward output for one batch, (8, 6, 4096) = 196,608 elements, is above
+    CPU_MAX_ACTIVATION runs one replica per call (no call sees more than the batch), a
+    narrow one stacks every pass of an evaluation into one call; batch_replicas overrides."""
+    from attnuq.prediction import CPU_MAX_ACTIVATION
+
+    def run(ffn: int, **kw: object) -> set[int]:
+        layer = torch.nn.TransformerEncoderLayer(8, 2, ffn, dropout=0.0, batch_first=True)
+        model = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+        sizes: list[int] = []
+        model.register_forward_pre_hook(lambda _m, a: sizes.append(int(a[0].shape[0])))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 6, 8, generator=g)
+        y = torch.randn(8, 6, 8, generator=g)
+        calibrate(model, [(x, y)], n_passes=4, search="grid", grid_size=2,
+                  nu_range=(1, 4), progress=False, **kw)  # type: ignore[arg-type]
+        return set(sizes)
+
+    assert 8 * 6 * 4096 > CPU_MAX_ACTIVATION
+    assert run(4096) == {8}
+    assert run(16) == {8, 32}  # the frozen pass, then 4 replicas per call
+    assert run(4096, batch_replicas=4) == {8, 32}

@@ -181,7 +181,9 @@ def widest_output(model: nn.Module, inputs: Inputs) -> tuple[Any, int]:
     return out, widest
 
 
-def _on_cpu(model: nn.Module, inputs: Inputs) -> bool:
+def on_cpu(model: nn.Module, inputs: Inputs) -> bool:
+    """Whether a call runs on the CPU: the device of the first input tensor (of the model's
+    first parameter when the inputs hold no tensor)."""
     ts = _tensors(inputs)
     if ts:
         return ts[0].device.type == "cpu"
@@ -346,7 +348,7 @@ def predict(
     if max_activation is not None:
         check_positive_int(max_activation, "max_activation")
     cap = max_activation
-    if cap is None and batch_replicas is None and _on_cpu(model, inputs):
+    if cap is None and batch_replicas is None and on_cpu(model, inputs):
         cap = CPU_MAX_ACTIVATION
     if cap is not None and batch_replicas is None and r > 1:
         raw, widest = widest_output(model, inputs)

@@ -137,7 +137,9 @@ def calibrate(
     surrogate_noise
         ``tau``, the misfit sd of the log-linear surrogate (in ``ln s``).
     batch_replicas, max_rows
-        Batching of the passes (see :func:`attnuq.predict`).
+        Batching of the passes (see :func:`attnuq.predict`; on the CPU, without
+        ``batch_replicas``, also predict's default ``max_activation`` cap, measured in the
+        frozen pass of each batch).
     progress
         tqdm bar over evaluations (``None``: only on a terminal).
     per_layer

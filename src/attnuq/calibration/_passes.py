@@ -13,13 +13,16 @@ from torch import nn
 from attnuq._validation import check_finite
 from attnuq.calibration.criteria import PassStats
 from attnuq.prediction import (
+    CPU_MAX_ACTIVATION,
     Inputs,
     OutputFn,
     batch_size,
     call_model,
     extract,
+    on_cpu,
     replicas_per_call,
     stochastic_passes,
+    widest_output,
 )
 
 
@@ -31,6 +34,7 @@ class Batch:
     targets: torch.Tensor  # (B, ...)
     frozen: torch.Tensor  # (B, ...)
     b: int
+    widest: int = 0  # elements of the widest module output of the frozen pass (CPU batching cap)
 
 
 def check_data(data: Iterable[Any]) -> None:
@@ -64,14 +68,15 @@ def prepare(model: nn.Module, data: Iterable[Any], output_fn: OutputFn | None) -
     for i, item in enumerate(data):
         x, y = check_pair(i, item)
         b = batch_size(x)
-        f = extract(call_model(model, x), output_fn)
+        raw, widest = widest_output(model, x) if on_cpu(model, x) else (call_model(model, x), 0)
+        f = extract(raw, output_fn)
         if f.shape != y.shape:
             raise ValueError(
                 f"prediction and targets must have the same shape, got prediction.shape="
                 f"{tuple(f.shape)} and targets.shape={tuple(y.shape)} (batch {i})"
             )
         check_finite(f, f"frozen prediction (batch {i})")
-        out.append(Batch(inputs=x, targets=y, frozen=f, b=b))
+        out.append(Batch(inputs=x, targets=y, frozen=f, b=b, widest=widest))
     if not out:
         raise ValueError("data is empty: it yielded no (inputs, targets) batch")
     return out
@@ -112,6 +117,8 @@ def sample(
         reached = 0
         for ib, bt in enumerate(batches):
             reps = replicas_per_call(bt.b, m, batch_replicas, max_rows)
+            if batch_replicas is None and bt.widest:  # on the CPU, as predict's default
+                reps = max(1, min(reps, CPU_MAX_ACTIVATION // bt.widest))
             samples, c = stochastic_passes(
                 model, bt.inputs, m, output_fn=output_fn, replicas=reps, b=bt.b
             )
