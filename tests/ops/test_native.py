@@ -11,13 +11,16 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from tests.ops._reference_sampled import chi2_gof_pvalue
 
-from attnuq.ops import _native
+from attnuq.ops import _build, _native
 
 P_MIN = 1e-6
 LANES, MAXBL = 8, 16  # blocks come in multiples of LANES, of at most MAXBL entries
@@ -163,7 +166,8 @@ def test_compiles_into_the_cache_dir(monkeypatch, tmp_path):
     assert lib is not None, reason
     built = list(tmp_path.glob("kernels-*.so"))
     assert len(built) == 1 and str(built[0]) in reason
-    assert not list(tmp_path.glob("tmp*"))  # the atomic rename left no temporary file
+    assert not list(tmp_path.glob(".tmp*"))  # the atomic renames left no temporary file
+    assert _build.verified(built[0])  # its size and digest are recorded beside it
 
 
 def test_an_unwritable_cache_dir_falls_back_with_a_reason(monkeypatch, tmp_path):
@@ -183,7 +187,7 @@ def test_an_unwritable_user_cache_falls_back_to_a_temporary_dir(monkeypatch, tmp
     blocker.write_text("not a directory")
     monkeypatch.delenv("ATTNUQ_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # <blocker>/attnuq cannot be created
-    monkeypatch.setattr(_native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     lib, reason = _native._load.__wrapped__()
     assert lib is not None, reason
     assert str(tmp_path / "tmp") in reason
@@ -240,7 +244,7 @@ def test_a_cache_folder_of_another_user_is_refused(tmp_path, fresh_load):
     folder = tmp_path / "theirs"
     folder.mkdir(mode=0o700)
     me = os.getuid()
-    fresh_load.setattr(_native.os, "getuid", lambda: me + 1)  # the folder is now someone else's
+    fresh_load.setattr(_build.os, "getuid", lambda: me + 1)  # the folder is now someone else's
     fresh_load.setenv("ATTNUQ_CACHE_DIR", str(folder))
     st = _native.native_status()
     assert st["available"] is False
@@ -254,10 +258,10 @@ def test_a_library_planted_in_a_folder_of_ours_but_owned_by_another_is_refused(t
     lib = folder / "kernels-0123.so"
     lib.write_bytes(b"not a library")
     lib.chmod(0o644)
-    assert _native._unsafe(folder) is None and _native._unsafe(lib) is None
+    assert _build._unsafe(folder) is None and _build._unsafe(lib) is None
     lib.chmod(0o666)
-    assert "writable by group or others" in str(_native._unsafe(lib))
-    assert _native._unsafe(folder / "absent.so") is None  # nothing there yet: may be built
+    assert "writable by group or others" in str(_build._unsafe(lib))
+    assert _build._unsafe(folder / "absent.so") is None  # nothing there yet: may be built
 
 
 def test_a_new_cache_folder_is_private(tmp_path, fresh_load):
@@ -328,3 +332,61 @@ def test_block_kernel_is_the_dense_lookup_behind_an_exact_coin(dtype, lk):
     assert torch.equal(choice[take & sure], dense[take & sure] + j0)
     assert torch.equal(choice[~take & sure], choice0[~take & sure])
     assert torch.equal(choice[torch.isneginf(lb)], choice0[torch.isneginf(lb)])  # empty block
+
+
+# ---- a torn library in the cache is rebuilt, never mapped ----------------------------------
+
+_TORN_CHILD = """
+import torch
+from attnuq.ops import _native, native_status, sampled_attention
+st = native_status()
+assert st["available"], st
+q = torch.randn(1, 2, 5, 8)
+out = sampled_attention(q, q, torch.randn(1, 2, 5, 3), nu=4)
+assert out.shape == (1, 2, 5, 3) and bool(torch.isfinite(out).all())
+print("OK", st["reason"])
+"""
+
+
+def _run_child(cache: Path) -> subprocess.CompletedProcess[str]:
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "ATTNUQ_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("ATTNUQ_NATIVE", None)
+    return subprocess.run([sys.executable, "-c", _TORN_CHILD], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+
+
+@needs_kernel
+def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path):
+    """A ``kernels-*.so`` cut short in the cache used to be mapped by ``dlopen`` and killed
+    every later process with SIGBUS (even ``native_status()``). The process runs in a child
+    here, so that a crash fails the test instead of the test run; the cache starts as a copy
+    of this process's verified library and its digest, truncated."""
+    ours = Path(str(_native.status()["reason"]).rsplit(": ", 1)[-1])
+    assert _build.verified(ours)
+    lib = tmp_path / ours.name
+    good = ours.read_bytes()
+    lib.write_bytes(good[: len(good) // 3])
+    shutil.copyfile(_build._digest_path(ours), _build._digest_path(lib))
+    assert not _build.verified(lib)
+    child = _run_child(tmp_path)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    assert "OK" in child.stdout and str(lib) in child.stdout
+    assert _build.verified(lib) and lib.stat().st_size == len(good)
+
+
+def test_only_a_library_matching_its_recorded_digest_is_verified(tmp_path):
+    lib = tmp_path / "kernels-0.so"
+    lib.write_bytes(b"\x7fELF" + bytes(100))
+    assert not _build.verified(lib)  # no digest recorded
+    _build._digest_path(lib).write_text(_build._fingerprint(lib) + "\n")
+    assert _build.verified(lib)
+    lib.write_bytes(b"\x7fELF" + bytes(99))  # one byte short
+    assert not _build.verified(lib)
+    lib.write_bytes(b"\x7fELF" + bytes(99) + b"x")  # same size, other bytes
+    assert not _build.verified(lib)
+    lib.write_bytes(b"")
+    assert not _build.verified(lib)
+    lib.unlink()
+    assert not _build.verified(lib)

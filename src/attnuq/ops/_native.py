@@ -1,5 +1,5 @@
-"""Compiled CPU kernels (private, optional): the dense sampler's inverse-CDF step and the fused
-Levy-attention forward.
+"""Bindings of the compiled CPU kernels (private, optional): the dense sampler's inverse-CDF
+step, the fused attention kernels and the Levy-attention forward and training loops.
 
 Sampler. The dense path of :func:`attnuq.ops.sampled_attention` turns each chunk of scores
 into draws: row maximum, ``2^(s - max)``, a CDF and one lookup per draw. In torch ops that is
@@ -17,15 +17,13 @@ normalisation, the value field's mean and within-atom variance, scores, weights,
 value rows and second moments, ``phi(Lambda)`` and the outputs (see :func:`levy_forward` and
 the source). It gives the torch paths' numbers to rounding.
 
-Build. Both kernels are compiled into one library from ``csrc/*.c`` on first use with the
-system C compiler (``$CC`` or ``cc``; ``-O3 -fno-math-errno``, with ``-march=native`` and
-``-fopenmp`` when accepted) into a cache directory (``$ATTNUQ_CACHE_DIR``; else
-``$XDG_CACHE_HOME/attnuq`` or ``~/.cache/attnuq``, and a per-user temporary directory when that
-is not writable), keyed by the sources and headers, the flags, the compiler's version and the
-CPU, and loaded with :mod:`ctypes`. With OpenMP the work of a call is split over the process's
-OpenMP threads (in a torch process the shared ``libgomp`` is torch's own pool); without it,
-over Python threads (ctypes releases the GIL). Without a compiler, or with ``ATTNUQ_NATIVE=0``,
-the pure-torch paths run instead; :func:`status` says which and why.
+Library. :mod:`attnuq.ops._build` compiles, caches, verifies and loads the shared library;
+here every kernel's C signature is declared from one table (:data:`_SIGNATURES`) and the
+sizes of the argument structs the wrappers fill are checked against the library's own
+(:data:`_STRUCT_WORDS`). With OpenMP the work of a call is split over the process's OpenMP
+threads (in a torch process the shared ``libgomp`` is torch's own pool); without it, over
+Python threads (ctypes releases the GIL). Without a compiler, or with ``ATTNUQ_NATIVE=0``, the
+pure-torch paths run instead; :func:`status` says which and why.
 """
 
 from __future__ import annotations
@@ -33,20 +31,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import operator
-import os
-import platform
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from attnuq.ops import _build
 from attnuq.ops import phi as _phi
 
 __all__ = [
@@ -54,198 +46,113 @@ __all__ = [
     "native_status", "sample_block", "sample_rows", "status", "unfused",
 ]
 
-_CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("sample_rows.c", "levy.c", "fused.c", "levy_train.c")  # compiled into one library
-# ATTNUQ_NATIVE_PORTABLE=1: build without AVX-512 (-mno-avx512f), i.e. the portable 8-lane path
-# of the fused kernels, as an AVX2 machine runs it (for tests on an AVX-512 machine)
-_PORTABLE_ENV = "ATTNUQ_NATIVE_PORTABLE"
 # fewest score elements per thread before rows are split over threads
 _MIN_ELEMS_PER_THREAD = 1 << 15
 _enabled = True
 _fused_enabled = True
 
+_VP, _I64, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+_FLOATS = ("f32", "f64")
 
-def _cache_dirs() -> list[Path]:
-    """``$ATTNUQ_CACHE_DIR`` alone when set; else the user cache (``$XDG_CACHE_HOME/attnuq`` or
-    ``~/.cache/attnuq``) and, should it not be writable, a per-user temporary directory."""
-    env = os.environ.get("ATTNUQ_CACHE_DIR")
-    if env:
-        return [Path(env)]
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    user = getattr(os, "getuid", lambda: "user")()
-    return [
-        (Path(xdg) if xdg else Path.home() / ".cache") / "attnuq",
-        Path(tempfile.gettempdir()) / f"attnuq-{user}",
-    ]
+#: C signature of every kernel: name -> (restype, argtypes). ``{t}`` stands for both float
+#: types (``f32``, ``f64``). Most kernels take one pointer to an int64 array holding their
+#: argument struct field by field (sizes in :data:`_STRUCT_WORDS`).
+_SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
+    # csrc/sample_rows.c: (s, rows, lk, stride, u, nu, out_i32, out_i64, empty, threads)
+    "attnuq_sample_rows_{t}": (_I64, (_VP, _I64, _I64, _I64, _VP, _I64, _VP, _VP, _VP, _I64)),
+    # (s, rows, lk, stride, u, nu, run, choice_i32, choice_i64, j0, threads)
+    "attnuq_sample_block_{t}": (
+        _I64, (_VP, _I64, _I64, _I64, _VP, _I64, _VP, _VP, _VP, _I64, _I64)),
+    "attnuq_openmp": (_I64, ()),
+    # csrc/levy.c: (struct levy_args, b0, b1, threads)
+    "attnuq_levy_{t}": (_I64, (_VP, _I64, _I64, _I64)),
+    "attnuq_levy_args_words": (_I64, ()),
+    "attnuq_phi_tab_len": (_I64, ()),
+    "attnuq_phi_f64": (None, (_VP, _I64, _VP, _VP)),  # (x, n, table, out)
+    # csrc/fused.c: (struct fused_args, scale)
+    "attnuq_fused_sample_f32": (_I64, (_VP, _F64)),
+    "attnuq_fused_moments_f32": (_I64, (_VP, _F64)),
+    "attnuq_fused_args_words": (_I64, ()),
+    "attnuq_fused_lanes": (_I64, ()),
+    # csrc/levy_train.c
+    "attnuq_levy_train_words": (_I64, (_I64,)),
+    "attnuq_lt_tail_words": (_I64, ()),
+    "attnuq_lt_prep_{t}": (None, (_VP, _I64, _I64, _I64)),  # (struct, b0, b1, threads)
+    "attnuq_lt_post_{t}": (None, (_VP, _I64, _I64, _I64)),
+    "attnuq_lt_uniform_{t}": (_I64, (_VP,)),
+    "attnuq_lt_rows_{t}": (None, (_VP,)),
+    "attnuq_lt_qprep_{t}": (None, (_VP,)),
+    "attnuq_lt_qpost_{t}": (None, (_VP,)),
+    "attnuq_lt_tail_fwd_{t}": (None, (_VP,)),
+    "attnuq_lt_tail_bwd_{t}": (None, (_VP,)),
+    "attnuq_lt_pairs_{t}": (None, (_VP, _VP, _I64, _I64, _VP)),  # (ct, st, K, n, feats)
+    # (g_f, ct, st, K, n, g_c, g_s)
+    "attnuq_lt_pairs_grad_{t}": (None, (_VP, _VP, _VP, _I64, _I64, _VP, _VP)),
+    # (wsum, gT, H, ct, st, K, n, g_c, g_s, g_ws)
+    "attnuq_lt_pairs_grad_heads_{t}": (
+        None, (_VP, _VP, _I64, _VP, _VP, _I64, _I64, _VP, _VP, _VP)),
+    "attnuq_lt_phi_f64": (None, (_VP, _I64, _VP, _VP, _VP, _VP)),  # (x, n, val, der, phi, dphi)
+}
 
-
-def _cpu_id() -> str:
-    """The CPU model and feature flags (``-march=native`` output depends on them)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def _unsafe(path: Path) -> str | None:
-    """Why ``path`` (a cache folder or a library in it) must not be used, or None.
-
-    A shared library is code this process runs: one in a folder another user owns, or may
-    write to, could have been put there by them. So the folder and the library must belong to
-    this user and be writable by nobody else (on systems without ``os.getuid``, no check).
-    """
-    getuid = getattr(os, "getuid", None)
-    if getuid is None:
-        return None
-    try:
-        st = path.stat()
-    except (FileNotFoundError, NotADirectoryError):
-        return None  # not there yet: it will be created (or the write fails with a reason)
-    except OSError as exc:
-        return f"cannot inspect {path}: {exc}"
-    if st.st_uid != getuid():
-        return (f"refusing the kernel cache {path}: it is owned by uid {st.st_uid}, not by this "
-                f"user (uid {getuid()}); set ATTNUQ_CACHE_DIR to a folder of your own")
-    if st.st_mode & 0o022:
-        return (f"refusing the kernel cache {path}: it is writable by group or others (mode "
-                f"{st.st_mode & 0o777:o}); chmod go-w it or set ATTNUQ_CACHE_DIR")
-    return None
-
-
-def _compile(cc: str, flags: list[str], out: Path) -> str | None:
-    """Compile the kernel to ``out`` (atomically); an error message, or None on success."""
-    try:
-        out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-    except OSError as exc:
-        return f"cannot write to the cache directory {out.parent}: {exc} (set ATTNUQ_CACHE_DIR)"
-    try:
-        proc = subprocess.run(
-            [cc, *flags, "-shared", "-fPIC", "-o", tmp, *(str(_CSRC / n) for n in _SOURCES),
-             "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        if proc.returncode != 0:
-            return f"{cc} {' '.join(flags)} failed: {proc.stderr.strip()[-500:]}"
-        os.replace(tmp, out)
-        return None
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"{cc} could not run: {exc}"
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-
-
-# words of struct levy_args (csrc/levy.c), passed as one int64 array in its field order
+# words of struct levy_args (csrc/levy.c) and struct fused_args (csrc/fused.c), passed as one
+# int64 array in field order
 _LEVY_ARGS_WORDS = 43
-# words of struct fused_args (csrc/fused.c)
 _FUSED_ARGS_WORDS = 45
+# words of struct lt_prep_args, lt_post_args, lt_rows_args, lt_q_args and lt_tail_args
+# (csrc/levy_train.c)
+_LT_WORDS = (26, 24, 21, 18)
+_LT_TAIL_WORDS = 39
+
+#: (the library's size query, its argument, the words the wrappers pass, the struct)
+_STRUCT_WORDS: tuple[tuple[str, tuple[int, ...], int, str], ...] = (
+    ("attnuq_levy_args_words", (), _LEVY_ARGS_WORDS, "struct levy_args"),
+    ("attnuq_fused_args_words", (), _FUSED_ARGS_WORDS, "struct fused_args"),
+    *(("attnuq_levy_train_words", (i,), n, f"levy_train struct {i}")
+      for i, n in enumerate(_LT_WORDS)),
+    ("attnuq_lt_tail_words", (), _LT_TAIL_WORDS, "struct lt_tail_args"),
+)
+
 # return codes of attnuq_levy_* (or-ed over threads)
 _LEVY_NOMEM = 1
 _LEVY_NONFINITE = 2
 
 
+def _bind(lib: ctypes.CDLL) -> str | None:
+    """Declare every signature of :data:`_SIGNATURES` on ``lib`` and check the struct sizes;
+    None, or why the library does not fit these wrappers."""
+    for pattern, (restype, argtypes) in _SIGNATURES.items():
+        for name in {pattern.format(t=t) for t in _FLOATS}:
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                return f"the kernel library lacks {name} (sources out of sync)"
+            fn.restype, fn.argtypes = restype, list(argtypes)
+    for query, args, words, struct in _STRUCT_WORDS:
+        got = int(getattr(lib, query)(*args))
+        if got != words:
+            return f"{struct} has {got} words, the wrappers pass {words} (sources out of sync)"
+    return None
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    """``(library, reason)``: the loaded kernel, or None and why not (cached per process)."""
-    if os.environ.get("ATTNUQ_NATIVE", "1").strip() == "0":
-        return None, "disabled by ATTNUQ_NATIVE=0"
-    missing = [n for n in _SOURCES if not (_CSRC / n).is_file()]
-    if missing:
-        return None, f"kernel source missing: {', '.join(str(_CSRC / n) for n in missing)}"
-    # the key covers every source and header of csrc/
-    text = "\0".join(p.read_text() for p in sorted(_CSRC.glob("*.[ch]")))
-    cc = os.environ.get("CC", "cc")
-    try:
-        version = subprocess.run(
-            [cc, "--version"], capture_output=True, text=True, timeout=30, check=False
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"no C compiler ({cc!r}: {exc}); set CC or install one"
-    errors = []
-    extra = ["-mno-avx512f"] if os.environ.get(_PORTABLE_ENV, "").strip() == "1" else []
-    for flags in (  # -fno-math-errno: sqrt vectorises (the kernels never read errno)
-        ["-O3", "-fno-math-errno", "-march=native", "-fopenmp", *extra],
-        ["-O3", "-fno-math-errno", "-fopenmp", *extra],
-        ["-O3", "-fno-math-errno", "-march=native", *extra],
-        ["-O3", "-fno-math-errno", *extra],
-    ):
-        key = hashlib.sha256(
-            "\0".join(
-                [text, " ".join(flags), version, _cpu_id(), sys.platform]
-            ).encode()
-        ).hexdigest()[:16]
-        path = None
-        for folder in _cache_dirs():
-            cand = folder / f"kernels-{key}.so"
-            err = _unsafe(folder) or _unsafe(cand)
-            if err is not None:
-                errors.append(err)
-                continue  # another folder of ours may do (an explicit ATTNUQ_CACHE_DIR: none)
-            err = None if cand.is_file() else _compile(cc, flags, cand)
-            if err is None:
-                path = cand
-                break
-            errors.append(err)
-            if not err.startswith("cannot write"):
-                break  # a compiler error: another folder would not help
-        if path is None:
-            continue
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            errors.append(f"loading {path} failed: {exc}")
-            continue
-        for name in ("attnuq_sample_rows_f32", "attnuq_sample_rows_f64"):
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int64
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-            fn.argtypes += [ctypes.c_void_p, ctypes.c_int64]
-            fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-        for name in ("attnuq_sample_block_f32", "attnuq_sample_block_f64"):
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int64
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-            fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-            fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-        lib.attnuq_openmp.restype = ctypes.c_int64
-        lib.attnuq_openmp.argtypes = []
-        for name in ("attnuq_levy_f32", "attnuq_levy_f64"):
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int64
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-        lib.attnuq_levy_args_words.restype = ctypes.c_int64
-        lib.attnuq_levy_args_words.argtypes = []
-        if lib.attnuq_levy_args_words() != _LEVY_ARGS_WORDS:
-            errors.append(f"{path}: struct levy_args has {lib.attnuq_levy_args_words()} words, "
-                          f"levy_forward passes {_LEVY_ARGS_WORDS} (sources out of sync)")
-            continue
-        for name in ("attnuq_fused_sample_f32", "attnuq_fused_moments_f32"):
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int64
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_double]
-        for name in ("attnuq_fused_args_words", "attnuq_fused_lanes"):
-            getattr(lib, name).restype = ctypes.c_int64
-            getattr(lib, name).argtypes = []
-        if lib.attnuq_fused_args_words() != _FUSED_ARGS_WORDS:
-            errors.append(f"{path}: struct fused_args has {lib.attnuq_fused_args_words()} "
-                          f"words, _fused_call passes {_FUSED_ARGS_WORDS} (sources out of sync)")
-            continue
-        if not _register_levy_train(lib, errors, path):
-            continue
-        lib.attnuq_phi_tab_len.restype = ctypes.c_int64
-        lib.attnuq_phi_tab_len.argtypes = []
-        lib.attnuq_phi_f64.restype = None
-        lib.attnuq_phi_f64.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                       ctypes.c_void_p]
-        return lib, f"compiled with {cc} {' '.join(flags)}: {path}"
-    return None, "; ".join(errors)
+    """``(library, reason)``: the loaded kernels with their signatures declared, or None and
+    why not (cached per process)."""
+    lib, reason = _build.load_library()
+    if lib is None:
+        return None, reason
+    err = _bind(lib)
+    if err is not None:
+        return None, f"{reason.split(': ', 1)[-1]}: {err}"
+    return lib, reason
+
+
+def _lib() -> ctypes.CDLL:
+    """The loaded library, or RuntimeError with the reason it is not there."""
+    lib, reason = _load()
+    if lib is None:
+        raise RuntimeError(f"native kernels unavailable: {reason}")
+    return lib
 
 
 def status() -> dict[str, object]:
@@ -347,9 +254,7 @@ def sample_rows(
     ``out`` ``(R, nu)`` int32 or int64, contiguous: the drawn key of each uniform;
     ``empty`` ``(R,)`` bool, contiguous: rows whose every score is ``-inf`` (their indices are 0).
     """
-    lib = _load()[0]
-    if lib is None:
-        raise RuntimeError(f"native sampling kernel unavailable: {_load()[1]}")
+    lib = _lib()
     rows, lk = s.shape
     nu = u.shape[1]
     if not (
@@ -413,9 +318,7 @@ def sample_block(
     ``j0`` plus an inverse-CDF draw within the block (``u / p`` the threshold; see
     ``csrc/sample_rows.c``).
     """
-    lib = _load()[0]
-    if lib is None:
-        raise RuntimeError(f"native sampling kernel unavailable: {_load()[1]}")
+    lib = _lib()
     rows, lk = s.shape
     nu = u.shape[1]
     if not (
@@ -502,12 +405,6 @@ def unfused() -> Iterator[None]:
         _fused_enabled = prev
 
 
-def _fused_lanes() -> int | None:
-    """Vector lanes of the loaded fused kernels (16: AVX-512, 8: the portable path), or None."""
-    lib = _load()[0]
-    return None if lib is None else int(lib.attnuq_fused_lanes())
-
-
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -554,9 +451,7 @@ def fused_call(
     ``(g, rows, nu)`` int32 or int64 contiguous or None the drawn keys. Moments: ``out`` and
     ``var`` ``(G, M, dv)`` contiguous get the mean and the per-dimension variance.
     """
-    lib = _load()[0]
-    if lib is None:
-        raise RuntimeError(f"native kernels unavailable: {_load()[1]}")
+    lib = _lib()
     g0, g1, i0, i1 = chunk
     G, M, D = q.shape
     lk = k.shape[1]
@@ -682,9 +577,7 @@ def fused_call_4d(
     >>> ok
     True
     """
-    lib = _load()[0]
-    if lib is None:
-        raise RuntimeError(f"native kernels unavailable: {_load()[1]}")
+    lib = _lib()
     f32 = torch.float32
     n, hq, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -774,9 +667,7 @@ def phi(x: torch.Tensor) -> torch.Tensor:
     >>> ok
     True
     """
-    lib = _load()[0]
-    if lib is None:
-        raise RuntimeError(f"native kernels unavailable: {_load()[1]}")
+    lib = _lib()
     x = x.detach().to(torch.float64).contiguous()
     out = torch.empty_like(x)
     tab = _phi_table()
@@ -843,9 +734,7 @@ def levy_forward(
     >>> ok
     True
     """
-    lib = _load()[0]
-    if lib is None:
-        raise RuntimeError(f"native kernels unavailable: {_load()[1]}")
+    lib = _lib()
     B, H, Q, E = q.shape
     N, Dv = k.shape[2], a.shape[3]
     dt = q.dtype
@@ -923,51 +812,7 @@ def levy_forward(
 # tensors whose shapes and strides its caller guarantees (they are private) and checks only
 # what the C code relies on for memory safety.
 
-# words of struct lt_prep_args, lt_post_args, lt_rows_args (csrc/levy_train.c)
-_LT_WORDS = (26, 24, 21, 18)
 _LT_SFX = {torch.float32: "f32", torch.float64: "f64"}
-_LT_TAIL_WORDS = 39
-
-
-def _register_levy_train(lib: ctypes.CDLL, errors: list[str], path: Path) -> bool:
-    """Declare the training loops' signatures; False (with the reason in ``errors``) when the
-    library's structs do not match :data:`_LT_WORDS`."""
-    lib.attnuq_levy_train_words.restype = ctypes.c_int64
-    lib.attnuq_levy_train_words.argtypes = [ctypes.c_int64]
-    got = tuple(int(lib.attnuq_levy_train_words(i)) for i in range(4))
-    if got != _LT_WORDS:
-        errors.append(f"{path}: levy_train structs have {got} words, the wrappers pass "
-                      f"{_LT_WORDS} (sources out of sync)")
-        return False
-    vp, i64 = ctypes.c_void_p, ctypes.c_int64
-    for sfx in ("f32", "f64"):
-        for name in ("attnuq_lt_prep_", "attnuq_lt_post_"):
-            fn = getattr(lib, name + sfx)
-            fn.restype = None
-            fn.argtypes = [vp, i64, i64, i64]
-        fn = getattr(lib, "attnuq_lt_uniform_" + sfx)
-        fn.restype, fn.argtypes = i64, [vp]
-        for name in ("attnuq_lt_rows_", "attnuq_lt_qprep_", "attnuq_lt_qpost_"):
-            fn = getattr(lib, name + sfx)
-            fn.restype, fn.argtypes = None, [vp]
-        fn = getattr(lib, "attnuq_lt_pairs_" + sfx)
-        fn.restype, fn.argtypes = None, [vp, vp, i64, i64, vp]
-        fn = getattr(lib, "attnuq_lt_pairs_grad_" + sfx)
-        fn.restype, fn.argtypes = None, [vp, vp, vp, i64, i64, vp, vp]
-        fn = getattr(lib, "attnuq_lt_pairs_grad_heads_" + sfx)
-        fn.restype, fn.argtypes = None, [vp, vp, i64, vp, vp, i64, i64, vp, vp, vp]
-    lib.attnuq_lt_phi_f64.restype = None
-    lib.attnuq_lt_phi_f64.argtypes = [vp, i64, vp, vp, vp, vp]
-    lib.attnuq_lt_tail_words.restype, lib.attnuq_lt_tail_words.argtypes = i64, []
-    if lib.attnuq_lt_tail_words() != _LT_TAIL_WORDS:
-        errors.append(f"{path}: struct lt_tail_args has {lib.attnuq_lt_tail_words()} words, "
-                      f"the wrappers pass {_LT_TAIL_WORDS} (sources out of sync)")
-        return False
-    for sfx in ("f32", "f64"):
-        for name in ("attnuq_lt_tail_fwd_", "attnuq_lt_tail_bwd_"):
-            fn = getattr(lib, name + sfx)
-            fn.restype, fn.argtypes = None, [vp]
-    return True
 
 
 def train_loops_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -984,13 +829,6 @@ def train_loops_available(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in _LT_SFX and available()
 
 
-def _lt_lib() -> ctypes.CDLL:
-    lib = _load()[0]
-    if lib is None:
-        raise RuntimeError(f"native kernels unavailable: {_load()[1]}")
-    return lib
-
-
 def _words(n: int, words: list[int]) -> ctypes.Array[ctypes.c_int64]:
     assert len(words) == n, (len(words), n)
     return (ctypes.c_int64 * n)(*words)
@@ -998,7 +836,7 @@ def _words(n: int, words: list[int]) -> ctypes.Array[ctypes.c_int64]:
 
 def _lt_run(fn: Callable[..., None], args: ctypes.Array[ctypes.c_int64], B: int) -> None:
     """``fn(args, b0, b1, threads)`` over the batch, split as :func:`_dispatch` does."""
-    lib = _lt_lib()
+    lib = _lib()
     workers = max(1, min(torch.get_num_threads(), B))
     ref = ctypes.addressof(args)
 
@@ -1021,7 +859,7 @@ def lt_prep(
     ``ref`` ``(B, H, dv)``: any strides with a unit last stride (``within`` may broadcast its
     last axis); ``buf`` and ``nrm`` contiguous, same dtype.
     """
-    lib = _lt_lib()
+    lib = _lib()
     B, N, H, E = k.shape
     dv = vbar.shape[-1]
     ws = dv if per_dim else 1
@@ -1056,7 +894,7 @@ def lt_post(
     ``buf``, ``nrm``: ``g_k`` ``(B, N, H, E)``, ``g_vc`` ``(B, N, H, dv)``, ``g_sq``
     ``(B, N, H, wsq)`` (contiguous) and ``g_ref = -sum_n g_vc`` ``(B, H, dv)``. ``cols``: the
     columns of ``gv`` where the ``vc`` and the ``sq`` gradients start."""
-    lib = _lt_lib()
+    lib = _lib()
     B, N, H, W = buf.shape
     assert gk.shape[:3] == (B, N, H) and gv.shape[:3] == (B, N, H)
     assert gk.stride(3) == 1 and gv.stride(3) == 1 and gk.shape[3] >= E
@@ -1091,7 +929,7 @@ def _rows_args(g_out: torch.Tensor, out: torch.Tensor, g_lse: torch.Tensor, dv: 
 def lt_uniform(g_out: torch.Tensor, out: torch.Tensor, g_lse: torch.Tensor, dv: int,
                ws: int) -> bool:
     """Whether ``g_out[..., dv : dv + ws]`` is the same on every column, row by row."""
-    lib = _lt_lib()
+    lib = _lib()
     args = _rows_args(g_out, out, g_lse, dv, ws, 0, False, None, None)
     return bool(getattr(lib, "attnuq_lt_uniform_" + _LT_SFX[out.dtype])(ctypes.addressof(args)))
 
@@ -1100,7 +938,7 @@ def lt_rows(g_out: torch.Tensor, out: torch.Tensor, g_lse: torch.Tensor, dv: int
             dp: int, narrow: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradient and output rows handed to the flash backward, ``(B, H, Q, dp)`` views of
     ``(B, Q, H, dp)`` memory (see ``attnuq.ops.levy._FlashBlock.backward``)."""
-    lib = _lt_lib()
+    lib = _lib()
     B, H, Q = out.shape[:3]
     gt = out.new_empty(B, Q, H, dp)
     ot = out.new_empty(B, Q, H, dp)
@@ -1113,7 +951,7 @@ def lt_rows(g_out: torch.Tensor, out: torch.Tensor, g_lse: torch.Tensor, dv: int
 def lt_pairs(ct: torch.Tensor, st: torch.Tensor) -> torch.Tensor:
     """Pair features ``[c_k c_l, s_k s_l]_{k <= l}`` ``(K (K + 1), n)`` of contiguous
     ``(K, n)`` cosines and sines (rows by diagonal ``l - k``, then ``k``)."""
-    lib = _lt_lib()
+    lib = _lib()
     K, n = ct.shape
     assert ct.is_contiguous() and st.is_contiguous() and st.shape == (K, n)
     assert st.dtype == ct.dtype
@@ -1126,7 +964,7 @@ def lt_pairs(ct: torch.Tensor, st: torch.Tensor) -> torch.Tensor:
 def lt_pairs_grad(g_f: torch.Tensor, ct: torch.Tensor, st: torch.Tensor, g_c: torch.Tensor,
                   g_s: torch.Tensor) -> None:
     """``g_c``, ``g_s`` ``(K, n)`` += the backward of :func:`lt_pairs` for ``g_f``."""
-    lib = _lt_lib()
+    lib = _lib()
     K, n = ct.shape
     assert all(t.is_contiguous() and t.dtype == ct.dtype for t in (g_f, ct, st, g_c, g_s))
     assert g_f.shape == (K * (K + 1), n) and g_c.shape == (K, n) and g_s.shape == (K, n)
@@ -1146,7 +984,7 @@ def _phi_der_table() -> torch.Tensor:
 def lt_phi(lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``phi(lam)`` and ``phi'(lam)`` (float64, shaped like ``lam``) for finite ``lam >= 0``
     (unchecked), by the tables of :mod:`attnuq.ops.phi` in one compiled pass."""
-    lib = _lt_lib()
+    lib = _lib()
     x = lam.detach().to(torch.float64).contiguous()
     phi_, dphi = torch.empty_like(x), torch.empty_like(x)
     lib.attnuq_lt_phi_f64(x.data_ptr(), x.numel(), _phi_table().data_ptr(),
@@ -1157,7 +995,7 @@ def lt_phi(lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def lt_queries(q: torch.Tensor, beta: torch.Tensor, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``qp`` ``(B, Q, H, dp)`` rows ``[beta_h q / max(|q|, 1e-12) | 0 ...]`` and the norms
     ``(B, Q, H)`` of ``q`` ``(B, H, Q, E)`` (unit last stride; csrc/levy_train.c, qprep)."""
-    lib = _lt_lib()
+    lib = _lib()
     B, H, Q, E = q.shape
     assert q.stride(3) == 1 and dp >= E and beta.shape == (H,) and beta.dtype == q.dtype
     beta = beta.detach().contiguous()
@@ -1172,7 +1010,7 @@ def lt_queries_grad(gq: torch.Tensor, beta: torch.Tensor, qp: torch.Tensor, qnrm
                     E: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward of :func:`lt_queries` for the flash backward's query gradient ``gq``
     ``(B, H, Q, .)``: ``g_q`` ``(B, Q, H, E)`` and ``g_beta`` ``(H,)``."""
-    lib = _lt_lib()
+    lib = _lib()
     B, Q, H, dp = qp.shape
     assert gq.shape[:3] == (B, H, Q) and gq.stride(3) == 1 and gq.dtype == qp.dtype
     assert qp.is_contiguous() and qnrm.is_contiguous() and beta.shape == (H,)
@@ -1227,7 +1065,7 @@ def lt_tail(mom: torch.Tensor, z: torch.Tensor, ref: torch.Tensor, alpha: torch.
     """The operator's outputs from its moments (csrc/levy_train.c, tail): ``mom`` ``(B, H, Q,
     dv + ws)`` ``[mu | m2]`` (unit last stride), ``z`` ``(B, H, Q)``, ``ref`` ``(B, H, dv)``
     (unit last stride), ``alpha``, ``beta`` ``(H,)`` contiguous, one dtype."""
-    lib = _lt_lib()
+    lib = _lib()
     B, H, Q = z.shape
     dv = ref.shape[-1]
     new = mom.new_empty
@@ -1250,7 +1088,7 @@ def lt_tail_grad(
     ``var``, ``sigma_dim``, ``evidence``, ``p_empty``, ``phi``, ``sigma`` in ``(B, Q, H, ...)``
     contiguous memory (None = 0). Returns ``g_mom`` ``(B, Q, H, dv + ws)``, ``g_z``
     ``(B, Q, H)``, ``g_ref`` ``(B, H, dv)`` and ``g_ab`` ``(2, H)`` (alpha, beta)."""
-    lib = _lt_lib()
+    lib = _lib()
     B, H, Q = z.shape
     dv = ref.shape[-1]
     g_mom = mom.new_empty(B, Q, H, dv + (dv if per_dim else 1))
@@ -1270,7 +1108,7 @@ def lt_pairs_grad_heads(wsum: torch.Tensor, gT: torch.Tensor, ct: torch.Tensor,
     """:func:`lt_pairs_grad` for the rank-``H`` feature gradient ``wsum @ gT`` (``wsum``
     ``(2P, H)``, ``gT`` ``(H, n)``, contiguous), formed on the fly; returns ``f @ gT^T``
     ``(2P, H)`` (the weights' gradient), ``f`` the pair features."""
-    lib = _lt_lib()
+    lib = _lib()
     K, n = ct.shape
     H = gT.shape[0]
     assert all(t.is_contiguous() and t.dtype == ct.dtype for t in (wsum, gT, ct, st, g_c, g_s))
