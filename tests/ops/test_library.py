@@ -5,9 +5,11 @@ draw that seed from the same generator with the same ``torch.randint`` call, so 
 generator state gives the same draws. Compiled results are compared bit for bit with eager ones
 under the ``aot_eager`` backend (the same ATen kernels run on the same inputs; tests/README.md);
 every compile uses ``fullgraph=True``, so a graph break anywhere (the sampler included) fails.
-The backends are ``eager`` / ``aot_eager`` (dynamo tracing, fake tensors, functionalisation and
-the autograd graph) rather than Inductor, which takes tens of seconds per model on this machine
-and re-rounds the other layers' float arithmetic.
+Most compiles use ``aot_eager`` (dynamo tracing, fake tensors, functionalisation and the autograd
+graph); one tiny model per patching backend is compiled with the default backend, Inductor,
+which takes tens of seconds per model on a busy machine and re-rounds the other layers' float
+arithmetic (compared to rounding there). ``torch.library.opcheck`` runs on every custom op in
+every input layout the adapters pass.
 """
 
 from __future__ import annotations
@@ -81,21 +83,84 @@ def test_opcheck_sampled_attention(case: str) -> None:
     )
 
 
+_LAYOUTS = ["contiguous", "hf_strided", "causal", "bool_mask", "float_mask", "gqa", "v_grad"]
+
+
+def _layout_case(case: str, dtype: torch.dtype) -> dict[str, object]:
+    """Inputs of the ops in one of the layouts and options the adapters pass: contiguous
+    ``(B, H, L, D)``; Hugging Face's ``(B, L, H, D)`` memory seen as ``(B, H, L, D)``; causal;
+    a boolean or an additive float mask; grouped-query heads; a gradient for ``v``."""
+    g = _gen(10)
+    b, h, lq, lk, d = 2, 2, 5, 6, 4
+    if case == "hf_strided":
+        q, k, v = (torch.randn(b, n, h, d, generator=g, dtype=dtype).transpose(1, 2)
+                   for n in (lq, lk, lk))
+    else:
+        q, k, v = _qkv(b, h, lq, lk, d, dtype=dtype, seed=11)
+    mask: torch.Tensor | None = None
+    if case == "bool_mask":
+        mask = torch.rand(b, 1, lq, lk, generator=g) > 0.4
+        mask[..., 0] = True
+    elif case == "float_mask":
+        mask = torch.randn(b, 1, 1, lk, generator=g, dtype=dtype)
+        mask[..., 2] = float("-inf")
+    elif case == "gqa":
+        q = torch.randn(b, 2 * h, lq, d, generator=g, dtype=dtype)
+    if case == "v_grad":
+        v.requires_grad_(True)
+    return {"q": q, "k": k, "v": v, "mask": mask, "causal": case == "causal",
+            "gqa": case == "gqa"}
+
+
+@pytest.mark.parametrize("case", _LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_opcheck_sampled_attention_layouts(case: str, dtype: torch.dtype) -> None:
+    """Schema, fake tensor (shape, dtype and strides equal the real op's), autograd
+    registration and AOT dispatch, in float32 (the fused kernels where they are built, which
+    write SDPA's (N, Lq, Hq, Dv) memory) and float64 (the torch paths)."""
+    c = _layout_case(case, dtype)
+    v = c["v"]
+    assert isinstance(v, torch.Tensor)
+    torch.library.opcheck(
+        _sampled_op,
+        (c["q"], c["k"], v, c["mask"], torch.tensor(5), 4, c["causal"], None, c["gqa"], None,
+         "zero", v.requires_grad),
+    )
+
+
+@pytest.mark.parametrize("case", ["contiguous", "hf_strided", "bool_mask", "gqa"])
+def test_opcheck_attention_moments_layouts(case: str) -> None:
+    """The moments op in float32 (the fused moments kernel where it is built), with gradients
+    for q, k and v."""
+    c = _layout_case(case, torch.float32)
+    q, k, v = (t.detach().requires_grad_(True) for t in (c["q"], c["k"], c["v"]))  # type: ignore[union-attr]
+    torch.library.opcheck(_moments_op, (q, k, v, c["mask"], False, None, c["gqa"], None, "zero"))
+
+
 @pytest.mark.parametrize("block", [None, 3])
 def test_opcheck_attention_moments(block: int | None) -> None:
     q, k, v = (t.requires_grad_(True) for t in _qkv())
     torch.library.opcheck(_moments_op, (q, k, v, None, True, None, False, block, "error"))
 
 
+@pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("per_dim", [True, False])
-def test_opcheck_levy_attention(per_dim: bool) -> None:
+def test_opcheck_levy_attention(per_dim: bool, strided: bool) -> None:
+    """float32 inputs (the compiled kernel where it is built, whose outputs are views of
+    (B, Q, H, .) memory), contiguous or as (B, L, H, .) memory seen as (B, H, L, .)."""
     g = _gen(4)
     B, H, Q, N, E, Dv, K = 2, 3, 4, 7, 5, 3, 4
     mask = torch.rand(B, N, generator=g) > 0.3
     mask[:, 0] = True
+
+    def rand(b: int, h: int, n: int, d: int) -> torch.Tensor:
+        if strided:
+            return torch.randn(b, n, h, d, generator=g).transpose(1, 2)
+        return torch.randn(b, h, n, d, generator=g)
+
     args = (
-        torch.randn(B, H, Q, E, generator=g), torch.randn(B, H, N, E, generator=g),
-        torch.randn(B, H, N, Dv, generator=g), torch.rand(B, N, generator=g) * 10, mask,
+        rand(B, H, Q, E), rand(B, H, N, E), rand(B, H, N, Dv),
+        torch.rand(B, N, generator=g) * 10, mask,
         torch.tensor(1.5), torch.tensor(3.0), torch.tensor(0.5), torch.rand(K, generator=g),
         torch.rand(K, generator=g), torch.randn(Dv, K, generator=g), per_dim, 256, "auto",
     )  # fmt: skip
@@ -267,6 +332,96 @@ def test_compile_fullgraph_moments_module_and_levy() -> None:
         got2 = torch.compile(f, fullgraph=True, backend="aot_eager")(*data)
     for a, b in zip(eager, got2, strict=True):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------- torch.compile with Inductor, every adapter
+#
+# One tiny model per patching backend (nn.MultiheadAttention alone and inside
+# nn.TransformerEncoder, a module calling F.scaled_dot_product_attention, Hugging Face BERT,
+# timm's ViT, rtdl's FT-Transformer), patched, compiled with the default backend (Inductor) and
+# fullgraph=True. Inductor plans the graph's buffers from the custom ops' fake
+# implementations, so a fake whose strides differ from the real op's fails here. Inductor
+# re-rounds the surrounding layers (fused float32 kernels), so the compiled output equals the
+# eager one to rounding, not bit for bit; the draws are the same (the same seed from the same
+# generator state; a different draw would move the output by the size of a value row).
+# One layer each: an Inductor compile of a tiny model takes 10-40 s on a busy 2-core machine.
+
+
+class _SDPANet(nn.Module):
+    """A block calling ``F.scaled_dot_product_attention`` itself (patched by the SDPA backend)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, c // 2).permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None])
+        return self.out(a.transpose(1, 2).reshape(b, n, c))
+
+
+def _compile_case(name: str) -> tuple[nn.Module, object, tuple[torch.Tensor, ...]]:
+    """``(model, forward(model, *inputs) -> Tensor, inputs)`` of one adapter's tiny model."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 16, generator=_gen(1))
+    pad = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])  # True = padding
+    if name == "mha":
+        mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+        return mha, lambda m, x, pad: m(x, x, x, key_padding_mask=pad, need_weights=False)[0], (
+            x, pad)
+    if name == "encoder":
+        return _encoder(), lambda m, x, pad: m(x, src_key_padding_mask=pad), (x, pad)
+    if name == "sdpa":
+        return _SDPANet().eval(), lambda m, x, pad: m(x, ~pad), (x, pad)
+    if name == "hf_bert":
+        from transformers import BertConfig, BertModel
+
+        cfg = BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, intermediate_size=32, max_position_embeddings=16)
+        ids = torch.randint(0, 30, (2, 6), generator=_gen(2))
+        return BertModel(cfg).eval(), lambda m, ids, am: m(
+            input_ids=ids, attention_mask=am).last_hidden_state, (ids, (~pad).long())
+    if name == "timm_vit":
+        import timm
+
+        vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=1,
+                                num_classes=2).eval()
+        return vit, lambda m, img: m.forward_features(img), (
+            torch.randn(2, 3, 32, 32, generator=_gen(3)),)
+    assert name == "rtdl_ft"
+    import rtdl_revisiting_models as rtdl
+
+    ft = rtdl.FTTransformer(
+        n_cont_features=4, cat_cardinalities=[], d_out=2, n_blocks=1, d_block=16,
+        attention_n_heads=2, attention_dropout=0.0, ffn_d_hidden_multiplier=2.0,
+        ffn_dropout=0.0, residual_dropout=0.0).eval()
+    return ft, lambda m, xc: m(xc, None), (torch.randn(5, 4, generator=_gen(4)),)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mha", "encoder", "sdpa", "hf_bert", "timm_vit", "rtdl_ft"])
+def test_compile_inductor_fullgraph_every_adapter(name: str) -> None:
+    model, forward, inputs = _compile_case(name)
+    h = attnuq.patch(model, nu=4, seed=0)
+    assert len(h.sites) >= 1 and set(h.calls.values()) == {0}
+
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        return forward(model, *args)  # type: ignore[operator]
+
+    compiled = torch.compile(run, fullgraph=True)  # the default backend: Inductor
+    try:
+        with torch.no_grad(), torch._inductor.config.patch(compile_threads=1):
+            h.manual_seed(3)
+            eager = run(*inputs)
+            h.manual_seed(3)
+            got = compiled(*inputs)
+            again = compiled(*inputs)
+    finally:
+        h.remove()
+    assert got.shape == eager.shape and bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)  # the same draws
+    assert (again - got).abs().max() > 1e-3  # the next call draws anew
 
 
 # ----------------------------------------------------------------------------- torch.export

@@ -1103,6 +1103,9 @@ def _moments_impl(
 # run the implementations directly (same numbers, none of the dispatch overhead); traced calls go
 # through the ops (``_rng.tracing``). Randomness enters as a seed tensor (:mod:`attnuq.ops._rng`),
 # so each op is a deterministic function of its inputs (what ``torch.library.opcheck`` needs).
+# Every op returns contiguous tensors, the layout of its fake implementation, whichever path
+# (fused kernel, row kernel, torch) computed them: torch.compile's Inductor backend plans the
+# graph's memory from the fake's strides.
 # Backward formulas recompute the forward with autograd inside an opaque backward op: for
 # sampled attention the same seed gives the same draws, so the gradient for ``v`` (the sampled
 # counts divided by nu, scattered) is the one of the eager path; no gradient flows to q, k, the
@@ -1166,10 +1169,13 @@ def _sampled_op(
     be the torch path's, which the backward recomputes)."""
     gen = _rng.generator_from_seed(seed, q.device)
     with torch.no_grad():
-        return _sampled_impl(
+        out = _sampled_impl(
             q, k, v, nu, attn_mask, is_causal, scale, enable_gqa, block_size, gen,
             check_empty_rows(empty_rows), not v_grad,
         )  # fmt: skip
+    # the fused kernels write SDPA's (N, Lq, Hq, Dv) memory, the other paths contiguous
+    # memory: the op returns one layout, the one its fake promises
+    return out.contiguous()
 
 
 @_sampled_op.register_fake
@@ -1217,13 +1223,13 @@ def _sampled_backward_op(
         return gv
 
     gv = _with_autograd(run, q.device)
-    return torch.zeros_like(v) if gv is None else gv
+    return v.new_zeros(v.shape) if gv is None else gv.contiguous()
 
 
 @_sampled_backward_op.register_fake
 def _sampled_backward_fake(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor, *args: object) -> torch.Tensor:
-    return torch.empty_like(v)
+    return v.new_empty(v.shape)
 
 
 def _sampled_setup(ctx: object, inputs: tuple[object, ...], output: torch.Tensor) -> None:
@@ -1264,10 +1270,11 @@ def _moments_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attnuq::attention_moments``: :func:`attention_moments` (mean, var)."""
     with torch.no_grad():
-        return _moments_impl(
+        mean, var = _moments_impl(
             q, k, v, attn_mask, is_causal, scale, enable_gqa, block_size,
             check_empty_rows(empty_rows),
         )  # fmt: skip
+    return mean.contiguous(), var.contiguous()
 
 
 @_moments_op.register_fake
@@ -1316,8 +1323,8 @@ def _moments_backward_op(
             )
 
     grads = _with_autograd(run, q.device)
-    gq, gk, gv = (torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v),
-                                                                          strict=True))
+    gq, gk, gv = (t.new_zeros(t.shape) if g is None else g.contiguous()
+                  for g, t in zip(grads, (q, k, v), strict=True))
     return gq, gk, gv
 
 
@@ -1326,7 +1333,7 @@ def _moments_backward_fake(
     grad_mean: torch.Tensor, grad_var: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, *args: object,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _moments_setup(
