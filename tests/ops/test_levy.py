@@ -517,9 +517,9 @@ def test_non_finite_input_raises_when_the_kernel_cannot_run(monkeypatch, name: s
     """backend='auto' validates lightly when it expects the compiled kernel to check q, k and
     a itself; where the kernel cannot run (ATTNUQ_NATIVE=0, no compiler, another device or
     dtype) the torch path must check them instead of returning NaN."""
-    from attnuq.ops import levy as levy_mod
+    from attnuq.ops.levy import _dispatch
 
-    monkeypatch.setattr(levy_mod, "_native_unusable", lambda inp, needs_grad: "switched off")
+    monkeypatch.setattr(_dispatch, "_native_unusable", lambda q, needs_grad: "switched off")
     args, kw = make_problem()
     t = dict(zip(("q", "k", "a"), (x.clone() for x in args[:3]), strict=True))
     t[name][0, 1, 0, 0] = math.nan  # observation 0 is observed in every series

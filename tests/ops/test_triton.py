@@ -378,6 +378,7 @@ def test_triton_levy_forward_through_the_kernel(monkeypatch) -> None:
     if DEV != "cpu":
         pytest.skip("swaps the CPU flash kernel; on CUDA test_triton_levy_cuda_dispatch runs")
     from attnuq.ops import levy as levy_mod
+    from attnuq.ops.levy import _common as levy_common
 
     g = torch.Generator().manual_seed(5)
     b, h, nq, n, e, dv = 2, 2, 6, 45, 8, 4
@@ -388,7 +389,7 @@ def test_triton_levy_forward_through_the_kernel(monkeypatch) -> None:
     kw = {"alpha": 2.0, "beta": 3.0, "h": 0.1, "backend": "sdpa"}
     with torch.no_grad():
         ref = levy_mod.levy_attention(q, k, a, times, mask, **kw)  # type: ignore[arg-type]
-        monkeypatch.setattr(levy_mod, "_FLASH", _triton._flash_like)
+        monkeypatch.setattr(levy_common, "_FLASH", _triton._flash_like)
         got = levy_mod.levy_attention(q, k, a, times, mask, **kw)  # type: ignore[arg-type]
     for name in ("mean", "var", "evidence", "sigma"):
         torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-5, atol=1e-5)
