@@ -74,9 +74,10 @@ _BLOCK_M = 64
 _NU_B = 4  # draws per program on a GPU (programs along the third grid axis cover nu)
 _NU_B_INTERPRET = 64  # the interpreter's cost is per program: fewer, larger ones
 _GATHER_BLOCK_M = 32
-# Launch shape on a GPU: compiled for sm_90 without a device (tests/ops/_triton_aot.py), 8 warps
-# keep the sampler and the 16-bit moments within 255 registers without spills at 64 rows; the
-# float32 moments (ieee products, no tensor cores) take 32 rows and still spill a few bytes.
+# Launch shape on a GPU: compiled for sm_90 without a device (tests/attnuq/ops/_triton_aot.py),
+# 8 warps keep the sampler and the 16-bit moments within 255 registers without spills at 64
+# rows; the float32 moments (ieee products, no tensor cores) take 32 rows and still spill a few
+# bytes.
 _NUM_WARPS = 8
 _MOMENTS_BLOCK_M_F32 = 32
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -57,7 +57,7 @@ Layout of the package
 ---------------------
 * :mod:`~attnuq.ops.levy.reference`: :func:`levy_attention_reference`, the formulas above in
   plain torch (no blocks, shifts or fused kernels), the oracle every strategy is tested
-  against in float64, values and gradients (tests/ops/test_levy_reference.py).
+  against in float64, values and gradients (tests/attnuq/ops/test_levy_reference.py).
 * ``_validate``: the checks, run once per public call at its entry.
 * ``_dispatch``: the table of execution strategies (:data:`STRATEGIES`: ``native``,
   ``flash_grad``, ``triton``, ``flash``, ``sentinel``, ``explicit``), each implementing one

@@ -57,7 +57,7 @@ class _FlashBlock(torch.autograd.Function):
     instead of ``2 dv + 1``, on the values ``[T | Z | vc]`` (``T = tr sq`` written into the
     buffer then, ``Z = 0`` the zero column). Returns ``out`` ``(B, H, Q, max(E, dv + ws))``
     and ``lse`` ``(B, H, Q)``; both backward paths verified by ``torch.autograd.gradcheck``
-    in float64 (tests/ops/test_levy.py).
+    in float64 (tests/attnuq/ops/test_levy.py).
     """
 
     @staticmethod
@@ -319,7 +319,7 @@ class _Tail(torch.autograd.Function):
     Inputs: ``mom`` ``(B, H, Q, Dv + ws)``, ``z`` ``(B, H, Q)``, ``ref`` ``(B, H, 1, Dv)``,
     ``alpha``, ``beta`` ``(H,)``. Outputs are ``(B, H, Q, ...)`` views of ``(B, Q, H, ...)``
     memory (the heads of the module concatenate for free); ``var`` and ``sigma_dim`` are empty
-    without ``per_dim``. Checked against the torch formulas (tests/ops/test_levy.py).
+    without ``per_dim``. Checked against the torch formulas (tests/attnuq/ops/test_levy.py).
     """
 
     @staticmethod
