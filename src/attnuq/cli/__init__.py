@@ -218,7 +218,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from attnuq.report import render_report
+    from attnuq.html_report import render_report
 
     out = render_report(args.results, args.out)
     print(f"report written to {out}")
