@@ -151,7 +151,7 @@ def _read_npz(p: Path) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Te
 
 def _read_csv(p: Path, targets: list[str] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """CSV part of :func:`load_heldout`: a strict header table (file and line in every error)."""
-    from attnuq.data._formats import read_csv_table
+    from attnuq.data.readers import read_csv_table
 
     table = read_csv_table(p)
     cols = list(targets) if targets else [table.header[-1]]
