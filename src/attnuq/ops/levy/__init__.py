@@ -130,6 +130,7 @@ Implementation notes
   empty outputs.
   NOTE(paper): the moments conditional on ``N >= 1`` do not exist when ``Lambda = 0``; these
   values are a convention, and ``p_empty = 1`` is the signal to act on.
+
 * Times are plain real numbers: negative and unsorted times are accepted (the operator is
   permutation invariant; tested to 1e-12).
 * ``sqrt`` has an infinite derivative at 0: ``sigma`` and ``sigma_dim`` use a guarded square
