@@ -273,7 +273,7 @@ def levy_attention(
         ``F.scaled_dot_product_attention`` with a sentinel key that recovers it; needs
         ``beta <= log(finfo.max) / 4`` (22 in float32, 177 in float64). ``"explicit"``:
         scores, a max shift, ``exp`` and GEMMs (any ``beta``). The strategies behind each
-        backend are listed in :data:`STRATEGIES`. ``"auto"``: ``"native"`` for float32 and
+        backend: :data:`attnuq.ops.levy.STRATEGIES`. ``"auto"``: ``"native"`` for float32 and
         float64 on CPU without autograd when the kernel is available; otherwise ``"sdpa"``
         when ``beta`` allows and ``B * H * Q * N_obs >= 65536`` (``N_obs``: most observed
         entries in a series; below that the fused kernel's thread start-up costs more than it
