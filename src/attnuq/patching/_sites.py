@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnuq.ops._rng import register_source
+from attnuq.ops._rng import DEFAULT_SOURCE, register_source
 
 __all__ = ["AttentionSite", "SiteState", "check_no_dropout", "forward_names"]
 
@@ -70,13 +70,21 @@ class AttentionSite:
 
 
 class _GeneratorPool:
-    """One ``torch.Generator`` per device, all seeded with the handle's seed (lazily created)."""
+    """One ``torch.Generator`` per device, all seeded with the handle's seed (lazily created).
+
+    ``source`` names the pool inside traced graphs (a ``torch.Generator`` cannot enter one):
+    its registered key while it has a seed, :data:`~attnuq.ops._rng.DEFAULT_SOURCE` (the
+    device's default generator) without one. A graph traced from an unseeded patch therefore
+    names no pool at all and runs after the patch is removed, or in another process after
+    ``torch.export.save``/``load``; a seeded patch's graph draws from this pool, as eager code
+    does, while the pool lives.
+    """
 
     def __init__(self, seed: int | None) -> None:
         self.seed = seed
         self._gens: dict[str, torch.Generator] = {}
-        # names this pool inside compiled graphs (a torch.Generator cannot enter one)
         self.key = register_source(self)
+        self.source = DEFAULT_SOURCE if seed is None else self.key
 
     def get(self, device: torch.device) -> torch.Generator | None:
         if self.seed is None:
@@ -91,6 +99,7 @@ class _GeneratorPool:
 
     def reseed(self, seed: int | None) -> None:
         self.seed = seed
+        self.source = DEFAULT_SOURCE if seed is None else self.key
         self._gens.clear()
 
 
@@ -133,11 +142,12 @@ class SiteState:
         """The generator for one attention computation at this site (counted in ``calls``).
 
         Traced by ``torch.compile`` / ``torch.export`` this returns the pool's integer key
-        instead (:func:`attnuq.ops._rng.register_source`): the operator then draws its seed from
-        the same generator at run time, through the ``attnuq::next_seed`` op."""
+        instead (:func:`attnuq.ops._rng.register_source`; ``-1``, the device's default
+        generator, when the handle has no seed): the operator then draws its seed from the same
+        generator at run time, through the ``attnuq::next_seed`` op."""
         if torch.compiler.is_compiling():
             self.calls += 1  # replayed by the tracer after the graph runs; no lock in a graph
-            return self.pool.key
+            return self.pool.source
         with self._lock:
             self.calls += 1
         return self.pool.get(device)
