@@ -49,7 +49,8 @@ def test_unseeded_export_runs_after_the_block_and_in_another_process(tmp_path: P
         "assert not torch.equal(b, c), 'the default generator advances'\n"
         "print('OK', tuple(a.shape))\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    path_var = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path_var,
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "x.pt")],
                           capture_output=True, text=True, env=env, timeout=300)
