@@ -184,11 +184,13 @@ def sample_sharded(
                 )
                 calls += c
                 # "reached" from the patch's own call counts, never from output differences
-                reached = handle.require_calls(reached, where=f"calibrate (nu={nu}, unit {u})")
+                k, sl = sh.units[u]
+                where = f"batch {k}, examples {sl.start}..{sl.stop - 1}"
+                reached = handle.require_calls(reached, where=f"calibrate (nu={nu}, {where})")
                 if not bool(torch.isfinite(samples).all()):
                     raise ValueError(
-                        f"calibrate: the stochastic prediction at nu={nu} is not finite (unit "
-                        f"{u}) although the frozen one is"
+                        f"calibrate: the stochastic prediction at nu={nu} is not finite ({where})"
+                        " although the frozen one is"
                     )
                 dev[u] = (samples - f).reshape(m, bu, -1).double().cpu()  # (M, b_u, P)
         return dev, calls
