@@ -136,6 +136,8 @@ class SiteState:
     nu: int | tuple[int | None, ...] | None
     pool: _GeneratorPool = field(repr=False)
     calls: int = field(default=0, repr=False, compare=False)
+    #: whether the site's module was in training mode at its last call (None: not recorded)
+    training: bool | None = field(default=None, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def generator(self, device: torch.device) -> torch.Generator | int | None:
@@ -187,8 +189,15 @@ def forward_names(cls: type) -> frozenset[str]:
 _NAMES_CACHE: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
-def check_no_dropout(p: float, site: str) -> None:
-    """SA is an inference-time method: refuse attention dropout in training mode.
+def check_no_dropout(
+    p: float, site: str, *, name: str = "p", training: bool | None = True
+) -> None:
+    """SA is an inference-time method: refuse attention dropout (``p > 0``) at a patched site.
+
+    ``name`` is what the dropout probability is called where it comes from (the module's
+    ``dropout`` attribute, the ``dropout_p`` argument of ``scaled_dot_product_attention``);
+    ``training``: whether the module is in training mode (``None``: not known). A module in
+    eval mode that still passes ``dropout_p > 0`` is told so, rather than to call ``eval()``.
 
     Examples
     --------
@@ -198,9 +207,21 @@ def check_no_dropout(p: float, site: str) -> None:
     ... except RuntimeError as e:
     ...     print(str(e).split(";")[0])
     attention dropout is active at site 'attn' (p=0.1, module in training mode)
+    >>> try:
+    ...     check_no_dropout(0.1, "attn", name="dropout_p", training=False)
+    ... except RuntimeError as e:
+    ...     print(str(e).split(";")[0])
+    attention dropout is active at site 'attn' (dropout_p=0.1 passed in eval mode)
     """
     if p > 0.0:
+        if training is False:
+            raise RuntimeError(
+                f"attention dropout is active at site {site!r} ({name}={p} passed in eval mode); "
+                f"stochastic attention is for inference: the module must pass {name}=0.0 "
+                "outside training"
+            )
+        mode = "module in training mode" if training else "training mode not known"
         raise RuntimeError(
-            f"attention dropout is active at site {site!r} (p={p}, module in training mode); "
+            f"attention dropout is active at site {site!r} ({name}={p}, {mode}); "
             "stochastic attention is for inference: call model.eval() first"
         )
