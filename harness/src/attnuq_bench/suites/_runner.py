@@ -70,8 +70,24 @@ from typing import Any
 
 from attnuq._io import atomic_write_json, atomic_write_text, read_json_or_none
 
-__all__ = ["Group", "RunStore", "RunSummary", "SkipGroup", "credits", "data_matches",
-           "data_mismatch", "reuse_key", "run_items"]
+__all__ = ["Group", "Interrupted", "RunStore", "RunSummary", "SkipGroup", "credits",
+           "data_matches", "data_mismatch", "reuse_key", "run_items"]
+
+
+class Interrupted(KeyboardInterrupt):
+    """``KeyboardInterrupt`` (SIGINT) inside :func:`run_items`, saying where: the item (or the
+    group's setup) that was running and how many items this invocation had saved; every item
+    saved so far stays, and the same command resumes (``attnuq bench`` prints it, exit 130).
+
+    Examples
+    --------
+    >>> str(Interrupted("uci runs", "concrete/split0/gaussian", 3))
+    'uci runs stopped at concrete/split0/gaussian (3 item(s) saved by this run)'
+    """
+
+    def __init__(self, what: str, where: str, saved: int) -> None:
+        super().__init__(f"{what} stopped at {where} ({saved} item(s) saved by this run)")
+        self.what, self.where, self.saved = what, where, saved
 
 
 def data_matches(record: Mapping[str, Any], data: str | None) -> bool:
@@ -351,14 +367,17 @@ def run_items(
     summary = RunSummary()
     bar = tqdm(total=sum(len(g.methods) for g in groups), desc=desc or f"{store.suite} runs",
                disable=not progress)
+    where = "the list of items to do"
     try:
         for g in groups:
+            where = "what is to do in " + ("/".join(g.parts) or store.suite)
             todo = [m for m in g.methods
                     if m in rerun or store.load(g.parts, m, g.reuse_for(m), data=g.data) is None]
             summary.reused += len(g.methods) - len(todo)
             bar.update(len(g.methods) - len(todo))
             if not todo:
                 continue
+            where = "the setup of " + ("/".join(g.parts) or store.suite)
             try:
                 ctx = setup(g)
             except SkipGroup as exc:
@@ -366,7 +385,7 @@ def run_items(
                 bar.update(len(todo))
                 continue
             for m in todo:
-                name = "/".join((*g.parts, m))
+                name = where = "/".join((*g.parts, m))
                 bar.set_postfix_str(name)
                 t0 = time.perf_counter()
                 try:
@@ -383,6 +402,10 @@ def run_items(
                 if on_saved is not None:
                     on_saved(g, m, rec)
                 bar.update(1)
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, Interrupted):
+            raise
+        raise Interrupted(desc or f"{store.suite} runs", where, summary.done) from None
     finally:
         bar.close()
     return summary
@@ -504,6 +527,11 @@ def _run_sharded(
                         set_up(nxt)
 
                 _dist.phase(f"{store.suite}: items", step, group=long)
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, Interrupted):
+            raise
+        raise Interrupted((desc or f"{store.suite} runs") + f" (rank {rank}/{world})",
+                          "its items", summary.done) from None
     finally:
         bar.close()
     every = _dist.phase(f"{store.suite}: summaries", lambda: summary, group=long)

@@ -327,6 +327,12 @@ def run(args: argparse.Namespace) -> Path:
     if args.splits < 1 or args.first_split < 0:
         raise ValueError(f"--splits must be >= 1 and --first-split >= 0, got {args.splits=}, "
                          f"{args.first_split=}")
+    if not args.aggregate_only:
+        for name in args.datasets:  # a first split past the last one would run nothing
+            n = n_splits(name, args.data_dir)
+            if args.first_split >= n:
+                raise ValueError(f"--first-split {args.first_split} is past the last split of "
+                                 f"{name!r}, which has {n} (0..{n - 1})")
     out.mkdir(parents=True, exist_ok=True)
     if is_writer():  # under torchrun: rank 0 (attnuq.distributed)
         atomic_write_text(out / ".gitignore", "_models/\n*.err.txt\n")
