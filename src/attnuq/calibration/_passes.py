@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from attnuq._validation import check_finite
-from attnuq.prediction import Inputs
+from attnuq.montecarlo import Inputs
 
 
 def check_data(data: Iterable[Any]) -> None:

@@ -24,7 +24,7 @@ from torch import nn
 from attnuq import distributed as _dist
 from attnuq.calibration._passes import check_data, check_pair
 from attnuq.calibration.criteria import PassStats
-from attnuq.prediction import (
+from attnuq.montecarlo import (
     CPU_MAX_ACTIVATION,
     Inputs,
     OutputFn,

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from attnuq.data import DataFormatError
-from attnuq.data._formats import check_line_end
+from attnuq.data.readers import check_line_end
 
 __all__ = [
     "PARSER_VERSION",
