@@ -64,7 +64,7 @@ def files_digest(paths: Iterable[str | os.PathLike[str]]) -> str:
         for q, name in zip(files, names, strict=True):
             h.update(f"{name}|{q.stat().st_size};".encode())
             with q.open("rb") as fh:
-                for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                while block := fh.read(1 << 20):
                     h.update(block)
     return h.hexdigest()[:16]
 
