@@ -1,7 +1,8 @@
 """Batched against looped Monte Carlo passes in :func:`attnuq.predict`.
 
-``predict`` replicates the input batch ``S`` times along dim 0 and runs the stochastic passes in
-as few model calls as the memory cap (``max_rows``) allows; the reference runs the same ``S``
+``predict`` cuts the work into units of 16 examples by 16 passes, replicates a unit's examples
+along dim 0 and runs its passes in as few model calls as the caps (``max_rows``, on the CPU the
+widest activation) allow; the reference runs the same ``S``
 passes as a Python loop of ``S`` calls (``batch_replicas=1``). Both produce ``(S, B, ...)``
 samples from the same patched model. The two are timed alternately (batched, looped, batched,
 ...) so that drifts in machine load hit both; the ratio of the medians is the speed-up.
@@ -35,7 +36,7 @@ from torch import nn
 
 from attnuq._io import atomic_write_json, atomic_write_text
 from attnuq._runtime import run_info
-from attnuq.montecarlo import CPU_MAX_ACTIVATION, predict, replicas_per_call, widest_output
+from attnuq.montecarlo import CPU_MAX_ACTIVATION, predict, unit_replicas, widest_output
 
 S, NU = 32, 8
 
@@ -103,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
 
         a, b = batched(), looped()  # warm-up, and both give (S, B, ...)
         assert a.samples.shape == b.samples.shape == (S, *a.frozen.shape)  # type: ignore[union-attr]
-        _, widest = widest_output(model, x)
-        reps = replicas_per_call(int(x.shape[0]), S, None, 8192)
-        reps = max(1, min(reps, CPU_MAX_ACTIVATION // max(1, widest)))
+        # predict's units: chunks of 16 examples by 16 passes, batched inside (first unit)
+        chunk = x[:16]
+        _, widest = widest_output(model, chunk)
+        reps = unit_replicas(int(chunk.shape[0]), min(S, 16), None, 8192, CPU_MAX_ACTIVATION,
+                             widest)
         tb, tl = [], []
         for i in range(args.repeats):  # pairs, in alternating order
             if i % 2 == 0:

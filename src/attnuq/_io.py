@@ -55,6 +55,7 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "cache_key",
+    "check_input_file",
     "check_out_dir",
     "decode_nonfinite",
     "describe_error",
@@ -274,6 +275,49 @@ def torch_load_or_none(path: str | os.PathLike[str], what: str, **load_kwargs: A
     except Exception as exc:  # truncated zip, bad pickle, ...: a torn checkpoint is retrained
         _warn_corrupt(p, what, describe_error(exc))
         return None
+
+
+def _kind(mode: int) -> str:
+    import stat
+
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_input_file(path: str | os.PathLike[str], what: str = "data file") -> Path:
+    """``path`` if it names a regular file (symbolic links followed), else an error saying what
+    it is: ``FileNotFoundError`` when nothing is there, ``ValueError`` for a folder, a named
+    pipe (which would block a reader forever), a device such as ``/dev/null``, a socket.
+
+    Examples
+    --------
+    >>> check_input_file("/dev/null")
+    Traceback (most recent call last):
+    ...
+    ValueError: data file /dev/null is a character device, not a regular file
+    >>> check_input_file("/no/such/file.csv", "model")
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: model not found: /no/such/file.csv
+    """
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} not found: {p}") from None
+    except OSError as exc:  # permission, a loop of links, a name too long
+        raise ValueError(f"{what} {p} cannot be read: {exc.strerror or exc}") from None
+    import stat
+
+    if not stat.S_ISREG(st.st_mode):
+        kind = _kind(st.st_mode)
+        raise ValueError(f"{what} {p} is {kind}, not a regular file" if kind.startswith("a ")
+                         else f"{what} {p} is not a regular file")
+    return p
 
 
 def file_identity(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -16,7 +16,12 @@ __all__ = [
     "check_nu",
     "check_positive_int",
     "check_same_shape",
+    "check_seed",
 ]
+
+#: seeds are ``0 <= seed < 2**63``: what ``torch.Generator.manual_seed`` and numpy's
+#: ``SeedSequence`` both take without wrapping or refusing
+SEED_HIGH = 2**63
 
 
 def check_positive_int(value: object, name: str) -> int:
@@ -25,6 +30,29 @@ def check_positive_int(value: object, name: str) -> int:
         raise TypeError(f"{name} must be a positive int, got {name}={value!r}")
     if int(value) < 1:
         raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+    return int(value)
+
+
+def check_seed(value: object, name: str = "seed", *, allow_none: bool = True) -> int | None:
+    """Return ``value`` as ``int`` if it is a seed ``0 <= seed < 2**63`` (``None`` passes when
+    ``allow_none``); bools, floats and out-of-range ints are refused naming ``name``.
+
+    Examples
+    --------
+    >>> check_seed(3), check_seed(None)
+    (3, None)
+    >>> check_seed(-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: seed must be an int with 0 <= seed < 2**63, got seed=-1
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        what = "an int or None" if allow_none else "an int"
+        raise TypeError(f"{name} must be {what} (0 <= {name} < 2**63), got {name}={value!r}")
+    if not 0 <= int(value) < SEED_HIGH:
+        raise ValueError(f"{name} must be an int with 0 <= {name} < 2**63, got {name}={value!r}")
     return int(value)
 
 

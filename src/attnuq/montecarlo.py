@@ -1,18 +1,21 @@
 """Monte Carlo prediction with stochastic attention: ``attnuq.predict(model, x, nu=8, ...)``.
 
-The ``S`` stochastic passes are batched: the input batch is replicated ``r`` times along dim 0
-(``(r*B, ...)``, replica-major), run through the patched model in one call, and the output is
-reshaped to ``(r, B, ...)``; chunks of ``r`` replicas keep each call under ``max_rows`` rows
-and, on the CPU, its largest module output under ``max_activation`` elements (default
-:data:`CPU_MAX_ACTIVATION`: a call whose activations outgrow the caches runs slower per pass
-than a loop of small calls).
-Each row of the replicated batch draws its own attention weights, so the ``S`` draws of an
-example are i.i.d. given the input. The returned samples are always ``(S, B, ...)``.
+The work is cut into fixed **units**: ``chunk_examples`` examples by ``chunk_passes`` passes (the
+last ones shorter). Each unit draws from its own generator, seeded by
+:func:`attnuq.distributed.unit_seed` ``(seed, example chunk, pass block)``, so the samples
+depend on the seed and the unit sizes only: the same in one process and under a
+``torch.distributed`` process group (:mod:`attnuq.distributed`) at any world size, where the
+ranks share the units and exchange the results.
 
-Under a ``torch.distributed`` process group (:mod:`attnuq.distributed`) the work is cut into
-units of ``chunk_examples`` examples by ``chunk_passes`` passes, each drawing from its own
-generator seeded by ``(seed, example chunk, pass block)``; the ranks share the units and
-exchange the results, so every rank returns the same samples at any world size.
+Inside a unit the passes are batched: the unit's examples are replicated ``r`` times along dim 0
+(``(r*b, ...)``, replica-major), run through the patched model in one call, and the output is
+reshaped to ``(r, b, ...)``; ``r`` keeps each call under ``max_rows`` rows and, on the CPU, its
+largest module output under ``max_activation`` elements (default :data:`CPU_MAX_ACTIVATION`: a
+call whose activations outgrow the caches runs slower per pass than a loop of small calls).
+``r`` is computed the same way on every path (from the unit's shape and the widest activation
+of its frozen pass), so batching never makes two paths differ. Each row of a replicated batch
+draws its own attention weights, so the ``S`` draws of an example are i.i.d. given the input.
+The returned samples are always ``(S, B, ...)``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from torch import nn
 
 from attnuq import distributed as _dist
-from attnuq._validation import check_positive_int
+from attnuq._validation import check_positive_int, check_seed
 from attnuq.predictive import RECENTRE, Predictive
 from attnuq.predictive import recentre as _recentre
 
@@ -220,6 +223,74 @@ def stochastic_passes(
     return torch.cat(chunks, 0), calls
 
 
+def _nonfinite_inputs(inputs: Inputs) -> list[str]:
+    """``"name: n NaN, m inf of shape (...)"`` for each floating input tensor that is not
+    finite (names as :func:`named_tensors` gives them)."""
+    bad = []
+    for name, t in named_tensors(inputs):
+        if (t.is_floating_point() or t.is_complex()) and t.numel():
+            fin = torch.isfinite(t)
+            if not bool(fin.all()):
+                n_nan = int(torch.isnan(t).sum())
+                n_inf = int((~fin).sum()) - n_nan
+                label = "inputs" if isinstance(inputs, torch.Tensor) else f"inputs[{name!r}]"
+                bad.append(f"{label} holds {n_nan} NaN and {n_inf} inf values (shape "
+                           f"{tuple(t.shape)})")
+    return bad
+
+
+def check_frozen(frozen: torch.Tensor, inputs: Inputs, where: str) -> None:
+    """``ValueError`` if the frozen prediction is not finite, naming the non-finite inputs that
+    explain it (a model may handle NaN inputs itself, so inputs are only blamed when the output
+    shows it), or saying that the inputs were finite."""
+    if not (frozen.is_floating_point() or frozen.is_complex()):
+        return
+    fin = torch.isfinite(frozen)
+    if bool(fin.all()):
+        return
+    n_bad = int((~fin).sum())
+    culprits = _nonfinite_inputs(inputs)
+    if culprits:
+        raise ValueError(
+            f"{where}: the inputs are not finite: {'; '.join(culprits)}; the model's frozen "
+            f"prediction has {n_bad} non-finite values: remove or impute them first"
+        )
+    raise ValueError(
+        f"{where}: the model's frozen prediction has {n_bad} non-finite values (NaN/inf) of "
+        f"{frozen.numel()} although every input is finite (shape {tuple(frozen.shape)})"
+    )
+
+
+def check_samples_budget(
+    n: int, b: int, per_example: int, itemsize: int, where: str, name: str = "n_samples"
+) -> None:
+    """Refuse ``(n, b, ...)`` samples (``per_example`` elements of ``itemsize`` bytes each per
+    example and pass) that exceed the memory budget of the operators
+    (:func:`attnuq.ops.max_bytes`, ``$ATTNUQ_MAX_BYTES``), naming the bytes and the largest
+    ``n`` that fits (``name`` is the argument that sets ``n``).
+
+    Examples
+    --------
+    >>> check_samples_budget(8, 4, 2, 4, "predict")  # 256 bytes: fits
+    >>> check_samples_budget(10**12, 11, 1, 1, "predict")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: predict: n_samples=1000000000000 needs ... the largest n_samples that fits is ...
+    """
+    from attnuq.ops import max_bytes
+
+    budget = max_bytes()
+    row = b * max(per_example, 1) * itemsize  # bytes of one pass over the batch
+    need = n * row
+    if need > budget:
+        raise ValueError(
+            f"{where}: {name}={n} needs {need:,} bytes for the samples ({n} x {b} examples "
+            f"x {per_example} elements x {itemsize} bytes, {need / 2**30:.3g} GiB), more than "
+            f"the memory budget of {budget:,} bytes ({budget / 2**30:.3g} GiB, "
+            f"$ATTNUQ_MAX_BYTES); the largest {name} that fits is {budget // row:,}"
+        )
+
+
 @torch.no_grad()
 def predict(
     model: nn.Module,
@@ -242,7 +313,8 @@ def predict(
 
     Runs the deterministic pass ``f(x)`` once, then ``n_samples`` stochastic passes
     ``f_nu(x)`` with every attention of ``model`` drawing ``nu`` value rows per query
-    (:func:`attnuq.stochastic`), batched by replicating the input batch along dim 0.
+    (:func:`attnuq.stochastic`), in units of ``chunk_examples`` examples by ``chunk_passes``
+    passes, each batched by replicating its examples along dim 0.
 
     Parameters
     ----------
@@ -250,30 +322,36 @@ def predict(
         Frozen model in ``eval()`` mode whose inputs and output are batch-first.
     inputs
         A tensor ``(B, ...)``, a tuple of positional tensors, or a dict of keyword arguments;
-        every tensor with dim 0 equal to ``B`` is replicated, others are passed unchanged.
+        every tensor with dim 0 equal to ``B`` is cut into example chunks and replicated,
+        others are passed unchanged.
     nu
-        Number of draws per query (int ``>= 1``; per-head or per-layer specs as in
-        :func:`attnuq.patch`, which validates every form: a bad ``nu`` is refused before the
-        frozen pass, by :func:`attnuq.patching.resolve`).
+        Number of draws per query (int ``1 <= nu <= 2**31 - 1``; per-head or per-layer specs as
+        in :func:`attnuq.patch`, which validates every form: a bad ``nu``, or one that leaves
+        every site deterministic (``nu=None``), is refused before the frozen pass).
     n_samples
-        ``S >= 2``, the number of stochastic passes.
+        ``S >= 2``, the number of stochastic passes. The ``(S, B, ...)`` samples must fit the
+        memory budget :func:`attnuq.ops.max_bytes` (``$ATTNUQ_MAX_BYTES``, default 4 GiB):
+        refused before the stochastic passes (and, when even one byte per sample would not fit,
+        before the frozen pass), with the bytes needed and the largest ``S`` that fits.
     seed
-        Seed of the patch's generator (``None``: torch's global RNG).
+        Seed of the units' generators, ``0 <= seed < 2**63`` (``None``: drawn once from torch's
+        global generator, on rank 0 under a process group, and used as the seed).
     output_fn
         Maps the model output to the prediction tensor ``(B, ...)`` (default: the tensor itself,
         ``.logits``, or the first element of a tuple).
     batch_replicas
-        Replicas of the batch per model call; default ``max(1, max_rows // B)`` (memory cap),
-        on the CPU also at most ``max_activation // widest`` (below).
+        Replicas of a unit's examples per model call; default ``max(1, max_rows // b)`` (memory
+        cap), on the CPU also at most ``max_activation // widest`` (below).
     max_rows
         Cap on rows per model call when ``batch_replicas`` is not given.
     max_activation
         When ``batch_replicas`` is not given: cap on the elements of the largest tensor any
-        submodule returns in one call, which the frozen pass measures (forward hooks,
-        :func:`widest_output`) for one replica; ``r`` is at most ``max_activation // widest``
-        (at least 1). Default: :data:`CPU_MAX_ACTIVATION` on the CPU (batching beyond the
-        caches is slower there than a loop), none on other devices (where occupancy favours
-        large calls). The replicas per call change which draws a seed gives, not their law.
+        submodule returns in one call, which the frozen pass of each example chunk measures
+        (forward hooks, :func:`widest_output`) for one replica; ``r`` is at most
+        ``max_activation // widest`` (at least 1). Default: :data:`CPU_MAX_ACTIVATION` on the
+        CPU (batching beyond the caches is slower there than a loop), none on other devices
+        (where occupancy favours large calls). The replicas per call change which draws a seed
+        gives, not their law; they are the same in one process and under a process group.
     progress
         tqdm progress bar over the passes (``None``: only on a terminal; only on rank 0).
     recentre
@@ -281,17 +359,18 @@ def predict(
         that their mean (lower median) is the frozen output (:func:`attnuq.predictive.recentre`;
         the spread is unchanged and SA never moves the point prediction).
     distributed
-        Share the work across the ranks of the default ``torch.distributed`` process group
+        Share the units across the ranks of the default ``torch.distributed`` process group
         (``None``: when one is initialised; ``False``: never). Every rank passes the same
         model, inputs and settings (checked: checksums of the parameters and of the inputs)
-        and gets the full result. See :mod:`attnuq.distributed`.
+        and gets the full result, the same as one process computes. See
+        :mod:`attnuq.distributed`.
     chunk_examples, chunk_passes
-        Distributed only: the work unit, ``chunk_examples`` examples by ``chunk_passes``
-        passes (the last ones shorter), one generator per unit seeded by
-        :func:`attnuq.distributed.unit_seed` ``(seed, example chunk, pass block)``; fixed sizes,
-        so the samples are the same at every world size (not those of the undistributed call,
-        whose one generator runs over the whole batch). ``seed=None``: rank 0 draws a seed
-        from its global generator and every rank uses it (the ranks' own generators may differ).
+        The work unit, ``chunk_examples`` examples by ``chunk_passes`` passes (the last ones
+        shorter), one generator per unit seeded by :func:`attnuq.distributed.unit_seed`
+        ``(seed, example chunk, pass block)``; the frozen pass runs per example chunk. Fixed
+        sizes, never derived from the world size, so the samples are the same with and without
+        a process group, at every world size (bit-identical where the same kernels run on the
+        same inputs: the same machine and threads). Larger units mean larger model calls.
 
     Returns
     -------
@@ -300,6 +379,9 @@ def predict(
 
     Raises
     ------
+    ValueError
+        A bad argument (named with its value), samples beyond the memory budget, or a frozen
+        prediction that is not finite (naming the inputs that hold NaN/inf).
     RuntimeError
         If the model's forward never called a stochastic attention site during the passes
         (counted by the patch, :attr:`attnuq.patching.PatchHandle.calls`): such samples would
@@ -317,7 +399,7 @@ def predict(
     >>> bool(torch.allclose(rec.mean, rec.frozen, atol=1e-6))
     True
     """
-    from attnuq.patching import resolve, stochastic
+    from attnuq.patching import resolve
 
     if recentre is not None and recentre not in RECENTRE:
         raise ValueError(f"recentre must be None or one of {RECENTRE}, got {recentre=!r}")
@@ -329,53 +411,57 @@ def predict(
             f"n_samples must be >= 2: the predictive spread (std, interval, CRPS) needs two "
             f"passes, got {n_samples=}"
         )
-    resolve(model, nu)  # a bad nu, or a model with no attention site, fails before any pass
+    seed = check_seed(seed)
+    if batch_replicas is not None:
+        check_positive_int(batch_replicas, "batch_replicas")
+    check_positive_int(max_rows, "max_rows")
+    if max_activation is not None:
+        check_positive_int(max_activation, "max_activation")
+    chunk_examples = check_positive_int(chunk_examples, "chunk_examples")
+    chunk_passes = check_positive_int(chunk_passes, "chunk_passes")
+    if output_fn is not None and not callable(output_fn):
+        raise TypeError(f"output_fn must be callable or None, got {output_fn=!r}")
+    active = _dist.is_active(distributed)  # also checks the type of distributed
+    nus = resolve(model, nu)  # a bad nu, or a model with no attention site, fails before a pass
+    if all(v is None or (isinstance(v, tuple) and set(v) == {None}) for v in nus.values()):
+        raise ValueError(
+            f"nu={nu!r} leaves every attention site deterministic ({sorted(nus)}): predict "
+            "needs at least one stochastic site (an int nu >= 1)"
+        )
+    b = batch_size(inputs)
+    # a lower bound (one byte per sample and example) before any forward pass; the exact
+    # bound follows the first chunk's frozen pass, once the output's size is known
+    check_samples_budget(n, b, 1, 1, "predict")
     if model.training:
         warnings.warn(
             "predict: model is in training mode; dropout would add noise to the frozen output "
             "(call model.eval())",
             stacklevel=2,
         )
-    b = batch_size(inputs)
-    if _dist.is_active(distributed):
-        return _predict_sharded(
-            model, inputs, nu=nu, n=n, b=b, seed=seed, output_fn=output_fn,
-            batch_replicas=batch_replicas, max_rows=max_rows, progress=progress,
-            chunk_examples=check_positive_int(chunk_examples, "chunk_examples"),
-            chunk_passes=check_positive_int(chunk_passes, "chunk_passes"), recentre=recentre,
-        )
-    r = replicas_per_call(b, n, batch_replicas, max_rows)
-    if max_activation is not None:
-        check_positive_int(max_activation, "max_activation")
     cap = max_activation
     if cap is None and batch_replicas is None and on_cpu(model, inputs):
         cap = CPU_MAX_ACTIVATION
-    if cap is not None and batch_replicas is None and r > 1:
-        raw, widest = widest_output(model, inputs)
+    return _predict_units(
+        model, inputs, nu=nu, n=n, b=b, seed=seed, output_fn=output_fn,
+        batch_replicas=batch_replicas, max_rows=max_rows, cap=cap, progress=progress,
+        chunk_examples=chunk_examples, chunk_passes=chunk_passes, recentre=recentre,
+        active=active,
+    )
+
+
+def unit_replicas(
+    bi: int, nj: int, batch_replicas: int | None, max_rows: int, cap: int | None, widest: int
+) -> int:
+    """Replicas per call inside one unit of ``bi`` examples by ``nj`` passes: the same on
+    every path (``batch_replicas``; else the ``max_rows`` bound and, with a cap, at most
+    ``cap // widest`` where ``widest`` is the chunk's widest module output for one replica)."""
+    r = replicas_per_call(bi, nj, batch_replicas, max_rows)
+    if cap is not None and batch_replicas is None:
         r = max(1, min(r, cap // max(1, widest)))
-    else:
-        raw = call_model(model, inputs)
-    frozen = extract(raw, output_fn)
-    if frozen.dim() == 0 or frozen.shape[0] != b:
-        raise ValueError(
-            f"the model output must be batch-first with dim 0 = B = {b}, got "
-            f"output.shape={tuple(frozen.shape)}"
-        )
-    from tqdm.auto import tqdm
-
-    disable = None if progress is None else not progress
-    with tqdm(total=n, desc=f"predict nu={nu}", unit="pass", disable=disable, leave=False) as bar:
-        with stochastic(model, nu=nu, seed=seed) as handle:
-            samples, _ = stochastic_passes(
-                model, inputs, n, output_fn=output_fn, replicas=r, b=b, progress=bar
-            )
-            handle.require_calls(0, where="predict")  # samples of an unreached site: refused
-    if recentre is not None:
-        samples = _recentre(samples, frozen, recentre)
-    return Predictive(samples=samples, frozen=frozen)
+    return r
 
 
-def _predict_sharded(
+def _predict_units(
     model: nn.Module,
     inputs: Inputs,
     *,
@@ -386,69 +472,91 @@ def _predict_sharded(
     output_fn: OutputFn | None,
     batch_replicas: int | None,
     max_rows: int,
+    cap: int | None,
     progress: bool | None,
     chunk_examples: int,
     chunk_passes: int,
-    recentre: str | None = None,
+    recentre: str | None,
+    active: bool,
 ) -> Predictive:
-    """:func:`predict` under a process group: units ``(example chunk i, pass block j)``."""
+    """:func:`predict`'s work: units ``(example chunk i, pass block j)``, shared by the ranks
+    when ``active`` (a process group), all run here otherwise; the same numbers either way."""
     from tqdm.auto import tqdm
 
     from attnuq.patching import stochastic
 
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"seed must be an int or None, got {seed=!r}")
-    rank, world = _dist.rank_world()
-    agreed = _dist.check_same(
-        "predict",
-        {"model": model_digest(model), "inputs": _dist.tensor_digest(named_tensors(inputs)),
-         "nu": repr(nu), "n_samples": n, "seed": seed, "chunk_examples": chunk_examples,
-         "chunk_passes": chunk_passes, "batch_replicas": batch_replicas, "max_rows": max_rows},
-        from_rank0={"drawn": int(torch.randint(0, 1 << 62, (1,)).item()) if seed is None
-                    else seed},
-    )
-    base = int(agreed["drawn"])
+    rank, world = _dist.rank_world() if active else (0, 1)
+    drawn = int(torch.randint(0, 1 << 62, (1,)).item()) if seed is None else seed
+    if active:
+        agreed = _dist.check_same(
+            "predict",
+            {"model": model_digest(model), "inputs": _dist.tensor_digest(named_tensors(inputs)),
+             "nu": repr(nu), "n_samples": n, "seed": seed, "chunk_examples": chunk_examples,
+             "chunk_passes": chunk_passes, "batch_replicas": batch_replicas,
+             "max_rows": max_rows, "cap": cap},
+            from_rank0={"drawn": drawn},
+        )
+        drawn = int(agreed["drawn"])
     ex = _dist.chunk_slices(b, chunk_examples)
     blocks = _dist.chunk_slices(n, chunk_passes)
     units = [(i, j) for i in range(len(ex)) for j in range(len(blocks))]
-    mine_frozen = list(_dist.shard(len(ex), rank, world))
+    mine_frozen = set(_dist.shard(len(ex), rank, world))
     mine = [units[k] for k in _dist.shard(len(units), rank, world)]
+    measure = cap is not None and batch_replicas is None
 
     def work() -> dict[str, Any]:
         frozen: dict[int, torch.Tensor] = {}
+        widest: dict[int, int] = {}
         device = None
-        for i in mine_frozen:
-            f = extract(call_model(model, take(inputs, ex[i], b)), output_fn)
+        checked = False
+        # the frozen pass of each chunk this rank needs: its own frozen outputs, and the
+        # widest activation (a shape, the same on every rank) of its units' chunks
+        for i in sorted(mine_frozen | {i for i, _ in mine}):
+            xi = take(inputs, ex[i], b)
+            raw, widest[i] = widest_output(model, xi) if measure else (call_model(model, xi), 0)
+            f = extract(raw, output_fn)
             bi = ex[i].stop - ex[i].start
             if f.dim() == 0 or f.shape[0] != bi:
                 raise ValueError(
                     f"the model output must be batch-first with dim 0 = {bi} (examples "
-                    f"{ex[i].start}..{ex[i].stop - 1}), got output.shape={tuple(f.shape)}"
+                    f"{ex[i].start}..{ex[i].stop - 1} of B = {b}), got "
+                    f"output.shape={tuple(f.shape)}"
                 )
+            check_frozen(f, xi, f"predict (examples {ex[i].start}..{ex[i].stop - 1})")
+            if not checked:  # the exact bound, before any stochastic pass
+                check_samples_budget(n, b, f[0].numel(), f.element_size(), "predict")
+                checked = True
             device = device or f.device
-            frozen[i] = f.cpu()
+            if i in mine_frozen:
+                frozen[i] = f.cpu() if active else f
         samples: dict[tuple[int, int], torch.Tensor] = {}
+        full: torch.Tensor | None = None
         if mine:
             total = sum(blocks[j].stop - blocks[j].start for _, j in mine)
             disable = (None if progress is None else not progress) if rank == 0 else True
-            with tqdm(total=total, desc=f"predict nu={nu} (rank {rank}/{world})", unit="pass",
-                      disable=disable, leave=False) as bar, \
+            desc = f"predict nu={nu}" + (f" (rank {rank}/{world})" if active else "")
+            with tqdm(total=total, desc=desc, unit="pass", disable=disable, leave=False) as bar, \
                     stochastic(model, nu=nu, seed=0) as handle:
                 reached = 0
                 for i, j in mine:
-                    handle.manual_seed(_dist.unit_seed(base, i, j))
+                    handle.manual_seed(_dist.unit_seed(drawn, i, j))
                     bi, nj = ex[i].stop - ex[i].start, blocks[j].stop - blocks[j].start
                     out, _ = stochastic_passes(
                         model, take(inputs, ex[i], b), nj, output_fn=output_fn,
-                        replicas=replicas_per_call(bi, nj, batch_replicas, max_rows), b=bi,
-                        progress=bar,
+                        replicas=unit_replicas(bi, nj, batch_replicas, max_rows, cap, widest[i]),
+                        b=bi, progress=bar,
                     )
                     reached = handle.require_calls(reached, where=f"predict (unit {i},{j})")
                     device = device or out.device
-                    samples[(i, j)] = out.cpu()
-        return {"frozen": frozen, "samples": samples, "device": device}
+                    if active:  # exchanged with the other ranks (CPU tensors)
+                        samples[(i, j)] = out.cpu()
+                        continue
+                    if full is None:  # one process: written in place, no second copy
+                        full = out.new_empty((n, b, *out.shape[2:]))
+                    full[blocks[j], ex[i]] = out
+        return {"frozen": frozen, "samples": samples, "device": device, "full": full}
 
-    got = _dist.phase("predict", work)
+    got = _dist.phase("predict", work) if active else [work()]
     frozen_all: dict[int, torch.Tensor] = {}
     samples_all: dict[tuple[int, int], torch.Tensor] = {}
     for g in got:
@@ -458,12 +566,13 @@ def _predict_sharded(
     if dev is None:
         ts = _tensors(inputs)
         dev = ts[0].device if ts else torch.device("cpu")
-    frozen_t = torch.cat([frozen_all[i] for i in range(len(ex))], 0)
-    samples_t = torch.cat(
-        [torch.cat([samples_all[(i, j)] for j in range(len(blocks))], 0) for i in range(len(ex))],
-        1,
-    )
-    samples_t, frozen_t = samples_t.to(dev), frozen_t.to(dev)
+    frozen_t = torch.cat([frozen_all[i].to(dev) for i in range(len(ex))], 0)
+    samples_t = got[0]["full"]
+    if active:
+        first = samples_all[units[0]]
+        samples_t = torch.empty((n, b, *first.shape[2:]), dtype=first.dtype, device=dev)
+        for (i, j), t in samples_all.items():
+            samples_t[blocks[j], ex[i]] = t.to(dev)
     if recentre is not None:
         samples_t = _recentre(samples_t, frozen_t, recentre)
     return Predictive(samples=samples_t, frozen=frozen_t)

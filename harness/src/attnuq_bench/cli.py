@@ -103,6 +103,7 @@ class BenchCommand:
     def add_arguments(self, parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
         from attnuq_bench.suites import SUITES, get_suite
 
+        self._argv = ["bench", *argv]  # the command line, for the resume hint
         load_suite = argv[0] if argv else None
         bench_sub = parser.add_subparsers(dest="suite", metavar="SUITE")
         bench_sub.required = True
@@ -122,13 +123,46 @@ class BenchCommand:
             p.set_defaults(_run=suite.run)
 
     def run(self, args: argparse.Namespace) -> int:
+        """Check the shared options (:func:`attnuq_bench.suites._options.check_options`),
+        run the suite; on SIGINT print one line saying where it stopped and the command that
+        resumes it, and return 130."""
+        from attnuq_bench.suites._options import check_options
+
         if getattr(args, "_unavailable", None):
             raise ValueError(f"suite {args.suite!r} unavailable: {args._unavailable}")
         if not hasattr(args, "_run"):
             raise ValueError(f"suite {args.suite!r} could not be loaded")
-        out = args._run(args)
+        check_options(args)  # before any work: one line, exit 2
+        try:
+            out = args._run(args)
+        except KeyboardInterrupt as exc:
+            import sys
+
+            where = str(exc) if str(exc) else f"attnuq bench {args.suite} stopped"
+            print(f"attnuq: interrupted: {where}; resume with: {self.resume_command(args)}",
+                  file=sys.stderr, flush=True)
+            return 130
         print(f"results written to {Path(out)}")
         return 0
+
+    def resume_command(self, args: argparse.Namespace) -> str:
+        """The command that resumes an interrupted run: this one, with ``--resume`` (ETT,
+        ERA5) or ``--reuse`` (PhysioNet) added where the suite keeps stored items only then.
+
+        Examples
+        --------
+        >>> b = BenchCommand()
+        >>> b._argv = ["bench", "ett", "--out", "r s"]
+        >>> b.resume_command(argparse.Namespace(resume=False))
+        "attnuq bench ett --out 'r s' --resume"
+        """
+        import shlex
+
+        argv = list(getattr(self, "_argv", ["bench", str(getattr(args, "suite", ""))]))
+        for flag in ("resume", "reuse"):
+            if getattr(args, flag, None) is False and f"--{flag}" not in argv:
+                argv.append(f"--{flag}")
+        return "attnuq " + shlex.join(argv)
 
 
 #: the entry points of the group ``attnuq.commands`` (harness/pyproject.toml)

@@ -12,8 +12,9 @@ The package, bottom up (each module imports only ones listed before it):
   their JSON I/O (plotting is :func:`attnuq.plots.calibration_curve`);
 * :mod:`~attnuq.calibration.search`: the searches (:func:`grid_search`, :func:`bo_search`,
   :data:`SEARCHES`) as plain functions of an ``evaluate(nu) -> Evaluation`` callable;
-* ``_passes``: the model side -- the frozen pass over the held-out batches and the ``M``
-  stochastic passes at one ``nu``;
+* ``_passes``, ``_sharded``: the model side -- the checks of the held-out data, the frozen
+  pass over its units and the ``M`` stochastic passes at one ``nu`` (the same units, seeds and
+  numbers with and without a process group);
 * :mod:`~attnuq.calibration.layers`: per-layer ``nu`` (``per_layer="geometric"``): the family
   ``nu_l = nu_0 r^(l/(L-1))``, the scale-profiled shape search after the shared one;
 * here, :func:`calibrate`: validates the settings, builds ``evaluate`` from the model and the
@@ -28,13 +29,11 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import nn
 
 from attnuq import distributed as _dist
-from attnuq._validation import check_positive_int
-from attnuq.calibration._passes import prepare, residual_scale, sample
-from attnuq.calibration._sharded import Shards, prepare_sharded, sample_sharded
+from attnuq._validation import check_positive_int, check_seed
+from attnuq.calibration._sharded import prepare_sharded, sample_sharded
 from attnuq.calibration.criteria import (
     CRITERIA,
     CalibrationCriterion,
@@ -107,7 +106,7 @@ def calibrate(
     data
         Iterable of ``(inputs, targets)``; ``inputs`` a tensor, tuple of tensors or dict of
         keyword arguments, ``targets`` ``(B, ...)`` of the prediction's shape. It is read once:
-        batches and their frozen outputs are cached.
+        batches and their frozen outputs are cached, in units of ``chunk_examples`` examples.
     criterion
         ``"paper"``, ``"scale"``, ``"crps"``, ``"coverage"``, ``"paper-debiased"`` or
         ``"auto"`` (:data:`CRITERIA`). ``"auto"`` is ``"paper-debiased"`` for outputs of fewer
@@ -126,10 +125,11 @@ def calibrate(
     output_fn
         Maps the model output to the prediction tensor.
     seed
-        Seeds the draws: the evaluation at ``nu`` uses ``seed * 1000003 + nu``, so grid and BO
-        see the same draws at the same ``nu``. ``None``: fresh draws from the global generator;
-        under a process group, rank 0 draws the seed from its global generator and every rank
-        uses it, so the ranks agree (the same report as a world of one with rank 0's state).
+        Seeds the draws, ``0 <= seed < 2**63``: the evaluation at ``nu`` seeds unit ``u`` with
+        :func:`attnuq.distributed.unit_seed` ``(seed * 1000003 + nu, u)``, so grid and BO see
+        the same draws at the same ``nu``, with or without a process group. ``None``: the seed
+        is drawn once from torch's global generator (under a process group, rank 0's, used by
+        every rank: the same report as one process with rank 0's state).
     grid_size
         Log-spaced points of the grid (duplicates after rounding dropped).
     max_evals
@@ -137,9 +137,9 @@ def calibrate(
     surrogate_noise
         ``tau``, the misfit sd of the log-linear surrogate (in ``ln s``).
     batch_replicas, max_rows
-        Batching of the passes (see :func:`attnuq.predict`; on the CPU, without
+        Batching of the passes inside a unit (see :func:`attnuq.predict`; on the CPU, without
         ``batch_replicas``, also predict's default ``max_activation`` cap, measured in the
-        frozen pass of each batch).
+        frozen pass of each unit).
     progress
         tqdm bar over evaluations (``None``: only on a terminal).
     per_layer
@@ -150,11 +150,11 @@ def calibrate(
         ``nu_map`` holds ``{site: nu}`` (``report.nu_spec`` for :func:`attnuq.stochastic`).
         Needs a criterion that ranks shapes (not ``"scale"`` or ``"coverage"``).
     distributed, chunk_examples
-        Share the passes across the ranks of the default ``torch.distributed`` process group
-        (``None``: when one is initialised; ``False``: never): each batch is cut into units of
-        ``chunk_examples`` examples, shared by the ranks, each unit drawing from its own
-        generator (:func:`attnuq.distributed.unit_seed`); the statistics are gathered, so every
-        rank returns the same report, and the same ``nu`` at every world size. Every rank
+        Each batch is cut into units of ``chunk_examples`` examples, each unit drawing from its
+        own generator (:func:`attnuq.distributed.unit_seed`). ``distributed`` shares the units
+        across the ranks of the default ``torch.distributed`` process group (``None``: when one
+        is initialised; ``False``: never); the statistics are gathered, so every rank returns
+        the same report, the one a single process computes, at every world size. Every rank
         passes the same model, data and settings (checked by checksums). See
         :mod:`attnuq.distributed`.
 
@@ -208,6 +208,13 @@ def calibrate(
     if m < 2:
         raise ValueError(f"n_passes must be >= 2 (a spread needs two passes), got {n_passes=}")
     lo, hi = check_nu_range(nu_range)
+    seed = check_seed(seed)
+    if batch_replicas is not None:
+        check_positive_int(batch_replicas, "batch_replicas")
+    check_positive_int(max_rows, "max_rows")
+    chunk_examples = check_positive_int(chunk_examples, "chunk_examples")
+    if output_fn is not None and not callable(output_fn):
+        raise TypeError(f"output_fn must be callable or None, got {output_fn=!r}")
     if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
         raise ValueError(f"level must be a float in (0, 1), got {level=!r}")
     # the search settings are checked again by the search itself; here, before any pass
@@ -234,31 +241,24 @@ def calibrate(
         )
 
     sharded = _dist.is_active(distributed)
-    shards: Shards | None = None
-    if sharded:
-        shards = prepare_sharded(
-            model, data, output_fn, seed=seed,
-            chunk_examples=check_positive_int(chunk_examples, "chunk_examples"),
-            settings={"criterion": criterion, "search": search, "n_passes": m,
-                      "nu_range": (lo, hi), "level": level, "grid_size": grid_size,
-                      "max_evals": max_evals, "surrogate_noise": surrogate_noise,
-                      "batch_replicas": batch_replicas, "max_rows": max_rows,
-                      "per_layer": per_layer},
-        )
-        batches: list[Any] = []
-        n_examples, frozen_calls = shards.n_examples, len(shards.units)
-        if not _dist.is_primary():
-            progress = False  # one bar, on rank 0
-    else:
-        with torch.no_grad():
-            batches = prepare(model, data, output_fn)
-        n_examples, frozen_calls = sum(bt.b for bt in batches), len(batches)
+    shards = prepare_sharded(
+        model, data, output_fn, seed=seed, chunk_examples=chunk_examples, active=sharded,
+        n_passes=m,
+        settings={"criterion": criterion, "search": search, "n_passes": m,
+                  "nu_range": (lo, hi), "level": level, "grid_size": grid_size,
+                  "max_evals": max_evals, "surrogate_noise": surrogate_noise,
+                  "batch_replicas": batch_replicas, "max_rows": max_rows,
+                  "per_layer": per_layer},
+    )
+    n_examples, frozen_calls = shards.n_examples, len(shards.units)
+    if sharded and not _dist.is_primary():
+        progress = False  # one bar, on rank 0
     if n_examples < 2:
         raise ValueError(
             f"calibration data has {n_examples} example: the standard errors of the criterion "
             "(and the grid's noise band) need at least 2 examples"
         )
-    s0 = shards.residual_scale() if shards is not None else residual_scale(batches)
+    s0 = shards.residual_scale()
     if s0 <= 0:
         raise ValueError("the frozen model fits every calibration target exactly (s_0 = 0)")
 
@@ -266,11 +266,8 @@ def calibrate(
 
     def passes(nu: int, nu_spec: dict[str, int] | None = None) -> tuple[Evaluation, Any]:
         t0 = time.perf_counter()
-        st = (sample_sharded(model, shards, nu, m, output_fn, batch_replicas, max_rows,
-                             nu_spec=nu_spec)
-              if shards is not None
-              else sample(model, batches, nu, m, seed, output_fn, batch_replicas, max_rows,
-                          nu_spec=nu_spec))
+        st = sample_sharded(model, shards, nu, m, output_fn, batch_replicas, max_rows,
+                            nu_spec=nu_spec)
         if st.max_change == 0.0:
             where = f"nu={nu}" if nu_spec is None else f"nu={nu_spec}"
             raise RuntimeError(

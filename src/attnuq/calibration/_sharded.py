@@ -1,13 +1,15 @@
-"""The model side of calibration under a ``torch.distributed`` process group.
+"""The model side of calibration: the held-out examples in units, their frozen pass, and the
+``M`` stochastic passes at one ``nu`` into :class:`~attnuq.calibration.criteria.PassStats`.
 
 The held-out examples are cut into units: each batch ``k`` of the data into chunks of
-``chunk_examples`` examples, in data order. Rank ``r`` keeps the inputs of its contiguous block
-of units only (:func:`attnuq.distributed.shard`), runs their frozen pass and, at each ``nu``,
-their ``M`` stochastic passes, unit ``u`` drawing from a generator seeded by
-:func:`attnuq.distributed.unit_seed` ``(seed * 1000003 + nu, u)``. The residuals ``y - f`` and
-the deviations ``f_nu - f`` of every unit are gathered to every rank, in unit order, so every
-rank builds the same :class:`~attnuq.calibration.criteria.PassStats` (and so the same search and
-the same ``nu``) at every world size.
+``chunk_examples`` examples, in data order. Each unit runs its frozen pass and, at each ``nu``,
+its ``M`` stochastic passes, unit ``u`` drawing from a generator seeded by
+:func:`attnuq.distributed.unit_seed` ``(seed * 1000003 + nu, u)``. In one process every unit
+runs here; under a ``torch.distributed`` process group rank ``r`` keeps the inputs of its
+contiguous block of units only (:func:`attnuq.distributed.shard`) and the residuals ``y - f``
+and the deviations ``f_nu - f`` of every unit are gathered to every rank, in unit order. So
+every path builds the same :class:`~attnuq.calibration.criteria.PassStats` (and so the same
+search and the same ``nu``), with or without a process group, at every world size.
 """
 
 from __future__ import annotations
@@ -20,33 +22,41 @@ import torch
 from torch import nn
 
 from attnuq import distributed as _dist
-from attnuq._validation import check_finite
 from attnuq.calibration._passes import check_data, check_pair
 from attnuq.calibration.criteria import PassStats
 from attnuq.montecarlo import (
+    CPU_MAX_ACTIVATION,
     Inputs,
     OutputFn,
     batch_size,
     call_model,
+    check_frozen,
+    check_samples_budget,
     extract,
     model_digest,
     named_tensors,
-    replicas_per_call,
+    on_cpu,
     stochastic_passes,
     take,
+    unit_replicas,
+    widest_output,
 )
 
 
 @dataclass
 class Shards:
-    """The units of the held-out data: ``units[u] = (batch, slice)``; this rank's inputs and
-    frozen outputs (``mine``: unit -> ``(inputs, frozen)``); every unit's residual ``y - f``
-    ``(b_u, P)`` float64 (CPU), and the base seed (rank 0's draw when ``seed`` is None)."""
+    """The units of the held-out data: ``units[u] = (batch, slice)``; this rank's inputs,
+    frozen outputs and widest activation (``mine``: unit -> ``(inputs, frozen, widest)``);
+    every unit's residual ``y - f`` ``(b_u, P)`` float64 (CPU), the base seed (the draw from
+    the global generator, rank 0's under a group, when ``seed`` is None), and whether the work
+    is shared by a process group (``active``)."""
 
     units: list[tuple[int, slice]]
-    mine: dict[int, tuple[Inputs, torch.Tensor]] = field(default_factory=dict)
+    mine: dict[int, tuple[Inputs, torch.Tensor, int]] = field(default_factory=dict)
     resid: list[torch.Tensor] = field(default_factory=list)
     seed: int = 0
+    active: bool = False
+    cap: int | None = None
 
     @property
     def n_examples(self) -> int:
@@ -65,11 +75,15 @@ def prepare_sharded(
     chunk_examples: int,
     seed: int | None,
     settings: dict[str, Any],
+    active: bool = True,
+    n_passes: int | None = None,
 ) -> Shards:
     """Read ``data`` once (every rank reads all of it), check the ranks agree (model and data
-    checksums, ``settings``), run this rank's frozen passes and gather the residuals."""
+    checksums, ``settings``; under a group only), run this rank's frozen passes and gather the
+    residuals. ``n_passes``: refuse, after the first unit's frozen pass, deviations
+    ``(n_passes, N, P)`` float64 beyond the memory budget."""
     check_data(data)
-    rank, world = _dist.rank_world()
+    rank, world = _dist.rank_world() if active else (0, 1)
     batches: list[tuple[Inputs, torch.Tensor, int]] = []
     named: list[tuple[str, torch.Tensor]] = []
     for i, item in enumerate(data):
@@ -81,19 +95,26 @@ def prepare_sharded(
                 f"{tuple(y.shape)}"
             )
         batches.append((x, y, b))
-        named += [(f"{i}.{k}", t) for k, t in named_tensors(x)] + [(f"{i}.y", y)]
+        if active:
+            named += [(f"{i}.{k}", t) for k, t in named_tensors(x)] + [(f"{i}.y", y)]
     if not batches:
         raise ValueError("data is empty: it yielded no (inputs, targets) batch")
-    agreed = _dist.check_same(
-        "calibrate",
-        {"model": model_digest(model), "inputs": _dist.tensor_digest(named), "seed": seed,
-         "chunk_examples": chunk_examples, **settings},
-        from_rank0={"drawn": int(torch.randint(0, 1 << 62, (1,)).item()) if seed is None
-                    else seed},
-    )
+    drawn = int(torch.randint(0, 1 << 62, (1,)).item()) if seed is None else seed
+    if active:
+        agreed = _dist.check_same(
+            "calibrate",
+            {"model": model_digest(model), "inputs": _dist.tensor_digest(named), "seed": seed,
+             "chunk_examples": chunk_examples, **settings},
+            from_rank0={"drawn": drawn},
+        )
+        drawn = int(agreed["drawn"])
     units = [(k, sl) for k, (_, _, b) in enumerate(batches)
              for sl in _dist.chunk_slices(b, chunk_examples)]
-    sh = Shards(units=units, seed=int(agreed["drawn"]))
+    n_examples = sum(b for _, _, b in batches)
+    cap = None
+    if settings.get("batch_replicas") is None and on_cpu(model, batches[0][0]):
+        cap = CPU_MAX_ACTIVATION  # as predict's default on the CPU
+    sh = Shards(units=units, seed=drawn, active=active, cap=cap)
     own = list(_dist.shard(len(units), rank, world))
 
     def work() -> dict[int, torch.Tensor]:
@@ -102,20 +123,24 @@ def prepare_sharded(
             k, sl = units[u]
             x, y, b = batches[k]
             xu, yu = take(x, sl, b), y[sl]
-            f = extract(call_model(model, xu), output_fn)
+            raw, widest = widest_output(model, xu) if cap is not None else (
+                call_model(model, xu), 0)
+            f = extract(raw, output_fn)
             if f.shape != yu.shape:
                 raise ValueError(
                     f"prediction and targets must have the same shape, got prediction.shape="
-                    f"{tuple(f.shape)} and targets.shape={tuple(yu.shape)} (batch {k}, "
-                    f"examples {sl.start}..{sl.stop - 1})"
+                    f"{(b, *f.shape[1:])} and targets.shape={tuple(y.shape)} (batch {k})"
                 )
-            check_finite(f, f"frozen prediction (batch {k})")
-            sh.mine[u] = (xu, f)
+            check_frozen(f, xu, f"calibrate (batch {k}, examples {sl.start}..{sl.stop - 1})")
+            if n_passes is not None and not out:
+                check_samples_budget(n_passes, n_examples, f[0].numel(), 8, "calibrate",
+                                     name="n_passes")
+            sh.mine[u] = (xu, f, widest)
             out[u] = (yu - f).reshape(sl.stop - sl.start, -1).double().cpu()
         return out
 
     with torch.no_grad():
-        got = _dist.phase("calibrate: frozen pass", work)
+        got = _dist.phase("calibrate: frozen pass", work) if active else [work()]
     resid: dict[int, torch.Tensor] = {}
     for g in got:
         resid.update(g)
@@ -136,7 +161,8 @@ def sample_sharded(
 ) -> PassStats:
     """``m`` stochastic passes at ``nu`` over this rank's units, every unit's deviations
     gathered (unit ``u`` seeded by ``unit_seed(seed * 1000003 + nu, u)``); ``nu_spec`` (a
-    per-site mapping) is patched instead of ``nu`` when given, as in ``_passes.sample``."""
+    per-site mapping, see :func:`attnuq.patch`) is patched instead of ``nu`` when given; ``nu``
+    then only keys the seed and names the evaluation in messages."""
     from attnuq.patching import stochastic
 
     base = sh.seed * 1_000_003 + nu
@@ -148,21 +174,29 @@ def sample_sharded(
             return dev, calls
         with stochastic(model, nu=nu if nu_spec is None else nu_spec, seed=0) as handle:
             reached = 0
-            for u, (xu, f) in sh.mine.items():
+            for u, (xu, f, widest) in sh.mine.items():
                 handle.manual_seed(_dist.unit_seed(base, u))
                 bu = int(f.shape[0])
                 samples, c = stochastic_passes(
                     model, xu, m, output_fn=output_fn,
-                    replicas=replicas_per_call(bu, m, batch_replicas, max_rows), b=bu,
+                    replicas=unit_replicas(bu, m, batch_replicas, max_rows, sh.cap, widest),
+                    b=bu,
                 )
                 calls += c
-                reached = handle.require_calls(reached, where=f"calibrate (nu={nu}, unit {u})")
-                check_finite(samples, f"stochastic prediction at nu={nu}")
+                # "reached" from the patch's own call counts, never from output differences
+                k, sl = sh.units[u]
+                where = f"batch {k}, examples {sl.start}..{sl.stop - 1}"
+                reached = handle.require_calls(reached, where=f"calibrate (nu={nu}, {where})")
+                if not bool(torch.isfinite(samples).all()):
+                    raise ValueError(
+                        f"calibrate: the stochastic prediction at nu={nu} is not finite ({where})"
+                        " although the frozen one is"
+                    )
                 dev[u] = (samples - f).reshape(m, bu, -1).double().cpu()  # (M, b_u, P)
         return dev, calls
 
     with torch.no_grad():
-        got = _dist.phase(f"calibrate: passes at nu={nu}", work)
+        got = _dist.phase(f"calibrate: passes at nu={nu}", work) if sh.active else [work()]
     dev_all: dict[int, torch.Tensor] = {}
     for d, _ in got:
         dev_all.update(d)

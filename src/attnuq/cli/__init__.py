@@ -104,6 +104,23 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
 
 
+def seed_arg(text: str) -> int:
+    """``--seed``: an int with ``0 <= seed < 2**63`` (argparse reports a refusal, exit 2)."""
+    from attnuq._validation import check_seed
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
+    try:
+        check_seed(value, "--seed", allow_none=False)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an int with 0 <= seed < 2**63, got {text!r}"
+        ) from None
+    return value
+
+
 def add_common_options(p: argparse.ArgumentParser) -> None:
     """Give a command ``--seed`` and ``--device`` (``main`` resolves the device) unless it has them.
 
@@ -116,7 +133,7 @@ def add_common_options(p: argparse.ArgumentParser) -> None:
     """
     have = {opt for action in p._actions for opt in action.option_strings}
     if "--seed" not in have:
-        p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+        p.add_argument("--seed", type=seed_arg, default=0, help="random seed (default: 0)")
     if "--device" not in have:
         p.add_argument(
             "--device", default="cpu",

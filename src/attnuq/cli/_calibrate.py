@@ -11,7 +11,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from attnuq._io import atomic_savefig, atomic_write_json, atomic_write_text, check_out_dir
+from attnuq._io import (
+    atomic_savefig,
+    atomic_write_json,
+    atomic_write_text,
+    check_input_file,
+    check_out_dir,
+)
 from attnuq.calibration import calibrate
 from attnuq.data import DataFormatError
 
@@ -25,8 +31,8 @@ def load_saved_model(path: str | Path, device: str = "cpu") -> nn.Module:
     (e.g. ``PatchTSTForPrediction``), read with ``from_pretrained`` from the local folder only.
     """
     p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"model not found: {p}")
+    if not p.is_dir():
+        check_input_file(p, "model")  # not found, a FIFO (torch.load would block), /dev/null
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ValueError(f"model folder {p} has no config.json (not a Hugging Face model)")
@@ -87,14 +93,14 @@ def load_heldout(
     ------
     FileNotFoundError
         No such file.
+    ValueError
+        The path is a folder, a named pipe or a device (``/dev/null``), not a regular file.
     attnuq.data.DataFormatError
         Malformed content (a ``ValueError`` naming the file and, for a CSV, the line): duplicate
         or missing header, a file without data rows, ragged or non-numeric rows, NaN/inf
         targets, non-numeric or scalar arrays, row counts that disagree.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"data file not found: {p}")
+    p = check_input_file(path, "data file")  # not found, a folder, a FIFO, /dev/null
     if p.suffix == ".npz":
         inputs, y = _read_npz(p)
     elif p.suffix == ".csv":
@@ -115,6 +121,14 @@ def load_heldout(
 
 def _read_npz(p: Path) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
     """NPZ part of :func:`load_heldout`: numeric arrays of at least one axis, ``y`` required."""
+    with p.open("rb") as fh:
+        magic = fh.read(6)
+    if magic[:2] != b"PK" and magic != b"\x93NUMPY":
+        # numpy would try it as a pickle and say "contains pickled data"
+        raise DataFormatError(
+            p, f"is not a valid .npz file (a zip archive of .npy arrays): it starts with "
+            f"{magic!r}" if magic else "is empty, not a valid .npz file"
+        )
     try:
         # our own handle: np.load leaks its file when the zip directory is torn (numpy 2.4)
         with p.open("rb") as fh:
@@ -187,6 +201,11 @@ def make_output_fn(key: str | None) -> Callable[[Any], torch.Tensor]:
 
     def output_fn(out: Any) -> torch.Tensor:
         if isinstance(out, torch.Tensor):
+            if key is not None:  # a key the output cannot have: refused, not ignored
+                raise ValueError(
+                    f"--output-key {key!r} names a field, but the model output is a tensor of "
+                    f"shape {tuple(out.shape)} (no fields): drop --output-key"
+                )
             return out
         if key is not None:
             try:
@@ -231,12 +250,13 @@ def _probe(model: nn.Module, batch: tuple[Any, torch.Tensor],
              else tuple(xb.shape))
     try:
         with torch.no_grad():
-            output_fn(call_model(model, xb))
+            out = call_model(model, xb)
     except Exception as exc:  # the user's model rejecting the user's data is bad input
         raise ValueError(
             f"model {Path(args.model).name} fails on the inputs of {Path(args.data).name} "
             f"(first batch, shape {shape}): {_first_line(exc)}"
         ) from exc
+    output_fn(out)  # an output without the asked field (or a key on a tensor): its own message
 
 
 def calibrate_saved_model(args: argparse.Namespace) -> Path:
@@ -261,14 +281,16 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     inputs = ({k: v.to(dev) for k, v in inputs.items()} if isinstance(inputs, dict)
               else inputs.to(dev))
     batches = _batches(inputs, y.to(dev), args.batch_size)
-    _probe(model, batches[0], make_output_fn(args.output_key), args)
+    # with --head, --output-key names the encoder's field, which the head reads itself
+    key = None if getattr(args, "head", None) is not None else args.output_key
+    _probe(model, batches[0], make_output_fn(key), args)
     report = calibrate(
         model,
         batches,
         criterion=args.criterion,
         search=args.search,
         n_passes=args.n_passes,
-        output_fn=make_output_fn(args.output_key),
+        output_fn=make_output_fn(key),
         seed=args.seed,
         per_layer=getattr(args, "per_layer", None),
     )

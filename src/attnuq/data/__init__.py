@@ -9,7 +9,19 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["DataFormatError"]
+__all__ = ["DataFormatError", "TruncatedFileWarning"]
+
+
+class TruncatedFileWarning(UserWarning):
+    """A text table whose last line has no line end: the file may have been cut, its last
+    value shortened (``12.5`` read as ``12``) without any other sign. The values are read as
+    they stand; the warning names the file and the line.
+
+    Examples
+    --------
+    >>> issubclass(TruncatedFileWarning, UserWarning)
+    True
+    """
 
 
 class DataFormatError(ValueError):

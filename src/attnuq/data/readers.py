@@ -20,10 +20,36 @@ from typing import Literal
 
 import numpy as np
 
-from attnuq.data import DataFormatError
+from attnuq.data import DataFormatError, TruncatedFileWarning
+
+
+def check_line_end(path: str | os.PathLike[str], data: bytes | None = None) -> None:
+    """Warn (:class:`~attnuq.data.TruncatedFileWarning`) when a non-empty text file's last line
+    has no line end: a file cut mid-line would otherwise give a shortened last value silently.
+    ``data``: the file's bytes when already read (else only its last byte is read)."""
+    p = Path(path)
+    if data is not None:
+        last = data[-1:]
+        n_lines = data.count(b"\n") + 1
+    else:
+        with p.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            if size == 0:
+                return
+            fh.seek(size - 1)
+            last = fh.read(1)
+        n_lines = None
+    if last and last not in (b"\n", b"\r"):
+        where = f"{p}:{n_lines}" if n_lines is not None else str(p)
+        warnings.warn(
+            f"{where}: the last line has no line end: the file may have been cut (its last "
+            "value read as it stands)", TruncatedFileWarning, stacklevel=3,
+        )
 
 __all__ = [
     "CSVTable",
+    "check_line_end",
     "decode_text",
     "read_csv_table",
     "read_int_list",
@@ -41,6 +67,7 @@ def decode_text(path: str | os.PathLike[str]) -> str:
     """
     p = Path(path)
     data = p.read_bytes()
+    check_line_end(p, data)
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -210,6 +237,7 @@ def read_number_rows(path: str | os.PathLike[str]) -> np.ndarray:
     p = Path(path)
     arr = _loadtxt(p, 2)
     if arr is not None:
+        check_line_end(p)
         return arr
     rows_t = list(_tokens(decode_text(p)))
     widths = [len(toks) for _, toks in rows_t]
@@ -246,6 +274,7 @@ def read_int_list(path: str | os.PathLike[str], *, low: int = 0) -> tuple[np.nda
     if arr is not None:
         flat = arr.reshape(-1)
         if np.isfinite(flat).all() and (flat == np.round(flat)).all() and (flat >= low).all():
+            check_line_end(p)
             return flat.astype(np.int64), []
     vals: list[int] = []
     lines: list[int] = []

@@ -211,6 +211,10 @@ class LevyAttention(nn.Module):
             raise ValueError(f"n_fourier must be an int >= 0, got {n_fourier=}")
         if not max_period > 0:
             raise ValueError(f"max_period must be > 0, got {max_period=}")
+        for name, val in (("alpha", alpha), ("beta", beta), ("h", h)):
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not (
+                    math.isfinite(val) and val > 0):
+                raise ValueError(f"{name} must be a finite float > 0, got {name}={val!r}")
         self.n_fourier = n_fourier
         if not isinstance(per_dim, bool):
             raise TypeError(f"per_dim must be a bool, got {per_dim=!r}")

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from attnuq._validation import check_seed
 from attnuq.patching._nu import NuSpec, resolve_nu
 from attnuq.patching._registry import get_backend, scan
 from attnuq.patching._sites import AttentionSite, SiteState, _GeneratorPool
@@ -129,9 +130,7 @@ class PatchHandle:
 
     def manual_seed(self, seed: int | None) -> PatchHandle:
         """Restart the handle's random streams from ``seed`` (None: use torch's global RNG)."""
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-            raise TypeError(f"seed must be an int or None, got {seed=}")
-        self._pool.reseed(None if seed is None else int(seed))
+        self._pool.reseed(check_seed(seed))
         return self
 
     def remove(self) -> None:
@@ -254,7 +253,8 @@ def patch(
         NOTE(paper): the paper shares one ``nu`` over all layers; per-layer and per-head ``nu`` are
         its stated future work and are offered here as an extension.
     seed : int, optional
-        Seed of the handle's ``torch.Generator`` (one per device, created when first needed).
+        Seed of the handle's ``torch.Generator`` (one per device, created when first needed),
+        ``0 <= seed < 2**63``.
         The same seed and the same sequence of calls give the same outputs. ``None`` uses torch's
         global random state.
 
@@ -315,11 +315,10 @@ def patch(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-        raise TypeError(f"seed must be an int or None, got {seed=}")
+    seed = check_seed(seed)
     ok, nus = _plan(model, nu)
     sites = [s for s, _ in ok]
-    pool = _GeneratorPool(None if seed is None else int(seed))
+    pool = _GeneratorPool(seed)
     with _LOCK:
         other = _ACTIVE.get(model)
         if other is not None and other.active:
@@ -380,9 +379,10 @@ class stochastic:
     def __init__(self, model: nn.Module, nu: NuSpec, *, seed: int | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        resolve(model, nu)  # a bad nu (or no patchable site) is refused here, not on entry
         self.model = model
         self.nu = nu
-        self.seed = seed
+        self.seed = check_seed(seed)
         self.handle: PatchHandle | None = None
 
     def __enter__(self) -> PatchHandle:

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
 from attnuq._validation import check_nu
+from attnuq.ops import MAX_NU
 from attnuq.patching._sites import AttentionSite
 
 __all__ = ["NuSpec", "SiteNu", "resolve_nu", "site_nu"]
@@ -22,6 +23,17 @@ SiteNu: TypeAlias = "int | tuple[int | None, ...] | None"
 #: what :func:`attnuq.patch` accepts: one site nu for all sites, or a mapping from name
 #: patterns to them.
 NuSpec: TypeAlias = "int | Sequence[int | None] | Mapping[str, int | Sequence[int | None] | None]"
+
+
+def _bounded(value: object) -> int:
+    """``check_nu`` and ``nu <= MAX_NU`` (the operator's limit), checked when patching."""
+    n = check_nu(value)
+    if n > MAX_NU:
+        raise ValueError(
+            f"nu must be at most MAX_NU = 2**31 - 1 (one query's draws go to one embedding_bag "
+            f"call, which counts its indices in 32 bits), got nu={value!r}"
+        )
+    return n
 
 
 def site_nu(value: object, where: str) -> int | tuple[int | None, ...] | None:
@@ -42,7 +54,7 @@ def site_nu(value: object, where: str) -> int | tuple[int | None, ...] | None:
         return None
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         try:
-            return check_nu(value)
+            return _bounded(value)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{e} (for {where})") from None
     if isinstance(value, Sequence) and not isinstance(value, str):
@@ -52,7 +64,7 @@ def site_nu(value: object, where: str) -> int | tuple[int | None, ...] | None:
                 out.append(None)
                 continue
             try:
-                out.append(check_nu(x))
+                out.append(_bounded(x))
             except (TypeError, ValueError) as e:
                 raise type(e)(f"{e} (head {i} of {where})") from None
         if not out:

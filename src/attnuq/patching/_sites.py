@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnuq.ops._rng import register_source
+from attnuq.ops._rng import DEFAULT_SOURCE, register_source
 
 __all__ = ["AttentionSite", "SiteState", "check_no_dropout", "forward_names"]
 
@@ -70,13 +70,21 @@ class AttentionSite:
 
 
 class _GeneratorPool:
-    """One ``torch.Generator`` per device, all seeded with the handle's seed (lazily created)."""
+    """One ``torch.Generator`` per device, all seeded with the handle's seed (lazily created).
+
+    ``source`` names the pool inside traced graphs (a ``torch.Generator`` cannot enter one):
+    its registered key while it has a seed, :data:`~attnuq.ops._rng.DEFAULT_SOURCE` (the
+    device's default generator) without one. A graph traced from an unseeded patch therefore
+    names no pool at all and runs after the patch is removed, or in another process after
+    ``torch.export.save``/``load``; a seeded patch's graph draws from this pool, as eager code
+    does, while the pool lives.
+    """
 
     def __init__(self, seed: int | None) -> None:
         self.seed = seed
         self._gens: dict[str, torch.Generator] = {}
-        # names this pool inside compiled graphs (a torch.Generator cannot enter one)
         self.key = register_source(self)
+        self.source = DEFAULT_SOURCE if seed is None else self.key
 
     def get(self, device: torch.device) -> torch.Generator | None:
         if self.seed is None:
@@ -91,6 +99,7 @@ class _GeneratorPool:
 
     def reseed(self, seed: int | None) -> None:
         self.seed = seed
+        self.source = DEFAULT_SOURCE if seed is None else self.key
         self._gens.clear()
 
 
@@ -127,17 +136,20 @@ class SiteState:
     nu: int | tuple[int | None, ...] | None
     pool: _GeneratorPool = field(repr=False)
     calls: int = field(default=0, repr=False, compare=False)
+    #: whether the site's module was in training mode at its last call (None: not recorded)
+    training: bool | None = field(default=None, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def generator(self, device: torch.device) -> torch.Generator | int | None:
         """The generator for one attention computation at this site (counted in ``calls``).
 
         Traced by ``torch.compile`` / ``torch.export`` this returns the pool's integer key
-        instead (:func:`attnuq.ops._rng.register_source`): the operator then draws its seed from
-        the same generator at run time, through the ``attnuq::next_seed`` op."""
+        instead (:func:`attnuq.ops._rng.register_source`; ``-1``, the device's default
+        generator, when the handle has no seed): the operator then draws its seed from the same
+        generator at run time, through the ``attnuq::next_seed`` op."""
         if torch.compiler.is_compiling():
             self.calls += 1  # replayed by the tracer after the graph runs; no lock in a graph
-            return self.pool.key
+            return self.pool.source
         with self._lock:
             self.calls += 1
         return self.pool.get(device)
@@ -177,8 +189,15 @@ def forward_names(cls: type) -> frozenset[str]:
 _NAMES_CACHE: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
-def check_no_dropout(p: float, site: str) -> None:
-    """SA is an inference-time method: refuse attention dropout in training mode.
+def check_no_dropout(
+    p: float, site: str, *, name: str = "p", training: bool | None = True
+) -> None:
+    """SA is an inference-time method: refuse attention dropout (``p > 0``) at a patched site.
+
+    ``name`` is what the dropout probability is called where it comes from (the module's
+    ``dropout`` attribute, the ``dropout_p`` argument of ``scaled_dot_product_attention``);
+    ``training``: whether the module is in training mode (``None``: not known). A module in
+    eval mode that still passes ``dropout_p > 0`` is told so, rather than to call ``eval()``.
 
     Examples
     --------
@@ -188,9 +207,21 @@ def check_no_dropout(p: float, site: str) -> None:
     ... except RuntimeError as e:
     ...     print(str(e).split(";")[0])
     attention dropout is active at site 'attn' (p=0.1, module in training mode)
+    >>> try:
+    ...     check_no_dropout(0.1, "attn", name="dropout_p", training=False)
+    ... except RuntimeError as e:
+    ...     print(str(e).split(";")[0])
+    attention dropout is active at site 'attn' (dropout_p=0.1 passed in eval mode)
     """
     if p > 0.0:
+        if training is False:
+            raise RuntimeError(
+                f"attention dropout is active at site {site!r} ({name}={p} passed in eval mode); "
+                f"stochastic attention is for inference: the module must pass {name}=0.0 "
+                "outside training"
+            )
+        mode = "module in training mode" if training else "training mode not known"
         raise RuntimeError(
-            f"attention dropout is active at site {site!r} (p={p}, module in training mode); "
+            f"attention dropout is active at site {site!r} ({name}={p}, {mode}); "
             "stochastic attention is for inference: call model.eval() first"
         )

@@ -96,7 +96,7 @@ def scoped_sdpa(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa,
         )
-    check_no_dropout(float(dropout_p), state.name)
+    check_no_dropout(float(dropout_p), state.name, name="dropout_p", training=state.training)
     stack.append(None)  # nested SDPA calls inside the operator (if any) are genuine
     try:
         return sampled_sdpa(
@@ -138,6 +138,7 @@ def _install_module(modname: str) -> Undo:
 
 def _hooks(module: nn.Module, state: SiteState) -> Undo:
     def pre(mod: nn.Module, args: Any) -> None:
+        state.training = mod.training  # for the dropout message (one flag per module)
         _stack().append(state)
 
     def post(mod: nn.Module, args: Any, output: Any) -> None:

@@ -51,10 +51,13 @@ def test_grid_and_bo_recover_known_optimum(problem, criterion: str) -> None:  # 
     bo = calibrate(model, data, criterion=criterion, search="bo", max_evals=4, **KW)
     assert len(grid.evaluations) == 15
     assert grid.noise_band is not None and grid.nu in grid.noise_band
-    # the analytic optimum lies inside the grid's noise band (between its extreme members)
-    assert min(grid.noise_band) <= nu_star <= max(grid.noise_band)
-    # BO lands in the band: its nu lies between the grid neighbours just outside the band ...
+    # the analytic optimum lies within one grid step of the grid's noise band. (Not inside it:
+    # the band holds the points within 2 paired se of the minimum, so when nu* falls between
+    # two grid points the farther one is outside it with a probability of several percent --
+    # 2 and 6 of 40 seeds for "paper", whose nu* = 18.3 sits between 16 and 22.6.)
     step = math.sqrt(2.0)  # grid ratio (256/2)^(1/14)
+    assert min(grid.noise_band) / step <= nu_star <= max(grid.noise_band) * step
+    # BO lands in the band: its nu lies between the grid neighbours just outside the band ...
     assert min(grid.noise_band) / step < bo.nu < max(grid.noise_band) * step
     # ... and its measured objective is within 5 paired standard errors of the grid minimum
     # (same examples; normal approximation -> false failure < 1e-6).
@@ -212,7 +215,8 @@ def test_sizes_are_refused_with_a_reason(problem, monkeypatch) -> None:  # type:
     with pytest.raises(ValueError, match=r"MAX_NU = 2\*\*31 - 1.*nu_range=\(1, 1099511627776\)"):
         calibrate(model, data, nu_range=(1, 2**40), progress=False)
     monkeypatch.setenv("ATTNUQ_MAX_BYTES", "4096")
-    with pytest.raises(ValueError, match=r"needs about [\d,]+ bytes .*budget of 4,096 bytes"):
+    # (the held deviations (n_passes, N, P) float64 are refused first, after one frozen unit)
+    with pytest.raises(ValueError, match=r"n_passes=10 needs [\d,]+ bytes .*budget of 4,096 b"):
         calibrate(model, data, **KW)
 
 

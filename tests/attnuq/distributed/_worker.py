@@ -70,6 +70,12 @@ def same(rank: int, world: int) -> dict[str, Any]:
     res: dict[str, Any] = {}
     p = attnuq.predict(model, x, nu=4, n_samples=7, chunk_examples=3, chunk_passes=3)
     res["samples"], res["frozen"] = p.samples, p.frozen
+    # the defaults (units of 16 x 16: one unit here), as a user moving to torchrun calls it
+    issue = attnuq.predict(model, x, nu=4, n_samples=6, seed=3)
+    res["issue"], res["issue_frozen"] = issue.samples, issue.frozen
+    # a small activation cap: several calls per unit, the same batching on every path
+    res["capped"] = attnuq.predict(model, x, nu=4, n_samples=5, seed=3, max_activation=200,
+                                   chunk_examples=4).samples
     res["samples_none"] = attnuq.predict(model, x, nu=2, n_samples=4, seed=None,
                                          chunk_examples=4).samples
     # 2 examples in units of 1 x 8 passes: 2 units, so rank 2 of 3 has none

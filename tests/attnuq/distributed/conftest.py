@@ -67,6 +67,11 @@ def _compute(root: Path) -> dict[str, Any]:
     assert not dist.is_initialized()
     n = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        plain = _worker.same(0, 1)  # no process group at all: the same numbers must come out
+    finally:
+        torch.set_num_threads(n)
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_launch.free_port()}",
                             rank=0, world_size=1, timeout=timedelta(seconds=TIMEOUT_S))
     try:
@@ -76,7 +81,8 @@ def _compute(root: Path) -> dict[str, Any]:
     finally:
         dist.destroy_process_group()
         torch.set_num_threads(n)
-    return {"w1": w1, "out": out, "top": sub["fork"], "cli_out": sub["cli"] / "report",
+    return {"w1": w1, "plain": plain, "out": out, "top": sub["fork"],
+            "cli_out": sub["cli"] / "report",
             "ranks": ranks.wait(), "cli": cli.wait()}
 
 
@@ -102,6 +108,12 @@ def launched(dist_run: dict[str, Any]) -> dict[str, Any]:
     """The 2- and 3-rank groups and the torchrun launch, all finished."""
     return {"out": dist_run["out"], "top": dist_run["top"], "cli_out": dist_run["cli_out"],
             "ranks": _Finished(dist_run["ranks"]), "cli": _Finished(dist_run["cli"])}
+
+
+@pytest.fixture(scope="session")
+def plain(dist_run: dict[str, Any]) -> dict[str, Any]:
+    """The same scenario in the test process without any process group."""
+    return dict(dist_run["plain"])
 
 
 @pytest.fixture(scope="session")

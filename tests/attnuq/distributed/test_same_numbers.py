@@ -1,5 +1,5 @@
-"""Same seed, same numbers at world sizes 1, 2 and 3 (gloo on the CPU, 11 inputs: uneven
-shards), the full result on every rank in input order, and nothing changed without a group.
+"""Same seed, same numbers without a process group and at world sizes 1, 2 and 3 (gloo on the
+CPU, 11 inputs: uneven shards), the full result on every rank in input order.
 
 Bit-equality is the documented invariant here (tests/README.md): a unit runs the same kernel
 calls on the same inputs whichever rank runs it, each rank single-threaded.
@@ -25,7 +25,8 @@ def test_predict_and_calibrate_bit_identical_across_world_sizes(
     world: int, launched: dict[str, Any], w1: dict[str, Any]
 ) -> None:
     for r, res in enumerate(results(launched, world)):
-        for k in ("samples", "frozen", "samples_none", "empty"):
+        for k in ("samples", "frozen", "samples_none", "empty", "issue", "issue_frozen",
+                  "capped"):
             assert torch.equal(res[k], w1[k]), f"{k} differs: rank {r} of {world} vs world 1"
         # the group still works after the fault cases, with the same numbers
         assert torch.equal(res["after"], w1["samples"]), f"rank {r} of {world} after faults"
@@ -59,20 +60,31 @@ def test_full_result_in_input_order(w1: dict[str, Any]) -> None:
             assert not torch.equal(s[i], s[j])
 
 
-def test_without_a_group_nothing_changes() -> None:
-    """No process group: predict is the single-generator batched recipe of before, exactly."""
-    assert not torch.distributed.is_initialized()
+def test_the_same_numbers_without_a_group(plain: dict[str, Any], w1: dict[str, Any]) -> None:
+    """No process group at all (a plain process) against a group of one, which the tests above
+    tie to world sizes 2 and 3: the same units, seeds and batching, so bit-identical samples,
+    frozen outputs and calibration reports (each process single-threaded, one machine)."""
+    for k in ("samples", "frozen", "samples_none", "empty", "issue", "issue_frozen", "capped"):
+        assert torch.equal(plain[k], w1[k]), f"{k} differs without a group"
+    for k in ("nu", "evals", "s0", "empty_cal", "cal_none"):
+        assert plain[k] == w1[k], f"{k} differs without a group"
+
+
+def test_plain_predict_is_its_units(plain: dict[str, Any]) -> None:
+    """The plain path is the unit recipe: one patch, each unit reseeded with
+    unit_seed(seed, i, j), its passes in one replicated call (here one unit: 11 examples by 6
+    passes, 66 rows under every cap)."""
+    from attnuq.distributed import unit_seed
+
     model = small_model()
     x, _ = data()
-    pred = attnuq.predict(model, x, nu=4, n_samples=6, seed=3)
-    # the recipe: one patch seeded 3, the batch replicated 6 times in one call (6*11 rows)
-    h = patch(model, nu=4, seed=3)
+    h = patch(model, nu=4, seed=unit_seed(3, 0, 0))
     try:
         with torch.no_grad():
             ref = model(x.repeat(6, 1, 1)).reshape(6, 11, 2)
     finally:
         h.remove()
-    assert torch.equal(pred.samples, ref)
+    assert torch.equal(plain["issue"], ref)
     again = attnuq.predict(model, x, nu=4, n_samples=6, seed=3, distributed=False)
     assert torch.equal(again.samples, ref)
 

@@ -258,7 +258,7 @@ def test_bad_shapes_and_settings() -> None:
         layer(**dict(x, mask=x["mask"].long()))
     with pytest.raises(ValueError, match="divisible"):
         LevyAttention(num_channels=2, d_model=6, num_heads=4)
-    with pytest.raises(ValueError, match="initial value"):
+    with pytest.raises(ValueError, match=r"alpha must be a finite float > 0, got alpha=0\.0"):
         LevyAttention(num_channels=2, alpha=0.0)
 
 

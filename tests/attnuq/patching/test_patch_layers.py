@@ -47,20 +47,23 @@ def _count_checks(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 def test_nu_is_validated_once_at_the_patch_boundary(
     monkeypatch: pytest.MonkeyPatch, nu: Any, patch_checks: int
 ) -> None:
-    """One check per int in the spec when patching, none on the way to the kernel: forwards of
-    the patched model call neither the adapter's nor the operator's validation."""
+    """One check per int in the spec at each public entry (``stochastic(...)`` checks when it
+    is built, issue #35 item 8, and ``patch`` on entering), none on the way to the kernel:
+    forwards of the patched model call neither the adapter's nor the operator's validation."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
     enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
     x = torch.randn(2, 5, 8)
     frozen = enc(x)
     calls = _count_checks(monkeypatch)
-    with attnuq.stochastic(enc, nu=nu, seed=0) as h:
-        assert calls == Counter(patch=patch_checks)
+    block = attnuq.stochastic(enc, nu=nu, seed=0)
+    assert calls == Counter(patch=patch_checks)  # refused here already, before any patching
+    with block as h:
+        assert calls == Counter(patch=2 * patch_checks)
         y = enc(x)
         enc(x)
         assert sum(h.calls.values()) == 4  # both sites ran twice, through the operator
-    assert calls == Counter(patch=patch_checks)
+    assert calls == Counter(patch=2 * patch_checks)
     assert not torch.equal(y, frozen)
 
 

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnuq.cli._calibrate import load_heldout
-from attnuq.data import DataFormatError
+from attnuq.data import DataFormatError, TruncatedFileWarning
 from attnuq_bench.data.ett import ETT_CHANNELS, load_ett
 from attnuq_bench.data.physionet import load_physionet2012
 from attnuq_bench.data.uci import load_uci
@@ -169,7 +169,8 @@ _CSV_TOKENS = st.sampled_from(["1", "-2.5", "3e4", "nan", "inf", "", " ", "x", '
 @given(rows=st.lists(st.lists(_CSV_TOKENS, max_size=4), max_size=6))
 def test_csv_garbage_loads_consistently_or_fails_with_our_error(rows: list[list[str]]) -> None:
     text = "\n".join(",".join(r) for r in rows)
-    with _tmp() as d, _no_warnings():
+    with _tmp() as d, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         p = d / "g.csv"
         p.write_text(text, encoding="utf-8", newline="")
         try:
@@ -180,6 +181,9 @@ def test_csv_garbage_loads_consistently_or_fails_with_our_error(rows: list[list[
             assert e.line is None or 1 <= e.line <= n_lines, str(e)
         else:
             assert len(x) == len(y) >= 1 and bool(y.isfinite().all())
+    # the one warning: a last line without a line end (the file may have been cut there)
+    assert all(issubclass(w.category, TruncatedFileWarning) for w in caught), caught
+    assert not caught or not text.endswith(("\n", "\r")), caught
 
 
 # ----------------------------------------------------------------------------------- NPZ

@@ -221,8 +221,9 @@ def test_committed_run_records_hold_the_committed_results() -> None:
             rec = store.load((), m, key)
             assert rec is not None, m
             assert {k: v for k, v in rec.items() if k not in (
-                "method", "reuse", "run_info", "implementation", "wall_seconds")} == (
-                p["results"][m])
+                "method", "reuse", "run_info", "implementation", "wall_seconds",
+                "data_digest")} == p["results"][m]
+            assert len(rec["data_digest"]) == 16  # stamped: the data it was computed on
             assert [rec["implementation"]] == [t for r, t in p["implementations"]["rows"]
                                                if r == m]
             maps = load_maps(store.path((), m).with_suffix(".npz"))

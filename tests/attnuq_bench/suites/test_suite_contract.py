@@ -129,8 +129,8 @@ def test_suite_runs_every_method_and_an_interrupted_run_resumes_to_the_same_page
     assert case.INTERRUPT is not None, f"{name}: no point to interrupt the run at"
     with monkeypatch.context() as m:
         _interrupt(m, case.INTERRUPT)
-        with pytest.raises(KeyboardInterrupt):
-            main(case.argv(resumed))
+        # issue #35 item 13: one line (where it stopped, the resume command), exit 130
+        assert main(case.argv(resumed)) == 130
     assert main(case.argv(resumed)) == 0
     twin_b = json.loads(case.page(resumed).with_suffix(".json").read_text())
     _check_twin(twin_b, name)

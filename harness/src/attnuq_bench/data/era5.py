@@ -234,7 +234,8 @@ def _open(path: Path):  # type: ignore[no-untyped-def]
         )
     try:
         return xr.open_dataset(path, **kwargs)
-    except (EOFError, OSError, ValueError, KeyError) as exc:  # not GRIB/NetCDF, or truncated
+    # not GRIB/NetCDF, or truncated (a netCDF cut inside its header: IndexError)
+    except (EOFError, OSError, ValueError, KeyError, IndexError) as exc:
         raise DataFormatError(path, f"could not read {path.name!r} as {kind}: "
                               f"{type(exc).__name__}: {exc}") from exc
 

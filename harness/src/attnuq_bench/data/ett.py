@@ -294,7 +294,10 @@ def load_ett(
     dates = _dates(table)
     if freq is None:
         freq = "15min" if p.name.lower().startswith("ettm") else "h"
-    borders, rule = ett_borders(len(arr), context, freq=freq)
+    try:
+        borders, rule = ett_borders(len(arr), context, freq=freq)
+    except ValueError as exc:  # too few rows: say which file
+        raise DataFormatError(p, str(exc)) from None
     a, b = borders["train"]
     mean = arr[a:b].mean(0)
     std = arr[a:b].std(0)  # population std, as sklearn's StandardScaler

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from attnuq.data import DataFormatError
+from attnuq.data.readers import check_line_end
 
 __all__ = [
     "PARSER_VERSION",
@@ -503,6 +504,7 @@ def _parse_all(
                 raise DataFormatError(path / name, msg, line=line) from None
             issues.append(ParseIssue(name, line, msg))
             continue
+        check_line_end(path / name, raw)  # a stay file cut mid-line: warned, never silent
         rec = parse_record(text, name, issues=issues, errors=errors, source=path)
         if rec is None:
             continue

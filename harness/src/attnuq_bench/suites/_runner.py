@@ -6,9 +6,12 @@ the methods registry (:func:`attnuq_bench.methods.make_method`) or the suite's o
 :func:`run_items` walks them:
 
 * an item (group, method) whose JSON exists, is a valid record and was run with the group's
-  ``reuse`` key (the config that shapes the result: budget, backbone recipe, ...) is reused;
-  a torn file is redone with a :class:`~attnuq._io.CorruptFileWarning`, one of another
-  ``reuse`` key is redone with a printed message;
+  ``reuse`` key (the config that shapes the result: budget, backbone recipe, ...) and on the
+  group's ``data`` (a digest of the data it reads, :mod:`attnuq_bench.suites._digests`,
+  stored in the record as ``data_digest``) is reused; a torn file is redone with a
+  :class:`~attnuq._io.CorruptFileWarning`, one of another ``reuse`` key or other data (or
+  without a ``data_digest``: written before digests were recorded, see
+  ``python -m attnuq_bench.suites._digests``) is redone with a printed message;
 * the group's ``setup`` (load data, train or load the backbone) runs once, only if some
   item of the group is to be done;
 * each item's record gets its wall time and provenance (``run_info``: command, date, machine,
@@ -67,7 +70,45 @@ from typing import Any
 
 from attnuq._io import atomic_write_json, atomic_write_text, read_json_or_none
 
-__all__ = ["Group", "RunStore", "RunSummary", "SkipGroup", "credits", "reuse_key", "run_items"]
+__all__ = ["Group", "Interrupted", "RunStore", "RunSummary", "SkipGroup", "credits",
+           "data_matches", "data_mismatch", "reuse_key", "run_items"]
+
+
+class Interrupted(KeyboardInterrupt):
+    """``KeyboardInterrupt`` (SIGINT) inside :func:`run_items`, saying where: the item (or the
+    group's setup) that was running and how many items this invocation had saved; every item
+    saved so far stays, and the same command resumes (``attnuq bench`` prints it, exit 130).
+
+    Examples
+    --------
+    >>> str(Interrupted("uci runs", "concrete/split0/gaussian", 3))
+    'uci runs stopped at concrete/split0/gaussian (3 item(s) saved by this run)'
+    """
+
+    def __init__(self, what: str, where: str, saved: int) -> None:
+        super().__init__(f"{what} stopped at {where} ({saved} item(s) saved by this run)")
+        self.what, self.where, self.saved = what, where, saved
+
+
+def data_matches(record: Mapping[str, Any], data: str | None) -> bool:
+    """Whether ``record`` was computed on the data of digest ``data`` (always, when ``data`` is
+    None: not checked). A record without a ``data_digest`` matches no digest: nothing says on
+    which data it was computed (``python -m attnuq_bench.suites._digests`` stamps records
+    written before digests were recorded, from the data files they were computed on).
+
+    >>> data_matches({"data_digest": "ab"}, "ab"), data_matches({}, "ab"), data_matches({}, None)
+    (True, False, True)
+    """
+    return data is None or record.get("data_digest") == data
+
+
+def data_mismatch(record: Mapping[str, Any], data: str | None) -> str:
+    """Why ``record`` does not match ``data`` (for the redo messages)."""
+    old = record.get("data_digest")
+    if old is None:
+        return ("has no data digest (written before digests were recorded; stamp such records "
+                "with python -m attnuq_bench.suites._digests)")
+    return f"was run on other data (digest {old}, now {data})"
 
 
 class SkipGroup(Exception):
@@ -81,7 +122,9 @@ class Group:
     ``methods`` the method names in run order, ``reuse`` the key a stored record must carry to
     be reused (``method_reuse[m]`` instead for a method whose key differs, e.g. one that
     depends on ``--ensemble``), ``payload`` whatever the suite's ``setup`` needs (not
-    compared). ``together``: bundles of methods that share work inside one process (e.g.
+    compared). ``data``: the digest of the data the group's items read (``None``: not
+    checked), kept in every record it saves. ``together``: bundles of methods that share
+    work inside one process (e.g.
     ``("sa-paper", "sa-conformal")``: one set of SA draws scores both rows); under a process
     group the items of a bundle still to do go to one rank as one unit, in ``methods`` order
     (names not among ``methods`` are ignored)."""
@@ -92,6 +135,7 @@ class Group:
     payload: Any = None
     method_reuse: Mapping[str, Any] = field(default_factory=dict)
     together: Sequence[Sequence[str]] = ()
+    data: str | None = None
 
     def reuse_for(self, method: str) -> Any:
         """The reuse key of ``method``'s record in this group."""
@@ -182,9 +226,10 @@ class RunStore:
         return self.root.joinpath(*parts) / f"{method}.json"
 
     def load(self, parts: Sequence[str], method: str, reuse: Any = None, *,
-             check: bool = True) -> dict[str, Any] | None:
+             check: bool = True, data: str | None = None) -> dict[str, Any] | None:
         """The finished record of ``(parts, method)``, or ``None`` when it has to be (re)done
-        (missing; torn, with a warning; run under another ``reuse`` key when ``check``, with a
+        (missing; torn, with a warning; when ``check``: run under another ``reuse`` key, or,
+        when ``data`` is given, on data of another digest or of none recorded, with a
         message)."""
         path = self.path(parts, method)
         rec = read_json_or_none(path, "run", validate=lambda r: self.valid(r) and (
@@ -196,18 +241,24 @@ class RunStore:
             print(f"[{self.suite}] {path} was run with {self.what} {json.dumps(old)}; redoing "
                   f"it with {json.dumps(reuse)}", flush=True)
             return None
+        if not data_matches(rec, data):
+            print(f"[{self.suite}] {path} {data_mismatch(rec, data)}; redoing it", flush=True)
+            return None
         return dict(rec)
 
     def save(self, record: dict[str, Any], parts: Sequence[str], method: str, *,
-             reuse: Any = None) -> Path:
-        """Write ``record`` (with ``run_info``: this invocation's provenance, today's date)
-        atomically and drop the item's ``.err.txt``; returns the path."""
+             reuse: Any = None, data: str | None = None) -> Path:
+        """Write ``record`` (with ``run_info``: this invocation's provenance, today's date, and
+        ``data_digest`` when ``data`` is given) atomically and drop the item's ``.err.txt``;
+        returns the path."""
         from attnuq._runtime import run_info
 
         if record.get("method") != method:
             raise ValueError(f"record of method {record.get('method')!r} saved as {method!r}")
         if self.reuse_of is _default_reuse_of:
             record.setdefault("reuse", reuse)
+        if data is not None:
+            record["data_digest"] = data
         record["run_info"] = {**self.info, "date": run_info()["date"]}
         path = self.path(parts, method)
         atomic_write_json(path, record, indent=1)
@@ -316,14 +367,17 @@ def run_items(
     summary = RunSummary()
     bar = tqdm(total=sum(len(g.methods) for g in groups), desc=desc or f"{store.suite} runs",
                disable=not progress)
+    where = "the list of items to do"
     try:
         for g in groups:
+            where = "what is to do in " + ("/".join(g.parts) or store.suite)
             todo = [m for m in g.methods
-                    if m in rerun or store.load(g.parts, m, g.reuse_for(m)) is None]
+                    if m in rerun or store.load(g.parts, m, g.reuse_for(m), data=g.data) is None]
             summary.reused += len(g.methods) - len(todo)
             bar.update(len(g.methods) - len(todo))
             if not todo:
                 continue
+            where = "the setup of " + ("/".join(g.parts) or store.suite)
             try:
                 ctx = setup(g)
             except SkipGroup as exc:
@@ -331,7 +385,7 @@ def run_items(
                 bar.update(len(todo))
                 continue
             for m in todo:
-                name = "/".join((*g.parts, m))
+                name = where = "/".join((*g.parts, m))
                 bar.set_postfix_str(name)
                 t0 = time.perf_counter()
                 try:
@@ -343,11 +397,15 @@ def run_items(
                     bar.update(1)
                     continue
                 rec["wall_seconds"] = time.perf_counter() - t0
-                store.save(rec, g.parts, m, reuse=g.reuse_for(m))
+                store.save(rec, g.parts, m, reuse=g.reuse_for(m), data=g.data)
                 summary.done += 1
                 if on_saved is not None:
                     on_saved(g, m, rec)
                 bar.update(1)
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, Interrupted):
+            raise
+        raise Interrupted(desc or f"{store.suite} runs", where, summary.done) from None
     finally:
         bar.close()
     return summary
@@ -367,7 +425,7 @@ def _run_one_item(store: RunStore, ctx: Any, g: Group, m: str,
         summary.failed.append(name)
         return None
     rec["wall_seconds"] = time.perf_counter() - t0
-    store.save(rec, g.parts, m, reuse=g.reuse_for(m))
+    store.save(rec, g.parts, m, reuse=g.reuse_for(m), data=g.data)
     summary.done += 1
     return rec
 
@@ -394,8 +452,8 @@ def _run_sharded(
     def plan() -> list[list[str]] | None:
         if rank != 0:
             return None
-        return [[m for m in g.methods if m in rerun or store.load(g.parts, m, g.reuse_for(m))
-                 is None] for g in groups]
+        return [[m for m in g.methods if m in rerun or store.load(
+            g.parts, m, g.reuse_for(m), data=g.data) is None] for g in groups]
 
     todo = _dist.phase(f"{store.suite}: what is to do", plan, group=long)[0]
     assert todo is not None
@@ -469,6 +527,11 @@ def _run_sharded(
                         set_up(nxt)
 
                 _dist.phase(f"{store.suite}: items", step, group=long)
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, Interrupted):
+            raise
+        raise Interrupted((desc or f"{store.suite} runs") + f" (rank {rank}/{world})",
+                          "its items", summary.done) from None
     finally:
         bar.close()
     every = _dist.phase(f"{store.suite}: summaries", lambda: summary, group=long)

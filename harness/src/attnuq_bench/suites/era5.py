@@ -48,6 +48,7 @@ from attnuq_bench.methods import ResidualQuantiles, Task, make_method
 from attnuq_bench.suites import _members as mb
 from attnuq_bench.suites import register
 from attnuq_bench.suites._ablation import ablation_block
+from attnuq_bench.suites._digests import files_digest
 from attnuq_bench.suites._era5_recipe import (
     Inputs,
     _MemberRecipe,
@@ -264,9 +265,10 @@ def run(args: argparse.Namespace) -> Path:
             static["backbone"].update(blend=blend[1], blend_val_rmse=blend[2])
     test_points = points("test")
     store = RunStore(res_dir / "runs", suite="era5", info=info)
+    digest = files_digest([field.path])  # a record of other data is never reused
     maps: dict[str, dict[str, Any]] = {}
     recs = {m: r for m in ALL_METHODS if args.resume and m not in rerun
-            and (r := store.load((), m, key)) is not None
+            and (r := store.load((), m, key, data=digest)) is not None
             and (mp := load_maps(store.path((), m).with_suffix(".npz"))) is not None
             and maps.setdefault(m, mp) is mp}
     kept = set(recs)
@@ -327,7 +329,8 @@ def run(args: argparse.Namespace) -> Path:
             "run": {**info, **({"resumed_runs": credit} if credit else {})}, "config": cfg,
             "complete": final, **static, "results": {**test_points, **{m: {
                 k: v for k, v in recs[m].items() if k not in (
-                    "method", "reuse", "run_info", "implementation", "wall_seconds")}
+                    "method", "reuse", "run_info", "implementation", "wall_seconds",
+                    "data_digest")}
                 for m in done}},
             "implementations": merge_block(done, {m: recs[m].get("implementation")
                                                   for m in done}, local=_IMPLEMENTATIONS)}
@@ -342,7 +345,7 @@ def run(args: argparse.Namespace) -> Path:
     if kept:
         print(f"[era5] resuming: already scored {sorted(kept)}", flush=True)
     order = sorted(methods, key=_RUN_ORDER.index)
-    group = Group(parts=(), methods=order, reuse=key,
+    group = Group(parts=(), methods=order, reuse=key, data=digest,
                   together=[("sa-paper", "sa-conformal")])  # sa-conformal: sa-paper's draws
     summary = run_items(store, [group], lambda g: None,
                         run_one, progress=False, rerun=[m for m in order if m not in kept],

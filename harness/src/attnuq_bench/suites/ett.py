@@ -245,6 +245,7 @@ def run(args: argparse.Namespace) -> Path:
     from attnuq_bench.data.ett import load_ett, resolve_ett_path, seasonal_naive
     from attnuq_bench.methods import Task, make_method
     from attnuq_bench.models.patchtst import load_patchtst, save_patchtst
+    from attnuq_bench.suites._digests import files_digest
     from attnuq_bench.suites._implementations import implementation_texts, merge_block
     from attnuq_bench.suites._members import (
         check_member_jobs,
@@ -253,7 +254,13 @@ def run(args: argparse.Namespace) -> Path:
         recipe_spec,
         train_members,
     )
-    from attnuq_bench.suites._runner import Group, RunStore, run_items
+    from attnuq_bench.suites._runner import (
+        Group,
+        RunStore,
+        data_matches,
+        data_mismatch,
+        run_items,
+    )
     from attnuq_bench.training import predict_batched
 
     res_dir = Path(args.out) / "ett"
@@ -352,13 +359,17 @@ def run(args: argparse.Namespace) -> Path:
     order = sorted(methods, key=_RUN_ORDER.index)
     group = Group(parts=parts, methods=[m for m in order if m not in merged], reuse=None,
                   method_reuse={m: _reuse(cfg, m) for m in ALL_METHODS},
-                  together=[("sa-paper", "sa-conformal")])  # one set of SA draws, one rank
+                  together=[("sa-paper", "sa-conformal")],  # one set of SA draws, one rank
+                  data=files_digest([path]))  # a record of other data is never reused
     if args.resume:  # a stored record of another config is an error, not something to redo
         for m in ALL_METHODS:
             rec = store.load(parts, m, check=False)
             if rec is not None and m not in rerun and rec.get("reuse") != group.reuse_for(m):
                 raise ValueError(f"--resume/--merge: {store.path(parts, m)} was written with "
                                  f"another config: {rec.get('reuse')} vs {group.reuse_for(m)}")
+            if rec is not None and m not in rerun and not data_matches(rec, group.data):
+                raise ValueError(f"--resume: {store.path(parts, m)} "
+                                 f"{data_mismatch(rec, group.data)}")
     S = args.n_samples
     pending: dict[str, dict[str, Any]] = {}
 
@@ -439,7 +450,8 @@ def run(args: argparse.Namespace) -> Path:
         earlier: dict[Any, dict[str, Any]] = {}  # records of earlier invocations (--resume)
         for m in ALL_METHODS:
             r = None if m in merged else store.load(parts, m, check=False)
-            if r is None or r.get("reuse") != group.reuse_for(m):
+            if r is None or r.get("reuse") != group.reuse_for(m) or not data_matches(
+                    r, group.data):
                 continue
             ri = r.get("run_info", {})
             key = ri.get("command"), ri.get("invocation")

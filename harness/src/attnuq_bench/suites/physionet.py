@@ -134,6 +134,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only rewrite the page (and its twin) from <out>/physionet.json")
 
 
+def data_source(data_dir: str | None) -> Path:
+    """The data source ``--data-dir`` names (see :func:`_resolve`)."""
+    return _resolve(data_dir)
+
+
 def _resolve(data_dir: str | None) -> Path:
     """``--data-dir``: a data root holding ``physionet2012/``, that folder, or an archive file."""
     from attnuq_bench.data import data_dir as _dd
@@ -359,8 +364,11 @@ def _seeds(seeds: list[int], ctx: dict[str, Any], args: argparse.Namespace,
                      reuse_of=lambda r: [r.get("scoring_version"), r.get("train_config")],
                      valid=lambda r: isinstance(r, dict) and "metrics" in r)
     names = [f"seed_{s}" for s in seeds]
+    from attnuq_bench.suites._digests import files_digest
+
     group = Group(parts=(), methods=names,
-                  reuse=[SCORING_VERSION, _train_config(args, ctx["ds"])])
+                  reuse=[SCORING_VERSION, _train_config(args, ctx["ds"])],
+                  data=files_digest([_resolve(args.data_dir)]))  # other data: never reused
     run_items(store, [group], lambda g: ctx,
               lambda c, g, m: _seed_record(int(m.split("_")[1]), c, args), progress=False,
               rerun=() if args.reuse else names, on_saved=on_saved)

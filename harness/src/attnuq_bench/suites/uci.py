@@ -5,8 +5,10 @@ of the training split, fixed seed; standardised with fit statistics) one FT-Tran
 backbone (rtdl default recipe, early stopping on validation RMSE) is trained and cached; every
 post-hoc method uses that same frozen model, retraining methods use ``make_model(seed)`` with the
 same recipe. Each (data set, split, method) run writes ``runs/<set>/split<K>/<method>.json``
-(atomically); existing valid files of the same budget are skipped, so an interrupted run
-resumes. A torn or unreadable run file is redone with a warning; one written under another
+(atomically); existing valid files of the same budget and the same data (``data_digest``:
+:func:`attnuq_bench.suites._digests.split_digest` of the loaded split) are skipped, so an
+interrupted run resumes, and a changed data set is run again. A torn or unreadable run file
+is redone with a warning; one written under another
 budget is redone with a message. The backbone and ensemble members are cached under
 ``<cache>/<set>/split<K>/[seed<S>/]<key>/``, ``key`` a hash of everything that shapes them
 (blocks, epochs, patience, batch size, seed, recipe, and the fit/val data), so another
@@ -49,6 +51,7 @@ import torch
 from attnuq._io import atomic_write_json, atomic_write_text, cache_key, read_json_or_none
 from attnuq.distributed import is_writer
 from attnuq_bench.suites import register
+from attnuq_bench.suites._digests import split_digest
 from attnuq_bench.suites._members import cached_state
 from attnuq_bench.suites._page import Page, pit_figure, read_twin, twin_path, update_summary
 from attnuq_bench.suites._runner import Group, RunStore, run_items
@@ -325,6 +328,12 @@ def run(args: argparse.Namespace) -> Path:
     if args.splits < 1 or args.first_split < 0:
         raise ValueError(f"--splits must be >= 1 and --first-split >= 0, got {args.splits=}, "
                          f"{args.first_split=}")
+    if not args.aggregate_only:
+        for name in args.datasets:  # a first split past the last one would run nothing
+            n = n_splits(name, args.data_dir)
+            if args.first_split >= n:
+                raise ValueError(f"--first-split {args.first_split} is past the last split of "
+                                 f"{name!r}, which has {n} (0..{n - 1})")
     out.mkdir(parents=True, exist_ok=True)
     if is_writer():  # under torchrun: rank 0 (attnuq.distributed)
         atomic_write_text(out / ".gitignore", "_models/\n*.err.txt\n")
@@ -335,13 +344,13 @@ def run(args: argparse.Namespace) -> Path:
         for name in args.datasets:
             last = min(n_splits(name, args.data_dir), args.first_split + args.splits)
             for k in range(args.first_split, last):
-                held: dict[str, Any] = {}
-                bs = args.batch_size
-                if bs == "auto":  # the fit size decides the batch size, hence the budget
-                    held["data"] = load_uci(name, k, data_dir=args.data_dir)
-                    bs = batch_size_for(bs, len(held["data"].y_fit))
+                # loaded now: its digest keys the records (a changed data set is redone) and
+                # with --batch-size auto its fit size decides the batch size, hence the budget
+                held: dict[str, Any] = {"data": load_uci(name, k, data_dir=args.data_dir)}
+                bs = batch_size_for(args.batch_size, len(held["data"].y_fit))
                 groups.append(Group(parts=_parts(name, k, seed), methods=list(args.methods),
-                                    reuse=_budget(args, bs), payload=(name, k, held)))
+                                    reuse=_budget(args, bs), payload=(name, k, held),
+                                    data=split_digest(held["data"])))
 
         def setup(g: Group) -> tuple[Any, Any, dict[str, Any]]:
             name, k, held = g.payload

@@ -1,0 +1,138 @@
+"""Issue #35 items 10 and 13: every suite's options are checked by the spine before any work
+(one line, exit 2), and SIGINT during ``attnuq bench`` prints one line saying where it stopped
+and the command that resumes it, exit 130."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import attnuq
+import attnuq_bench
+from attnuq.cli import main
+from attnuq_bench.suites import SUITES
+
+UCI = ["bench", "uci", "--datasets", "concrete", "--splits", "1", "--data-dir", "bundled",
+       "--methods", "gaussian", "--n-blocks", "1", "--max-epochs", "1", "--patience", "1",
+       "--no-progress"]
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str], *needles: str) -> str:
+    """Exit 2 with the needles in stderr: one line from the command, or argparse's usage and
+    error lines (a suite whose --seed is the shared seed_arg refuses it while parsing)."""
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        err = capsys.readouterr().err
+        assert exc.code == 2 and "Traceback" not in err, err
+        for n in needles:
+            assert n in err.strip().splitlines()[-1], (n, err)
+        return err
+    err = capsys.readouterr().err
+    _one_line_2(rc, err, *needles)
+    return err
+
+
+def _one_line_2(rc: int, err: str, *needles: str) -> None:
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (rc, err)
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    (["--first-split", "99"], "--first-split 99 is past the last split of 'concrete'"),
+    (["--n-samples", "1"], "--n-samples must be an int >= 2"),
+    (["--threads", "-3"], "--threads must be an int >= 1, got --threads -3"),
+    (["--splits", "0"], "--splits must be an int >= 1"),
+    (["--seed", "-1"], "--seed"),
+])
+def test_uci_options_are_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], needle: str
+) -> None:
+    out = tmp_path / "uci"
+    _refused([*UCI, "--out", str(out), *extra], capsys, needle)
+    assert not out.exists()  # nothing trained, nothing written
+
+
+@pytest.mark.parametrize("suite", sorted(SUITES))
+def test_every_suite_refuses_bad_shared_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], suite: str
+) -> None:
+    out = tmp_path / suite
+    for opt, val, needle in (("--threads", "-3", "--threads must be an int >= 1"),
+                             ("--seed", "-1", "--seed")):
+        err = _refused(["bench", suite, "--out", str(out), opt, val], capsys, needle)
+        assert "unavailable" not in err
+    assert not out.exists()
+
+
+def test_interrupted_items_say_where_and_how_to_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A KeyboardInterrupt inside the runner's items: one line naming the item, the count of
+    saved items and the command (with ``--resume`` where a suite needs it), exit 130."""
+    from attnuq_bench.cli import BenchCommand
+    from attnuq_bench.suites._runner import Group, Interrupted, RunStore, run_items
+
+    store = RunStore(tmp_path, suite="t", info={"command": "c", "date": "d", "machine": "m"})
+
+    def one(_c: object, _g: Group, m: str) -> dict[str, object]:
+        if m == "b":
+            raise KeyboardInterrupt
+        return {"method": m}
+
+    with pytest.raises(Interrupted) as e:
+        run_items(store, [Group(parts=("s",), methods=["a", "b"])], lambda g: None, one,
+                  progress=False)
+    assert str(e.value) == "t runs stopped at s/b (1 item(s) saved by this run)"
+    assert store.path(("s",), "a").exists()  # the finished item stays
+
+    cmd = BenchCommand()
+    cmd._argv = ["bench", "ett", "--out", str(tmp_path)]
+
+    def boom(_args: argparse.Namespace) -> Path:
+        raise e.value
+
+    args = argparse.Namespace(suite="ett", _run=boom, resume=False)
+    assert cmd.run(args) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"attnuq: interrupted: t runs stopped at s/b (1 item(s) saved by this run); "
+                   f"resume with: attnuq bench ett --out {tmp_path} --resume"]
+
+
+def test_sigint_during_bench_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    """A real SIGINT to ``attnuq bench uci`` while it trains its backbone."""
+    out = tmp_path / "uci"
+    argv = [*UCI, "--out", str(out), "--max-epochs", "100000", "--patience", "100000"]
+    src = [str(Path(attnuq.__file__).resolve().parents[1]),
+           str(Path(attnuq_bench.__file__).resolve().parents[1])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([*src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "attnuq.cli", *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list(out.glob("_models/concrete/split0/*/spec.json")):  # training started
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the backbone training never started"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("attnuq: interrupted: uci runs stopped at the setup of "
+                               "concrete/split0 (0 item(s) saved by this run); resume with: "
+                               "attnuq bench uci --datasets concrete"), lines[0]
