@@ -10,7 +10,8 @@ What :meth:`SARegressor.fit` does (every choice on validation data, fixed in adv
 
 1. ``nu`` by :func:`attnuq.calibrate` on ``val_data`` with the criterion ``"auto"`` (the
    debiased ``L_SA`` on outputs of fewer than 28 elements, the paper's above), ``n_passes =
-   n_samples`` passes per evaluated ``nu`` and the BO stopping rule ``nu_tol=0.25``.
+   n_samples`` passes per evaluated ``nu``, at most 4 evaluations and the BO stopping rule
+   ``nu_tol=0.25``.
 2. The spread: ``S = n_samples`` stochastic passes give the centre ``f`` (the frozen output
    when ``recentre=True``, else the draws' mean) and ``sigma`` (the draws' sd) per element.
    On ``val_data`` the passes of the search at the chosen ``nu`` are reused.
@@ -324,8 +325,11 @@ class SARegressor:
     progress
         tqdm bars (``None``: only on a terminal).
     **calibrate_kwargs
-        Passed to :func:`attnuq.calibrate` (``search``, ``max_evals``, ``nu_tol`` (default
-        ``0.25`` here), ``per_layer``, ``batch_replicas``, ``max_rows``, ...).
+        Passed to :func:`attnuq.calibrate` (``search``, ``max_evals`` (default ``4`` here),
+        ``nu_tol`` (default ``0.25`` here), ``per_layer``, ``batch_replicas``, ``max_rows``,
+        ...). Defaults chosen for cost: with 8 passes, at most 4 evaluations and the stopping
+        rule, a fit takes about 20 frozen passes over the held-out data
+        (``docs/benchmarks/calibrate.md``).
 
     Attributes
     ----------
@@ -379,7 +383,7 @@ class SARegressor:
         recentre: bool = True,
         floor: bool = True,
         nu_range: tuple[int, int] = (1, 1024),
-        n_samples: int = 10,
+        n_samples: int = 8,
         seed: int = 0,
         progress: bool | None = None,
         **calibrate_kwargs: Any,
@@ -414,10 +418,11 @@ class SARegressor:
                                               "output_fn", "progress", "level"})
         if bad:
             raise TypeError(f"set {bad} as SARegressor arguments, not as calibrate_kwargs")
-        self.calibrate_kwargs = {"nu_tol": 0.25, **calibrate_kwargs}
+        self.calibrate_kwargs = {"nu_tol": 0.25, "max_evals": 4, **calibrate_kwargs}
         self._fitted: dict[str, Any] | None = None
         self.diagnostics: dict[str, Any] = {}
         self.report: Any = None  # the CalibrationReport of the search (None when nu is given)
+        self.metadata: dict[str, Any] = {}  # free-form, saved with the estimator
 
     # ------------------------------------------------------------------ fit
     def fit(self, val_data: Iterable[Any], cal_data: Iterable[Any]) -> SARegressor:
@@ -687,12 +692,17 @@ class SARegressor:
             "diagnostics": _jsonable(self.diagnostics),
         }
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, *, metadata: Mapping[str, Any] | None = None) -> Path:
         """Write the fitted estimator to ``path`` as JSON, atomically: the settings, ``nu``
         (or the per-layer map), the resolved criterion, ``beta``, the calibration order
         statistics, the seed, the library version, the model's digest and the diagnostics.
-        Never the weights."""
-        return write_envelope(path, "SARegressor", self.model, self.to_dict())
+        Never the weights. ``metadata`` (JSON-ready) is stored as is and comes back as
+        :attr:`metadata` after :meth:`load`."""
+        payload = self.to_dict()
+        meta = dict(self.metadata if metadata is None else metadata)
+        if meta:
+            payload["metadata"] = _jsonable(meta)
+        return write_envelope(path, "SARegressor", self.model, payload)
 
     @classmethod
     def load(cls, path: str | Path, model: nn.Module, output_fn: Any = None, *,
@@ -738,6 +748,7 @@ class SARegressor:
                 "criterion_resolved": ft.get("criterion_resolved"),
             }
             est.diagnostics = dict(obj.get("diagnostics") or {})
+            est.metadata = dict(obj.get("metadata") or {})
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: malformed SARegressor file ({type(exc).__name__}: "
                              f"{exc})") from None
