@@ -267,6 +267,38 @@ class SAPredictive:
         draws = self.mean.double() + atoms[idx] * self.spread
         return Predictive(samples=draws.to(self.mean.dtype), frozen=self.frozen)
 
+    def scaled(self, factor: float | torch.Tensor) -> SAPredictive:
+        """The same predictive with its spread ``w`` multiplied by ``factor`` (about the
+        centre; e.g. a further conformal factor)."""
+        f = torch.as_tensor(factor, dtype=torch.float64, device=self.spread.device)
+        return SAPredictive(mean=self.mean, spread=self.spread * f, scores=self.scores,
+                            ranks=self.ranks, n=self.n, samples=self.samples,
+                            frozen=self.frozen, form=self.form)
+
+    def select(self, index: Any) -> SAPredictive:
+        """The predictive of ``mean[index]`` (any index of the ``(B, ...)`` dimensions; the
+        raw samples are indexed as ``samples[:, index]``)."""
+        idx = index if isinstance(index, tuple) else (index,)
+        return SAPredictive(mean=self.mean[idx], spread=self.spread[idx], scores=self.scores,
+                            ranks=self.ranks, n=self.n, samples=self.samples[(slice(None), *idx)],
+                            frozen=self.frozen[idx], form=self.form)
+
+    def to(self, device: Any) -> SAPredictive:
+        """The predictive with its per-example tensors on ``device``."""
+        return SAPredictive(mean=self.mean.to(device), spread=self.spread.to(device),
+                            scores=self.scores, ranks=self.ranks, n=self.n,
+                            samples=self.samples.to(device), frozen=self.frozen.to(device),
+                            form=self.form)
+
+    def nll(self, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Gaussian NLL of the targets under ``N(mean, std^2)`` (the empirical score
+        distribution has no density; this is the usual moment summary)."""
+        from attnuq.metrics import nll_normal
+
+        y = self._check_targets(targets)
+        return nll_normal(self.mean.double(), self.std.double().clamp_min(1e-12), y,
+                          reduction=reduction)  # type: ignore[arg-type]
+
     def _check_targets(self, targets: torch.Tensor) -> torch.Tensor:
         if not isinstance(targets, torch.Tensor):
             raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
