@@ -31,8 +31,8 @@ _LAZY: dict[str, str] = {
     "SARegressor": "attnuq.estimators._regressor:SARegressor",
     "SAPredictive": "attnuq.estimators._regressor:SAPredictive",
 }
-_SUBMODULES = ("ops", "nn", "metrics", "plots", "data", "models", "methods", "baselines",
-               "calibration", "prediction", "patching", "bench", "estimators")
+_SUBMODULES = ("ops", "nn", "metrics", "plots", "models", "calibration", "prediction", "patching",
+               "estimators")
 
 __all__ = ["__version__", *_LAZY, *_SUBMODULES]
 
