@@ -28,7 +28,7 @@ of held-out examples). Writes ``docs/benchmarks/calibrate.{md,json,png}``.
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_calibrate.py [--n-val 96] [--n-cal 96] [--grid-size 9]
+    .venv/bin/python benchmarks/bench_calibrate.py [--n-val 48] [--n-cal 48] [--grid-size 7]
 """
 
 from __future__ import annotations
@@ -132,13 +132,13 @@ def frozen_pass(model: nn.Module, parts: list[tuple[Any, Any]]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--n-val", type=int, default=96, help="validation sentences (default: 96)")
-    p.add_argument("--n-cal", type=int, default=96, help="calibration sentences (default: 96)")
+    p.add_argument("--n-val", type=int, default=48, help="validation sentences (default: 48)")
+    p.add_argument("--n-cal", type=int, default=48, help="calibration sentences (default: 48)")
     p.add_argument("--n-train", type=int, default=400, help="ridge-head sentences (default: 400)")
     p.add_argument("--batch-size", type=int, default=32, help="sentences per batch (default: 32)")
-    p.add_argument("--grid-size", type=int, default=9,
-                   help="dense reference grid over nu_range (default: 9)")
-    p.add_argument("--repeats", type=int, default=5, help="frozen-pass timings (default: 5)")
+    p.add_argument("--grid-size", type=int, default=7,
+                   help="dense reference grid over nu_range (default: 7)")
+    p.add_argument("--repeats", type=int, default=3, help="frozen-pass timings (default: 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     p.add_argument("--skip-before", action="store_true",
                    help="do not measure the cost before the estimator")
