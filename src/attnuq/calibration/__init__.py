@@ -367,7 +367,17 @@ def calibrate(
 
 class EdgeWarning(UserWarning):
     """The chosen ``nu`` is an end of ``nu_range``: no ``nu`` in the range matched the
-    criterion's target scale (see :func:`edge_info`)."""
+    criterion's target scale (see :func:`edge_info`).
+
+    Examples
+    --------
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warnings.warn("nu = 1 sits at the lower edge", EdgeWarning)
+    >>> caught[0].category.__name__
+    'EdgeWarning'
+    """
 
 
 def edge_info(nu: int, nu_range: tuple[int, int], evaluations: list[Evaluation]
