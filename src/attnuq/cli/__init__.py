@@ -185,9 +185,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "the sites in find_attention order, at most twice the shared search's passes; the map "
         "goes to calibration.json (nu_map). Not with --criterion scale or coverage (default: off)",
     )
-    cal.add_argument("--n-passes", type=int, default=8,
+    cal.add_argument("--n-passes", type=int, default=6,
                      help="stochastic passes per input, in the search and for the spread "
-                     "(default: 8)")
+                     "(default: 6)")
     cal.add_argument("--cal-fraction", type=float, default=0.5,
                      help="share of DATA's rows for the calibration part (default: 0.5)")
     cal.add_argument("--batch-size", type=int, default=64, help="default: 64")

@@ -10,7 +10,7 @@ What :meth:`SARegressor.fit` does (every choice on validation data, fixed in adv
 
 1. ``nu`` by :func:`attnuq.calibrate` on ``val_data`` with the criterion ``"auto"`` (the
    debiased ``L_SA`` on outputs of fewer than 28 elements, the paper's above), ``n_passes =
-   n_samples`` passes per evaluated ``nu``, at most 4 evaluations and the BO stopping rule
+   n_samples`` passes per evaluated ``nu``, at most 3 evaluations and the BO stopping rule
    ``nu_tol=0.25``.
 2. The spread: ``S = n_samples`` stochastic passes give the centre ``f`` (the frozen output
    when ``recentre=True``, else the draws' mean) and ``sigma`` (the draws' sd) per element.
@@ -357,11 +357,12 @@ class SARegressor:
     progress
         tqdm bars (``None``: only on a terminal).
     **calibrate_kwargs
-        Passed to :func:`attnuq.calibrate` (``search``, ``max_evals`` (default ``4`` here),
+        Passed to :func:`attnuq.calibrate` (``search``, ``max_evals`` (default ``3`` here),
         ``nu_tol`` (default ``0.25`` here), ``per_layer``, ``batch_replicas``, ``max_rows``,
-        ...). Defaults chosen for cost: with 8 passes, at most 4 evaluations and the stopping
-        rule, a fit takes about 20 frozen passes over the held-out data
-        (``docs/benchmarks/calibrate.md``).
+        ...). Defaults chosen for cost: with 6 passes, at most 3 evaluations and the stopping
+        rule, a fit takes at most ``0.5 + 3 * 6 / 2 + 0.5 + 6 / 2 = 13`` passes over the
+        held-out data (equal parts; ``docs/benchmarks/calibrate.md`` measures the time).
+        More passes (``n_samples=``) estimate each element's spread better, at that cost.
 
     Attributes
     ----------
@@ -415,7 +416,7 @@ class SARegressor:
         recentre: bool = True,
         floor: bool = True,
         nu_range: tuple[int, int] = (1, 1024),
-        n_samples: int = 8,
+        n_samples: int = 6,
         seed: int = 0,
         progress: bool | None = None,
         **calibrate_kwargs: Any,
@@ -450,7 +451,7 @@ class SARegressor:
                                               "output_fn", "progress", "level"})
         if bad:
             raise TypeError(f"set {bad} as SARegressor arguments, not as calibrate_kwargs")
-        self.calibrate_kwargs = {"nu_tol": 0.25, "max_evals": 4, **calibrate_kwargs}
+        self.calibrate_kwargs = {"nu_tol": 0.25, "max_evals": 3, **calibrate_kwargs}
         self._fitted: dict[str, Any] | None = None
         self.diagnostics: dict[str, Any] = {}
         self.report: Any = None  # the CalibrationReport of the search (None when nu is given)
