@@ -375,6 +375,8 @@ def bo_search(
             nxt = int(cands[int(np.argmin(loss))])
             near = any(abs(math.log(nxt / e.nu)) <= math.log1p(nu_tol) for e in rec.evals)
             if near or len(rec.evals) >= budget:
+                bar.total = len(rec.evals)  # the bar ends at the evaluations made
+                bar.refresh()
                 break
             nu = nxt
     done = np.array([e.nu for e in rec.evals])
