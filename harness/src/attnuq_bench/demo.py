@@ -331,7 +331,10 @@ def _run_demo(
     for label, p in preds.items():
         plots.reliability_diagram(p, y_units, ax=ax, label=label)
         lv = plots.DEFAULT_LEVELS
-        obs = [float(_metrics.coverage(*p.interval(v), y_units)) for v in lv]
+        obs = []
+        for v in lv:
+            lo_v, hi_v = p.interval(v)
+            obs.append(float(_metrics.coverage(lo_v, hi_v, y_units)))
         worst = max(range(len(lv)), key=lambda i: abs(obs[i] - lv[i]))
         gaps.append(f"{label} {'over' if obs[worst] > lv[worst] else 'under'}-covers most at "
                     f"{lv[worst]:.0%} ({obs[worst]:.0%} observed)")
@@ -352,7 +355,10 @@ def _run_demo(
 
     fig, ax = plt.subplots(figsize=(9, 3.8))
     _intervals_vs_truth(ax, preds["SA"], preds["MC dropout"], y_units)
-    cov = {k: float(_metrics.coverage(*p.interval(0.95), y_units)) for k, p in preds.items()}
+    cov = {}
+    for k, p in preds.items():
+        lo95, hi95 = p.interval(0.95)
+        cov[k] = float(_metrics.coverage(lo95, hi95, y_units))
     save(fig, "intervals.png", "95 % intervals against the truth, test points sorted by "
          f"prediction. Coverage here: SA {cov['SA']:.1%}, MC dropout {cov['MC dropout']:.1%}.")
 
