@@ -190,7 +190,7 @@ class SAPredictive:
     def _factor(self, level: torch.Tensor) -> torch.Tensor:
         """``r_(k)`` for each level (float64 tensor), ``k = ceil((n + 1) L)`` rounded up to a
         kept rank; ``0`` for ``k = 0``."""
-        k = torch.ceil((self.n + 1) * level).to(torch.int64)
+        k = torch.ceil((self.n + 1) * level).to(torch.int64).to(self.ranks.device)
         kmax = int(k.max()) if k.numel() else 0
         if kmax > self.n:
             worst = float(level.max())
@@ -208,7 +208,9 @@ class SAPredictive:
         ``(B, ...)`` for a float, ``(len(q), B, ...)`` for a 1-d tensor of levels."""
         qt = check_probability(q)
         lev = (2.0 * qt - 1.0).abs()
-        fac = self._factor(lev.reshape(-1)).reshape(qt.shape) * torch.sign(qt - 0.5)
+        sign = torch.sign(qt - 0.5).to(self.scores.device)
+        fac = self._factor(lev.reshape(-1)).reshape(qt.shape) * sign
+        fac = fac.to(self.spread.device)
         shape = qt.shape + (1,) * self.mean.dim()
         out = self.mean.double() + fac.reshape(shape) * self.spread
         return out.to(self.mean.dtype)
@@ -218,14 +220,14 @@ class SAPredictive:
         coverage ``>= level`` at any ``level`` in (0, 1) (module docstring)."""
         lev = check_level(level)
         fac = self._factor(torch.tensor([lev], dtype=torch.float64))[0]
-        half = fac * self.spread
+        half = fac.to(self.spread.device) * self.spread
         m = self.mean.double()
         return (m - half).to(self.mean.dtype), (m + half).to(self.mean.dtype)
 
     @property
     def std(self) -> torch.Tensor:
         """``(B, ...)`` sd of ``f + w T``: ``w sqrt(mean r^2)`` over the kept scores."""
-        rms = float(self.scores.pow(2).mean().sqrt())
+        rms = float(self.scores.double().pow(2).mean().sqrt())
         return (self.spread * rms).to(self.mean.dtype)
 
     def crps(self, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -241,30 +243,31 @@ class SAPredictive:
         w = self.spread
         pos = w > 0
         u = torch.where(pos, err / torch.where(pos, w, torch.ones_like(w)), torch.zeros_like(w))
-        c = torch.where(pos, w * _crps_atoms(_sym_atoms(self.scores), u), err.abs())
+        atoms = _sym_atoms(self.scores.to(u.device))
+        c = torch.where(pos, w * _crps_atoms(atoms, u), err.abs())
         return c.mean() if reduction == "mean" else c
 
     def pit(self, targets: torch.Tensor, generator: torch.Generator | None = None
             ) -> torch.Tensor:
         """``(B, ...)`` randomised PIT ``F(y-) + U (F(y) - F(y-))`` of ``f + w T``."""
         y = self._check_targets(targets)
-        atoms = _sym_atoms(self.scores)
+        atoms = _sym_atoms(self.scores.cpu())
         m = atoms.numel()
         w = self.spread
         pos = w > 0
         u = torch.where(pos, (y - self.mean.double()) / torch.where(pos, w, torch.ones_like(w)),
-                        torch.zeros_like(w)).reshape(-1)
+                        torch.zeros_like(w)).reshape(-1).cpu()  # the PIT is computed on the CPU
         lo = torch.searchsorted(atoms, u, right=False).double()
         hi = torch.searchsorted(atoms, u, right=True).double()
         v = torch.rand(u.shape, generator=generator, dtype=torch.float64)
-        return ((lo + v * (hi - lo)) / m).reshape(y.shape)
+        return ((lo + v * (hi - lo)) / m).reshape(y.shape).to(y.device)
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> Predictive:
         """``n`` draws of ``f + w T`` as a :class:`~attnuq.predictive.Predictive`
         ``(n, B, ...)``."""
-        atoms = _sym_atoms(self.scores)
+        atoms = _sym_atoms(self.scores.cpu())
         idx = torch.randint(0, atoms.numel(), (n, *self.mean.shape), generator=generator)
-        draws = self.mean.double() + atoms[idx] * self.spread
+        draws = self.mean.double() + atoms[idx].to(self.spread.device) * self.spread
         return Predictive(samples=draws.to(self.mean.dtype), frozen=self.frozen)
 
     def scaled(self, factor: float | torch.Tensor) -> SAPredictive:
@@ -286,7 +289,7 @@ class SAPredictive:
     def to(self, device: Any) -> SAPredictive:
         """The predictive with its per-example tensors on ``device``."""
         return SAPredictive(mean=self.mean.to(device), spread=self.spread.to(device),
-                            scores=self.scores, ranks=self.ranks, n=self.n,
+                            scores=self.scores.to(device), ranks=self.ranks.to(device), n=self.n,
                             samples=self.samples.to(device), frozen=self.frozen.to(device),
                             form=self.form)
 
@@ -699,10 +702,11 @@ class SARegressor:
                        recentre="mean" if self.recentre else None, **self._predict_kwargs())
         centre, sigma = self._centre_sigma(pred)
         assert pred.frozen is not None
+        dev = pred.frozen.device
         return SAPredictive(
             mean=centre.to(pred.frozen.dtype), spread=_spread(sigma, fit["beta"]),
-            scores=fit["scores"], ranks=fit["ranks"], n=fit["n_cal"], samples=pred.samples,
-            frozen=pred.frozen, form=fit["form"],
+            scores=fit["scores"].to(dev), ranks=fit["ranks"].to(dev), n=fit["n_cal"],
+            samples=pred.samples, frozen=pred.frozen, form=fit["form"],
         )
 
     # ------------------------------------------------------------ save/load
