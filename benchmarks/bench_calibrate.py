@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from attnuq import SARegressor
     from attnuq.calibration import calibrate
-    from attnuq.prediction import predict
+    from attnuq.montecarlo import predict
 
     model, tok = load_model(args.n_train, args.seed)
     sents, ys = make_sentences(args.n_val + args.n_cal, args.seed)

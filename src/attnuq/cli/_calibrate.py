@@ -151,7 +151,7 @@ def _read_npz(p: Path) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Te
 
 def _read_csv(p: Path, targets: list[str] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """CSV part of :func:`load_heldout`: a strict header table (file and line in every error)."""
-    from attnuq.data._formats import read_csv_table
+    from attnuq.data.readers import read_csv_table
 
     table = read_csv_table(p)
     cols = list(targets) if targets else [table.header[-1]]
@@ -224,7 +224,7 @@ def _probe(model: nn.Module, batch: tuple[Any, torch.Tensor],
     Raises ``ValueError`` naming the model, the data file and the model's own error (e.g. a
     wrong number of input features) instead of a traceback from deep inside calibration.
     """
-    from attnuq.prediction import call_model
+    from attnuq.montecarlo import call_model
 
     xb, _ = batch
     shape = ({k: tuple(v.shape) for k, v in xb.items()} if isinstance(xb, dict)
@@ -344,13 +344,19 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     })
     if report is not None:
         atomic_write_text(out / "calibration.json", report.to_json())
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     figures = []
-    if report is not None:
+    plt: Any = None
+    try:  # the figure needs the extra `plots`; the report and the JSON do not
+        import matplotlib
+    except ModuleNotFoundError:
+        print("calibration_curve.png not drawn: matplotlib is not installed "
+              "(pip install 'attnuq[plots]')")
+    else:
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as _plt
+
+        plt = _plt
+    if report is not None and plt is not None:
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
         report.plot(ax=ax)
         fig.tight_layout()
@@ -358,7 +364,7 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
         plt.close(fig)
         figures.append({"file": "calibration_curve.png", "caption": "objective against nu"})
     from attnuq._runtime import run_info
-    from attnuq.report import render_report
+    from attnuq.html_report import render_report
 
     info = run_info()
     nu_line = d["nu"] if d["nu_map"] is None else None
@@ -407,7 +413,7 @@ def load_inputs(path: str | Path, drop: list[str] | None = None
                 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """Inputs for ``attnuq predict``: ``.npz`` (``x``, or every array as a keyword argument;
     an array ``y`` is ignored) or ``.csv`` (every column, except the ``drop`` columns)."""
-    from attnuq.data._formats import read_csv_table
+    from attnuq.data.readers import read_csv_table
 
     p = Path(path)
     if not p.is_file():
