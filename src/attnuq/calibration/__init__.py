@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -101,7 +101,7 @@ def calibrate(
     distributed: bool | None = None,
     chunk_examples: int = 16,
     nu_tol: float = 0.0,
-    _keep: dict[Any, Any] | None = None,
+    _observe: Callable[[Any, Any], None] | None = None,
 ) -> CalibrationReport:
     r"""Choose ``nu`` for :func:`attnuq.stochastic` on held-out ``(inputs, targets)`` pairs.
 
@@ -272,8 +272,8 @@ def calibrate(
     else:
         with torch.no_grad():
             batches = prepare(model, data, output_fn)
-        if _keep is not None:
-            _keep["batches"] = batches
+        if _observe is not None:  # private hook (attnuq.SARegressor): the cached batches
+            _observe("batches", batches)
         n_examples, frozen_calls = sum(bt.b for bt in batches), len(batches)
     if n_examples < 2:
         raise ValueError(
@@ -309,8 +309,8 @@ def calibrate(
 
     def evaluate(nu: int) -> Evaluation:
         ev, st = passes(nu)
-        if _keep is not None:
-            _keep[nu] = st
+        if _observe is not None:  # ... and the passes at each evaluated nu
+            _observe(nu, st)
         if family is not None:
             profiles[nu] = profile_criterion(st, criterion, float(level), s0)
         return ev

@@ -316,12 +316,33 @@ class SAPredictive:
 @dataclass
 class _Part:
     """One data part, flattened per example: centre, sigma, targets ``(N, P)`` (float64) and
-    the raw (recentred) draws ``(S, N, P)``."""
+    the fraction of elements inside the raw draws' central intervals at :data:`RAW_LEVELS`
+    (the draws themselves are not kept)."""
 
     centre: torch.Tensor
     sigma: torch.Tensor
     y: torch.Tensor
-    draws: torch.Tensor
+    raw_coverage: dict[str, float]
+
+
+class _Coverage:
+    """Counts of elements inside the raw draws' empirical central intervals, batch by batch."""
+
+    def __init__(self) -> None:
+        self.inside = dict.fromkeys(RAW_LEVELS, 0.0)
+        self.n = 0
+
+    def add(self, draws: torch.Tensor, y: torch.Tensor) -> None:
+        """``draws`` ``(S, B, P)``, ``y`` ``(B, P)``, float64 on one device."""
+        for lev in RAW_LEVELS:
+            a = (1.0 - lev) / 2.0
+            q = torch.quantile(draws, torch.tensor([a, 1.0 - a], dtype=torch.float64,
+                                                   device=draws.device), 0)
+            self.inside[lev] += float(((y >= q[0]) & (y <= q[1])).double().sum())
+        self.n += y.numel()
+
+    def result(self) -> dict[str, float]:
+        return {_key(lev): v / max(1, self.n) for lev, v in self.inside.items()}
 
 
 class SARegressor:
@@ -497,7 +518,16 @@ class SARegressor:
         self.model.eval()
         diag: dict[str, Any] = {}
         passes = 0
-        keep: dict[Any, Any] = {}
+        seen: dict[Any, Any] = {}
+
+        def observe(key: Any, value: Any) -> None:
+            """The search's cached batches, then each evaluated nu's passes, summarised at
+            once (centre, sigma, raw coverage: no draws kept)."""
+            if key == "batches":
+                seen["batches"] = value
+            elif "batches" in seen:
+                seen[key] = self._part_from_stats(seen["batches"], value)
+
         val_part: _Part | None = None
         if self.nu is None:
             from attnuq.calibration import EdgeWarning
@@ -507,14 +537,15 @@ class SARegressor:
                 self.report = calibrate(
                     self.model, val, criterion=self.criterion,  # type: ignore[arg-type]
                     n_passes=self.n_samples, nu_range=self.nu_range, output_fn=self.output_fn,
-                    seed=self.seed, progress=self.progress, _keep=keep,
+                    seed=self.seed, progress=self.progress, _observe=observe,
                     **self.calibrate_kwargs,
                 )
             nu_spec: Any = self.report.nu_spec
             passes += self.report.forward_passes * self.report.n_examples
             edge = self.report.edge
-            if self.report.nu_map is None and self.report.nu in keep and "batches" in keep:
-                val_part = self._part_from_stats(keep["batches"], keep[self.report.nu])
+            if self.report.nu_map is None and self.report.nu in seen:
+                val_part = seen[self.report.nu]
+            seen.clear()
         else:
             nu_spec = dict(self.nu) if isinstance(self.nu, Mapping) else int(self.nu)
             edge = None
@@ -536,7 +567,7 @@ class SARegressor:
                                       if self.nu is None else None)
         err = (val_part.y - val_part.centre).abs()
         diag["spearman_spread_abs_error"] = spearman(val_part.sigma, err)
-        diag["raw_val_coverage"] = self._raw_coverage(val_part)
+        diag["raw_val_coverage"] = dict(val_part.raw_coverage)
         # the form: beta by the cross-fitted validation CRPS
         scale = float((val_part.y - val_part.centre).pow(2).mean().sqrt())
         if not scale > 0:
@@ -593,7 +624,8 @@ class SARegressor:
         """Centre, sigma, targets and draws of every pair (``n_samples`` passes each)."""
         from attnuq.montecarlo import predict
 
-        cs, ss, ys, ds = [], [], [], []
+        cs, ss, ys = [], [], []
+        cov = _Coverage()
         for i, (x, y) in enumerate(pairs):
             pred = predict(self.model, x, nu=nu, n_samples=self.n_samples, seed=self.seed,
                            output_fn=self.output_fn, progress=self.progress,
@@ -609,15 +641,17 @@ class SARegressor:
             b = y.shape[0]
             cs.append(c.reshape(b, -1))
             ss.append(s.reshape(b, -1))
-            ys.append(y.reshape(b, -1).double().to(c.device))
-            ds.append(pred.samples.double().reshape(self.n_samples, b, -1))
+            yb = y.reshape(b, -1).double().to(c.device)
+            ys.append(yb)
+            cov.add(pred.samples.double().reshape(self.n_samples, b, -1), yb)
         return _Part(torch.cat(cs).cpu(), torch.cat(ss).cpu(), torch.cat(ys).cpu(),
-                     torch.cat(ds, 1).cpu())
+                     cov.result())
 
     def _part_from_stats(self, batches: list[Any], st: Any) -> _Part:
         """The validation part from the search's own passes at the chosen ``nu`` (no new
         pass): ``f_nu - f`` per batch ``(M, B, P)`` and the cached frozen outputs."""
-        cs, ss, ys, ds = [], [], [], []
+        cs, ss, ys = [], [], []
+        cov = _Coverage()
         for bt, dev in zip(batches, st.dev, strict=True):
             f = bt.frozen.reshape(bt.b, -1).double().cpu()
             draws = f + dev  # (M, B, P)
@@ -625,9 +659,10 @@ class SARegressor:
                 draws = draws - draws.mean(0) + f
             cs.append(f if self.recentre else draws.mean(0))
             ss.append(draws.std(0, unbiased=True))
-            ys.append(bt.targets.reshape(bt.b, -1).double().cpu())
-            ds.append(draws)
-        return _Part(torch.cat(cs), torch.cat(ss), torch.cat(ys), torch.cat(ds, 1))
+            yb = bt.targets.reshape(bt.b, -1).double().cpu()
+            ys.append(yb)
+            cov.add(draws, yb)
+        return _Part(torch.cat(cs), torch.cat(ss), torch.cat(ys), cov.result())
 
     def _centre_sigma(self, pred: Predictive) -> tuple[torch.Tensor, torch.Tensor]:
         smp = pred.samples.double()
@@ -640,18 +675,6 @@ class SARegressor:
     def _predict_kwargs(self) -> dict[str, Any]:
         keys = ("batch_replicas", "max_rows", "distributed", "chunk_examples")
         return {k: self.calibrate_kwargs[k] for k in keys if k in self.calibrate_kwargs}
-
-    @staticmethod
-    def _raw_coverage(part: _Part) -> dict[str, float]:
-        """Fraction of validation elements inside the raw draws' empirical central
-        interval, at each of :data:`RAW_LEVELS`."""
-        out = {}
-        for lev in RAW_LEVELS:
-            a = (1.0 - lev) / 2.0
-            q = torch.quantile(part.draws, torch.tensor([a, 1.0 - a], dtype=torch.float64), 0)
-            inside = (part.y >= q[0]) & (part.y <= q[1])
-            out[_key(lev)] = float(inside.double().mean())
-        return out
 
     @staticmethod
     def _crossfit_crps(part: _Part, beta: float) -> float:

@@ -245,8 +245,7 @@ def test_plain_conformal_chosen_and_warned(monkeypatch: pytest.MonkeyPatch) -> N
         n = 3000
         sigma = torch.exp(2.0 * torch.randn(n, 1, generator=g, dtype=torch.float64))
         y = torch.randn(n, 1, generator=g, dtype=torch.float64)
-        return _Part(torch.zeros(n, 1, dtype=torch.float64), sigma, y,
-                     torch.zeros(2, n, 1, dtype=torch.float64))
+        return _Part(torch.zeros(n, 1, dtype=torch.float64), sigma, y, {"0.9": 0.0})
 
     monkeypatch.setattr(SARegressor, "_part", fake_part)
     net = Net().eval()
@@ -267,8 +266,7 @@ def test_sa_normalised_chosen_when_spread_is_the_error_scale(monkeypatch: pytest
         n = 3000
         sigma = torch.exp(1.5 * torch.randn(n, 1, generator=g, dtype=torch.float64))
         y = sigma * torch.randn(n, 1, generator=g, dtype=torch.float64)
-        return _Part(torch.zeros(n, 1, dtype=torch.float64), sigma, y,
-                     torch.zeros(2, n, 1, dtype=torch.float64))
+        return _Part(torch.zeros(n, 1, dtype=torch.float64), sigma, y, {"0.9": 0.0})
 
     monkeypatch.setattr(SARegressor, "_part", fake_part)
     net = Net().eval()
