@@ -23,6 +23,7 @@ MODULES = [
     "attnuq.montecarlo",
     "attnuq.predictive",
     "attnuq.conformal",
+    "attnuq.estimators",
     "attnuq.distributed",
     "attnuq.metrics",
     "attnuq.plots",

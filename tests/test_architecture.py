@@ -38,7 +38,7 @@ LAYERS: dict[tuple[str, str], int] = {
     (LIBRARY, "nn"): 2, (LIBRARY, "patching"): 2, (LIBRARY, "models"): 2,
     (LIBRARY, "calibration"): 3, (LIBRARY, "montecarlo"): 3, (LIBRARY, "conformal"): 3,
     (LIBRARY, "plots"): 3, (LIBRARY, "html_report"): 3,
-    (LIBRARY, "cli"): 4,
+    (LIBRARY, "estimators"): 4, (LIBRARY, "cli"): 4,
     (HARNESS, "data"): 101, (HARNESS, "models"): 102,
     (HARNESS, "training"): 103,
     (HARNESS, "methods"): 104,

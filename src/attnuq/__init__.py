@@ -28,8 +28,11 @@ _LAZY: dict[str, str] = {
     "Predictive": "attnuq.predictive:Predictive",
     "GaussianPredictive": "attnuq.predictive:GaussianPredictive",
     "recentre": "attnuq.predictive:recentre",
+    "SARegressor": "attnuq.estimators._regressor:SARegressor",
+    "SAPredictive": "attnuq.estimators._regressor:SAPredictive",
 }
-_SUBMODULES = ("ops", "nn", "metrics", "plots", "models", "calibration", "montecarlo", "patching")
+_SUBMODULES = ("ops", "nn", "metrics", "plots", "models", "calibration", "montecarlo", "patching",
+               "estimators")
 
 __all__ = ["__version__", *_LAZY, *_SUBMODULES]
 

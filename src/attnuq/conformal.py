@@ -101,9 +101,12 @@ def conformal_scores(pred: AnyPredictive, targets: torch.Tensor, *, alpha: float
     [1.0, 0.5]
     """
     alpha = _check_alpha(alpha)
-    if not isinstance(pred, (Predictive, GaussianPredictive)):
+    if not isinstance(pred, (Predictive, GaussianPredictive)) and not (
+        hasattr(pred, "interval") and hasattr(pred, "mean") and hasattr(pred, "scaled")
+    ):
         raise TypeError(
-            f"pred must be a Predictive or GaussianPredictive, got {type(pred).__name__}"
+            "pred must be a Predictive, GaussianPredictive or another predictive with mean, "
+            f"interval and scaled (e.g. attnuq.SAPredictive), got {type(pred).__name__}"
         )
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")

@@ -178,9 +178,10 @@ def reliability_diagram(
     """
     from attnuq.metrics import coverage
 
-    if not isinstance(pred, (Predictive, GaussianPredictive)):
+    if not isinstance(pred, (Predictive, GaussianPredictive)) and not hasattr(pred, "interval"):
         raise TypeError(
-            f"pred must be a Predictive or GaussianPredictive, got {type(pred).__name__}"
+            "pred must be a Predictive, GaussianPredictive or another predictive with "
+            f"interval(level) (e.g. attnuq.SAPredictive), got {type(pred).__name__}"
         )
     lv = [float(v) for v in levels]
     if not lv:

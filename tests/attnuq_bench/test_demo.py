@@ -27,11 +27,17 @@ def test_demo_writes_report_and_reuses_model(
 
     res = json.loads((out / "results.json").read_text(), parse_constant=strict)
     methods = [row[0] for row in res["tables"][0]["rows"]]
-    assert methods == ["SA", "SA, paper recipe", "MC dropout"]
+    assert methods == ["frozen model (point only)", "SA", "SA, paper recipe", "plain conformal",
+                       "MC dropout"]
+    assert res["tables"][0]["rows"][0][2] is None  # the frozen model has no CRPS
     assert res["summary"]["chosen nu (sa: auto criterion, BO)"] >= 1
     assert res["calibration"]["nu"] == res["summary"]["chosen nu (sa: auto criterion, BO)"]
     assert res["summary"]["criterion used by auto"] == "paper-debiased"  # a scalar target
-    assert res["methods"]["SA"]["recentre"] == "mean" and res["methods"]["SA"]["floor_factor"] > 0
+    assert res["methods"]["SA"]["recentre"] == "mean"
+    assert res["methods"]["SA"]["form"] in ("sa-normalised", "sa-floor", "conformal")
+    captions = [f["caption"] for f in res["figures"]]
+    assert any("In this run" in c for c in captions) and any("The search tried" in c
+                                                              for c in captions)
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 4
     # a second run reuses the cached model instead of training again

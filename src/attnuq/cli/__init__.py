@@ -1,7 +1,10 @@
 """The ``attnuq`` command line.
 
-* ``attnuq calibrate MODEL DATA``: calibrate ``nu`` for a user's saved model (a Hugging Face model
-  folder or a ``torch.save``-d module) on a CSV or NPZ file of held-out inputs and targets.
+* ``attnuq calibrate MODEL DATA``: fit :class:`attnuq.SARegressor` for a user's saved model (a
+  Hugging Face model folder or a ``torch.save``-d module) on a CSV or NPZ file of held-out inputs
+  and targets; writes ``estimator.json``.
+* ``attnuq predict MODEL FITTED.json INPUTS --out FILE``: mean, lower, upper (and samples) of
+  each input row, as ``.npz`` or ``.csv``.
 * ``attnuq report RESULTS_JSON``: (re)write ``report.html`` from a results file.
 * Commands of installed plugins: a distribution that declares entry points in the group
   ``attnuq.commands`` adds one subcommand per entry point (its name). The benchmark harness
@@ -156,12 +159,14 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
     cal = sub.add_parser(
         "calibrate",
-        help="calibrate nu for a saved model on held-out data",
-        description="Calibrate stochastic attention's nu for a saved model. MODEL: a Hugging Face "
-        "model folder (config.json + weights) or a file written by torch.save(module). DATA: an "
-        ".npz file with arrays 'x' (or several named input arrays passed as keyword arguments) "
-        "and 'y', or a .csv file whose --target columns are the targets and whose other columns "
-        "are the inputs.",
+        help="fit calibrated SA intervals for a saved model on held-out data",
+        description="Fit attnuq.SARegressor (the recommended recipe: nu on a validation part, "
+        "the conformal step on a calibration part) for a saved model and write "
+        "OUT/estimator.json for attnuq predict. MODEL: a Hugging Face model folder (config.json "
+        "+ weights) or a file written by torch.save(module). DATA: an .npz file with arrays 'x' "
+        "(or several named input arrays passed as keyword arguments) and 'y', or a .csv file "
+        "whose --target columns are the targets and whose other columns are the inputs. The "
+        "rows are split at random (--seed) into validation and calibration parts.",
     )
     cal.add_argument("model", help="Hugging Face model folder or torch.save()d module file")
     cal.add_argument("data", help="held-out data: .npz (x, y) or .csv")
@@ -185,8 +190,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "or none (the field is already (B, D)); default: mean",
     )
     cal.add_argument(
-        "--criterion", default="paper", choices=list(CRITERIA),
-        help="calibration criterion (default: paper): " + "; ".join(
+        "--criterion", default="auto", choices=list(CRITERIA),
+        help="calibration criterion (default: auto): " + "; ".join(
             f"{name}: {get_criterion(name).description}".replace("%", "%%") for name in CRITERIA
         ),
     )
@@ -197,10 +202,54 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "the sites in find_attention order, at most twice the shared search's passes; the map "
         "goes to calibration.json (nu_map). Not with --criterion scale or coverage (default: off)",
     )
-    cal.add_argument("--n-passes", type=int, default=10, help="passes per input (default: 10)")
+    cal.add_argument("--n-passes", type=int, default=6,
+                     help="stochastic passes per input, in the search and for the spread "
+                     "(default: 6)")
+    cal.add_argument("--cal-fraction", type=float, default=0.5,
+                     help="share of DATA's rows for the calibration part (default: 0.5)")
     cal.add_argument("--batch-size", type=int, default=64, help="default: 64")
-    cal.add_argument("--out", default="attnuq-calibration", help="report folder")
+    cal.add_argument("--out", default="attnuq-calibration",
+                     help="output folder (default: attnuq-calibration); refused if it holds "
+                     "files, unless --overwrite")
+    cal.add_argument("--overwrite", action="store_true",
+                     help="replace the files of a taken --out folder")
     add_common_options(cal)
+
+    prd = sub.add_parser(
+        "predict",
+        help="calibrated intervals of a saved model with a fitted estimator",
+        description="Predict with a model and the estimator JSON that attnuq calibrate wrote: "
+        "writes mean, lower and upper (and the raw SA samples with --samples) of every input "
+        "row to --out (.npz, or .csv with one row per input). INPUTS: an .npz file (array 'x', "
+        "or named input arrays; an array 'y' is ignored) or a .csv file (every column is an "
+        "input, except --target columns). --head, --pool and --output-key default to what the "
+        "calibration used.",
+    )
+    prd.add_argument("model", help="Hugging Face model folder or torch.save()d module file")
+    prd.add_argument("fitted", help="estimator.json written by attnuq calibrate")
+    prd.add_argument("input", metavar="INPUTS", help="inputs: .npz or .csv")
+    prd.add_argument("--level", type=float, default=0.9,
+                     help="central interval level in (0, 1) (default: 0.9)")
+    prd.add_argument("--out", required=True, help="output file: .npz or .csv")
+    prd.add_argument("--samples", action="store_true",
+                     help="also write the raw SA samples (S, N, ...) (default: off)")
+    prd.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    prd.add_argument("--head", default=None, metavar="FILE",
+                     help="head on the pooled embedding (default: the calibration's)")
+    prd.add_argument("--pool", default=None, choices=["mean", "cls", "none"],
+                     help="pooling before --head (default: the calibration's)")
+    prd.add_argument("--output-key", default=None,
+                     help="field of the model output (default: the calibration's)")
+    prd.add_argument("--target", action="append", default=None,
+                     help="CSV columns to drop from the inputs (default: the calibration's "
+                     "--target)")
+    prd.add_argument("--batch-size", type=int, default=64, help="default: 64")
+    prd.add_argument("--no-strict", action="store_true",
+                     help="accept a model whose parameters differ from the calibrated one "
+                     "(a warning instead of an error)")
+    prd.add_argument(
+        "--device", default="cpu", help="torch device: cpu, cuda, cuda:N or auto (default: cpu)"
+    )
 
     rep = sub.add_parser(
         "report", help="write report.html from a results.json",
@@ -234,6 +283,14 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_predict(args: argparse.Namespace) -> int:
+    from attnuq.cli._calibrate import predict_saved_model
+
+    out = predict_saved_model(args)
+    print(f"predictions written to {out}")
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from attnuq.html_report import render_report
 
@@ -255,12 +312,13 @@ def _check_outputs(args: argparse.Namespace) -> None:
     """
     from attnuq._io import check_out_dir
 
-    dirs = [o for o in _OUT_DIRS if not (o == "out" and args.command == "report")]
+    file_out = args.command in ("report", "predict")
+    dirs = [o for o in _OUT_DIRS if not (o == "out" and file_out)]
     for opt in dirs:
         val = getattr(args, opt, None)
         if isinstance(val, str) and val:
             check_out_dir(val, "--" + opt.replace("_", "-"))
-    files = [*_OUT_FILES, *(["out"] if args.command == "report" else [])]
+    files = [*_OUT_FILES, *(["out"] if file_out else [])]
     for opt in files:
         val = getattr(args, opt, None)
         if isinstance(val, str) and val and Path(val).is_dir():
@@ -297,6 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_calibrate(args)
         if args.command == "report":
             return _cmd_report(args)
+        if args.command == "predict":
+            return _cmd_predict(args)
         if command is not None:
             return int(command.run(args))
     except _input_errors() as exc:

@@ -18,10 +18,10 @@ from attnuq._io import (
     check_input_file,
     check_out_dir,
 )
-from attnuq.calibration import calibrate
 from attnuq.data import DataFormatError
 
-__all__ = ["calibrate_saved_model", "load_heldout", "load_saved_model", "make_output_fn"]
+__all__ = ["calibrate_saved_model", "load_heldout", "load_inputs", "load_saved_model",
+           "make_output_fn", "predict_saved_model"]
 
 
 def load_saved_model(path: str | Path, device: str = "cpu") -> nn.Module:
@@ -259,19 +259,72 @@ def _probe(model: nn.Module, batch: tuple[Any, torch.Tensor],
     output_fn(out)  # an output without the asked field (or a key on a tensor): its own message
 
 
+def check_fresh_out(out: Path, overwrite: bool, option: str = "--out") -> None:
+    """Refuse an output that already holds something unless ``overwrite`` (a folder with
+    files, or an existing file), before any work."""
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"{option} {str(out)!r} already holds files; pass --overwrite to "
+                         "replace them")
+    if out.is_file() and not overwrite:
+        raise ValueError(f"{option} {str(out)!r} exists; pass --overwrite to replace it")
+
+
+def split_val_cal(n: int, cal_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices of the validation and calibration parts: a permutation seeded by ``seed``,
+    the last ``round(n * cal_fraction)`` rows to calibration (each part at least 2 rows)."""
+    if not 0 < cal_fraction < 1:
+        raise ValueError(f"--cal-fraction must lie in (0, 1), got {cal_fraction}")
+    n_cal = round(n * cal_fraction)
+    if n_cal < 2 or n - n_cal < 2:
+        raise ValueError(
+            f"the held-out data has {n} rows: with --cal-fraction {cal_fraction} the "
+            f"validation and calibration parts need at least 2 rows each"
+        )
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return perm[: n - n_cal], perm[n - n_cal:]
+
+
+def _rows(inputs: torch.Tensor | dict[str, torch.Tensor], idx: torch.Tensor
+          ) -> torch.Tensor | dict[str, torch.Tensor]:
+    return {k: v[idx] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[idx]
+
+
+def _show_warnings(caught: list[Any]) -> None:
+    """Print each warning a fit showed as one ``attnuq: warning: ...`` line on stderr."""
+    import sys
+
+    seen: set[str] = set()
+    for w in caught:
+        msg = " ".join(str(w.message).split())
+        if msg not in seen:
+            seen.add(msg)
+            print(f"attnuq: warning: {msg}", file=sys.stderr)
+
+
 def calibrate_saved_model(args: argparse.Namespace) -> Path:
-    """Run the ``calibrate`` command; returns the report folder."""
+    """Run the ``calibrate`` command: fit :class:`attnuq.SARegressor` on the held-out file
+    (split into validation and calibration parts) and write ``estimator.json`` (for
+    ``attnuq predict``), ``calibration.json`` (the nu search), a plot and a report; returns
+    the folder."""
+    import warnings
+
+    from attnuq.estimators._regressor import SARegressor
+
     if args.n_passes < 2:
         raise ValueError(f"--n-passes must be at least 2, got {args.n_passes}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
     from attnuq.calibration.layers import check_per_layer
 
     check_per_layer(getattr(args, "per_layer", None), args.criterion)  # before loading anything
     out = check_out_dir(args.out)  # before any work: a file named as --out fails now
+    check_fresh_out(out, getattr(args, "overwrite", False))
     torch.manual_seed(args.seed)
     model = load_saved_model(args.model, args.device)
     inputs, y = load_heldout(args.data, args.target)
+    val_idx, cal_idx = split_val_cal(len(y), args.cal_fraction, args.seed)
     if getattr(args, "head", None) is not None:  # encoder -> pooled embedding -> the user's head
         from attnuq.cli._head import attach_head
 
@@ -280,27 +333,41 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     dev = torch.device(args.device)  # the model is there; so go the data
     inputs = ({k: v.to(dev) for k, v in inputs.items()} if isinstance(inputs, dict)
               else inputs.to(dev))
-    batches = _batches(inputs, y.to(dev), args.batch_size)
+    y = y.to(dev)
+    val = _batches(_rows(inputs, val_idx), y[val_idx], args.batch_size)
+    cal = _batches(_rows(inputs, cal_idx), y[cal_idx], args.batch_size)
     # with --head, --output-key names the encoder's field, which the head reads itself
     key = None if getattr(args, "head", None) is not None else args.output_key
-    _probe(model, batches[0], make_output_fn(key), args)
-    report = calibrate(
-        model,
-        batches,
-        criterion=args.criterion,
-        search=args.search,
-        n_passes=args.n_passes,
-        output_fn=make_output_fn(key),
-        seed=args.seed,
-        per_layer=getattr(args, "per_layer", None),
-    )
+    _probe(model, val[0], make_output_fn(key), args)
+    extra = {} if getattr(args, "per_layer", None) is None else {"per_layer": args.per_layer}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sa = SARegressor(
+            model, make_output_fn(key), criterion=args.criterion,
+            n_samples=args.n_passes, seed=args.seed, search=args.search, progress=None,
+            **extra,
+        ).fit(val, cal)
     from attnuq.distributed import is_primary
 
-    if not is_primary():  # under torchrun: every rank has the report, rank 0 writes it
+    if not is_primary():  # under torchrun: every rank has the fit, rank 0 writes it
         return out
+    from attnuq.estimators._common import EstimatorWarning
+
+    _show_warnings([w for w in caught if issubclass(w.category, EstimatorWarning)])
+    report = sa.report
+    d = sa.diagnostics
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "calibration.json", report.to_json())
+    sa.save(out / "estimator.json", metadata={
+        "command": "attnuq calibrate", "model": str(Path(args.model).resolve()),
+        "data": str(Path(args.data).resolve()), "head": None if args.head is None
+        else str(Path(args.head).resolve()), "pool": args.pool, "output_key": args.output_key,
+        "target": args.target, "cal_fraction": args.cal_fraction,
+        "n_val_rows": len(val_idx), "n_cal_rows": len(cal_idx), "squeeze": y.dim() == 1,
+    })
+    if report is not None:
+        atomic_write_text(out / "calibration.json", report.to_json())
     figures = []
+    plt: Any = None
     try:  # the figure needs the extra `plots`; the report and the JSON do not
         import matplotlib
     except ModuleNotFoundError:
@@ -308,8 +375,10 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
               "(pip install 'attnuq[plots]')")
     else:
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as _plt
 
+        plt = _plt
+    if report is not None and plt is not None:
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
         report.plot(ax=ax)
         fig.tight_layout()
@@ -320,22 +389,30 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     from attnuq.html_report import render_report
 
     info = run_info()
+    nu_line = d["nu"] if d["nu_map"] is None else None
     results = {
         "title": f"attnuq calibration of {Path(args.model).name}",
         "summary": {
-            "chosen nu": report.nu,
+            "chosen nu": nu_line,
+            "nu at an edge of its range": d["nu_at_edge"] or "no",
             "criterion": args.criterion,
+            "criterion resolved": d["criterion_resolved"],
+            "form": d["form"],
+            "floor beta (x val residual scale; inf = plain conformal)": d["floor_beta_units"],
+            "val Spearman(spread, |error|)": d["spearman_spread_abs_error"],
             "search": args.search,
             "held-out rows": len(y),
-            "forward passes": report.forward_passes,
+            "held-out rows (val / cal)": f"{len(val_idx)} / {len(cal_idx)}",
+            "forward passes": None if report is None else report.forward_passes,
             **({"nu per layer": ", ".join(f"{k or '(root)'}={v}" for k, v in
                                           report.nu_map.items()),
                 "per-layer ratio r": report.per_layer["ratio"] if report.per_layer else None,
                 "shared-nu forward passes": report.per_layer["shared_forward_passes"]
                 if report.per_layer else None}
-               if report.nu_map is not None else {}),
+               if report is not None and report.nu_map is not None else {}),
             **({"head": f"{Path(args.head).name} on the {args.pool}-pooled embedding"}
                if getattr(args, "head", None) is not None else {}),
+            **({"warnings": " | ".join(d["warnings"])} if d.get("warnings") else {}),
         },
         "tables": [],
         "figures": figures,
@@ -343,8 +420,142 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     }
     atomic_write_json(out / "results.json", results, indent=2)
     render_report(out / "results.json")
-    print(f"chosen nu = {report.nu}")
-    if report.nu_map is not None:
+    edge = f" (at the {d['nu_at_edge']} edge of nu_range)" if d["nu_at_edge"] else ""
+    print(f"chosen nu = {d['nu'] if d['nu_map'] is None else report.nu}{edge}; form: "
+          f"{d['form']} (beta = {d['floor_beta_units']} x the val residual scale)")
+    if d["nu_map"] is not None:
         print("nu per layer: " + ", ".join(f"{k or '(root)'}={v}" for k, v in
-                                           report.nu_map.items()))
+                                           d["nu_map"].items()))
+    print(f"fitted estimator written to {out / 'estimator.json'} "
+          f"(attnuq predict MODEL {out / 'estimator.json'} INPUTS --out FILE)")
     return out
+
+
+def load_inputs(path: str | Path, drop: list[str] | None = None
+                ) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Inputs for ``attnuq predict``: ``.npz`` (``x``, or every array as a keyword argument;
+    an array ``y`` is ignored) or ``.csv`` (every column, except the ``drop`` columns)."""
+    from attnuq.data.readers import read_csv_table
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"inputs file not found: {p}")
+    if p.suffix == ".npz":
+        try:
+            with p.open("rb") as fh:
+                z = np.load(fh, allow_pickle=False)
+                if not isinstance(z, np.lib.npyio.NpzFile):
+                    raise DataFormatError(p, "holds a single .npy array, not an .npz archive")
+                with z:
+                    arrays = {k: np.asarray(z[k]) for k in z.files if k != "y"}
+        except DataFormatError:
+            raise
+        except Exception as exc:
+            raise DataFormatError(p, f"could not read as .npz: {_first_line(exc)}") from exc
+        for k, v in arrays.items():
+            if v.dtype.kind not in "biuf" or v.ndim == 0:
+                raise DataFormatError(p, f"array {k!r} must be numeric with one row per "
+                                         f"example, got dtype {v.dtype}, shape {v.shape}")
+        if not arrays:
+            raise DataFormatError(p, "has no input arrays")
+        if "x" in arrays:
+            if len(arrays) > 1:
+                raise DataFormatError(p, f"has 'x' and also {sorted(set(arrays) - {'x'})}")
+            return torch.as_tensor(arrays["x"], dtype=torch.float32)
+        ts = {k: torch.as_tensor(v) for k, v in arrays.items()}
+        ts = {k: v.float() if v.is_floating_point() else v for k, v in ts.items()}
+        sizes = {len(v) for v in ts.values()}
+        if len(sizes) != 1:
+            raise DataFormatError(p, f"input arrays have different row counts {sorted(sizes)}")
+        return ts
+    if p.suffix == ".csv":
+        table = read_csv_table(p)
+        cols = [c for c in table.header if c not in (drop or [])]
+        if not cols:
+            raise DataFormatError(p, "has no input columns", line=table.header_line)
+        return torch.as_tensor(table.floats(cols), dtype=torch.float32)
+    raise ValueError(f"inputs file must end in .npz or .csv, got {p.name!r}")
+
+
+def predict_saved_model(args: argparse.Namespace) -> Path:
+    """Run the ``predict`` command: mean, lower, upper (and samples) of every input row."""
+    from attnuq.estimators._common import read_envelope
+    from attnuq.estimators._regressor import SARegressor
+    from attnuq.predictive import check_level
+
+    try:
+        level = check_level(args.level)
+    except ValueError:
+        raise ValueError(f"--level must lie in (0, 1), got {args.level}") from None
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
+    out = Path(args.out)
+    if out.suffix not in (".npz", ".csv"):
+        raise ValueError(f"--out must end in .npz or .csv, got {out.name!r}")
+    check_fresh_out(out, args.overwrite)
+    meta = read_envelope(args.fitted, "SARegressor", None).get("metadata") or {}
+    head = args.head if args.head is not None else meta.get("head")
+    pool = args.pool if args.pool is not None else meta.get("pool") or "mean"
+    key = args.output_key if args.output_key is not None else meta.get("output_key")
+    drop = args.target if args.target is not None else meta.get("target")
+    model = load_saved_model(args.model, args.device)
+    inputs = load_inputs(args.input, drop)
+    if head is not None:
+        from attnuq.cli._head import attach_head
+
+        model = attach_head(model, head, pool=pool, field=key,
+                            squeeze=bool(meta.get("squeeze", True)), device=args.device)
+    # with a head, the key names the encoder's field, which the head reads itself
+    sa = SARegressor.load(args.fitted, model, make_output_fn(None if head is not None else key),
+                          strict=not args.no_strict,
+                          progress=None)
+    dev = torch.device(args.device)
+    inputs = ({k: v.to(dev) for k, v in inputs.items()} if isinstance(inputs, dict)
+              else inputs.to(dev))
+    n = len(next(iter(inputs.values()))) if isinstance(inputs, dict) else len(inputs)
+    means, lows, highs, samples = [], [], [], []
+    for i in range(0, n, args.batch_size):
+        sl = slice(i, min(i + args.batch_size, n))
+        xb = {k: v[sl] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[sl]
+        pred = sa.predict(xb)
+        lo, hi = pred.interval(level)
+        means.append(pred.mean.cpu())
+        lows.append(lo.cpu())
+        highs.append(hi.cpu())
+        if args.samples:
+            samples.append(pred.samples.cpu())
+    res: dict[str, Any] = {"mean": torch.cat(means).numpy(), "lower": torch.cat(lows).numpy(),
+           "upper": torch.cat(highs).numpy()}
+    if args.samples:
+        res["samples"] = torch.cat(samples, 1).numpy()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".npz":
+        from attnuq._io import atomic_np_savez
+
+        atomic_np_savez(out, level=np.asarray(level), **res)
+    else:
+        atomic_write_text(out, _csv(res))
+    return out
+
+
+def _csv(res: dict[str, np.ndarray]) -> str:
+    """One row per example: mean, lower, upper (``_k`` suffixes for a vector output), then
+    ``sample_s`` columns (scalar outputs only)."""
+    n = len(res["mean"])
+    cols: list[tuple[str, np.ndarray]] = []
+    for name in ("mean", "lower", "upper"):
+        a = res[name].reshape(n, -1)
+        if a.shape[1] == 1:
+            cols.append((name, a[:, 0]))
+        else:
+            cols += [(f"{name}_{k}", a[:, k]) for k in range(a.shape[1])]
+    if "samples" in res:
+        smp = res["samples"]
+        if smp.reshape(smp.shape[0], n, -1).shape[2] != 1:
+            raise ValueError("--samples with a .csv --out needs a scalar output per row; use "
+                             ".npz for vector outputs")
+        cols += [(f"sample_{s}", smp[s].reshape(n)) for s in range(smp.shape[0])]
+    lines = [",".join(c for c, _ in cols)]
+    for i in range(n):
+        lines.append(",".join(repr(float(v[i])) for _, v in cols))
+    return "\n".join(lines) + "\n"

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from attnuq.estimators._regressor import SAPredictive
 from attnuq.predictive import GaussianPredictive, Predictive
 from attnuq_bench.methods import (
     HSA,
@@ -85,7 +86,7 @@ def test_every_method_fits_and_predicts_the_target_shape(name: str, task: Task) 
     assert m.name == name
     x = _data(6, 3)[0]
     pred = m.fit(task).predict(x)
-    assert isinstance(pred, (Predictive, GaussianPredictive))
+    assert isinstance(pred, (Predictive, GaussianPredictive, SAPredictive))
     assert pred.mean.shape == (6,)
     lo, hi = pred.interval(0.9)
     assert bool((hi >= lo).all()) and bool(torch.isfinite(hi - lo).all())
@@ -280,37 +281,32 @@ def test_sa_conformal_shares_the_base_draws_and_nu(task: Task) -> None:
 
 
 def test_sa_recommended_configuration(task: Task) -> None:
-    """``sa``: the auto criterion resolves to the debiased L_SA on this scalar output, the
-    prediction is centred on the frozen output (recentred draws; one float rounding) and its
-    95 % interval is the floor's ``f +- q sqrt(sigma^2 + beta^2)``; the ablations share
-    ``sa-paper``'s nu and draws (``base=``) and ``derive`` equals ``predict`` bit for bit."""
+    """``sa`` is a thin wrapper over ``attnuq.SARegressor``: the auto criterion resolves to the
+    debiased L_SA on this scalar output, the prediction is the estimator's own (centred on the
+    frozen output, intervals from the calibration order statistics), its fit's passes are
+    booked; the ablations share ``sa-paper``'s nu and draws (``base=``) and ``derive`` equals
+    ``predict`` bit for bit."""
+    from attnuq import SARegressor
     from attnuq.predictive import recentre
     from attnuq_bench.methods.sa import RecommendedSA
 
     kw = _CHEAP_KW["sa"] | {"max_evals": 2, "nu_range": (1, 16)}
     sa = make_method("sa", **kw).fit(task)
-    assert isinstance(sa, RecommendedSA) and sa.criterion == "auto"
+    assert isinstance(sa, RecommendedSA) and isinstance(sa.estimator, SARegressor)
     info = sa.info()
     assert info["criterion_resolved"] == "paper-debiased" and info["recentre"] == "mean"
-    assert sa.report.criterion == "auto" and info["floor_factor"] > 0
-    assert 0 <= info["floor_beta_units"] and sa.floor_fit is not None
+    assert sa.estimator.report.criterion == "auto" and sa.estimator.n_samples == 8
+    assert info["form"] in ("sa-normalised", "sa-floor", "conformal")
+    assert 0 <= info["floor_beta_units"]
     x = _data(5, 7)[0]
     g = sa.predict(x)
-    assert isinstance(g, GaussianPredictive)
+    assert isinstance(g, SAPredictive)
     frozen = task.model(x).detach()
-    torch.testing.assert_close(g.mean, frozen, rtol=0, atol=1e-6)
-    raw = sa._sa(task, x)
-    _, hi = g.interval(0.95)
-    sig = raw.samples.std(0)
-    beta = sa.floor_fit.beta
-    # beta = inf is the floor's plain-conformal end (half-width q whatever the spread); which
-    # end or interior beta the val widths pick depends on the draws
-    half = (sa.floor_fit.factor * torch.ones_like(sig) if math.isinf(beta)
-            else sa.floor_fit.factor * torch.sqrt(sig**2 + beta**2))
-    torch.testing.assert_close(hi - g.mean, half, rtol=1e-5, atol=1e-6)
-    # the passes over val (floor's beta) and cal (its factor) are booked
-    n_val, n_cal = (sum(len(t) for _, t in part) for part in (task.val, task.cal))
-    assert sa.cost.fit_forward >= sa.report.forward_passes * n_val + 8 * (n_val + n_cal)
+    assert torch.equal(g.mean, frozen)
+    same = sa.estimator.predict(x)
+    for a, b in zip(g.interval(0.95), same.interval(0.95), strict=True):
+        assert torch.equal(a, b)
+    assert sa.cost.fit_forward == sa.estimator.diagnostics["forward_passes"] > 0
     base = make_method("sa-paper", **kw).fit(task)
     for name in ("sa-recentred", "sa-floor"):
         m = make_method(name, base=base).fit(task)

@@ -23,11 +23,11 @@ SA-normalised conformal, ``inf`` plain conformal) and the factor ``q`` on ``cal`
 prediction is ``N(f, (q sqrt(sigma^2 + beta^2) / z_{1-alpha/2})^2)``, whose central
 ``1 - alpha`` interval has finite-sample coverage ``>= 1 - alpha``.
 
-The recommended configuration is the registered ``"sa"`` (:class:`RecommendedSA`):
-``criterion="auto"`` (the debiased ``L_SA`` on outputs of fewer than 28 elements, the paper's
-above), ``recentre="mean"`` and ``floor=True``; fixed in advance, no choice made on test data.
-``"sa-paper"``, ``"sa-debiased"``, ``"sa-recentred"`` and ``"sa-floor"`` are its ablations (the
-paper's SA plus one change each).
+The recommended configuration is the registered ``"sa"`` (:class:`RecommendedSA`), a thin
+wrapper over :class:`attnuq.SARegressor` (``criterion="auto"``, recentred, the form chosen by
+the cross-fitted validation CRPS, intervals calibrated at every level); fixed in advance, no
+choice made on test data. ``"sa-paper"``, ``"sa-debiased"``, ``"sa-recentred"`` and
+``"sa-floor"`` are ablations of the paper's SA (one change each), on this class.
 
 Per-layer ``nu`` (``per_layer="geometric"``, passed on to :func:`attnuq.calibrate`; method
 ``sa-layer``): the report's ``nu_map`` (one ``nu`` per attention site,
@@ -303,31 +303,82 @@ class StochasticAttention(Method):
         return out
 
 
-class RecommendedSA(StochasticAttention):
-    """The registered ``"sa"``: :class:`StochasticAttention` with ``criterion="auto"``,
-    ``recentre="mean"`` and ``floor=True`` (every other argument as there).
+class RecommendedSA(Method):
+    """The registered ``"sa"``: a thin wrapper over :class:`attnuq.SARegressor` (one
+    implementation of the recommended recipe; see its documentation).
 
-    The rule is fixed in advance (no choice is made on test data): the criterion by the output's
-    dimension (:func:`attnuq.calibration.criteria.resolve_criterion`), ``beta`` of the floor on
-    the validation part, the floor's factor on the calibration part.
+    ``fit`` runs ``SARegressor(model, nu_range=..., n_samples=..., seed=...).fit(task.val,
+    task.cal)``: ``nu`` by the ``"auto"`` criterion on ``val``, the draws recentred on the
+    frozen output, the form (SA-normalised, SA with a floor, or plain split conformal) by the
+    2-fold cross-fitted validation CRPS, the conformal scores on ``cal``. Every choice is made on
+    ``val`` / ``cal``, never on test data. ``predict`` returns the estimator's
+    :class:`attnuq.SAPredictive` (intervals calibrated at every level).
+
+    ``n_samples`` (the suite's Monte Carlo budget) is the estimator's ``n_samples``: the passes
+    per example in the search, on ``cal`` and at prediction alike (the estimator's own default
+    is 8). ``n_passes`` is accepted (the suites pass it to every SA row) and not used: the
+    estimator has one number of passes. Other keywords go to the estimator
+    (``calibrate_kwargs``).
 
     Examples
     --------
-    >>> m = RecommendedSA()
-    >>> m.criterion, m.recentre, m.floor
-    ('auto', 'mean', True)
+    >>> m = RecommendedSA(n_samples=8, progress=False)
+    >>> m.n_samples, m.seed
+    (8, 0)
     """
 
     implementation = (
-        "attnuq stochastic attention, recommended configuration: nu by the 'auto' criterion "
-        "(debiased L_SA below 28 output elements, the paper's L_SA above), draws recentred on "
-        "the frozen output (mean), conformal floor |y - f| / sqrt(sigma^2 + beta^2) with beta "
-        "on val and the factor on cal (Gaussian predictive)"
+        "attnuq.SARegressor (the recommended recipe): nu by the 'auto' criterion (debiased "
+        "L_SA below 28 output elements, the paper's L_SA above), draws recentred on the frozen "
+        "output, the form (SA-normalised, SA with a floor, plain split conformal) by the "
+        "cross-fitted validation CRPS, conformal scores on cal (intervals at any level)"
     )
 
-    def __init__(self, criterion: str = "auto", recentre: str | None = "mean",
-                 floor: bool = True, **kwargs: Any) -> None:
-        super().__init__(criterion=criterion, recentre=recentre, floor=floor, **kwargs)
+    def __init__(self, n_samples: int = 8, seed: int = 0, progress: bool = True,
+                 nu_range: tuple[int, int] = (1, 1024), n_passes: int | None = None,
+                 **estimator_kwargs: Any) -> None:
+        super().__init__()
+        self.n_samples = check_positive_int(n_samples, "n_samples")
+        self.seed = int(seed)
+        self.progress = bool(progress)
+        self.nu_range = tuple(nu_range)
+        self.n_passes_ignored = n_passes
+        self.estimator_kwargs = estimator_kwargs
+        self.estimator: Any = None
+
+    def _fit(self, task: Task) -> Cost | None:
+        from attnuq.estimators._regressor import SARegressor
+
+        self.estimator = SARegressor(
+            _sa_model(task), nu_range=self.nu_range, n_samples=self.n_samples,  # type: ignore[arg-type]
+            seed=self.seed, progress=self.progress, **self.estimator_kwargs,
+        ).fit([split_batch(b) for b in task.val], [split_batch(b) for b in task.cal])
+        self.cost.fit_forward += int(self.estimator.diagnostics["forward_passes"])
+        return None
+
+    def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
+        return self.estimator.predict(inputs), self.n_samples + 1
+
+    def info(self) -> dict[str, Any]:
+        if self.estimator is None:
+            return {}
+        d = self.estimator.diagnostics
+        out: dict[str, Any] = {
+            "nu": d.get("nu"), "criterion_resolved": d.get("criterion_resolved"),
+            "recentre": "mean", "form": d.get("form"),
+            "floor_beta": d.get("floor_beta"), "floor_beta_units": d.get("floor_beta_units"),
+            "nu_at_edge": d.get("nu_at_edge") or "no",
+            "spearman_spread_abs_error": d.get("spearman_spread_abs_error"),
+            "sa_draws": self.n_samples,
+        }
+        if d.get("nu_map") is not None:
+            out["nu_map"] = dict(d["nu_map"])
+        rep = self.estimator.report
+        if rep is not None:
+            out["calibration_passes"] = int(rep.forward_passes)
+            out["calibration_seconds"] = float(rep.wall_time)
+            out["evaluated_nu"] = [int(e.nu) for e in rep.evaluations]
+        return out
 
 
 class _ForwardModule(nn.Module):

@@ -64,6 +64,12 @@ def chunks(n: int, size: int) -> list[slice]:
 
 def fan_rows(pred: AnyPred, rows: torch.Tensor, ch: int) -> dict[str, list[list[float]]]:
     """Quantiles of channel ``ch`` for the chosen rows of a chunk, for the fan chart."""
+    from attnuq.estimators._regressor import SAPredictive
+
+    if isinstance(pred, SAPredictive):
+        one = pred.select(rows).select((Ellipsis, ch))
+        return {name: one.quantile(q).tolist() for name, q in (
+            ("q025", 0.025), ("q25", 0.25), ("q50", 0.5), ("q75", 0.75), ("q975", 0.975))}
     if isinstance(pred, GaussianPredictive):
         sub: AnyPred = GaussianPredictive(mean=pred.mean[rows][..., ch],
                                           std=pred.std[rows][..., ch])

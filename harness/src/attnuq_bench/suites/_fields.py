@@ -22,17 +22,20 @@ import torch
 
 from attnuq import metrics
 from attnuq._io import CorruptFileWarning, atomic_savefig
+from attnuq.estimators._regressor import SAPredictive
 from attnuq.predictive import GaussianPredictive, Predictive
 from attnuq_bench.suites._scoring import StreamScores
 
 __all__ = ["error_maps", "field_scores", "load_maps", "maps_png", "point_scores"]
 
-AnyPred = Predictive | GaussianPredictive
+AnyPred = Predictive | GaussianPredictive | SAPredictive
 
 
 def _lead_slice(pred: AnyPred, i: int) -> AnyPred:
     if isinstance(pred, GaussianPredictive):
         return GaussianPredictive(mean=pred.mean[:, i], std=pred.std[:, i])
+    if isinstance(pred, SAPredictive):
+        return pred.select((slice(None), i))
     return Predictive(samples=pred.samples[:, :, i])
 
 
@@ -47,6 +50,10 @@ def _scaled_w1(pred: AnyPred, y: torch.Tensor, seed: int) -> float:
         k = math.sqrt(float(((y.double() - m) ** 2).mean() / (s**2).mean()))
         pit = 0.5 * (1 + torch.erf((y.double() - m) / (k * s) / math.sqrt(2.0)))
         return float(metrics.pit_w1(pit.reshape(-1)))
+    if isinstance(pred, SAPredictive):  # by 100 draws of its calibrated distribution
+        g = torch.Generator().manual_seed(seed)
+        draws = pred.sample(100, generator=g).samples.double()
+        return float(metrics.pit_w1_scaled(draws, y.double(), generator=g))
     if pred.samples.shape[0] < 2 or float(pred.samples.std(0).max()) == 0.0:
         return float("nan")
     g = torch.Generator().manual_seed(seed)

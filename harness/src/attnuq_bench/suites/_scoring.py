@@ -32,11 +32,14 @@ from typing import Any
 import torch
 
 from attnuq._validation import check_finite
+from attnuq.estimators._regressor import SAPredictive
 from attnuq.predictive import GaussianPredictive, Predictive
 
 __all__ = ["StreamScores", "mean_std", "mean_std_n", "sample_scores", "to_cpu"]
 
-AnyPred = Predictive | GaussianPredictive
+#: an SAPredictive (``attnuq.SARegressor``, method ``sa``) is scored with its own exact CRPS
+#: and randomised PIT (its distribution is ``f + w T``, ``|T|`` the calibration scores)
+AnyPred = Predictive | GaussianPredictive | SAPredictive
 
 
 def _normal_cdf(z: torch.Tensor) -> torch.Tensor:
@@ -83,6 +86,8 @@ def to_cpu(pred: Any) -> Any:
     """
     if isinstance(pred, GaussianPredictive):
         return GaussianPredictive(mean=pred.mean.cpu(), std=pred.std.cpu())
+    if isinstance(pred, SAPredictive):
+        return pred.to("cpu")
     if isinstance(pred, Predictive):
         return Predictive(samples=pred.samples.cpu(),
                           frozen=None if pred.frozen is None else pred.frozen.cpu())
@@ -114,6 +119,13 @@ def sample_scores(pred: AnyPred, y: torch.Tensor, *, y_std: float, generator: to
         w1s = float(metrics.pit_w1_scaled(draws, y64, generator=generator))
         crps = float(metrics.crps_normal(m, s.clamp_min(1e-12), y64))
         nll = float(metrics.nll_normal(m, s.clamp_min(1e-6), y64))
+    elif isinstance(pred, SAPredictive):
+        pit = pred.pit(y64, generator=generator)
+        draws = pred.sample(1000, generator=generator).samples.double()
+        w1s = float(metrics.pit_w1_scaled(draws, y64, generator=generator))
+        crps = float(pred.crps(y64))
+        nll = float(metrics.nll_normal(pred.mean.double(), pred.std.double().clamp_min(1e-6),
+                                       y64))
     elif isinstance(pred, Predictive):
         smp = pred.samples.double()
         pit = metrics.pit_samples(smp, y64, generator=generator)
@@ -187,6 +199,14 @@ class StreamScores:
             pit = _normal_cdf((y - m) / s)
             crps = metrics.crps_normal(m, s, y, reduction="none")
             spread = s
+        elif isinstance(pred, SAPredictive):
+            m = pred.mean.double()
+            if m.shape != y.shape:
+                raise ValueError(f"prediction {tuple(m.shape)} and targets {tuple(y.shape)} differ")
+            lo, hi = (t.double() for t in pred.interval(self.level))
+            pit = pred.pit(y, generator=self._gen)
+            crps = pred.crps(y, reduction="none")
+            spread = pred.std.double()
         elif isinstance(pred, Predictive):
             smp = pred.samples.double()
             if smp.shape[1:] != y.shape:

@@ -1,0 +1,151 @@
+"""``attnuq calibrate`` writes the fitted estimator; ``attnuq predict`` uses it (round trip),
+and every bad input ends in one line with exit status 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from attnuq.cli import main
+from attnuq.estimators._regressor import SARegressor
+
+
+class _Tiny(nn.Module):
+    """(B, 3) -> (B,): features as tokens, one attention layer, mean pooling, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(1, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x.unsqueeze(-1))
+        h, _ = self.attn(t, t, t, need_weights=False)
+        return self.head(h.mean(1)).squeeze(-1)
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    torch.manual_seed(0)
+    model = _Tiny().eval()
+    torch.save(model, tmp_path / "model.pt")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(80, 3, generator=g)
+    with torch.no_grad():
+        y = model(x) + 0.2 * torch.randn(80, generator=g)
+    np.savez(tmp_path / "heldout.npz", x=x.numpy(), y=y.numpy())
+    np.savez(tmp_path / "new.npz", x=torch.randn(10, 3, generator=g).numpy())
+    return {"model": tmp_path / "model.pt", "data": tmp_path / "heldout.npz",
+            "new": tmp_path / "new.npz", "out": tmp_path / "cal", "tmp": tmp_path}
+
+
+def _calibrate(files: dict[str, Path], *extra: str) -> list[str]:
+    return ["calibrate", str(files["model"]), str(files["data"]), "--n-passes", "4",
+            "--out", str(files["out"]), *extra]
+
+
+def test_calibrate_then_predict_round_trip(files: dict[str, Path],
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_calibrate(files)) == 0
+    out = capsys.readouterr().out
+    assert "chosen nu = " in out and "form: " in out
+    est = json.loads((files["out"] / "estimator.json").read_text())
+    assert est["estimator"] == "SARegressor" and est["fitted"]["criterion_resolved"]
+    assert est["settings"]["criterion"] == "auto"
+    for key in ("nu", "nu_at_edge", "spearman_spread_abs_error", "floor_beta", "form",
+                "raw_val_coverage"):
+        assert key in est["diagnostics"]
+    assert est["metadata"]["n_val_rows"] == 40 and est["metadata"]["n_cal_rows"] == 40
+    # predict: npz with samples, and csv; equal to the library's own prediction
+    pnpz, pcsv = files["tmp"] / "p.npz", files["tmp"] / "p.csv"
+    fitted = str(files["out"] / "estimator.json")
+    assert main(["predict", str(files["model"]), fitted, str(files["new"]), "--level", "0.8",
+                 "--out", str(pnpz), "--samples"]) == 0
+    assert main(["predict", str(files["model"]), fitted, str(files["new"]), "--level", "0.8",
+                 "--out", str(pcsv)]) == 0
+    z = np.load(pnpz)
+    assert z["mean"].shape == (10,) and z["samples"].shape == (4, 10)
+    assert (z["lower"] <= z["mean"]).all() and (z["mean"] <= z["upper"]).all()
+    model = torch.load(files["model"], weights_only=False).eval()
+    sa = SARegressor.load(fitted, model)
+    pred = sa.predict(torch.as_tensor(np.load(files["new"])["x"]))
+    lo, hi = pred.interval(0.8)
+    np.testing.assert_array_equal(z["lower"], lo.numpy())
+    np.testing.assert_array_equal(z["upper"], hi.numpy())
+    rows = pcsv.read_text().splitlines()
+    assert rows[0] == "mean,lower,upper" and len(rows) == 11
+    np.testing.assert_allclose(np.array([float(v) for v in rows[1].split(",")]),
+                               [z["mean"][0], z["lower"][0], z["upper"][0]], rtol=1e-6)
+
+
+def test_taken_out_refused_unless_overwrite(files: dict[str, Path],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_calibrate(files)) == 0
+    capsys.readouterr()
+    assert main(_calibrate(files)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnuq: error: --out") and "--overwrite" in err
+    assert len(err.strip().splitlines()) == 1
+    assert main(_calibrate(files, "--overwrite")) == 0
+
+
+@pytest.mark.parametrize("case, message", [
+    ("level-1", "--level must lie in (0, 1), got 1.0"),
+    ("level-neg", "--level must lie in (0, 1), got -0.5"),
+    ("torn", "not valid JSON"),
+    ("foreign", "not a fitted attnuq estimator"),
+    ("other-model", "fitted on another model"),
+    ("bad-suffix", "--out must end in .npz or .csv"),
+])
+def test_predict_bad_input_one_line_exit_2(files: dict[str, Path], case: str, message: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_calibrate(files)) == 0
+    capsys.readouterr()
+    fitted = files["out"] / "estimator.json"
+    model = files["model"]
+    out = files["tmp"] / "p.npz"
+    level = "0.9"
+    if case == "level-1":
+        level = "1"
+    elif case == "level-neg":
+        level = "-0.5"
+    elif case == "torn":
+        fitted = files["tmp"] / "torn.json"
+        fitted.write_text((files["out"] / "estimator.json").read_text()[:100])
+    elif case == "foreign":
+        fitted = files["tmp"] / "foreign.json"
+        fitted.write_text('{"nu": 4}')
+    elif case == "other-model":
+        torch.manual_seed(99)
+        model = files["tmp"] / "other.pt"
+        torch.save(_Tiny().eval(), model)
+    elif case == "bad-suffix":
+        out = files["tmp"] / "p.txt"
+    rc = main(["predict", str(model), str(fitted), str(files["new"]), "--level", level,
+               "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_calibrate_edge_is_reported(files: dict[str, Path],
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Targets far noisier than SA's largest spread: nu = 1 at the lower edge, said on
+    stderr (one line, both numbers), in the summary line and in the JSON; exit 0."""
+    z = np.load(files["data"])
+    rng = np.random.default_rng(2)
+    np.savez(files["data"], x=z["x"], y=z["y"] + 100 * rng.normal(size=z["y"].shape))
+    assert main(_calibrate(files)) == 0
+    cap = capsys.readouterr()
+    assert "at the lower edge of nu_range" in cap.out
+    assert "attnuq: warning: SARegressor.fit: calibrate: nu = 1 sits at the lower edge" in cap.err
+    assert "target scale" in cap.err
+    est = json.loads((files["out"] / "estimator.json").read_text())
+    assert est["diagnostics"]["nu_at_edge"] == "lower"
+    assert est["diagnostics"]["edge_spread"] < est["diagnostics"]["edge_target_scale"]

@@ -1,0 +1,334 @@
+"""SARegressor: fit / predict / save / load, coverage at any level, the form's choice, every
+refusal. Tiny untrained or briefly trained encoders keep it fast."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import attnuq
+from attnuq.calibration import EdgeWarning, calibrate
+from attnuq.estimators._common import EstimatorWarning, read_pairs, spearman
+from attnuq.estimators._regressor import (
+    MAX_SCORES,
+    SAPredictive,
+    SARegressor,
+    _crps_atoms,
+    _Part,
+    _table,
+)
+
+
+class Net(nn.Module):
+    """(B, L, 4) -> (B,): an encoder layer, mean pooling and a linear head."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, d)
+        layer = nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.embed(x)).mean(1)).squeeze(-1)
+
+
+def _data(net: nn.Module, n: int, gen: torch.Generator, noise: float = 0.3
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(n, 5, 4, generator=gen)
+    with torch.no_grad():
+        y = net(x) + noise * torch.randn(n, generator=gen)
+    return x, y
+
+
+def _batches(x: torch.Tensor, y: torch.Tensor, size: int = 100) -> list:
+    return [(x[i:i + size], y[i:i + size]) for i in range(0, len(y), size)]
+
+
+@pytest.fixture(scope="module")
+def fitted() -> tuple[SARegressor, Net, torch.Generator]:
+    torch.manual_seed(0)
+    net = Net().eval()
+    g = torch.Generator().manual_seed(1)
+    val = _data(net, 200, g)
+    cal = _data(net, 400, g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EstimatorWarning)
+        sa = SARegressor(net, nu_range=(1, 64), progress=False).fit(_batches(*val),
+                                                                   _batches(*cal))
+    return sa, net, g
+
+
+def test_predict_shapes_and_diagnostics(fitted: tuple) -> None:
+    sa, net, _ = fitted
+    x = torch.randn(7, 5, 4)
+    pred = sa.predict(x)
+    assert isinstance(pred, SAPredictive)
+    assert pred.samples.shape == (sa.n_samples, 7) and pred.mean.shape == (7,)
+    with torch.no_grad():
+        assert torch.equal(pred.mean, net(x))  # recentred: the frozen output
+    lo, hi = pred.interval(0.9)
+    assert bool((lo <= pred.mean).all() and (pred.mean <= hi).all())
+    qs = pred.quantile(torch.tensor([0.1, 0.3, 0.5, 0.7, 0.9]))
+    assert qs.shape == (5, 7) and bool((qs[1:] >= qs[:-1]).all())
+    assert torch.equal(pred.quantile(0.05), lo) and torch.equal(pred.quantile(0.95), hi)
+    d = sa.diagnostics
+    for key in ("nu", "nu_at_edge", "criterion_resolved", "spearman_spread_abs_error",
+                "floor_beta", "form", "raw_val_coverage", "val_crps_by_beta", "forward_passes"):
+        assert key in d, key
+    assert d["criterion_resolved"] == "paper-debiased"  # a scalar output
+    assert d["form"] in ("sa-normalised", "sa-floor", "conformal")
+    assert set(d["raw_val_coverage"]) == {"0.5", "0.9", "0.95"}
+    # the chosen beta has the lowest cross-fitted CRPS of the grid
+    crps = d["val_crps_by_beta"]
+    assert crps[repr(d["floor_beta_units"]) if math.isfinite(d["floor_beta_units"])
+                else "inf"] == min(crps.values())
+
+
+def test_coverage_at_any_level() -> None:
+    """Split-conformal coverage at several levels, none of them 'fitted'.
+
+    Conditional on the calibration set, the coverage of a level L is Beta-distributed with
+    mean ~L and sd sqrt(L (1 - L) / n_cal); the test's m elements add sd sqrt(L (1 - L) / m).
+    The tolerance is 4 combined sds plus 1/(n_cal + 1) (the finite-sample excess): each level
+    fails falsely with probability < 7e-5, the three together < 2e-4 (fixed seeds: this run
+    either always passes or always fails).
+    """
+    torch.manual_seed(3)
+    net = Net().eval()
+    g = torch.Generator().manual_seed(4)
+    n_cal, m = 400, 2000
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EstimatorWarning)
+        sa = SARegressor(net, nu=4, progress=False).fit(
+            _batches(*_data(net, 200, g)), _batches(*_data(net, n_cal, g)))
+    x, y = _data(net, m, g)
+    pred = sa.predict(x)
+    for level in (0.5, 0.8, 0.93):
+        lo, hi = pred.interval(level)
+        cov = float(((lo <= y) & (y <= hi)).double().mean())
+        sd = math.sqrt(level * (1 - level) * (1 / n_cal + 1 / m))
+        assert abs(cov - level) <= 4 * sd + 1 / (n_cal + 1), (level, cov)
+
+
+def test_save_load_round_trip_bit_for_bit(fitted: tuple, tmp_path: Path) -> None:
+    sa, net, _ = fitted
+    x = torch.randn(6, 5, 4)
+    before = sa.predict(x)
+    path = sa.save(tmp_path / "sa.json")
+    doc = json.loads(path.read_text())  # strict JSON
+    assert doc["format"] == "attnuq-estimator" and doc["estimator"] == "SARegressor"
+    assert "weight" not in path.read_text()
+    back = SARegressor.load(path, net, progress=False)
+    after = back.predict(x)
+    assert torch.equal(before.samples, after.samples)
+    for level in (0.3, 0.9):
+        for a, b in zip(before.interval(level), after.interval(level), strict=True):
+            assert torch.equal(a, b)
+    assert torch.equal(before.std, after.std)
+    assert back.diagnostics["form"] == sa.diagnostics["form"]
+
+
+def test_load_refuses_another_model_unless_not_strict(fitted: tuple, tmp_path: Path) -> None:
+    sa, _net, _ = fitted
+    path = sa.save(tmp_path / "sa.json")
+    torch.manual_seed(123)
+    other = Net().eval()
+    with pytest.raises(ValueError, match=r"fitted on another model.*strict=False"):
+        SARegressor.load(path, other)
+    with pytest.warns(EstimatorWarning, match="loaded anyway"):
+        SARegressor.load(path, other, strict=False)
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"format": "attnuq-estimator", "format_ver', "not valid JSON"),
+    ("\x00\xff garbage", "not valid JSON"),
+    ('{"format": "something-else"}', "expected format='attnuq-estimator'"),
+    ('[1, 2]', "format='list'"),
+])
+def test_load_refuses_torn_or_foreign_json(fitted: tuple, tmp_path: Path, text: str,
+                                           match: str) -> None:
+    _, net, _ = fitted
+    p = tmp_path / "x.json"
+    p.write_bytes(text.encode("latin-1"))
+    with pytest.raises(ValueError, match=match):
+        SARegressor.load(p, net)
+
+
+def test_load_refuses_other_kind_and_bad_fields(fitted: tuple, tmp_path: Path) -> None:
+    sa, net, _ = fitted
+    path = sa.save(tmp_path / "sa.json")
+    doc = json.loads(path.read_text())
+    doc["estimator"] = "SAClassifier"
+    (tmp_path / "c.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="holds a fitted 'SAClassifier'"):
+        SARegressor.load(tmp_path / "c.json", net)
+    doc = json.loads(path.read_text())
+    doc["fitted"]["scores"] = doc["fitted"]["scores"][::-1]
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"malformed SARegressor file.*sorted"):
+        SARegressor.load(tmp_path / "s.json", net)
+    with pytest.raises(FileNotFoundError):
+        SARegressor.load(tmp_path / "none.json", net)
+
+
+def test_bad_inputs_name_the_value(fitted: tuple) -> None:
+    sa, net, g = fitted
+    x, y = _data(net, 20, g)
+    est = SARegressor(net, nu=4, progress=False)
+    with pytest.raises(ValueError, match="val_data is empty"):
+        est.fit([], [(x, y)])
+    with pytest.raises(ValueError, match="cal_data is empty"):
+        est.fit([(x, y)], iter([]))
+    bad = y.clone()
+    bad[3] = float("nan")
+    with pytest.raises(ValueError, match=r"val_data: targets of batch 0 hold 1 non-finite"):
+        est.fit([(x, bad)], [(x, y)])
+    y2 = y[:, None].expand(-1, 2)
+    with pytest.raises(ValueError, match="val_data and cal_data targets must share one shape"):
+        est.fit([(x, y)], [(x, y2)])
+    with pytest.raises(ValueError, match=r"val_data: the prediction and the targets of batch 0"):
+        est.fit([(x, y2)], [(x, y2)])
+    with pytest.raises(ValueError, match="prediction and targets must have the same shape"):
+        SARegressor(net, nu_range=(1, 8), progress=False).fit([(x, y[:10])], [(x, y)])
+    with pytest.raises(TypeError, match="val_data must be an iterable"):
+        est.fit(x, [(x, y)])
+    with pytest.raises(ValueError, match="pairs, got item 0"):
+        est.fit([(x, y, y)], [(x, y)])
+    pred = sa.predict(x)
+    for level in (0.0, 1.0, 1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="level"):
+            pred.interval(level)
+    with pytest.raises(ValueError, match=r"level=0.999 needs .* got n=400"):
+        pred.interval(0.999)
+    with pytest.raises(RuntimeError, match="not fitted"):
+        SARegressor(net).predict(x)
+    for kw, match in (({"seed": -1}, "seed"), ({"n_samples": 1}, "n_samples"),
+                      ({"nu_range": (0, 4)}, "nu_range"), ({"criterion": "x"}, "criterion"),
+                      ({"floor": "yes"}, "floor"), ({"nu": 0}, "nu")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            SARegressor(net, **kw)
+
+
+def test_edge_warns_with_both_numbers() -> None:
+    """Targets far noisier than any SA spread: nu sits at the lower edge; calibrate records
+    it in the report and warns, and so does fit, naming s(1) and the target scale."""
+    torch.manual_seed(5)
+    net = Net().eval()
+    g = torch.Generator().manual_seed(6)
+    val = _data(net, 60, g, noise=50.0)
+    cal = _data(net, 60, g, noise=50.0)
+    with pytest.warns(EdgeWarning, match=r"lower edge.*s\(1\) = .* target scale"):
+        rep = calibrate(net, [val], nu_range=(1, 64), n_passes=4, progress=False)
+    assert rep.nu == 1 and rep.edge is not None and rep.edge["side"] == "lower"
+    assert rep.edge["spread"] < rep.edge["target_scale"]
+    assert "edge" in rep.to_dict()
+    with pytest.warns(EstimatorWarning, match=r"lower edge.*largest spread s\(1\)"):
+        sa = SARegressor(net, nu_range=(1, 64), progress=False).fit([val], [cal])
+    assert sa.diagnostics["nu_at_edge"] == "lower"
+    assert sa.diagnostics["edge_spread"] < sa.diagnostics["edge_target_scale"]
+    assert any("lower edge" in w for w in sa.diagnostics["warnings"])
+
+
+def test_plain_conformal_chosen_and_warned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spread unrelated to the errors (log-normal, sd of the log 2) with homoscedastic
+    errors: the cross-fitted CRPS prefers constant width, and fit says so."""
+    g = torch.Generator().manual_seed(7)
+
+    def fake_part(self: SARegressor, pairs: list, nu: object, name: str) -> _Part:
+        n = 3000
+        sigma = torch.exp(2.0 * torch.randn(n, 1, generator=g, dtype=torch.float64))
+        y = torch.randn(n, 1, generator=g, dtype=torch.float64)
+        return _Part(torch.zeros(n, 1, dtype=torch.float64), sigma, y, {"0.9": 0.0})
+
+    monkeypatch.setattr(SARegressor, "_part", fake_part)
+    net = Net().eval()
+    x = torch.randn(4, 5, 4)
+    with pytest.warns(EstimatorWarning, match="plain split conformal"):
+        sa = SARegressor(net, nu=2, progress=False).fit([(x, torch.zeros(4))],
+                                                        [(x, torch.zeros(4))])
+    assert sa.diagnostics["form"] == "conformal" and math.isinf(sa.diagnostics["floor_beta"])
+    assert abs(sa.diagnostics["spearman_spread_abs_error"]) < 0.1
+
+
+def test_sa_normalised_chosen_when_spread_is_the_error_scale(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """Errors exactly sigma * N(0, 1) with sigma spread over two decades: beta = 0 wins."""
+    g = torch.Generator().manual_seed(8)
+
+    def fake_part(self: SARegressor, pairs: list, nu: object, name: str) -> _Part:
+        n = 3000
+        sigma = torch.exp(1.5 * torch.randn(n, 1, generator=g, dtype=torch.float64))
+        y = sigma * torch.randn(n, 1, generator=g, dtype=torch.float64)
+        return _Part(torch.zeros(n, 1, dtype=torch.float64), sigma, y, {"0.9": 0.0})
+
+    monkeypatch.setattr(SARegressor, "_part", fake_part)
+    net = Net().eval()
+    x = torch.randn(4, 5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EstimatorWarning)  # no warning here
+        sa = SARegressor(net, nu=2, progress=False).fit([(x, torch.zeros(4))],
+                                                        [(x, torch.zeros(4))])
+    assert sa.diagnostics["form"] in ("sa-normalised", "sa-floor")
+    assert sa.diagnostics["floor_beta_units"] <= 0.25
+
+
+def test_crps_atoms_matches_brute_force() -> None:
+    g = torch.Generator().manual_seed(9)
+    atoms = torch.sort(torch.randn(37, generator=g, dtype=torch.float64)).values
+    u = torch.randn(50, generator=g, dtype=torch.float64) * 2
+    brute = (atoms[None] - u[:, None]).abs().mean(1) - 0.5 * (
+        atoms[None] - atoms[:, None]).abs().mean()
+    torch.testing.assert_close(_crps_atoms(atoms, u), brute, rtol=1e-12, atol=1e-12)
+
+
+def test_table_keeps_a_conservative_subset() -> None:
+    n = MAX_SCORES * 3 + 5
+    s = torch.rand(n, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    values, ranks = _table(s)
+    assert values.numel() == MAX_SCORES and int(ranks[-1]) == n
+    full = torch.sort(s).values
+    f64 = torch.float64
+    pred = SAPredictive(mean=torch.zeros(1, dtype=f64), spread=torch.ones(1, dtype=f64),
+                        scores=values, ranks=ranks, n=n, samples=torch.zeros(2, 1),
+                        frozen=torch.zeros(1), form="conformal")
+    for level in (0.5, 0.9, 0.99):
+        k = math.ceil((n + 1) * level)
+        assert float(pred.interval(level)[1]) >= float(full[k - 1])  # never narrower
+
+
+def test_common_helpers() -> None:
+    assert read_pairs((torch.zeros(2, 3), torch.zeros(2)), "val_data")[0][1].shape == (2,)
+    with pytest.raises(ValueError, match="targets of batch 1 have shape"):
+        read_pairs([(torch.zeros(2), torch.zeros(2)), (torch.zeros(2), torch.zeros(2, 2))], "d")
+    x = torch.randn(200, generator=torch.Generator().manual_seed(11))
+    from scipy.stats import spearmanr
+
+    y = x**3 + torch.randn(200, generator=torch.Generator().manual_seed(12))
+    assert spearman(x, y) == pytest.approx(float(spearmanr(x.numpy(), y.numpy())[0]), abs=1e-12)
+    assert math.isnan(spearman(torch.ones(3), torch.arange(3.0)))
+
+
+def test_exported_lazily() -> None:
+    assert attnuq.SARegressor is SARegressor and "SARegressor" in dir(attnuq)
+
+
+def test_readme_example_runs() -> None:
+    """examples/regression.py (the README's regression example) runs and prints coverage."""
+    import contextlib
+    import io
+    import runpy
+
+    path = Path(__file__).resolve().parents[3] / "examples" / "regression.py"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runpy.run_path(str(path), run_name="__main__")
+    text = out.getvalue()
+    assert "level 0.90: coverage" in text and "CRPS" in text
