@@ -18,7 +18,9 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def random_probs(b: int, c: int, seed: int, sharp: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
+def random_probs(
+    b: int, c: int, seed: int, sharp: float = 3.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax of scaled Gaussian logits and labels drawn from a tempered version of them (so
     the probabilities are miscalibrated and the ECE is not ~0)."""
     g = gen(seed)

@@ -192,7 +192,8 @@ def ece_probs(
     With confidence ``c_i = max_k p_ik``, prediction ``argmax_k p_ik`` (first maximum) and bins
     ``B_1..B_M`` of the examples,
 
-    .. math:: \mathrm{ECE} = \sum_m \frac{|B_m|}{B}\,\bigl|\mathrm{acc}(B_m) - \mathrm{conf}(B_m)\bigr|.
+    .. math:: \mathrm{ECE} = \sum_m \frac{|B_m|}{B}\,
+              \bigl|\mathrm{acc}(B_m) - \mathrm{conf}(B_m)\bigr|.
 
     ``binning="width"``: ``M`` equal-width bins ``(m/M, (m+1)/M]`` of the confidence (Guo et
     al. 2017; the first bin also holds 0). ``binning="mass"``: adaptive bins of (nearly) equal
@@ -236,7 +237,8 @@ def ece_probs(
         sizes = [n // n_bins + (1 if k < n % n_bins else 0) for k in range(n_bins)]
         idx[order] = torch.repeat_interleave(torch.arange(n_bins, device=conf.device),
                                              torch.tensor(sizes, device=conf.device))
-    count = torch.zeros(n_bins, dtype=D, device=conf.device).index_add_(0, idx, torch.ones_like(conf))
+    count = torch.zeros(n_bins, dtype=D, device=conf.device)
+    count.index_add_(0, idx, torch.ones_like(conf))
     s_conf = torch.zeros_like(count).index_add_(0, idx, conf)
     s_acc = torch.zeros_like(count).index_add_(0, idx, acc)
     return (s_acc - s_conf).abs().sum() / n
