@@ -42,6 +42,8 @@ SUITES: dict[str, str] = {
     "era5": "attnuq.bench.era5",
     "physionet": "attnuq.bench.physionet",
     "calibration": "attnuq.bench.calibration",
+    "mortality": "attnuq.bench.mortality",
+    "digits": "attnuq.bench.digits",
 }
 
 

@@ -170,8 +170,11 @@ def _stay(data: MortalityData, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return t, c, z
 
 
-def grid_inputs(data: MortalityData, idx: np.ndarray, window: int = 4) -> torch.Tensor:
-    """Tokens of ``window``-hour windows ``(B, 48 / window, 6 C)`` float32.
+def grid_inputs(data: MortalityData, idx: np.ndarray, window: int = 4, *,
+                summary: bool = True) -> torch.Tensor:
+    """Tokens of ``window``-hour windows ``(B, 48 / window, 6 C)`` float32; with ``summary``
+    a first token of the whole 48 h (the same features over one window) is prepended:
+    ``(B, 1 + 48 / window, 6 C)``.
 
     Per window (observations with ``t`` in ``(w0, w0 + window]``, time 0 in the first) and
     channel: the last standardised value carried forward (0, the training mean, before the
@@ -181,6 +184,9 @@ def grid_inputs(data: MortalityData, idx: np.ndarray, window: int = 4) -> torch.
     """
     if window < 1 or N_HOURS % window:
         raise ValueError(f"window must divide {N_HOURS}, got {window=}")
+    if summary:
+        return torch.cat([grid_inputs(data, idx, N_HOURS, summary=False),
+                          grid_inputs(data, idx, window, summary=False)], dim=1)
     C = data.ds.n_channels
     T = N_HOURS // window
     out = np.zeros((len(idx), T, 6 * C), dtype=np.float32)
