@@ -117,15 +117,21 @@ def set_scores_of(cal_probs: np.ndarray, cal_y: np.ndarray,
                   alphas: Sequence[float] = (0.1, 0.05), score: str = "lac"
                   ) -> dict[str, dict[str, float]]:
     """Split-conformal sets fitted on ``(cal_probs, cal_y)``: ``{eval set: {"coverage_90",
-    "size_90", ...}}`` for each ``alpha`` (the level ``round(100 (1 - alpha))``)."""
+    "size_90", ...}}`` for each ``alpha`` (the level ``round(100 (1 - alpha))``); ``nan`` for
+    an ``alpha`` below ``1 / (n + 1)``, which a calibration part of ``n`` cannot support."""
     from attnuq import metrics
     from attnuq.conformal_sets import fit_sets
 
     out: dict[str, dict[str, float]] = {k: {} for k in evals}
+    n = len(cal_y)
     for a in alphas:
+        lv = round(100 * (1 - a))
+        if a < 1.0 / (n + 1):
+            for name in evals:
+                out[name][f"coverage_{lv}"] = out[name][f"size_{lv}"] = math.nan
+            continue
         rule = fit_sets(torch.as_tensor(cal_probs), torch.as_tensor(cal_y), alpha=a,
                         score=score)  # type: ignore[arg-type]
-        lv = round(100 * (1 - a))
         for name, (p, y) in evals.items():
             sets = rule.predict(torch.as_tensor(p))
             out[name][f"coverage_{lv}"] = float(metrics.set_coverage(sets, torch.as_tensor(y)))

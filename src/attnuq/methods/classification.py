@@ -334,7 +334,7 @@ class LaplaceClassifier(_ClassMethod):
     its logits (``model(x)``, laplace-torch's convention); a one-logit model is rewritten
     with the two logits ``(0, z)`` (:func:`_two_logit_copy`)."""
 
-    implementation = ("laplace-torch 0.2 (Laplace(..., 'classification', last_layer, full), "
+    implementation = ("laplace-torch 0.3 (Laplace(..., 'classification', last_layer, full), "
                       "marglik prior precision, GLM predictive, probit link)")
 
     def __init__(self, batch_size: int = 256) -> None:
