@@ -36,8 +36,10 @@ from attnuq._validation import check_positive_int
 from attnuq.calibration._passes import prepare, residual_scale, sample
 from attnuq.calibration._sharded import Shards, prepare_sharded, sample_sharded
 from attnuq.calibration.criteria import (
+    CLASSIFICATION_CRITERIA,
     CRITERIA,
     CalibrationCriterion,
+    ClassificationCriterion,
     Criterion,
     get_criterion,
     summarise,
@@ -59,6 +61,7 @@ from attnuq.calibration.search import (
 from attnuq.prediction import OutputFn
 
 __all__ = [
+    "CLASSIFICATION_CRITERIA",
     "CRITERIA",
     "PER_LAYER",
     "SEARCHES",
@@ -78,7 +81,7 @@ def calibrate(
     model: nn.Module,
     data: Iterable[Any],
     *,
-    criterion: Criterion = "paper",
+    criterion: Criterion | ClassificationCriterion = "paper",
     search: Search = "bo",
     n_passes: int = 10,
     nu_range: tuple[int, int] = (1, 1024),
@@ -114,6 +117,10 @@ def calibrate(
         than 28 elements per example (at ``n_passes=10``), where the paper's ``L_SA`` sits
         measurably below the scale match (0.61 of it for a scalar), and ``"paper"`` above
         (:func:`~attnuq.calibration.criteria.resolve_criterion`). The default stays the paper's.
+        For a classifier, ``"nll"`` or ``"nll-temperature"`` (:data:`CLASSIFICATION_CRITERIA`):
+        ``targets`` are then integer class ids ``(B,)`` (or ``(B, L)`` per token, ``-100``
+        left out) and the prediction logits ``(B, C)``, ``(B,)`` / ``(B, 1)`` binary, or
+        ``(B, L, C)``; not with ``per_layer`` or ``distributed``.
     search
         ``"bo"`` (surrogate-guided, few evaluations; :func:`bo_search`) or ``"grid"``
         (reference; :func:`grid_search`).
@@ -214,6 +221,10 @@ def calibrate(
     check_grid_size(grid_size)
     check_positive_int(max_evals, "max_evals")
     check_surrogate_noise(surrogate_noise)
+    classify = get_criterion(criterion).task == "classification"
+    if classify and per_layer not in (None, False):
+        raise ValueError(f"per_layer={per_layer!r} is not available with the classification "
+                         f"criterion={criterion!r}")
     family = check_per_layer(per_layer, criterion)
     sites: list[str] = []
     if family is not None:
@@ -234,6 +245,9 @@ def calibrate(
         )
 
     sharded = _dist.is_active(distributed)
+    if classify and sharded:
+        raise ValueError(f"criterion={criterion!r} (classification) does not run distributed; "
+                         "pass distributed=False")
     shards: Shards | None = None
     if sharded:
         shards = prepare_sharded(
@@ -249,6 +263,13 @@ def calibrate(
         n_examples, frozen_calls = shards.n_examples, len(shards.units)
         if not _dist.is_primary():
             progress = False  # one bar, on rank 0
+    elif classify:
+        from attnuq.calibration._classify import prepare_classes
+
+        with torch.no_grad():
+            batches = prepare_classes(model, data, output_fn)
+        n_examples = sum(int(bt.labels.numel()) for bt in batches)
+        frozen_calls = len(batches)
     else:
         with torch.no_grad():
             batches = prepare(model, data, output_fn)
@@ -258,7 +279,12 @@ def calibrate(
             f"calibration data has {n_examples} example: the standard errors of the criterion "
             "(and the grid's noise band) need at least 2 examples"
         )
-    s0 = shards.residual_scale() if shards is not None else residual_scale(batches)
+    if classify:
+        from attnuq.calibration._classify import class_residual_scale, sample_classes
+
+        s0 = class_residual_scale(batches)
+    else:
+        s0 = shards.residual_scale() if shards is not None else residual_scale(batches)
     if s0 <= 0:
         raise ValueError("the frozen model fits every calibration target exactly (s_0 = 0)")
 
@@ -266,11 +292,14 @@ def calibrate(
 
     def passes(nu: int, nu_spec: dict[str, int] | None = None) -> tuple[Evaluation, Any]:
         t0 = time.perf_counter()
-        st = (sample_sharded(model, shards, nu, m, output_fn, batch_replicas, max_rows,
-                             nu_spec=nu_spec)
-              if shards is not None
-              else sample(model, batches, nu, m, seed, output_fn, batch_replicas, max_rows,
-                          nu_spec=nu_spec))
+        if classify:
+            st = sample_classes(model, batches, nu, m, seed, output_fn, batch_replicas, max_rows)
+        elif shards is not None:
+            st = sample_sharded(model, shards, nu, m, output_fn, batch_replicas, max_rows,
+                                nu_spec=nu_spec)
+        else:
+            st = sample(model, batches, nu, m, seed, output_fn, batch_replicas, max_rows,
+                        nu_spec=nu_spec)
         if st.max_change == 0.0:
             where = f"nu={nu}" if nu_spec is None else f"nu={nu_spec}"
             raise RuntimeError(
