@@ -231,8 +231,8 @@ def fit_temperature(
     >>> g = torch.Generator().manual_seed(0)
     >>> z = torch.randn(4000, 3, generator=g, dtype=torch.float64)
     >>> y = torch.multinomial(z.softmax(-1), 1, generator=g)[:, 0]  # calibrated at T = 1
-    >>> round(fit_temperature(3 * z, y), 1)  # logits 3x too sharp: T close to 3
-    3.0
+    >>> abs(fit_temperature(3 * z, y) - 3) < 0.3  # logits 3x too sharp: T close to 3
+    True
     """
     from scipy.optimize import minimize_scalar
 

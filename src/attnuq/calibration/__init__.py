@@ -287,10 +287,11 @@ def calibrate(
         from attnuq.calibration._classify import prepare_classes
 
         with torch.no_grad():
-            batches = prepare_classes(model, data, output_fn)
+            cbatches = prepare_classes(model, data, output_fn)
+        batches = list(cbatches)
         if _keep is not None:
             _keep["batches"] = batches
-        n_examples = sum(int(bt.labels.numel()) for bt in batches)
+        n_examples = sum(0 if cb.labels is None else int(cb.labels.numel()) for cb in cbatches)
         frozen_calls = len(batches)
     else:
         with torch.no_grad():

@@ -338,7 +338,7 @@ def norm_ratio(d: int, n_passes: int | None = None) -> float:
     return mu1sq / (d + extra)
 
 
-def resolve_criterion(name: str, d: int, n_passes: int) -> Criterion:
+def resolve_criterion(name: str, d: int, n_passes: int) -> Criterion | ClassificationCriterion:
     """The criterion ``name`` stands for on a ``d``-element output with ``M = n_passes``:
     ``"auto"`` is ``"paper"`` where ``norm_ratio(d, M) >= AUTO_RHO`` and ``"paper-debiased"``
     below; every other name is itself.
