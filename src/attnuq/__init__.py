@@ -28,9 +28,13 @@ _LAZY: dict[str, str] = {
     "Predictive": "attnuq.predictive:Predictive",
     "GaussianPredictive": "attnuq.predictive:GaussianPredictive",
     "recentre": "attnuq.predictive:recentre",
+    "SARegressor": "attnuq.estimators._regressor:SARegressor",
+    "SAPredictive": "attnuq.estimators._regressor:SAPredictive",
+    "SAClassifier": "attnuq.estimators._classifier:SAClassifier",
+    "CategoricalPredictive": "attnuq.categorical:CategoricalPredictive",
 }
 _SUBMODULES = ("ops", "nn", "metrics", "plots", "data", "models", "methods", "baselines",
-               "calibration", "prediction", "patching", "bench")
+               "calibration", "prediction", "patching", "bench", "estimators")
 
 __all__ = ["__version__", *_LAZY, *_SUBMODULES]
 

@@ -1,6 +1,9 @@
 """Calibrate the number of draws ``nu`` of stochastic attention on held-out data.
 
-``report = attnuq.calibrate(model, data, criterion="paper", search="bo")``; ``report.nu``.
+``report = attnuq.calibrate(model, data)`` (criterion ``"auto"``, search ``"bo"``); ``report.nu``.
+
+For calibrated intervals from a frozen model in three lines, use the estimator
+:class:`attnuq.SARegressor` (which runs this search and a conformal step).
 
 The package, bottom up (each module imports only ones listed before it):
 
@@ -36,8 +39,10 @@ from attnuq._validation import check_positive_int
 from attnuq.calibration._passes import prepare, residual_scale, sample
 from attnuq.calibration._sharded import Shards, prepare_sharded, sample_sharded
 from attnuq.calibration.criteria import (
+    CLASSIFICATION_CRITERIA,
     CRITERIA,
     CalibrationCriterion,
+    ClassificationCriterion,
     Criterion,
     get_criterion,
     summarise,
@@ -59,15 +64,19 @@ from attnuq.calibration.search import (
 from attnuq.prediction import OutputFn
 
 __all__ = [
+    "CLASSIFICATION_CRITERIA",
     "CRITERIA",
     "PER_LAYER",
     "SEARCHES",
     "CalibrationCriterion",
     "CalibrationReport",
+    "EdgeWarning",
     "Evaluation",
     "SearchResult",
     "bo_search",
     "calibrate",
+    "edge_info",
+    "edge_message",
     "get_criterion",
     "grid_search",
     "log_grid",
@@ -78,7 +87,7 @@ def calibrate(
     model: nn.Module,
     data: Iterable[Any],
     *,
-    criterion: Criterion = "paper",
+    criterion: Criterion | ClassificationCriterion = "auto",
     search: Search = "bo",
     n_passes: int = 10,
     nu_range: tuple[int, int] = (1, 1024),
@@ -94,6 +103,8 @@ def calibrate(
     per_layer: PerLayer | None = None,
     distributed: bool | None = None,
     chunk_examples: int = 16,
+    nu_tol: float = 0.0,
+    _keep: dict[Any, Any] | None = None,
 ) -> CalibrationReport:
     r"""Choose ``nu`` for :func:`attnuq.stochastic` on held-out ``(inputs, targets)`` pairs.
 
@@ -113,7 +124,12 @@ def calibrate(
         ``"auto"`` (:data:`CRITERIA`). ``"auto"`` is ``"paper-debiased"`` for outputs of fewer
         than 28 elements per example (at ``n_passes=10``), where the paper's ``L_SA`` sits
         measurably below the scale match (0.61 of it for a scalar), and ``"paper"`` above
-        (:func:`~attnuq.calibration.criteria.resolve_criterion`). The default stays the paper's.
+        (:func:`~attnuq.calibration.criteria.resolve_criterion`). The default is ``"auto"``
+        (the recommended criterion; it was ``"paper"`` before 0.2, see CHANGELOG.md).
+        For a classifier, ``"nll"`` or ``"nll-temperature"`` (:data:`CLASSIFICATION_CRITERIA`):
+        ``targets`` are then integer class ids ``(B,)`` (or ``(B, L)`` per token, ``-100``
+        left out) and the prediction logits ``(B, C)``, ``(B,)`` / ``(B, 1)`` binary, or
+        ``(B, L, C)``; not with ``per_layer`` or ``distributed``.
     search
         ``"bo"`` (surrogate-guided, few evaluations; :func:`bo_search`) or ``"grid"``
         (reference; :func:`grid_search`).
@@ -158,9 +174,18 @@ def calibrate(
         passes the same model, data and settings (checked by checksums). See
         :mod:`attnuq.distributed`.
 
+    nu_tol
+        BO only: also stop when the next ``nu`` the surrogate proposes lies within a factor
+        ``1 + nu_tol`` of one already evaluated (``0``: only when it equals one; see
+        :func:`bo_search`).
+
     Returns
     -------
     CalibrationReport
+        When the chosen ``nu`` is an end of ``nu_range``, ``report.edge`` says which, with SA's
+        spread there and the criterion's target scale, and an :class:`EdgeWarning` is shown
+        (at the lower end SA's largest spread falls short of the error scale; at the upper end
+        its smallest spread exceeds it).
 
     Raises
     ------
@@ -214,6 +239,12 @@ def calibrate(
     check_grid_size(grid_size)
     check_positive_int(max_evals, "max_evals")
     check_surrogate_noise(surrogate_noise)
+    if isinstance(nu_tol, bool) or not isinstance(nu_tol, (int, float)) or not nu_tol >= 0:
+        raise ValueError(f"nu_tol must be a float >= 0, got {nu_tol=!r}")
+    classify = get_criterion(criterion).task == "classification"
+    if classify and per_layer not in (None, False):
+        raise ValueError(f"per_layer={per_layer!r} is not available with the classification "
+                         f"criterion={criterion!r}")
     family = check_per_layer(per_layer, criterion)
     sites: list[str] = []
     if family is not None:
@@ -234,6 +265,9 @@ def calibrate(
         )
 
     sharded = _dist.is_active(distributed)
+    if classify and sharded:
+        raise ValueError(f"criterion={criterion!r} (classification) does not run distributed; "
+                         "pass distributed=False")
     shards: Shards | None = None
     if sharded:
         shards = prepare_sharded(
@@ -249,16 +283,33 @@ def calibrate(
         n_examples, frozen_calls = shards.n_examples, len(shards.units)
         if not _dist.is_primary():
             progress = False  # one bar, on rank 0
+    elif classify:
+        from attnuq.calibration._classify import prepare_classes
+
+        with torch.no_grad():
+            cbatches = prepare_classes(model, data, output_fn)
+        batches = list(cbatches)
+        if _keep is not None:
+            _keep["batches"] = batches
+        n_examples = sum(0 if cb.labels is None else int(cb.labels.numel()) for cb in cbatches)
+        frozen_calls = len(batches)
     else:
         with torch.no_grad():
             batches = prepare(model, data, output_fn)
+        if _keep is not None:
+            _keep["batches"] = batches
         n_examples, frozen_calls = sum(bt.b for bt in batches), len(batches)
     if n_examples < 2:
         raise ValueError(
             f"calibration data has {n_examples} example: the standard errors of the criterion "
             "(and the grid's noise band) need at least 2 examples"
         )
-    s0 = shards.residual_scale() if shards is not None else residual_scale(batches)
+    if classify:
+        from attnuq.calibration._classify import class_residual_scale, sample_classes
+
+        s0 = class_residual_scale(batches)
+    else:
+        s0 = shards.residual_scale() if shards is not None else residual_scale(batches)
     if s0 <= 0:
         raise ValueError("the frozen model fits every calibration target exactly (s_0 = 0)")
 
@@ -266,11 +317,14 @@ def calibrate(
 
     def passes(nu: int, nu_spec: dict[str, int] | None = None) -> tuple[Evaluation, Any]:
         t0 = time.perf_counter()
-        st = (sample_sharded(model, shards, nu, m, output_fn, batch_replicas, max_rows,
-                             nu_spec=nu_spec)
-              if shards is not None
-              else sample(model, batches, nu, m, seed, output_fn, batch_replicas, max_rows,
-                          nu_spec=nu_spec))
+        if classify:
+            st = sample_classes(model, batches, nu, m, seed, output_fn, batch_replicas, max_rows)
+        elif shards is not None:
+            st = sample_sharded(model, shards, nu, m, output_fn, batch_replicas, max_rows,
+                                nu_spec=nu_spec)
+        else:
+            st = sample(model, batches, nu, m, seed, output_fn, batch_replicas, max_rows,
+                        nu_spec=nu_spec)
         if st.max_change == 0.0:
             where = f"nu={nu}" if nu_spec is None else f"nu={nu_spec}"
             raise RuntimeError(
@@ -287,6 +341,8 @@ def calibrate(
 
     def evaluate(nu: int) -> Evaluation:
         ev, st = passes(nu)
+        if _keep is not None:
+            _keep[nu] = st
         if family is not None:
             profiles[nu] = profile_criterion(st, criterion, float(level), s0)
         return ev
@@ -303,7 +359,8 @@ def calibrate(
                           progress=progress, desc=f"calibrate grid ({criterion})")
     else:
         res = bo_search(evaluate, (lo, hi), max_evals=max_evals, surrogate_noise=surrogate_noise,
-                        seed=seed, progress=progress, desc=f"calibrate bo ({criterion})")
+                        seed=seed, progress=progress, desc=f"calibrate bo ({criterion})",
+                        nu_tol=float(nu_tol))
     layers = None
     if family is not None:
         layers = layer_search(evaluate_map, sites, res, profiles[res.nu], nu_range=(lo, hi),
@@ -312,6 +369,9 @@ def calibrate(
     calls = sum(e.model_calls for e in res.evaluations)
     if layers is not None:
         calls += sum(e.model_calls for e in layers.evaluations)
+    edge = edge_info(res.nu, (lo, hi), res.evaluations)
+    if edge is not None:
+        warnings.warn(edge_message(edge, criterion), EdgeWarning, stacklevel=2)
     return CalibrationReport(
         nu=res.nu,
         criterion=criterion,
@@ -333,4 +393,63 @@ def calibrate(
         nu_map=None if layers is None else dict(layers.nu_map),
         per_layer=None if layers is None else layers.info,
         layer_evaluations=None if layers is None else layers.evaluations,
+        edge=edge,
     )
+
+
+class EdgeWarning(UserWarning):
+    """The chosen ``nu`` is an end of ``nu_range``: no ``nu`` in the range matched the
+    criterion's target scale (see :func:`edge_info`)."""
+
+
+def edge_info(nu: int, nu_range: tuple[int, int], evaluations: list[Evaluation]
+              ) -> dict[str, Any] | None:
+    """``None`` unless ``nu`` is an end of ``nu_range``; then ``{"side": "lower" | "upper",
+    "nu", "nu_range", "spread", "target_scale"}`` with SA's spread ``s(nu)`` at that end and
+    the target scale ``s_*`` estimated there (the same evaluation).
+
+    At the lower end ``s(lo)`` is the largest spread SA reaches in the range (fewer draws,
+    more noise); at the upper end ``s(hi)`` is the smallest.
+
+    Examples
+    --------
+    >>> from attnuq.calibration.search import _demo_evaluate
+    >>> edge_info(1, (1, 64), [_demo_evaluate(1)])["side"]
+    'lower'
+    >>> edge_info(16, (1, 64), [_demo_evaluate(16)]) is None
+    True
+    """
+    lo, hi = nu_range
+    if nu not in (lo, hi):
+        return None
+    ev = next((e for e in evaluations if e.nu == nu), None)
+    spread = float("nan") if ev is None else float(ev.scale)
+    target = float("nan") if ev is None else float(ev.target_scale)
+    return {"side": "lower" if nu == lo else "upper", "nu": int(nu), "nu_range": [lo, hi],
+            "spread": spread, "target_scale": target}
+
+
+def edge_message(edge: dict[str, Any], criterion: str) -> str:
+    """One sentence for :func:`edge_info`'s record, naming both numbers.
+
+    Examples
+    --------
+    >>> print(edge_message({"side": "lower", "nu": 1, "nu_range": [1, 1024], "spread": 1.9,
+    ...                     "target_scale": 563.0}, "auto"))  # doctest: +ELLIPSIS
+    calibrate: nu = 1 sits at the lower edge of nu_range=(1, 1024): SA's largest spread s(1) ...
+    """
+    lo, hi = edge["nu_range"]
+    s, t = edge["spread"], edge["target_scale"]
+    if edge["side"] == "lower":
+        what = (f"SA's largest spread s({edge['nu']}) = {s:.4g} against the target scale "
+                f"{t:.4g} of criterion {criterion!r}")
+        why = ("SA's spread cannot reach the error scale: its raw intervals under-cover (a "
+               "conformal step, as in attnuq.SARegressor, is needed)" if s < t else
+               "the criterion's minimum lies at the range's end")
+    else:
+        what = (f"SA's smallest spread s({edge['nu']}) = {s:.4g} against the target scale "
+                f"{t:.4g} of criterion {criterion!r}")
+        why = ("even the most draws leave SA's spread above the error scale: widen nu_range "
+               "upwards" if s > t else "the criterion's minimum lies at the range's end")
+    return (f"calibrate: nu = {edge['nu']} sits at the {edge['side']} edge of "
+            f"nu_range=({lo}, {hi}): {what}; {why}")

@@ -78,7 +78,7 @@ class Evaluation:
 
 
 _OPTIONAL_EVALUATION = ("nu_map", "ratio")
-_OPTIONAL_REPORT = ("nu_map", "per_layer", "layer_evaluations")
+_OPTIONAL_REPORT = ("nu_map", "per_layer", "layer_evaluations", "edge")
 
 
 @dataclass
@@ -123,6 +123,10 @@ class CalibrationReport:
         Per-layer calibration only: the evaluations of the shape search, in order
         (:class:`Evaluation` with ``nu_map`` and ``ratio``); ``forward_passes`` and
         ``model_calls`` count them too.
+    edge
+        ``None`` unless the chosen ``nu`` is an end of ``nu_range``: then ``side``
+        (``"lower"`` / ``"upper"``), ``nu``, ``nu_range``, SA's ``spread`` ``s(nu)`` there and
+        the criterion's ``target_scale`` (:func:`attnuq.calibration.edge_info`).
 
     Examples
     --------
@@ -168,6 +172,7 @@ class CalibrationReport:
     nu_map: dict[str, int | tuple[int | None, ...]] | None = None
     per_layer: dict[str, Any] | None = None
     layer_evaluations: list[Evaluation] | None = None
+    edge: dict[str, Any] | None = None
 
     @property
     def nu_spec(self) -> int | dict[str, int | tuple[int | None, ...]]:

@@ -322,6 +322,7 @@ def bo_search(
     seed: int | None = 0,
     progress: bool | None = None,
     desc: str = "calibrate bo",
+    nu_tol: float = 0.0,
 ) -> SearchResult:
     """Bayesian optimisation of ``nu`` with the log-linear surrogate (module docstring).
 
@@ -340,6 +341,11 @@ def bo_search(
         Seeds the Monte Carlo draws of the root's posterior interval (``None``: 0).
     progress, desc
         tqdm bar over the evaluations (``None``: only on a terminal) and its label.
+    nu_tol
+        Stopping rule: stop also when the next ``nu`` lies within a factor ``1 + nu_tol`` of an
+        evaluated one (``|ln nu_next - ln nu_e| <= ln(1 + nu_tol)``); ``0`` stops only on an
+        exact repeat. A positive ``nu_tol`` saves the evaluations that would refine ``nu`` by
+        less than the criterion's noise band usually spans.
 
     Examples
     --------
@@ -351,6 +357,8 @@ def bo_search(
     """
     lo, hi = check_nu_range(nu_range)
     budget = check_positive_int(max_evals, "max_evals")
+    if isinstance(nu_tol, bool) or not isinstance(nu_tol, (int, float)) or not nu_tol >= 0:
+        raise ValueError(f"nu_tol must be a float >= 0, got {nu_tol=!r}")
     surrogate = _LogLinear(x_center=0.5 * (math.log(lo) + math.log(hi)),
                            tau=check_surrogate_noise(surrogate_noise))
     rec = _Recorder(evaluate)
@@ -365,7 +373,8 @@ def bo_search(
             mean, var = surrogate.predict(cands)
             loss = (mean - target_log) ** 2 + var
             nxt = int(cands[int(np.argmin(loss))])
-            if nxt in {e.nu for e in rec.evals} or len(rec.evals) >= budget:
+            near = any(abs(math.log(nxt / e.nu)) <= math.log1p(nu_tol) for e in rec.evals)
+            if near or len(rec.evals) >= budget:
                 break
             nu = nxt
     done = np.array([e.nu for e in rec.evals])

@@ -1,0 +1,765 @@
+r"""``SARegressor``: calibrated predictive intervals from a frozen transformer regressor.
+
+The recommended stochastic-attention recipe as one estimator::
+
+    sa = attnuq.SARegressor(model).fit(val_data, cal_data)
+    pred = sa.predict(x)          # pred.mean, pred.std, pred.interval(0.9), pred.samples
+    sa.save("sa.json"); sa = attnuq.SARegressor.load("sa.json", model)
+
+What :meth:`SARegressor.fit` does (every choice on validation data, fixed in advance):
+
+1. ``nu`` by :func:`attnuq.calibrate` on ``val_data`` with the criterion ``"auto"`` (the
+   debiased ``L_SA`` on outputs of fewer than 28 elements, the paper's above), ``n_passes =
+   n_samples`` passes per evaluated ``nu`` and the BO stopping rule ``nu_tol=0.25``.
+2. The spread: ``S = n_samples`` stochastic passes give the centre ``f`` (the frozen output
+   when ``recentre=True``, else the draws' mean) and ``sigma`` (the draws' sd) per element.
+   On ``val_data`` the passes of the search at the chosen ``nu`` are reused.
+3. The form, by the 2-fold cross-fitted validation CRPS: for every ``beta`` of
+   :data:`attnuq.conformal.FLOOR_GRID` (in units of the validation residual scale; ``0`` is
+   SA-normalised, ``inf`` plain split conformal on ``|y - f|``) the normalised scores
+
+   .. math:: r = \frac{|y - f|}{\sqrt{\sigma^2 + \beta^2}}
+
+   of one half of the validation examples (even / odd index) define the predictive of the other
+   half (below), whose mean CRPS is measured; both directions are averaged. The ``beta`` of the
+   lowest CRPS is kept (ties: the first in grid order). ``floor=False`` keeps ``beta = 0``.
+4. The calibration: the scores of ``cal_data`` at that ``beta``, sorted (at most
+   :data:`MAX_SCORES` order statistics kept).
+
+The predictive (:class:`SAPredictive`) of an element with centre ``f`` and spread
+``w = sqrt(sigma^2 + beta^2)`` (``w = 1`` for ``beta = inf``) is ``f + w T`` with ``T``
+symmetric about 0, ``|T|`` distributed as the calibration scores. Its central interval at ANY
+level ``L`` in (0, 1) is
+
+.. math:: f \pm w\, r_{(k)}, \qquad k = \lceil (n + 1) L \rceil,
+
+``r_{(k)}`` the ``k``-th smallest of the ``n`` calibration scores: split-conformal, so for a
+test pair exchangeable with the calibration pairs ``P(y \in [f - w r_{(k)}, f + w r_{(k)}]) >=
+L`` (finite-sample; marginal over a random element). A level with ``k > n`` is refused (too few
+calibration scores). ``quantile(q)`` is the same construction (``L = |2q - 1|``, sign of
+``q - 1/2``); ``std`` and ``crps`` are those of ``f + w T`` with ``|T|`` the empirical
+distribution of the scores.
+
+NOTE(paper): the conformal step, the floor and the choice of the form by cross-fitted CRPS are
+ours (#20, #32, #34); the paper reports raw SA draws with ``nu`` by ``L_SA``. A Gaussian
+residual model is not among the forms: its intervals are not finite-sample calibrated at every
+level; the plain-conformal form (``beta = inf``) is the constant-width alternative.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnuq.conformal import FLOOR_GRID
+from attnuq.estimators._common import (
+    check_model,
+    read_envelope,
+    read_pairs,
+    spearman,
+    warn_and_record,
+    write_envelope,
+)
+from attnuq.predictive import Predictive, check_level, check_probability
+
+__all__ = ["MAX_SCORES", "SAPredictive", "SARegressor"]
+
+#: most calibration order statistics an estimator keeps (and writes to its JSON); with more
+#: scores, the ``ceil(j n / MAX_SCORES)``-th smallest (``j = 1 .. MAX_SCORES``) are kept and a
+#: level's rank is rounded up to the next kept one (wider, so coverage still ``>= L``)
+MAX_SCORES = 1 << 14
+
+#: raw validation coverage levels reported in the diagnostics
+RAW_LEVELS = (0.5, 0.9, 0.95)
+
+
+def _form_name(beta_units: float) -> str:
+    if beta_units == 0:
+        return "sa-normalised"
+    if math.isinf(beta_units):
+        return "conformal"
+    return "sa-floor"
+
+
+def _spread(sigma: torch.Tensor, beta: float) -> torch.Tensor:
+    """``sqrt(sigma^2 + beta^2)`` (float64); ones for ``beta = inf``."""
+    s = sigma.double()
+    if math.isinf(beta):
+        return torch.ones_like(s)
+    return torch.sqrt(s * s + beta * beta)
+
+
+def _scores(centre: torch.Tensor, sigma: torch.Tensor, y: torch.Tensor, beta: float
+            ) -> torch.Tensor:
+    """``|y - f| / w`` (float64), ``0`` where ``y == f``, ``inf`` where ``w = 0 < |y - f|``."""
+    err = (y.double() - centre.double()).abs()
+    w = _spread(sigma, beta)
+    return torch.where(err > 0, err / w, torch.zeros_like(err))
+
+
+def _table(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted scores as ``(values, ranks)``: every one for ``n <= MAX_SCORES``, else the
+    ``ceil(j n / MAX_SCORES)``-th smallest (1-based ``ranks``)."""
+    s = torch.sort(scores.reshape(-1).double()).values
+    n = s.numel()
+    if n <= MAX_SCORES:
+        return s, torch.arange(1, n + 1, dtype=torch.int64)
+    j = torch.arange(1, MAX_SCORES + 1, dtype=torch.float64)
+    ranks = torch.ceil(j * n / MAX_SCORES).to(torch.int64).clamp(1, n)
+    return s[ranks - 1], ranks
+
+
+def _sym_atoms(values: torch.Tensor) -> torch.Tensor:
+    """The atoms ``-v_K .. -v_1, v_1 .. v_K`` of the symmetrised distribution (sorted)."""
+    return torch.cat([-values.flip(0), values])
+
+
+def _crps_atoms(atoms: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    r"""CRPS of the equally weighted sorted ``atoms`` ``(M,)`` at each ``u`` (float64):
+    ``E|T - u| - E|T - T'| / 2`` by prefix sums (``O(N log M)``)."""
+    m = atoms.numel()
+    prefix = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(atoms, 0)])
+    flat = u.reshape(-1)
+    k = torch.searchsorted(atoms, flat)  # atoms strictly below u
+    below = flat * k - prefix[k]
+    above = (prefix[m] - prefix[k]) - flat * (m - k)
+    e_abs = (below + above) / m
+    i = torch.arange(1, m + 1, dtype=torch.float64)
+    gini = 2.0 * float(((2 * i - m - 1) * atoms).sum()) / (m * m)
+    return (e_abs - 0.5 * gini).reshape(u.shape)
+
+
+@dataclass(frozen=True)
+class SAPredictive:
+    r"""The calibrated predictive of :class:`SARegressor` (see the module docstring).
+
+    Attributes
+    ----------
+    mean
+        ``(B, ...)`` the centre ``f`` (the frozen output when recentred).
+    spread
+        ``(B, ...)`` ``w = sqrt(sigma^2 + beta^2)`` (ones for plain conformal), float64.
+    scores, ranks
+        The kept calibration order statistics (float64, ascending) and their 1-based ranks
+        among the ``n`` scores.
+    n
+        Number of calibration scores.
+    samples
+        ``(S, B, ...)`` the raw SA draws (recentred when the estimator recentres): not
+        calibrated, for inspection.
+    frozen
+        ``(B, ...)`` the frozen model's output.
+    form
+        ``"sa-normalised"``, ``"sa-floor"`` or ``"conformal"``.
+
+    Examples
+    --------
+    Two calibration scores 1 and 3, centre 0, spread 2:
+
+    >>> import torch
+    >>> p = SAPredictive(mean=torch.zeros(1), spread=torch.full((1,), 2.0, dtype=torch.float64),
+    ...                  scores=torch.tensor([1.0, 3.0], dtype=torch.float64),
+    ...                  ranks=torch.tensor([1, 2]), n=2, samples=torch.zeros(2, 1),
+    ...                  frozen=torch.zeros(1), form="sa-normalised")
+    >>> [t.item() for t in p.interval(0.5)]  # k = ceil(3 * 0.5) = 2: +- 2 * 3
+    [-6.0, 6.0]
+    >>> p.interval(0.9)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: level=0.9 needs ceil((n + 1) level) = 3 <= n calibration scores, got n=2; ...
+    """
+
+    mean: torch.Tensor
+    spread: torch.Tensor
+    scores: torch.Tensor
+    ranks: torch.Tensor
+    n: int
+    samples: torch.Tensor
+    frozen: torch.Tensor
+    form: str
+
+    def _factor(self, level: torch.Tensor) -> torch.Tensor:
+        """``r_(k)`` for each level (float64 tensor), ``k = ceil((n + 1) L)`` rounded up to a
+        kept rank; ``0`` for ``k = 0``."""
+        k = torch.ceil((self.n + 1) * level).to(torch.int64)
+        kmax = int(k.max()) if k.numel() else 0
+        if kmax > self.n:
+            worst = float(level.max())
+            raise ValueError(
+                f"level={worst:g} needs ceil((n + 1) level) = {kmax} <= n calibration scores, "
+                f"got n={self.n}; the largest level this fit supports is n / (n + 1) = "
+                f"{self.n / (self.n + 1):.4g} (calibrate on more data for wider levels)"
+            )
+        j = torch.searchsorted(self.ranks, k.clamp_min(1))
+        vals = self.scores[j.clamp_max(self.scores.numel() - 1)]
+        return torch.where(k > 0, vals, torch.zeros_like(vals))
+
+    def quantile(self, q: float | torch.Tensor) -> torch.Tensor:
+        """Quantile(s) ``f + sign(q - 1/2) w r_(k)``, ``k = ceil((n + 1) |2q - 1|)``:
+        ``(B, ...)`` for a float, ``(len(q), B, ...)`` for a 1-d tensor of levels."""
+        qt = check_probability(q)
+        lev = (2.0 * qt - 1.0).abs()
+        fac = self._factor(lev.reshape(-1)).reshape(qt.shape) * torch.sign(qt - 0.5)
+        shape = qt.shape + (1,) * self.mean.dim()
+        out = self.mean.double() + fac.reshape(shape) * self.spread
+        return out.to(self.mean.dtype)
+
+    def interval(self, level: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+        """Central ``level`` interval ``(lower, upper)``, each ``(B, ...)``: split-conformal
+        coverage ``>= level`` at any ``level`` in (0, 1) (module docstring)."""
+        lev = check_level(level)
+        fac = self._factor(torch.tensor([lev], dtype=torch.float64))[0]
+        half = fac * self.spread
+        m = self.mean.double()
+        return (m - half).to(self.mean.dtype), (m + half).to(self.mean.dtype)
+
+    @property
+    def std(self) -> torch.Tensor:
+        """``(B, ...)`` sd of ``f + w T``: ``w sqrt(mean r^2)`` over the kept scores."""
+        rms = float(self.scores.pow(2).mean().sqrt())
+        return (self.spread * rms).to(self.mean.dtype)
+
+    def crps(self, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """CRPS of ``f + w T`` (``|T|`` the empirical distribution of the kept scores, made
+        symmetric), exact: ``w crps_T((y - f) / w)``; ``|y - f|`` where ``w = 0``.
+
+        ``reduction``: ``"mean"`` (a 0-d tensor) or ``"none"`` (``(B, ...)``), float64.
+        """
+        if reduction not in ("mean", "none"):
+            raise ValueError(f"reduction must be 'mean' or 'none', got {reduction=!r}")
+        y = self._check_targets(targets)
+        err = y - self.mean.double()
+        w = self.spread
+        pos = w > 0
+        u = torch.where(pos, err / torch.where(pos, w, torch.ones_like(w)), torch.zeros_like(w))
+        c = torch.where(pos, w * _crps_atoms(_sym_atoms(self.scores), u), err.abs())
+        return c.mean() if reduction == "mean" else c
+
+    def pit(self, targets: torch.Tensor, generator: torch.Generator | None = None
+            ) -> torch.Tensor:
+        """``(B, ...)`` randomised PIT ``F(y-) + U (F(y) - F(y-))`` of ``f + w T``."""
+        y = self._check_targets(targets)
+        atoms = _sym_atoms(self.scores)
+        m = atoms.numel()
+        w = self.spread
+        pos = w > 0
+        u = torch.where(pos, (y - self.mean.double()) / torch.where(pos, w, torch.ones_like(w)),
+                        torch.zeros_like(w)).reshape(-1)
+        lo = torch.searchsorted(atoms, u, right=False).double()
+        hi = torch.searchsorted(atoms, u, right=True).double()
+        v = torch.rand(u.shape, generator=generator, dtype=torch.float64)
+        return ((lo + v * (hi - lo)) / m).reshape(y.shape)
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> Predictive:
+        """``n`` draws of ``f + w T`` as a :class:`~attnuq.predictive.Predictive`
+        ``(n, B, ...)``."""
+        atoms = _sym_atoms(self.scores)
+        idx = torch.randint(0, atoms.numel(), (n, *self.mean.shape), generator=generator)
+        draws = self.mean.double() + atoms[idx] * self.spread
+        return Predictive(samples=draws.to(self.mean.dtype), frozen=self.frozen)
+
+    def _check_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        if not isinstance(targets, torch.Tensor):
+            raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
+        if targets.shape != self.mean.shape:
+            raise ValueError(
+                f"targets must have the prediction's shape {tuple(self.mean.shape)}, got "
+                f"targets.shape={tuple(targets.shape)}"
+            )
+        return targets.double().to(self.mean.device)
+
+
+@dataclass
+class _Part:
+    """One data part, flattened per example: centre, sigma, targets ``(N, P)`` (float64) and
+    the raw (recentred) draws ``(S, N, P)``."""
+
+    centre: torch.Tensor
+    sigma: torch.Tensor
+    y: torch.Tensor
+    draws: torch.Tensor
+
+
+class SARegressor:
+    r"""Stochastic attention on a frozen regressor, calibrated: ``fit(val_data, cal_data)``,
+    ``predict(inputs)``, ``save`` / ``load``.
+
+    The recipe and the predictive are described in :mod:`attnuq.estimators._regressor`'s
+    module docstring; the defaults are the recommendation.
+
+    Parameters
+    ----------
+    model
+        The frozen model (put in ``eval()`` mode by :meth:`fit`); never changed.
+    output_fn
+        Maps the model's output to the prediction ``(B, ...)`` (e.g.
+        ``lambda out: out.logits``); default: the tensor, ``.logits`` or the first element.
+    nu
+        Fixed number of draws (an int or a per-layer map for :func:`attnuq.stochastic`), or
+        ``None`` (default): chosen by :func:`attnuq.calibrate` on ``val_data``.
+    criterion
+        :func:`attnuq.calibrate`'s criterion (default ``"auto"``).
+    recentre
+        Centre on the frozen output (``True``, default: SA never moves the point prediction) or
+        on the draws' mean.
+    floor
+        ``True`` (default): choose ``beta`` (and so the form: SA-normalised, SA with a floor,
+        plain conformal) by the cross-fitted validation CRPS; ``False``: ``beta = 0``.
+    nu_range
+        The search range of ``nu``.
+    n_samples
+        Stochastic passes per example, at every step (search, spread, prediction): the
+        spread of a test element is estimated exactly as the calibration one (needed for
+        split-conformal validity).
+    seed
+        Seeds every draw (search and prediction): the same seed gives the same numbers.
+    progress
+        tqdm bars (``None``: only on a terminal).
+    **calibrate_kwargs
+        Passed to :func:`attnuq.calibrate` (``search``, ``max_evals``, ``nu_tol`` (default
+        ``0.25`` here), ``per_layer``, ``batch_replicas``, ``max_rows``, ...).
+
+    Attributes
+    ----------
+    diagnostics
+        After :meth:`fit` (and in the JSON): ``nu`` (and ``nu_map``), ``nu_at_edge``
+        (``None``, ``"lower"`` or ``"upper"``) with SA's ``edge_spread`` and
+        ``edge_target_scale``, ``criterion_resolved``, ``spearman_spread_abs_error`` (on
+        ``val_data``), ``floor_beta`` (absolute; ``inf`` = plain conformal), ``floor_beta_units``,
+        ``form``, ``val_crps_by_beta``, ``raw_val_coverage`` at 50/90/95 %, ``n_val`` /
+        ``n_cal`` (elements), ``forward_passes`` and ``fit_seconds``, and ``warnings``.
+
+    Examples
+    --------
+    A one-layer encoder regressor (untrained: the numbers only show the API):
+
+    >>> import torch
+    >>> from torch import nn
+    >>> _ = torch.manual_seed(0)
+    >>> class Net(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    ...         self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    ...         self.head = nn.Linear(8, 1)
+    ...     def forward(self, x):
+    ...         return self.head(self.enc(x).mean(1)).squeeze(-1)
+    >>> net = Net().eval()
+    >>> x = torch.randn(120, 5, 8)
+    >>> with torch.no_grad():
+    ...     y = net(x) + 0.1 * torch.randn(120)
+    >>> sa = SARegressor(net, nu_range=(1, 64), progress=False)
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")  # an untrained net: nu may sit at an edge
+    ...     sa = sa.fit([(x[:60], y[:60])], [(x[60:], y[60:])])
+    >>> pred = sa.predict(x[:4])
+    >>> lo, hi = pred.interval(0.8)
+    >>> lo.shape, bool((lo <= pred.mean).all() and (pred.mean <= hi).all())
+    (torch.Size([4]), True)
+    >>> sorted(sa.diagnostics["raw_val_coverage"])
+    ['0.5', '0.9', '0.95']
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        output_fn: Any = None,
+        *,
+        nu: int | Mapping[str, Any] | None = None,
+        criterion: str = "auto",
+        recentre: bool = True,
+        floor: bool = True,
+        nu_range: tuple[int, int] = (1, 1024),
+        n_samples: int = 10,
+        seed: int = 0,
+        progress: bool | None = None,
+        **calibrate_kwargs: Any,
+    ) -> None:
+        from attnuq._validation import check_positive_int
+        from attnuq.calibration import get_criterion
+        from attnuq.calibration.search import check_nu_range
+
+        self.model = check_model(model)
+        if output_fn is not None and not callable(output_fn):
+            raise TypeError(f"output_fn must be callable or None, got {type(output_fn).__name__}")
+        self.output_fn = output_fn
+        if nu is not None and not isinstance(nu, Mapping):
+            check_positive_int(nu, "nu")
+        self.nu = nu
+        self.criterion = get_criterion(criterion).name
+        for name, v in (("recentre", recentre), ("floor", floor)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{name} must be a bool, got {name}={v!r}")
+        self.recentre = recentre
+        self.floor = floor
+        self.nu_range = check_nu_range(nu_range)
+        self.n_samples = check_positive_int(n_samples, "n_samples")
+        if self.n_samples < 2:
+            raise ValueError(f"n_samples must be >= 2 (a spread needs two passes), got "
+                             f"{n_samples=}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed=!r}")
+        self.seed = seed
+        self.progress = progress
+        bad = sorted(set(calibrate_kwargs) & {"criterion", "n_passes", "nu_range", "seed",
+                                              "output_fn", "progress", "level"})
+        if bad:
+            raise TypeError(f"set {bad} as SARegressor arguments, not as calibrate_kwargs")
+        self.calibrate_kwargs = {"nu_tol": 0.25, **calibrate_kwargs}
+        self._fitted: dict[str, Any] | None = None
+        self.diagnostics: dict[str, Any] = {}
+        self.report: Any = None  # the CalibrationReport of the search (None when nu is given)
+
+    # ------------------------------------------------------------------ fit
+    def fit(self, val_data: Iterable[Any], cal_data: Iterable[Any]) -> SARegressor:
+        """Choose ``nu`` and the form on ``val_data``, the conformal scores on ``cal_data``.
+
+        Parameters
+        ----------
+        val_data, cal_data
+            Iterables of ``(inputs, targets)`` pairs (a ``DataLoader`` works; one
+            ``(inputs, targets)`` tuple is one batch): ``inputs`` a tensor, a tuple of tensors
+            or a dict of keyword arguments, as the model takes them; ``targets`` ``(B, ...)``
+            of the prediction's shape. Two disjoint held-out parts, neither used in training.
+
+        Returns
+        -------
+        SARegressor
+            ``self``, fitted.
+
+        Raises
+        ------
+        ValueError
+            Empty data, NaN targets, targets whose shape differs from the prediction's,
+            fewer than 2 validation examples, too few calibration scores.
+        """
+        from attnuq.calibration import calibrate
+        from attnuq.calibration.criteria import resolve_criterion
+
+        t0 = time.perf_counter()
+        val = read_pairs(val_data, "val_data")
+        cal = read_pairs(cal_data, "cal_data")
+        if tuple(val[0][1].shape[1:]) != tuple(cal[0][1].shape[1:]):
+            raise ValueError(
+                f"val_data and cal_data targets must share one shape beyond dim 0, got "
+                f"{tuple(val[0][1].shape)} and {tuple(cal[0][1].shape)}"
+            )
+        self.model.eval()
+        diag: dict[str, Any] = {}
+        passes = 0
+        keep: dict[Any, Any] = {}
+        val_part: _Part | None = None
+        if self.nu is None:
+            from attnuq.calibration import EdgeWarning
+
+            with warnings.catch_warnings():  # shown below, once, and recorded
+                warnings.simplefilter("ignore", EdgeWarning)
+                self.report = calibrate(
+                    self.model, val, criterion=self.criterion,  # type: ignore[arg-type]
+                    n_passes=self.n_samples, nu_range=self.nu_range, output_fn=self.output_fn,
+                    seed=self.seed, progress=self.progress, _keep=keep,
+                    **self.calibrate_kwargs,
+                )
+            nu_spec: Any = self.report.nu_spec
+            passes += self.report.forward_passes * self.report.n_examples
+            edge = self.report.edge
+            if self.report.nu_map is None and self.report.nu in keep and "batches" in keep:
+                val_part = self._part_from_stats(keep["batches"], keep[self.report.nu])
+        else:
+            nu_spec = dict(self.nu) if isinstance(self.nu, Mapping) else int(self.nu)
+            edge = None
+        if val_part is None:
+            val_part = self._part(val, nu_spec, "val_data")
+            passes += (1 + self.n_samples) * val_part.y.shape[0]
+        cal_part = self._part(cal, nu_spec, "cal_data")
+        passes += (1 + self.n_samples) * cal_part.y.shape[0]
+        if val_part.y.shape[1:] != cal_part.y.shape[1:]:
+            raise ValueError("val_data and cal_data predictions differ in shape")
+        d = int(val_part.y.shape[1])
+        diag["nu"] = nu_spec if not isinstance(nu_spec, dict) else None
+        diag["nu_map"] = nu_spec if isinstance(nu_spec, dict) else None
+        diag["nu_range"] = list(self.nu_range)
+        diag["nu_at_edge"] = None if edge is None else edge["side"]
+        diag["edge_spread"] = None if edge is None else edge["spread"]
+        diag["edge_target_scale"] = None if edge is None else edge["target_scale"]
+        diag["criterion_resolved"] = (resolve_criterion(self.criterion, d, self.n_samples)
+                                      if self.nu is None else None)
+        err = (val_part.y - val_part.centre).abs()
+        diag["spearman_spread_abs_error"] = spearman(val_part.sigma, err)
+        diag["raw_val_coverage"] = self._raw_coverage(val_part)
+        # the form: beta by the cross-fitted validation CRPS
+        scale = float((val_part.y - val_part.centre).pow(2).mean().sqrt())
+        if not scale > 0:
+            raise ValueError("val_data: the frozen model fits every validation target exactly "
+                             "(residual scale 0); nothing to calibrate")
+        grid = FLOOR_GRID if self.floor else (0.0,)
+        crps = {float(b): self._crossfit_crps(val_part, float(b) * scale) for b in grid}
+        finite = {b: c for b, c in crps.items() if math.isfinite(c)}
+        if not finite:
+            raise ValueError(
+                "every form has an infinite validation CRPS: SA's spread is 0 where the "
+                "frozen output misses the target; use floor=True"
+            )
+        units = min(finite, key=lambda b: (finite[b], list(crps).index(b)))
+        beta = units * scale
+        cal_scores = _scores(cal_part.centre, cal_part.sigma, cal_part.y, beta)
+        if bool(torch.isinf(cal_scores).any()):
+            raise ValueError(
+                f"cal_data: {int(torch.isinf(cal_scores).sum())} calibration target(s) lie off "
+                "the centre where SA's spread is 0 (beta = 0): no finite conformal factor"
+            )
+        values, ranks = _table(cal_scores)
+        self._fitted = {
+            "nu": nu_spec, "beta": beta, "beta_units": units, "form": _form_name(units),
+            "residual_scale": scale, "n_cal": int(cal_scores.numel()),
+            "scores": values, "ranks": ranks,
+            "criterion_resolved": diag["criterion_resolved"],
+        }
+        diag.update(
+            floor_beta=beta, floor_beta_units=units, form=_form_name(units),
+            val_residual_scale=scale,
+            val_crps_by_beta={_key(b): c for b, c in crps.items()},
+            n_val=int(val_part.y.numel()), n_cal=int(cal_scores.numel()),
+            forward_passes=int(passes), fit_seconds=time.perf_counter() - t0,
+        )
+        self.diagnostics = diag
+        if edge is not None:
+            from attnuq.calibration import edge_message
+
+            warn_and_record(diag, "SARegressor.fit: " + edge_message(edge, self.criterion))
+        if math.isinf(units) and self.floor:
+            sa_best = min((c for b, c in finite.items() if not math.isinf(b)), default=math.nan)
+            warn_and_record(
+                diag,
+                f"SARegressor.fit: the validation scores chose plain split conformal (beta = "
+                f"inf, constant width): cross-fitted validation CRPS {crps[math.inf]:.4g} "
+                f"against {sa_best:.4g} for the best SA-normalised form; SA's spread added "
+                f"nothing here (validation Spearman(spread, |error|) = "
+                f"{diag['spearman_spread_abs_error']:.3f})",
+            )
+        return self
+
+    def _part(self, pairs: list[tuple[Any, torch.Tensor]], nu: Any, name: str) -> _Part:
+        """Centre, sigma, targets and draws of every pair (``n_samples`` passes each)."""
+        from attnuq.prediction import predict
+
+        cs, ss, ys, ds = [], [], [], []
+        for i, (x, y) in enumerate(pairs):
+            pred = predict(self.model, x, nu=nu, n_samples=self.n_samples, seed=self.seed,
+                           output_fn=self.output_fn, progress=self.progress,
+                           recentre="mean" if self.recentre else None,
+                           **self._predict_kwargs())
+            if pred.samples.shape[1:] != y.shape:
+                raise ValueError(
+                    f"{name}: the prediction and the targets of batch {i} differ in shape: "
+                    f"prediction.shape={tuple(pred.samples.shape[1:])}, "
+                    f"targets.shape={tuple(y.shape)}"
+                )
+            c, s = self._centre_sigma(pred)
+            b = y.shape[0]
+            cs.append(c.reshape(b, -1))
+            ss.append(s.reshape(b, -1))
+            ys.append(y.reshape(b, -1).double().to(c.device))
+            ds.append(pred.samples.double().reshape(self.n_samples, b, -1))
+        return _Part(torch.cat(cs).cpu(), torch.cat(ss).cpu(), torch.cat(ys).cpu(),
+                     torch.cat(ds, 1).cpu())
+
+    def _part_from_stats(self, batches: list[Any], st: Any) -> _Part:
+        """The validation part from the search's own passes at the chosen ``nu`` (no new
+        pass): ``f_nu - f`` per batch ``(M, B, P)`` and the cached frozen outputs."""
+        cs, ss, ys, ds = [], [], [], []
+        for bt, dev in zip(batches, st.dev, strict=True):
+            f = bt.frozen.reshape(bt.b, -1).double().cpu()
+            draws = f + dev  # (M, B, P)
+            if self.recentre:
+                draws = draws - draws.mean(0) + f
+            cs.append(f if self.recentre else draws.mean(0))
+            ss.append(draws.std(0, unbiased=True))
+            ys.append(bt.targets.reshape(bt.b, -1).double().cpu())
+            ds.append(draws)
+        return _Part(torch.cat(cs), torch.cat(ss), torch.cat(ys), torch.cat(ds, 1))
+
+    def _centre_sigma(self, pred: Predictive) -> tuple[torch.Tensor, torch.Tensor]:
+        smp = pred.samples.double()
+        sigma = smp.std(0, unbiased=True)
+        if self.recentre:
+            assert pred.frozen is not None
+            return pred.frozen.double(), sigma
+        return smp.mean(0), sigma
+
+    def _predict_kwargs(self) -> dict[str, Any]:
+        keys = ("batch_replicas", "max_rows", "distributed", "chunk_examples")
+        return {k: self.calibrate_kwargs[k] for k in keys if k in self.calibrate_kwargs}
+
+    @staticmethod
+    def _raw_coverage(part: _Part) -> dict[str, float]:
+        """Fraction of validation elements inside the raw draws' empirical central
+        interval, at each of :data:`RAW_LEVELS`."""
+        out = {}
+        for lev in RAW_LEVELS:
+            a = (1.0 - lev) / 2.0
+            q = torch.quantile(part.draws, torch.tensor([a, 1.0 - a], dtype=torch.float64), 0)
+            inside = (part.y >= q[0]) & (part.y <= q[1])
+            out[_key(lev)] = float(inside.double().mean())
+        return out
+
+    @staticmethod
+    def _crossfit_crps(part: _Part, beta: float) -> float:
+        """Mean CRPS over the validation elements, each half (even / odd example index)
+        predicted with the scores of the other half; ``inf`` if a score is infinite."""
+        n = part.y.shape[0]
+        idx = torch.arange(n)
+        folds = [idx[idx % 2 == 0], idx[idx % 2 == 1]]
+        if min(len(f) for f in folds) == 0:
+            raise ValueError(f"val_data needs at least 2 examples for the form's choice, got {n}")
+        total, count = 0.0, 0
+        for a, b in ((folds[0], folds[1]), (folds[1], folds[0])):
+            sc = _scores(part.centre[a], part.sigma[a], part.y[a], beta).reshape(-1)
+            if bool(torch.isinf(sc).any()):
+                return math.inf
+            atoms = _sym_atoms(torch.sort(sc).values)
+            w = _spread(part.sigma[b], beta)
+            err = part.y[b] - part.centre[b]
+            pos = w > 0
+            u = torch.where(pos, err / torch.where(pos, w, torch.ones_like(w)), torch.zeros_like(w))
+            c = torch.where(pos, w * _crps_atoms(atoms, u), err.abs())
+            total += float(c.sum())
+            count += c.numel()
+        return total / count
+
+    # -------------------------------------------------------------- predict
+    def _require_fitted(self) -> dict[str, Any]:
+        if self._fitted is None:
+            raise RuntimeError("this SARegressor is not fitted: call fit(val_data, cal_data) "
+                               "or SARegressor.load(path, model)")
+        return self._fitted
+
+    def predict(self, inputs: Any) -> SAPredictive:
+        """The calibrated predictive of one batch of ``inputs`` (a tensor, tuple or dict as
+        the model takes them): ``n_samples`` stochastic passes with the fitted ``nu``.
+
+        Returns
+        -------
+        SAPredictive
+            ``mean``, ``std``, ``interval(level)`` (any level), ``quantile(q)``, ``crps``,
+            ``pit``, raw ``samples`` ``(S, B, ...)``.
+        """
+        from attnuq.prediction import predict
+
+        fit = self._require_fitted()
+        pred = predict(self.model, inputs, nu=fit["nu"], n_samples=self.n_samples,
+                       seed=self.seed, output_fn=self.output_fn, progress=self.progress,
+                       recentre="mean" if self.recentre else None, **self._predict_kwargs())
+        centre, sigma = self._centre_sigma(pred)
+        assert pred.frozen is not None
+        return SAPredictive(
+            mean=centre.to(pred.frozen.dtype), spread=_spread(sigma, fit["beta"]),
+            scores=fit["scores"], ranks=fit["ranks"], n=fit["n_cal"], samples=pred.samples,
+            frozen=pred.frozen, form=fit["form"],
+        )
+
+    # ------------------------------------------------------------ save/load
+    def to_dict(self) -> dict[str, Any]:
+        """The fitted estimator as a JSON-ready dict (settings, fitted values, diagnostics)."""
+        fit = self._require_fitted()
+        return {
+            "settings": {
+                "nu": self.nu if not isinstance(self.nu, Mapping) else dict(self.nu),
+                "criterion": self.criterion, "recentre": self.recentre, "floor": self.floor,
+                "nu_range": list(self.nu_range), "n_samples": self.n_samples,
+                "seed": self.seed, "calibrate_kwargs": _jsonable(self.calibrate_kwargs),
+            },
+            "fitted": {
+                "nu": fit["nu"], "criterion_resolved": fit["criterion_resolved"],
+                "beta": fit["beta"], "beta_units": fit["beta_units"], "form": fit["form"],
+                "residual_scale": fit["residual_scale"], "n_cal": fit["n_cal"],
+                "ranks": fit["ranks"].tolist(), "scores": fit["scores"].tolist(),
+            },
+            "diagnostics": _jsonable(self.diagnostics),
+        }
+
+    def save(self, path: str | Path) -> Path:
+        """Write the fitted estimator to ``path`` as JSON, atomically: the settings, ``nu``
+        (or the per-layer map), the resolved criterion, ``beta``, the calibration order
+        statistics, the seed, the library version, the model's digest and the diagnostics.
+        Never the weights."""
+        return write_envelope(path, "SARegressor", self.model, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path, model: nn.Module, output_fn: Any = None, *,
+             strict: bool = True, progress: bool | None = None) -> SARegressor:
+        """Read an estimator written by :meth:`save` for ``model``.
+
+        ``model`` must have the digest recorded in the file (the same parameters and buffers)
+        unless ``strict=False`` (then a warning). A torn, foreign or malformed file raises
+        ``ValueError`` naming the file and the field. ``output_fn`` is not saved (a function):
+        pass the one used at fit time.
+        """
+        check_model(model)
+        obj = read_envelope(path, "SARegressor", model, strict=strict)
+        try:
+            st, ft = obj["settings"], obj["fitted"]
+            kwargs = dict(st.get("calibrate_kwargs") or {})
+            est = cls(model, output_fn, nu=st["nu"], criterion=st["criterion"],
+                      recentre=st["recentre"], floor=st["floor"],
+                      nu_range=tuple(st["nu_range"]), n_samples=st["n_samples"],
+                      seed=st["seed"], progress=progress, **kwargs)
+            nu = ft["nu"]
+            if isinstance(nu, dict):
+                nu = {k: tuple(v) if isinstance(v, list) else v for k, v in nu.items()}
+            elif isinstance(nu, bool) or not isinstance(nu, int) or nu < 1:
+                raise ValueError(f"fitted.nu must be an int >= 1 or a map, got {nu!r}")
+            beta = float(ft["beta"])
+            if not beta >= 0:
+                raise ValueError(f"fitted.beta must be >= 0, got {beta!r}")
+            scores = torch.tensor([float(v) for v in ft["scores"]], dtype=torch.float64)
+            ranks = torch.tensor([int(v) for v in ft["ranks"]], dtype=torch.int64)
+            n = int(ft["n_cal"])
+            if (scores.numel() == 0 or scores.numel() != ranks.numel()
+                    or not bool(torch.isfinite(scores).all()) or bool((scores < 0).any())
+                    or bool((scores[1:] < scores[:-1]).any())
+                    or bool((ranks[1:] <= ranks[:-1]).any())
+                    or int(ranks[0]) < 1 or int(ranks[-1]) != n):
+                raise ValueError("fitted.scores / fitted.ranks must be equally long, sorted, "
+                                 f"finite, >= 0, with ranks in [1, n_cal={n}] ending at n_cal")
+            est._fitted = {
+                "nu": nu, "beta": beta, "beta_units": float(ft["beta_units"]),
+                "form": str(ft["form"]), "residual_scale": float(ft["residual_scale"]),
+                "n_cal": n, "scores": scores, "ranks": ranks,
+                "criterion_resolved": ft.get("criterion_resolved"),
+            }
+            est.diagnostics = dict(obj.get("diagnostics") or {})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: malformed SARegressor file ({type(exc).__name__}: "
+                             f"{exc})") from None
+        return est
+
+    def __repr__(self) -> str:
+        state = "unfitted" if self._fitted is None else (
+            f"nu={self._fitted['nu']!r}, form={self._fitted['form']!r}")
+        return f"SARegressor({type(self.model).__name__}, {state})"
+
+
+def _key(v: float) -> str:
+    """A float as a JSON key: ``"inf"`` for infinity, else its shortest repr."""
+    return "inf" if math.isinf(v) else repr(float(v))
+
+
+def _jsonable(obj: Any) -> Any:
+    """Dicts, lists and scalars as they are; tuples as lists; anything else as its repr."""
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return repr(obj)
