@@ -413,39 +413,35 @@ class ConformalSets(FrozenSoftmax):
 
 class SAClassifierMethod(_ClassMethod):
     """Stochastic attention through :class:`attnuq.SAClassifier` (a thin wrapper):
-    ``SAClassifier(task.model, output_fn=...).fit(task.val, task.cal)``, ``predict`` gives the
-    Monte Carlo mean probability and the draws; :meth:`predict_set` the estimator's sets."""
+    ``SAClassifier(task.model, output_fn=...).fit(task.val, task.cal)``; ``predict`` gives its
+    Monte Carlo mean probability and the draws, :meth:`predict_set` its sets. Keywords go to
+    the estimator (``score``, ``n_samples``, ...). The fit's example-forward passes are the
+    estimator's ``diagnostics["forward_passes"]`` (per example) times the validation and
+    calibration rows."""
 
-    implementation = "attnuq.SAClassifier (fit(val, cal); predict; predict_set)"
+    implementation = ("attnuq.SAClassifier (fit(val, cal): nu by the validation NLL of the MC "
+                      "mean probability with a joint temperature; predict; predict_set)")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
-        self.kwargs = dict(kwargs)
+        self.kwargs = {"progress": False, **kwargs}
         self.clf: Any = None
 
     def _fit(self, task: Task) -> Cost | None:
         import attnuq
 
-        def output_fn(out: Any) -> torch.Tensor:
-            return out
-
-        self.clf = attnuq.SAClassifier(task.model, output_fn=output_fn, **self.kwargs)  # type: ignore[attr-defined]
+        self.clf = attnuq.SAClassifier(task.model, output_fn=_logits_output(task),  # type: ignore[attr-defined]
+                                       **self.kwargs)
         self.clf.fit(list(as_batches(task.val)), list(as_batches(task.cal)))
+        d = self.clf.diagnostics
+        rows = int(d.get("n_val", 0)) + int(d.get("n_cal", 0))
+        self.cost.fit_forward += int(d.get("forward_passes", 0)) * rows
         return None
 
     def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
         pred = self.clf.predict(inputs)
-        samples = pred.samples.double()
-        probs = pred.probs.double()
-        if probs.shape[-1] == 1 or probs.dim() == 1:
-            p = probs.reshape(-1, 1)
-            probs = torch.cat([1 - p, p], -1)
-            s = samples.reshape(samples.shape[0], -1, 1)
-            samples = torch.cat([1 - s, s], -1)
-        if samples.shape[1:] == probs.shape and not bool(
-                ((samples >= 0) & (samples <= 1)).all()):  # draws given as logits
-            samples = probs_from_logits(samples)
-        return ClassPredictive(probs=probs, samples=samples), int(samples.shape[0])
+        return (ClassPredictive(probs=pred.probs.double(), samples=pred.samples.double()),
+                int(pred.samples.shape[0]) + 1)
 
     def predict_set(self, inputs: Any, alpha: float) -> torch.Tensor:
         return self.clf.predict_set(inputs, alpha=alpha)
@@ -453,12 +449,21 @@ class SAClassifierMethod(_ClassMethod):
     def info(self) -> dict[str, Any]:
         if self.clf is None:
             return {}
-        out: dict[str, Any] = {}
-        for k in ("nu", "temperature", "nu_", "temperature_"):
-            v = getattr(self.clf, k, None)
-            if isinstance(v, (int, float)):
-                out[k.rstrip("_")] = float(v)
-        return out
+        d = self.clf.diagnostics
+        keep = ("nu", "nu_at_edge", "temperature", "temperature_rule", "forward_passes",
+                "fit_seconds", "val", "val_mean_mutual_information", "n_val", "n_cal")
+        return {k: d[k] for k in keep if k in d}
+
+
+def _logits_output(task: Task) -> Any:
+    """``output_fn`` of the estimator: the task's ``forward_fn`` reads the model's output the
+    same way (a tensor of logits, or an object's ``mean``)."""
+    from attnuq.training import output_mean
+
+    def output_fn(out: Any) -> torch.Tensor:
+        return output_mean(out)
+
+    return output_fn
 
 
 class LevyProbit(_ClassMethod):

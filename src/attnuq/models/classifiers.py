@@ -59,16 +59,23 @@ class GridTransformerClassifier(nn.Module):
         ``K`` (1: binary, a sigmoid logit).
     d, layers, heads, dropout
         Width, encoder layers, attention heads, dropout (attention, feed-forward, head).
+    pool
+        ``"mean"`` over the tokens, or ``"first"``: the first token's output (a summary token
+        placed first, as a class token).
     """
 
     def __init__(self, n_features: int, n_steps: int, *, n_logits: int = 1, d: int = 64,
-                 layers: int = 2, heads: int = 4, dropout: float = 0.2) -> None:
+                 layers: int = 2, heads: int = 4, dropout: float = 0.2,
+                 pool: str = "mean") -> None:
         super().__init__()
         check_positive_int(n_features, "n_features")
         check_positive_int(n_steps, "n_steps")
         check_positive_int(n_logits, "n_logits")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must lie in [0, 1), got {dropout=}")
+        if pool not in ("mean", "first"):
+            raise ValueError(f"pool must be 'mean' or 'first', got {pool=!r}")
+        self.pool = pool
         self.n_steps = n_steps
         self.embed = nn.Linear(n_features, d)
         self.pos = nn.Parameter(torch.zeros(1, n_steps, d))
@@ -88,7 +95,8 @@ class GridTransformerClassifier(nn.Module):
         h = self.embed(x) + self.pos  # (B, T, d)
         for layer in self.encoder:
             h = layer(h)
-        return self.head(self.drop(self.norm(h).mean(1)))  # (B, K)
+        h = self.norm(h)
+        return self.head(self.drop(h.mean(1) if self.pool == "mean" else h[:, 0]))  # (B, K)
 
 
 @dataclass(frozen=True)
