@@ -60,7 +60,7 @@ def save_predictions(path: Path, arrays: Mapping[str, np.ndarray]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
-    np.savez_compressed(buf, **{k: np.asarray(v) for k, v in arrays.items()})
+    np.savez_compressed(buf, **{k: np.asarray(v) for k, v in arrays.items()})  # type: ignore[arg-type]
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -104,7 +104,7 @@ def class_scores(probs: np.ndarray, y: np.ndarray, *, keep: float = 0.8) -> dict
     if binary:
         out["auroc"] = float(metrics.auroc(p[:, 1], t))
         out["auprc"] = float(metrics.auprc(p[:, 1], t))
-        k = max(2, int(math.floor(keep * len(t))))
+        k = max(2, math.floor(keep * len(t)))
         order = torch.sort(unc, stable=True).indices[:k]
         ys = t[order]
         out[f"auroc_top{round(100 * keep)}"] = (float(metrics.auroc(p[order, 1], ys))

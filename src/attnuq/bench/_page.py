@@ -401,7 +401,8 @@ def update_summary(path: str | Path, suite: str, datasets: Mapping[str, Any]) ->
     ``datasets`` maps a data set name to ``{"backbone": {"metric": "rmse" | "mse" | "auroc" |
     "accuracy", "value", "reference", "reference_name"}, "splits": int, "methods": {method:
     {metric: float}}}`` (issue #19; lower is better for ``rmse``/``mse``, higher for the
-    classification backbones' ``auroc``/``accuracy``, issue #33). Written atomically; a torn file is rebuilt with this suite's key only.
+    classification backbones' ``auroc``/``accuracy``, issue #33). Written atomically; a torn
+    file is rebuilt with this suite's key only.
 
     Examples
     --------

@@ -251,7 +251,7 @@ def _run_one(ctx: Any, g: Group, method: str, args: argparse.Namespace,
                                    if k != 0)
     return {"method": method, "seed": seed, "backbone_info": info, "cost": cost,
             "info": m.info(), "config": {**m.config(), "budget": _budget(args)},
-            "sizes": {k: int(len(data[k][0])) for k in ("train", "val", "cal", "clean", "ood")},
+            "sizes": {k: len(data[k][0]) for k in ("train", "val", "cal", "clean", "ood")},
             "predictions": npz.name, "implementation": method_implementation(method)}
 
 

@@ -58,8 +58,8 @@ from attnuq.predictive import GaussianPredictive, Predictive
 from attnuq.training import Batches, as_batches, count_rows, default_forward, output_mean
 
 __all__ = [
-    "Cost",
     "TASK_KINDS",
+    "Cost",
     "Method",
     "PredictiveLike",
     "Task",

@@ -368,7 +368,7 @@ class LaplaceClassifier(_ClassMethod):
         loader = DataLoader(TensorDataset(x, y), batch_size=self.batch_size)
         la = Laplace(model, "classification", subset_of_weights="last_layer",
                      hessian_structure="full")
-        la.fit(loader, progress_bar=False)
+        la.fit(loader)
         la.optimize_prior_precision(method="marglik", pred_type="glm", link_approx="probit")
         self._la = la
         self.prior_precision = float(la.prior_precision.reshape(-1)[0])
