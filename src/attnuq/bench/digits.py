@@ -237,11 +237,11 @@ def _run_one(ctx: Any, g: Group, method: str, args: argparse.Namespace,
     m.fit(task)
     arrays: dict[str, np.ndarray] = {"cal_y": data["cal"][1].numpy()}
     pc = predict_all(m, _batches(data["cal"][0]))
-    arrays["cal_probs"] = pc["probs"]
+    arrays["cal_probs"] = pc["probs"].astype(np.float32)
     for name in (*EVAL_SETS, "ood"):
         pr = predict_all(m, _batches(data[name][0]))
         for k, v in pr.items():
-            arrays[f"{name}_{k}"] = v.astype(np.float32) if k != "probs" else v
+            arrays[f"{name}_{k}"] = v.astype(np.float32)  # float32: the files are committed
     arrays["test_y"] = data["clean"][1].numpy()
     npz = store.path(g.parts, method).with_suffix(".npz")
     save_predictions(npz, arrays)
