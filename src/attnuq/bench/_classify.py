@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["class_scores", "load_predictions", "predict_all", "reliability_figure",
+__all__ = ["class_scores", "compute_line", "load_predictions", "predict_all", "reliability_figure",
            "save_predictions", "set_scores_of", "uncertainty_of"]
 
 #: the uncertainty score a method is ranked by for OOD detection: the mutual information for
@@ -137,6 +137,23 @@ def set_scores_of(cal_probs: np.ndarray, cal_y: np.ndarray,
             out[name][f"coverage_{lv}"] = float(metrics.set_coverage(sets, torch.as_tensor(y)))
             out[name][f"size_{lv}"] = float(metrics.set_size(sets))
     return out
+
+
+def compute_line(rows: Sequence[Mapping[str, Any]], threads: Any) -> str:
+    """The page's line on what the stored items cost: the items' wall time (fits and
+    predictions), the distinct backbones' training time (each once), the threads.
+
+    >>> line = compute_line([{"wall_seconds": 60.0, "seed": 0, "backbone_info": {
+    ...     "seconds": 30.0, "cache_key": "k"}}], 1)
+    >>> "1 stored items took 1.0 min" in line, "1 backbones trained in 0.5 min" in line
+    (True, True)
+    """
+    items = sum(float(r.get("wall_seconds", 0.0)) for r in rows)
+    bb = {(r.get("backbone", ""), r["seed"], r["backbone_info"].get("cache_key")):
+          float(r["backbone_info"].get("seconds", 0.0)) for r in rows}
+    return (f"Compute: {len(rows)} stored items took {items / 60:.1f} min of wall time (fits and "
+            f"predictions); their {len(bb)} backbones trained in {sum(bb.values()) / 60:.1f} min;"
+            f" {threads} thread(s).")
 
 
 def reliability_figure(path: Path, title: str, panels: Mapping[str, tuple[np.ndarray, np.ndarray]],

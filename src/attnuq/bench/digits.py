@@ -43,6 +43,7 @@ from attnuq.bench import register
 from attnuq.bench._classify import (
     OOD_SCORE,
     class_scores,
+    compute_line,
     load_predictions,
     predict_all,
     reliability_figure,
@@ -511,7 +512,7 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
         page.headline(f"digits: clean accuracy "
                       f"{fmt(_mean(by, 'softmax', 'clean', 'accuracy'), 3)} (SA not run yet).")
     budgets = sorted({json.dumps(r.get("reuse", {}).get("budget")) for r in rows})
-    page.add("", f"Budget: {'; '.join(budgets)}; threads {a.get('threads')}.", "")
+    page.add("", compute_line(rows, a.get("threads")) + f" Budget: {'; '.join(budgets)}.", "")
     page.add(*error_lines(errors or [], out / "runs"))
     page.implementations(implementation_block(order, scores=SCORES))
     return page

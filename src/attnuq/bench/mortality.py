@@ -48,6 +48,7 @@ from attnuq._io import atomic_write_json, atomic_write_text, cache_key, read_jso
 from attnuq.bench import register
 from attnuq.bench._classify import (
     class_scores,
+    compute_line,
     load_predictions,
     predict_all,
     reliability_figure,
@@ -591,11 +592,9 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
             page.headline(f"mortality/{bb}: backbone AUROC "
                           f"{fmt(_agg(by['softmax'], 'auroc')[0], 3)} ({sa} not run yet).")
     page.add("")
-    cost = [r for r in rows if r["method"] in ("sa-cls", "ensemble-cls")]
-    if cost:
-        page.add("Compute: every item's fit seconds and example-forward passes are in the tables "
-                 "(ensemble: its members' training time included). Threads: "
-                 f"{a.get('threads')}; budget: {json.dumps(_budget_of(rows))}.", "")
+    page.add(compute_line(rows, a.get("threads")) + " Each item's fit seconds and "
+             "example-forward passes are in the tables (the ensemble's include its members' "
+             f"training); budget: {'; '.join(_budget_of(rows))}.", "")
     page.add(*error_lines(errors or [], out / "runs"))
     page.implementations(implementation_block(
         [m for m in _all_methods() if any(r["method"] == m for r in rows)], scores=SCORES))

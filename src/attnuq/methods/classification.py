@@ -34,7 +34,7 @@ Examples
 >>> x, y = torch.randn(60, 2), torch.randint(0, 3, (60,))
 >>> task = Task(model=net, train=(x, y), val=(x, y), cal=(x, y), kind="classification")
 >>> pred = make_method("temperature").fit(task).predict(x[:4])
->>> pred.probs.shape, bool(torch.allclose(pred.probs.sum(1), torch.ones(4)))
+>>> pred.probs.shape, bool(torch.allclose(pred.probs.sum(1), torch.ones(4).double()))
 (torch.Size([4, 3]), True)
 >>> make_method("mc-dropout-cls", n_samples=5).fit(task).predict(x[:4]).samples.shape
 torch.Size([5, 4, 3])
@@ -109,8 +109,8 @@ def probs_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.T
     """Class probabilities ``(..., C)`` of logits ``(..., K)``: softmax, or for ``K = 1`` the
     sigmoid written as ``[1 - p, p]``; logits are divided by ``temperature`` first.
 
-    >>> probs_from_logits(torch.tensor([[0.0]]))
-    tensor([[0.5000, 0.5000]])
+    >>> probs_from_logits(torch.tensor([[0.0]])).tolist()
+    [[0.5, 0.5]]
     """
     z = logits.double() / temperature
     if z.shape[-1] == 1:
