@@ -51,7 +51,15 @@ from attnuq_bench.suites._classify import (
     set_scores_of,
     uncertainty_of,
 )
-from attnuq_bench.suites._page import Page, Table, error_lines, fmt, read_twin, twin_path, update_summary
+from attnuq_bench.suites._page import (
+    Page,
+    Table,
+    error_lines,
+    fmt,
+    read_twin,
+    twin_path,
+    update_summary,
+)
 from attnuq_bench.suites._runner import Group, RunStore, run_items
 from attnuq_bench.suites._scoring import mean_std_n
 
@@ -199,8 +207,8 @@ def _train(model: torch.nn.Module, data: dict[str, Any], args: argparse.Namespac
 def _backbone(data: dict[str, Any], args: argparse.Namespace, seed: int, cache: Path
               ) -> tuple[torch.nn.Module, dict[str, Any]]:
     from attnuq._io import tensor_digest
-    from attnuq_bench.suites._members import cached_state
     from attnuq.distributed import is_writer
+    from attnuq_bench.suites._members import cached_state
 
     spec = {**_recipe(args), "data": tensor_digest(*data["train"], *data["val"])}
     folder = cache / "backbones" / cache_key(spec)

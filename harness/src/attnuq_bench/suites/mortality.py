@@ -1,7 +1,7 @@
 """``attnuq bench mortality``: in-hospital mortality on PhysioNet 2012, SA against the baselines.
 
-Data (:mod:`attnuq_bench.suites._mortality_data`): one PhysioNet 2012 set (default set-a, 3,996 stays,
-``In-hospital_death`` of ``Outcomes-a.txt``), split as mTAN (Shukla & Marlin 2021) does on set-a:
+Data (:mod:`attnuq_bench.suites._mortality_data`): one PhysioNet 2012 set (default set-a,
+3,996 stays, ``In-hospital_death`` of ``Outcomes-a.txt``), split as mTAN (Shukla & Marlin 2021) does on set-a:
 20 % test by a fixed permutation (``--split-seed``), 20 % of the rest for validation; the
 calibration part (``--cal-fraction`` of the training part, by the same seed) is carved from
 training. ``--data-dir`` takes any folder holding a ``set-*.tar.gz`` (or the stay files) and
@@ -55,7 +55,15 @@ from attnuq_bench.suites._classify import (
     save_predictions,
     set_scores_of,
 )
-from attnuq_bench.suites._page import Page, Table, error_lines, fmt, read_twin, twin_path, update_summary
+from attnuq_bench.suites._page import (
+    Page,
+    Table,
+    error_lines,
+    fmt,
+    read_twin,
+    twin_path,
+    update_summary,
+)
 from attnuq_bench.suites._runner import Group, RunStore, run_items
 from attnuq_bench.suites._scoring import mean_std_n
 
@@ -203,8 +211,8 @@ def _forward(backbone: str) -> Any:
 
 def _make_model(backbone: str, data: _Data, args: argparse.Namespace, seed: int
                 ) -> torch.nn.Module:
-    from attnuq_bench.suites._mortality_data import N_OBS_FEATURES
     from attnuq_bench.models.classifiers import GridTransformerClassifier, LevyClassifier
+    from attnuq_bench.suites._mortality_data import N_OBS_FEATURES
 
     torch.manual_seed(seed)
     C = data.d.ds.n_channels
@@ -274,8 +282,8 @@ def _log(msg: str) -> None:
 def _backbone(backbone: str, data: _Data, args: argparse.Namespace, seed: int, cache: Path
               ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The backbone of ``seed`` from the cache, or trained (resumable) and cached."""
-    from attnuq_bench.suites._members import cached_state
     from attnuq.distributed import is_writer
+    from attnuq_bench.suites._members import cached_state
 
     spec = {**_recipe(args, backbone), "data": data.d.summary()}
     folder = cache / "backbones" / cache_key(spec)
