@@ -4,8 +4,8 @@ Data (:mod:`attnuq_bench.suites._mortality_data`): one PhysioNet 2012 set (defau
 3,996 stays, ``In-hospital_death`` of ``Outcomes-a.txt``), split as mTAN (Shukla & Marlin
 2021) does on set-a: 20 % test by a fixed permutation (``--split-seed``), 20 % of the rest
 for validation; the calibration part (``--cal-fraction`` of the training part, by the same
-seed) is carved from training. ``--data-dir`` takes any folder holding a ``set-*.tar.gz`` (or the stay files) and
-its ``Outcomes-*.txt``.
+seed) is carved from training. ``--data-dir`` takes any folder holding a ``set-*.tar.gz``
+(or the stay files) and its ``Outcomes-*.txt``.
 
 Backbones (:mod:`attnuq_bench.models.classifiers`), ``--seeds`` model seeds each
 (``--seed + k``):
