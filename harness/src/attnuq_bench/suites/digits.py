@@ -385,8 +385,11 @@ def _agg(rows: list[dict[str, Any]], ds: str, key: str) -> list[float]:
     return mean_std_n([r["scores"][ds][key] for r in rows])
 
 
-def _mean(by: dict[str, list[dict[str, Any]]], m: str, ds: str, key: str) -> float | None:
-    return _agg(by[m], ds, key)[0] if m in by else None
+def _mean(by: dict[str, list[dict[str, Any]]], m: str, ds: str, key: str,
+          seeds: set[int] | None = None) -> float | None:
+    """Mean over seeds (only ``seeds`` when given) of ``key`` on ``ds``; ``None`` without rows."""
+    rs = [r for r in by.get(m, []) if seeds is None or r["seed"] in seeds]
+    return _agg(rs, ds, key)[0] if rs else None
 
 
 def _cmp(a: float | None, b: float | None, lower: bool = True, strict: bool = False) -> str:
@@ -397,10 +400,14 @@ def _cmp(a: float | None, b: float | None, lower: bool = True, strict: bool = Fa
 
 
 def _goal_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The issue's goals, met / not met with the numbers (on the seeds SA has)."""
     sa, t, mc = "sa-cls", "temperature", "mc-dropout-cls"
     if sa not in by:
         return ["* SA: no rows yet (not run or failed), so its goals are **not checked**"]
-    L = []
+    common = {r["seed"] for r in by[sa]}
+    by = {m: [r for r in rs if r["seed"] in common] for m, rs in by.items()}
+
+    L = [f"Compared on the seeds SA has: {sorted(common)} (means over them)."]
     for key, name in (("nll", "NLL"), ("ece", "ECE")):
         a, b = _mean(by, sa, "clean", key), _mean(by, t, "clean", key)
         L.append(f"* clean: SA {name} no worse than temperature scaling's: {_cmp(a, b)} "

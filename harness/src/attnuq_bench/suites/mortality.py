@@ -486,6 +486,10 @@ def _goal_lines(bb: str, by: dict[str, list[dict[str, Any]]]) -> list[str]:
         lines.append(f"* {label}: no rows yet (not run or failed), so its goals are **not "
                      f"checked**")
         return lines
+    common = {r["seed"] for r in by[sa]}
+    by = {k: [r for r in rs if r["seed"] in common] for k, rs in by.items()}
+    lines.append(f"* the comparisons below use the seeds {label.split(' ')[0]} has: "
+                 f"{sorted(common)}")
     t = "temperature"
     for key, name in (("nll", "NLL"), ("ece", "ECE")):
         a, b = m(sa, key), m(t, key)
