@@ -427,7 +427,7 @@ def _goal_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
         ca = _mean(by, sa, "clean", f"coverage_{lv}")
         cb = _mean(by, "softmax", "clean", f"coverage_{lv}")
         L.append(f"* clean {lv} % sets (LAC): SA's no larger than the frozen softmax's: "
-                 f"{_cmp(a, b)} (size {fmt(a, 3)} vs {fmt(b, 3)}; coverage {fmt(ca, 3)} vs "
+                 f"{_cmp(a, b)} (size {fmt(a, 4)} vs {fmt(b, 4)}; coverage {fmt(ca, 3)} vs "
                  f"{fmt(cb, 3)})")
     fit_s = [r["cost"]["fit_seconds"] for r in by[sa]]
     fwd = [r["cost"]["fit_forward"] for r in by[sa]]

@@ -507,7 +507,7 @@ def _goal_lines(bb: str, by: dict[str, list[dict[str, Any]]]) -> list[str]:
         ca, cb = m(sa, f"coverage_{lv}", "sets"), m("softmax", f"coverage_{lv}", "sets")
         ok = a is not None and b is not None and a <= b
         lines.append(f"* {label} {lv} % sets (LAC) no larger than the frozen softmax's: "
-                     f"{'**met**' if ok else '**not met**'} (size {fmt(a, 3)} vs {fmt(b, 3)}; "
+                     f"{'**met**' if ok else '**not met**'} (size {fmt(a, 4)} vs {fmt(b, 4)}; "
                      f"coverage {fmt(ca, 3)} vs {fmt(cb, 3)})")
     if bb == "transformer":
         fit_s = [r["cost"]["fit_seconds"] for r in by[sa]]
