@@ -20,7 +20,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 # public name -> "module:attribute"
 _LAZY: dict[str, str] = {
     "calibrate": "attnuq.calibration:calibrate",
-    "predict": "attnuq.prediction:predict",
+    "predict": "attnuq.montecarlo:predict",
     "stochastic": "attnuq.patching:stochastic",
     "patch": "attnuq.patching:patch",
     "find_attention": "attnuq.patching:find_attention",
@@ -33,7 +33,7 @@ _LAZY: dict[str, str] = {
     "SAClassifier": "attnuq.estimators._classifier:SAClassifier",
     "CategoricalPredictive": "attnuq.categorical:CategoricalPredictive",
 }
-_SUBMODULES = ("ops", "nn", "metrics", "plots", "models", "calibration", "prediction", "patching",
+_SUBMODULES = ("ops", "nn", "metrics", "plots", "models", "calibration", "montecarlo", "patching",
                "estimators")
 
 __all__ = ["__version__", *_LAZY, *_SUBMODULES]

@@ -16,7 +16,7 @@ from attnuq._validation import check_finite
 from attnuq.calibration._passes import Batch, check_data
 from attnuq.calibration.criteria import PassStats
 from attnuq.categorical import class_logits, labelled_rows
-from attnuq.prediction import (
+from attnuq.montecarlo import (
     CPU_MAX_ACTIVATION,
     OutputFn,
     batch_size,

@@ -363,7 +363,7 @@ class SAClassifier:
         return self
 
     def _outputs(self, x: Any) -> torch.Tensor:
-        from attnuq.prediction import call_model, extract
+        from attnuq.montecarlo import call_model, extract
 
         return extract(call_model(self.model, x), self.output_fn)
 
@@ -387,7 +387,7 @@ class SAClassifier:
         return out, tokens, n_classes
 
     def _rows(self, pairs: list[tuple[Any, torch.Tensor]], nu: int) -> _Rows:
-        from attnuq.prediction import predict
+        from attnuq.montecarlo import predict
 
         ds, fs, ys = [], [], []
         for x, y in pairs:
@@ -433,7 +433,7 @@ class SAClassifier:
         ValueError
             The model's output is not logits of the shape seen at :meth:`fit`.
         """
-        from attnuq.prediction import predict
+        from attnuq.montecarlo import predict
 
         fit = self._require_fitted()
         pred = predict(self.model, inputs, nu=fit["nu"], n_samples=self.n_samples,

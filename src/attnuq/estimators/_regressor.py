@@ -550,7 +550,7 @@ class SARegressor:
 
     def _part(self, pairs: list[tuple[Any, torch.Tensor]], nu: Any, name: str) -> _Part:
         """Centre, sigma, targets and draws of every pair (``n_samples`` passes each)."""
-        from attnuq.prediction import predict
+        from attnuq.montecarlo import predict
 
         cs, ss, ys, ds = [], [], [], []
         for i, (x, y) in enumerate(pairs):
@@ -653,7 +653,7 @@ class SARegressor:
             ``mean``, ``std``, ``interval(level)`` (any level), ``quantile(q)``, ``crps``,
             ``pit``, raw ``samples`` ``(S, B, ...)``.
         """
-        from attnuq.prediction import predict
+        from attnuq.montecarlo import predict
 
         fit = self._require_fitted()
         pred = predict(self.model, inputs, nu=fit["nu"], n_samples=self.n_samples,

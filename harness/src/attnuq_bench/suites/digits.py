@@ -197,7 +197,7 @@ def _train(model: torch.nn.Module, data: dict[str, Any], args: argparse.Namespac
     rep = fit(model, data["train"], data["val"], loss=ce, metric=val_nll, optimizer="adamw",
               lr=args.lr, weight_decay=0.05, max_epochs=args.max_epochs,
               patience=args.patience, batch_size=args.batch_size, val_batch_size=512,
-              seed=seed, seed_torch=True, count_val_forward=False, checkpoint=checkpoint,
+              seed=seed, seed_torch=True, checkpoint=checkpoint,
               progress=(lambda s: _log(f"seed {seed} {s}")) if not args.no_progress else False)
     return {"epochs_run": rep.epochs_run, "best_epoch": rep.best_epoch,
             "best_val_nll": rep.best_val, "seconds": rep.seconds, "n_forward": rep.n_forward,

@@ -266,7 +266,7 @@ def _train(backbone: str, data: _Data, args: argparse.Namespace, seed: int,
               lr=args.lr if backbone == "transformer" else args.levy_lr,
               weight_decay=1e-2 if backbone == "transformer" else 0.0, clip_grad_norm=5.0,
               max_epochs=args.max_epochs, patience=args.patience, seed=seed, seed_torch=True,
-              count_val_forward=False, checkpoint=checkpoint,
+              checkpoint=checkpoint,
               progress=(lambda s: _log(f"{backbone} seed {seed} {s}")) if not args.no_progress
               else False)
     return {"epochs_run": rep.epochs_run, "best_epoch": rep.best_epoch,

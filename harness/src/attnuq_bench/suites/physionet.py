@@ -272,8 +272,8 @@ def _train(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[
            args: argparse.Namespace, checkpoint: Path | None = None
            ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Train ``kind`` of ``seed``: Adam on the masked MSE of ``mu`` (+ ``--nll-weight`` x NLL for
-    Levy), early stopping on validation MSE (:func:`attnuq_bench.training.fit`, the recipe of the
-    old ``levy_forecaster.fit``, bit for bit); ``checkpoint``: fit's per-epoch state (resumed)."""
+    Levy), early stopping on validation MSE (:func:`attnuq_bench.training.fit`); ``checkpoint``:
+    fit's per-epoch state (resumed)."""
     from attnuq.models.levy_forecaster import forward_batch
     from attnuq_bench.training import fit, masked_mse_loss
 
@@ -291,7 +291,7 @@ def _train(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[
               metric="masked_mse", forward_fn=forward_batch, optimizer="adam", lr=args.lr,
               weight_decay=0.0, clip_grad_norm=5.0, max_epochs=args.max_epochs,
               patience=args.patience, max_seconds=args.max_train_seconds,
-              loss_average="batches", count_val_forward=False, checkpoint=checkpoint,
+              checkpoint=checkpoint,
               progress=lambda s: log(f"{kind} seed {seed} {s}"))
     info = {"epochs": len(rep.val_metric), "best_epoch": rep.best_epoch,
             "best_val_mse": rep.best_val, "seconds": rep.seconds,
