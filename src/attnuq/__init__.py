@@ -30,6 +30,8 @@ _LAZY: dict[str, str] = {
     "recentre": "attnuq.predictive:recentre",
     "SARegressor": "attnuq.estimators._regressor:SARegressor",
     "SAPredictive": "attnuq.estimators._regressor:SAPredictive",
+    "SAClassifier": "attnuq.estimators._classifier:SAClassifier",
+    "CategoricalPredictive": "attnuq.categorical:CategoricalPredictive",
 }
 _SUBMODULES = ("ops", "nn", "metrics", "plots", "models", "calibration", "montecarlo", "patching",
                "estimators")

@@ -32,14 +32,17 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 from attnuq import distributed as _dist
 from attnuq._validation import check_positive_int, check_seed
-from attnuq.calibration._sharded import prepare_sharded, sample_sharded
+from attnuq.calibration._sharded import Shards, prepare_sharded, sample_sharded
 from attnuq.calibration.criteria import (
+    CLASSIFICATION_CRITERIA,
     CRITERIA,
     CalibrationCriterion,
+    ClassificationCriterion,
     Criterion,
     get_criterion,
     summarise,
@@ -61,6 +64,7 @@ from attnuq.calibration.search import (
 from attnuq.montecarlo import OutputFn
 
 __all__ = [
+    "CLASSIFICATION_CRITERIA",
     "CRITERIA",
     "PER_LAYER",
     "SEARCHES",
@@ -83,7 +87,7 @@ def calibrate(
     model: nn.Module,
     data: Iterable[Any],
     *,
-    criterion: Criterion = "auto",
+    criterion: Criterion | ClassificationCriterion = "auto",
     search: Search = "bo",
     n_passes: int = 10,
     nu_range: tuple[int, int] = (1, 1024),
@@ -122,6 +126,10 @@ def calibrate(
         measurably below the scale match (0.61 of it for a scalar), and ``"paper"`` above
         (:func:`~attnuq.calibration.criteria.resolve_criterion`). The default is ``"auto"``
         (the recommended criterion; it was ``"paper"`` before 0.2, see CHANGELOG.md).
+        For a classifier, ``"nll"`` or ``"nll-temperature"`` (:data:`CLASSIFICATION_CRITERIA`):
+        ``targets`` are then integer class ids ``(B,)`` (or ``(B, L)`` per token, ``-100``
+        left out) and the prediction logits ``(B, C)``, ``(B,)`` / ``(B, 1)`` binary, or
+        ``(B, L, C)``; not with ``per_layer`` or ``distributed``.
     search
         ``"bo"`` (surrogate-guided, few evaluations; :func:`bo_search`) or ``"grid"``
         (reference; :func:`grid_search`).
@@ -241,6 +249,10 @@ def calibrate(
     check_surrogate_noise(surrogate_noise)
     if isinstance(nu_tol, bool) or not isinstance(nu_tol, (int, float)) or not nu_tol >= 0:
         raise ValueError(f"nu_tol must be a float >= 0, got {nu_tol=!r}")
+    classify = get_criterion(criterion).task == "classification"
+    if classify and per_layer not in (None, False):
+        raise ValueError(f"per_layer={per_layer!r} is not available with the classification "
+                         f"criterion={criterion!r}")
     family = check_per_layer(per_layer, criterion)
     sites: list[str] = []
     if family is not None:
@@ -261,26 +273,46 @@ def calibrate(
         )
 
     sharded = _dist.is_active(distributed)
-    shards = prepare_sharded(
-        model, data, output_fn, seed=seed, chunk_examples=chunk_examples, active=sharded,
-        n_passes=m,
-        settings={"criterion": criterion, "search": search, "n_passes": m,
-                  "nu_range": (lo, hi), "level": level, "grid_size": grid_size,
-                  "max_evals": max_evals, "surrogate_noise": surrogate_noise,
-                  "batch_replicas": batch_replicas, "max_rows": max_rows,
-                  "per_layer": per_layer},
-    )
-    n_examples, frozen_calls = shards.n_examples, len(shards.units)
-    if _observe is not None:  # private hook (attnuq.SARegressor): the frozen units
-        _observe("shards", shards)
-    if sharded and not _dist.is_primary():
-        progress = False  # one bar, on rank 0
+    if classify and sharded:
+        raise ValueError(f"criterion={criterion!r} (classification) does not run distributed; "
+                         "pass distributed=False")
+    shards: Shards | None = None
+    batches: list[Any] = []
+    if classify:
+        from attnuq.calibration._classify import prepare_classes
+
+        with torch.no_grad():
+            cbatches = prepare_classes(model, data, output_fn)
+        batches = list(cbatches)
+        n_examples = sum(0 if cb.labels is None else int(cb.labels.numel()) for cb in cbatches)
+        frozen_calls = len(batches)
+    else:
+        shards = prepare_sharded(
+            model, data, output_fn, seed=seed, chunk_examples=chunk_examples, active=sharded,
+            n_passes=m,
+            settings={"criterion": criterion, "search": search, "n_passes": m,
+                      "nu_range": (lo, hi), "level": level, "grid_size": grid_size,
+                      "max_evals": max_evals, "surrogate_noise": surrogate_noise,
+                      "batch_replicas": batch_replicas, "max_rows": max_rows,
+                      "per_layer": per_layer},
+        )
+        n_examples, frozen_calls = shards.n_examples, len(shards.units)
+        if _observe is not None:  # private hook (attnuq.SARegressor): the frozen units
+            _observe("shards", shards)
+        if sharded and not _dist.is_primary():
+            progress = False  # one bar, on rank 0
     if n_examples < 2:
         raise ValueError(
             f"calibration data has {n_examples} example: the standard errors of the criterion "
             "(and the grid's noise band) need at least 2 examples"
         )
-    s0 = shards.residual_scale()
+    if classify:
+        from attnuq.calibration._classify import class_residual_scale, sample_classes
+
+        s0 = class_residual_scale(batches)
+    else:
+        assert shards is not None
+        s0 = shards.residual_scale()
     if s0 <= 0:
         raise ValueError("the frozen model fits every calibration target exactly (s_0 = 0)")
 
@@ -288,8 +320,12 @@ def calibrate(
 
     def passes(nu: int, nu_spec: dict[str, int] | None = None) -> tuple[Evaluation, Any]:
         t0 = time.perf_counter()
-        st = sample_sharded(model, shards, nu, m, output_fn, batch_replicas, max_rows,
-                            nu_spec=nu_spec)
+        if classify:
+            st = sample_classes(model, batches, nu, m, seed, output_fn, batch_replicas, max_rows)
+        else:
+            assert shards is not None
+            st = sample_sharded(model, shards, nu, m, output_fn, batch_replicas, max_rows,
+                                nu_spec=nu_spec)
         if st.max_change == 0.0:
             where = f"nu={nu}" if nu_spec is None else f"nu={nu_spec}"
             raise RuntimeError(

@@ -69,7 +69,28 @@ E[v + r^2]`` estimated from the passes' own norms. ``"auto"`` keeps the paper's 
 dimension is smaller than ``d`` and ``"paper-debiased"`` (whose ``rho_hat`` measures it) can be
 chosen explicitly.
 
-:data:`CRITERIA` (the names, in registry order) is the one list every caller reads: the
+Classification criteria (:data:`CLASSIFICATION_CRITERIA`; the passes' ``dev`` are then logit
+deviations ``(M, N, C)`` of ``N`` labelled rows -- examples, or tokens of a language model --,
+``resid = onehot(y) - softmax(f)``, and :class:`PassStats` also holds the frozen logits and the
+labels):
+
+* ``"nll"``: the mean negative log-likelihood of the Monte Carlo mean probability
+  ``p_bar = mean_m softmax(f_nu^{(m)})`` at the true class, ``-mean_i ln p_bar_{i, y_i}``
+  (a proper score; METHODS.md section 3).
+* ``"nll-temperature"``: the same NLL at the temperature ``T`` that minimises it on these passes
+  (:func:`attnuq.categorical.fit_temperature`), i.e. the NLL profiled over ``T``: ``nu`` is then
+  compared at each ``nu``'s best temperature, so SA is chosen over the frozen model only where
+  its spread lowers the NLL beyond what one temperature does.
+
+Their target scale: ``s_* = k_* s(nu)``, ``k_*`` the factor on the logit deviations
+``f + k (f_nu - f)`` that minimises the criterion (bounded Brent over ``ln k`` in
+``[-6 ln 2, 6 ln 2]``; for ``"nll-temperature"`` jointly with ``ln T``, Nelder-Mead). The
+scale ``s(nu)`` and the search are those of regression.
+
+NOTE(paper): the paper has no classification criterion ("needs a dedicated residual
+functional"); both are ours.
+
+:data:`CRITERIA` (the regression names, in registry order) is the one list every caller reads: the
 ``criterion=`` check of :func:`attnuq.calibrate`, ``attnuq calibrate --criterion`` and ``attnuq
 bench calibration --criteria``.
 """
@@ -87,6 +108,7 @@ import torch
 
 __all__ = [
     "AUTO_RHO",
+    "CLASSIFICATION_CRITERIA",
     "CRITERIA",
     "CalibrationCriterion",
     "CriterionValue",
@@ -100,6 +122,8 @@ __all__ = [
 
 #: the ``criterion=`` values, for type checkers (tests check it equals :data:`CRITERIA`)
 Criterion = Literal["paper", "scale", "crps", "coverage", "paper-debiased", "auto"]
+#: the classification ``criterion=`` values
+ClassificationCriterion = Literal["nll", "nll-temperature"]
 
 #: ``"auto"`` keeps the paper's criterion where its bias ``rho_{d,M}`` is at least this
 AUTO_RHO = 0.98
@@ -145,13 +169,18 @@ class PassStats:
     pairs: list[torch.Tensor]  # per batch (B, P): sum_{i,j} |d_i - d_j|
     calls: int = 0
     max_change: float = 0.0
+    logits: list[torch.Tensor] | None = None  # classification: per batch (N, C) frozen logits
+    labels: list[torch.Tensor] | None = None  # classification: per batch (N,) class ids
 
     @classmethod
     def from_deviations(
-        cls, dev: list[torch.Tensor], resid: list[torch.Tensor], *, calls: int = 0
+        cls, dev: list[torch.Tensor], resid: list[torch.Tensor], *, calls: int = 0,
+        logits: list[torch.Tensor] | None = None, labels: list[torch.Tensor] | None = None,
     ) -> PassStats:
         """Statistics from per-batch deviations ``f_nu - f`` ``(M, B, P)`` and residuals
-        ``y - f`` ``(B, P)`` (float64); ``M >= 2``."""
+        ``y - f`` ``(B, P)`` (float64); ``M >= 2``. A classifier's passes also give the frozen
+        logits ``(B, C)`` and labels ``(B,)`` per batch (``P = C``; the residual is then
+        ``onehot(y) - softmax(f)``)."""
         if not dev or len(dev) != len(resid):
             raise ValueError(
                 f"dev and resid must be equally long, non-empty lists, got {len(dev)=} and "
@@ -177,6 +206,8 @@ class PassStats:
         return cls(
             r_mean=torch.cat(r_mean), r_var=torch.cat(r_var), z=torch.cat(zs), dev=list(dev),
             resid=list(resid), pairs=pairs, calls=calls, max_change=max_change,
+            logits=None if logits is None else list(logits),
+            labels=None if labels is None else list(labels),
         )
 
     @property
@@ -307,7 +338,7 @@ def norm_ratio(d: int, n_passes: int | None = None) -> float:
     return mu1sq / (d + extra)
 
 
-def resolve_criterion(name: str, d: int, n_passes: int) -> Criterion:
+def resolve_criterion(name: str, d: int, n_passes: int) -> Criterion | ClassificationCriterion:
     """The criterion ``name`` stands for on a ``d``-element output with ``M = n_passes``:
     ``"auto"`` is ``"paper"`` where ``norm_ratio(d, M) >= AUTO_RHO`` and ``"paper-debiased"``
     below; every other name is itself.
@@ -351,6 +382,56 @@ def _coverage(st: PassStats, level: float, s0: float) -> CriterionValue:
     return CriterionValue(abs(c - level), g, target * st.scale)
 
 
+def _class_parts(st: PassStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(f (N, C), d (M, N, C), y (N,))`` of a classifier's passes, batches concatenated."""
+    if st.logits is None or st.labels is None:
+        raise ValueError(
+            "a classification criterion needs the passes of a classifier (frozen logits and "
+            "labels); these statistics come from a regression pass"
+        )
+    return torch.cat(st.logits, 0), torch.cat(st.dev, 1), torch.cat(st.labels, 0)
+
+
+_LOG_K = (-6 * math.log(2.0), 6 * math.log(2.0))
+
+
+def _nll(st: PassStats, level: float, s0: float) -> CriterionValue:
+    from scipy.optimize import minimize_scalar
+
+    from attnuq.categorical import mc_nll
+
+    f, d, y = _class_parts(st)
+    g = mc_nll(f + d, y)
+
+    def at(log_k: float) -> float:
+        return float(mc_nll(f + math.exp(log_k) * d, y).mean())
+
+    k = math.exp(minimize_scalar(at, bounds=_LOG_K, method="bounded",
+                                 options={"xatol": 1e-3}).x)
+    return CriterionValue(float(g.mean()), g, k * st.scale)
+
+
+def _nll_temperature(st: PassStats, level: float, s0: float) -> CriterionValue:
+    import numpy as _np
+    from scipy.optimize import minimize
+
+    from attnuq.categorical import TEMPERATURE_RANGE, fit_temperature, mc_nll
+
+    f, d, y = _class_parts(st)
+    t = fit_temperature(f + d, y)
+    g = mc_nll(f + d, y, t)
+    lt = (math.log(TEMPERATURE_RANGE[0]), math.log(TEMPERATURE_RANGE[1]))
+
+    def at(v: _np.ndarray) -> float:  # v = (ln k, ln T)
+        lk, ltv = float(_np.clip(v[0], *_LOG_K)), float(_np.clip(v[1], *lt))
+        return float(mc_nll(f + math.exp(lk) * d, y, math.exp(ltv)).mean())
+
+    res = minimize(at, _np.array([0.0, math.log(t)]), method="Nelder-Mead",
+                   options={"xatol": 1e-3, "fatol": 1e-7, "maxiter": 200})
+    k = math.exp(float(_np.clip(res.x[0], *_LOG_K)))
+    return CriterionValue(float(g.mean()), g, k * st.scale)
+
+
 @dataclass(frozen=True)
 class CalibrationCriterion:
     """One registered criterion: its name, a one-line description and the function
@@ -363,9 +444,10 @@ class CalibrationCriterion:
     ('scale', 'mean perturbation scale equals residual scale: |ln(s(nu) / s_0)|')
     """
 
-    name: Criterion
+    name: Criterion | ClassificationCriterion
     description: str
     objective: Callable[[PassStats, float, float], CriterionValue]
+    task: Literal["regression", "classification"] = "regression"
 
 
 _REGISTRY: Mapping[str, CalibrationCriterion] = MappingProxyType({
@@ -391,29 +473,47 @@ _REGISTRY: Mapping[str, CalibrationCriterion] = MappingProxyType({
             "auto", "paper where the output's dimension makes its bias below 2 in 100, else "
             "paper-debiased", _auto,
         ),
+        CalibrationCriterion(
+            "nll", "classification: NLL of the Monte Carlo mean probability at T = 1", _nll,
+            "classification",
+        ),
+        CalibrationCriterion(
+            "nll-temperature", "classification: NLL of the Monte Carlo mean probability at its "
+            "best temperature (profiled over T)", _nll_temperature, "classification",
+        ),
     )
 })
 
-#: the criterion names, in registry order: the one list every caller reads
-CRITERIA: tuple[Criterion, ...] = tuple(c.name for c in _REGISTRY.values())
+#: the regression criterion names, in registry order: the one list every caller reads
+CRITERIA: tuple[Criterion, ...] = tuple(
+    c.name for c in _REGISTRY.values() if c.task == "regression"  # type: ignore[misc]
+)
+#: the classification criterion names (integer labels; :class:`attnuq.SAClassifier`)
+CLASSIFICATION_CRITERIA: tuple[ClassificationCriterion, ...] = tuple(
+    c.name for c in _REGISTRY.values() if c.task == "classification"  # type: ignore[misc]
+)
 
 
 def get_criterion(name: str) -> CalibrationCriterion:
-    """The registered criterion ``name`` (one of :data:`CRITERIA`); its ``.name`` is typed as
-    the ``criterion=`` literal, so ``calibrate(..., criterion=get_criterion(s).name)`` checks.
+    """The registered criterion ``name`` (one of :data:`CRITERIA` or
+    :data:`CLASSIFICATION_CRITERIA`); its ``.name`` is typed as the ``criterion=`` literal, so
+    ``calibrate(..., criterion=get_criterion(s).name)`` checks.
 
     Examples
     --------
-    >>> get_criterion("paper").name
-    'paper'
-    >>> get_criterion("nll")  # doctest: +ELLIPSIS
+    >>> get_criterion("paper").name, get_criterion("nll").task
+    ('paper', 'classification')
+    >>> get_criterion("mse")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: criterion must be one of ('paper', 'scale', ..., 'auto'), got criterion='nll'
+    ValueError: criterion must be one of ('paper', ...) or ('nll', ...), got criterion='mse'
     """
     crit = _REGISTRY.get(name) if isinstance(name, str) else None
     if crit is None:
-        raise ValueError(f"criterion must be one of {CRITERIA}, got criterion={name!r}")
+        raise ValueError(
+            f"criterion must be one of {CRITERIA} or {CLASSIFICATION_CRITERIA}, got "
+            f"criterion={name!r}"
+        )
     return crit
 
 
@@ -464,6 +564,8 @@ def summarise(st: PassStats, criterion: str, level: float, s0: float) -> Summary
 
     s = st.scale
     s_se = se(st.r_mean)
+    if st.labels is not None:
+        return _summarise_classes(st, crit, level, s0, se)
     values = {
         "l_sa": float((st.r_var + (st.r_mean - st.z) ** 2).mean()),
         "crps": float(crps_rescaled(st, _ONE)[0].mean()),
@@ -476,3 +578,32 @@ def summarise(st: PassStats, criterion: str, level: float, s0: float) -> Summary
     v = crit.objective(st, level, s0)
     return Summary(v.objective, se(v.influence), v.influence.numpy(), s, s_se, v.target_scale,
                    values)
+
+
+def _summarise_classes(st: PassStats, crit: CalibrationCriterion, level: float, s0: float,
+                       se: Callable[[torch.Tensor], float]) -> Summary:
+    """:func:`summarise` for a classifier's passes: ``values`` holds ``nll`` (``T = 1``),
+    ``nll_temperature`` and ``temperature`` (its best ``T``) and ``scale_ratio``."""
+    from attnuq.categorical import fit_temperature, mc_nll
+
+    if crit.task != "classification":
+        raise ValueError(
+            f"criterion={crit.name!r} is a regression criterion; a classifier's passes need one "
+            f"of {CLASSIFICATION_CRITERIA}"
+        )
+    f, d, y = _class_parts(st)
+    t = fit_temperature(f + d, y)
+    s = st.scale
+    values = {
+        "nll": float(mc_nll(f + d, y).mean()),
+        "nll_temperature": float(mc_nll(f + d, y, t).mean()),
+        "temperature": t,
+        "scale_ratio": s / s0 if s0 > 0 else float("inf"),
+    }
+    n = st.r_mean.numel()
+    if s <= 0:
+        nan = float("nan")
+        return Summary(nan, nan, np.zeros(n), s, se(st.r_mean), nan, values)
+    v = crit.objective(st, level, s0)
+    return Summary(v.objective, se(v.influence), v.influence.numpy(), s, se(st.r_mean),
+                   v.target_scale, values)

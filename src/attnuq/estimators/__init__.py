@@ -16,6 +16,7 @@ _LAZY: dict[str, str] = {
     "SARegressor": "attnuq.estimators._regressor:SARegressor",
     "SAPredictive": "attnuq.estimators._regressor:SAPredictive",
     "EstimatorWarning": "attnuq.estimators._common:EstimatorWarning",
+    "SAClassifier": "attnuq.estimators._classifier:SAClassifier",
 }
 
 __all__ = sorted(_LAZY)

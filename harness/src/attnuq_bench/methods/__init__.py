@@ -33,6 +33,13 @@ Registered names (:func:`available_methods`):
 ``gaussian``   homoscedastic Gaussian, sigma from validation residuals
 ============== =============================================================================
 
+Classification (a :class:`Task` with ``kind="classification"``: logits in, class ids as
+targets; each returns a :class:`~attnuq.methods.classification.ClassPredictive`):
+``softmax`` (frozen), ``temperature``, ``mc-dropout-cls``, ``ensemble-cls``, ``laplace-cls``
+(laplace-torch), ``conformal-cls`` (sets on the frozen softmax), ``sa-cls``
+(:class:`attnuq.SAClassifier`), ``levy`` (the Levy classifier's probit pass); see
+:mod:`attnuq.methods.classification`.
+
 One name is one method in every suite (UCI, ETT, ERA5, PhysioNet choose methods by name only):
 ``conformal`` is per output coordinate, so the multi-output suites use it as it is;
 ``make_method("sa-conformal", base=sa)`` shares a fitted ``sa-paper``'s ``nu`` and its test
@@ -59,6 +66,17 @@ from attnuq_bench.methods._base import (
     make_method,
     method_implementation,
     register_method,
+)
+from attnuq_bench.methods.classification import (
+    ClassPredictive,
+    ConformalSets,
+    DeepEnsembleClassifier,
+    FrozenSoftmax,
+    LaplaceClassifier,
+    LevyProbit,
+    MCDropoutClassifier,
+    SAClassifierMethod,
+    TemperatureScaling,
 )
 from attnuq_bench.methods.coverage import coverage_scale, needed_scales
 from attnuq_bench.methods.ensemble import DeepEnsemble
@@ -93,25 +111,43 @@ register_method("laplace", LastLayerLaplace)
 register_method("hsa", HSA)
 register_method("conformal", SplitConformal)
 register_method("gaussian", HomoscedasticGaussian)
+# classification (Task(kind="classification"); attnuq.methods.classification)
+register_method("softmax", FrozenSoftmax)
+register_method("temperature", TemperatureScaling)
+register_method("mc-dropout-cls", MCDropoutClassifier)
+register_method("ensemble-cls", DeepEnsembleClassifier)
+register_method("laplace-cls", LaplaceClassifier)
+register_method("conformal-cls", ConformalSets)
+register_method("sa-cls", SAClassifierMethod)
+register_method("levy", LevyProbit)
 
 __all__ = [
     "HSA",
     "SWAG",
+    "ClassPredictive",
+    "ConformalSets",
     "Cost",
     "DeepEnsemble",
+    "DeepEnsembleClassifier",
+    "FrozenSoftmax",
     "HomoscedasticGaussian",
     "IVONMethod",
+    "LaplaceClassifier",
     "LastLayerLaplace",
+    "LevyProbit",
     "MCDropout",
+    "MCDropoutClassifier",
     "Method",
     "MultiSWAG",
     "PredictiveLike",
     "RecommendedSA",
     "ResidualQuantiles",
+    "SAClassifierMethod",
     "SWAGCollector",
     "SplitConformal",
     "StochasticAttention",
     "Task",
+    "TemperatureScaling",
     "available_methods",
     "collect",
     "coverage_scale",

@@ -57,6 +57,7 @@ from attnuq.predictive import GaussianPredictive, Predictive
 from attnuq_bench.training import Batches, as_batches, count_rows, default_forward, output_mean
 
 __all__ = [
+    "TASK_KINDS",
     "Cost",
     "Method",
     "PredictiveLike",
@@ -70,6 +71,9 @@ __all__ = [
 ]
 
 PredictiveLike = Predictive | GaussianPredictive
+
+#: the kinds of :class:`Task` (see its ``kind``)
+TASK_KINDS = ("regression", "classification")
 
 
 @dataclass
@@ -164,6 +168,11 @@ class Task:
     member_dir
         Optional folder where retrained members are cached as ``member<seed>.pt`` (+ cost JSON),
         so interrupted benchmarks resume without retraining.
+    kind
+        ``"regression"`` (``forward_fn`` gives predictions shaped like the targets) or
+        ``"classification"`` (``forward_fn`` gives logits ``(B, K)``, targets are class ids
+        ``(B,)``; see :mod:`attnuq.methods.classification`). A method states the kinds it
+        serves (:attr:`Method.task_kinds`) and refuses the others.
 
     Examples
     --------
@@ -193,6 +202,7 @@ class Task:
     n_train: int | None = None
     batch_size: int = 256
     member_dir: Path | None = None
+    kind: str = "regression"
     _members: dict[int, tuple[nn.Module, Cost]] = field(default_factory=dict, repr=False)
     #: seconds spent training members inside :meth:`member` (so a method's fit does not book
     #: the same training twice: once as elapsed time, once as the member's recorded cost)
@@ -201,6 +211,8 @@ class Task:
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(self.model).__name__}")
+        if self.kind not in TASK_KINDS:
+            raise ValueError(f"kind must be one of {TASK_KINDS}, got kind={self.kind!r}")
         self.train = as_batches(self.train, batch_size=self.batch_size, shuffle=True)
         self.val = as_batches(self.val, batch_size=self.batch_size)
         self.cal = as_batches(self.cal, batch_size=self.batch_size)
@@ -363,6 +375,8 @@ class Method(ABC):
     #: set of draws scores both rows, e.g. ``sa-conformal`` built with ``base=`` a fitted
     #: ``sa-paper``); ``None``: :meth:`predict` only
     derived_from: str | None = None
+    #: the :attr:`Task.kind` s this method serves (:meth:`fit` refuses the others)
+    task_kinds: tuple[str, ...] = ("regression",)
 
     def __init__(self) -> None:
         self.cost = Cost()
@@ -378,6 +392,9 @@ class Method(ABC):
         """Fit the method on ``task`` and return ``self``; the time goes to ``cost.fit_seconds``."""
         if not isinstance(task, Task):
             raise TypeError(f"task must be an attnuq_bench.methods.Task, got {type(task).__name__}")
+        if task.kind not in self.task_kinds:
+            raise ValueError(f"method {self.name!r} serves {list(self.task_kinds)} tasks, got "
+                             f"a task of kind={task.kind!r}")
         self._task = task
         t0, trained0 = time.perf_counter(), task._member_train_seconds
         extra = self._fit(task)

@@ -44,6 +44,8 @@ SUITES: dict[str, str] = {
     "era5": "attnuq_bench.suites.era5",
     "physionet": "attnuq_bench.suites.physionet",
     "calibration": "attnuq_bench.suites.nu_search",
+    "mortality": "attnuq_bench.suites.mortality",
+    "digits": "attnuq_bench.suites.digits",
 }
 
 

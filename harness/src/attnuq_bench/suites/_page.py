@@ -389,6 +389,9 @@ def pit_figure(path: str | Path, title: str, panels: Mapping[str, Sequence[float
     return Path(path)
 
 
+#: the backbone metrics of summary.json: regression (lower is better), classification (higher)
+BACKBONE_METRICS = ("rmse", "mse", "auroc", "accuracy")
+
 #: the keys issue #19 names per method (lower is better except coverage)
 SUMMARY_METRICS = ("rmse", "mse", "crps", "pi95_width_cal", "coverage95_native", "w1_native")
 
@@ -396,9 +399,11 @@ SUMMARY_METRICS = ("rmse", "mse", "crps", "pi95_width_cal", "coverage95_native",
 def update_summary(path: str | Path, suite: str, datasets: Mapping[str, Any]) -> Path:
     """Set ``suite``'s key of the summary JSON at ``path`` to ``datasets``; keep the others.
 
-    ``datasets`` maps a data set name to ``{"backbone": {"metric": "rmse" | "mse", "value",
-    "reference", "reference_name"}, "splits": int, "methods": {method: {metric: float}}}``
-    (issue #19). Written atomically; a torn file is rebuilt with this suite's key only.
+    ``datasets`` maps a data set name to ``{"backbone": {"metric": "rmse" | "mse" | "auroc" |
+    "accuracy", "value", "reference", "reference_name"}, "splits": int, "methods": {method:
+    {metric: float}}}`` (issue #19; lower is better for ``rmse``/``mse``, higher for the
+    classification backbones' ``auroc``/``accuracy``, issue #33). Written atomically; a torn
+    file is rebuilt with this suite's key only.
 
     Examples
     --------
@@ -413,8 +418,9 @@ def update_summary(path: str | Path, suite: str, datasets: Mapping[str, Any]) ->
     for ds, e in datasets.items():
         if not isinstance(e, Mapping) or not {"backbone", "splits", "methods"} <= set(e):
             raise ValueError(f"summary entry of {ds!r} needs backbone, splits and methods: {e!r}")
-        if e["backbone"].get("metric") not in ("rmse", "mse"):
-            raise ValueError(f"backbone metric of {ds!r} must be 'rmse' or 'mse': {e['backbone']}")
+        if e["backbone"].get("metric") not in BACKBONE_METRICS:
+            raise ValueError(f"backbone metric of {ds!r} must be one of {BACKBONE_METRICS}: "
+                             f"{e['backbone']}")
     path = Path(path)
     old = read_json_or_none(path, "results summary", validate=lambda d: isinstance(d, dict))
     new = {**(old or {}), suite: plain(datasets)}

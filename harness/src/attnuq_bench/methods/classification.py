@@ -1,0 +1,488 @@
+r"""Classification methods on a frozen classifier: one class each, same interface as regression.
+
+A classification :class:`~attnuq_bench.methods.Task` has ``kind="classification"``: its
+``forward_fn(model, inputs)`` returns logits ``(B, K)`` (``K = 1``: one binary logit, the
+probability of class 1 is its sigmoid; ``(B,)`` is read as ``(B, 1)``), or an output object
+with a ``mean`` logit (the Levy classifier's :class:`~attnuq_bench.models.classifiers.LevyLogit`),
+and its targets are class ids ``(B,)`` in ``[0, C)``, ``C = max(K, 2)``. Every method here
+returns a :class:`ClassPredictive`: probabilities ``(B, C)`` (binary: ``[1 - p, p]``) and, for
+the Monte Carlo ones, the per-draw probabilities ``(S, B, C)``.
+
+============== ===========================================================================
+``softmax``    the frozen model's softmax (sigmoid for one logit); the max-softmax baseline
+``temperature`` temperature scaling (Guo et al. 2017): ``softmax(z / T)``, ``T`` by validation
+               NLL (golden-section search on ``log T``; the NLL is convex in ``1 / T``)
+``mc-dropout-cls`` the frozen model's dropout modules active at test time, ``S`` passes, the
+               mean of the draws' probabilities
+``ensemble-cls`` deep ensemble: ``M`` members retrained by the task's recipe, mean probability
+``laplace-cls`` last-layer Laplace of laplace-torch (full Hessian, prior precision by marginal
+               likelihood, GLM predictive with the probit link); one binary logit ``z`` is
+               written as the two logits ``(0, z)``
+``conformal-cls`` split conformal prediction sets on the frozen softmax (``score`` ``lac``,
+               ``aps`` or ``raps``); its probabilities are the frozen softmax's
+``sa-cls``     stochastic attention through :class:`attnuq.SAClassifier` (thin wrapper)
+``levy``       the Levy classifier's one pass: ``sigmoid(mu / sqrt(1 + pi sigma^2 / 8))``
+============== ===========================================================================
+
+Examples
+--------
+>>> import torch
+>>> from torch import nn
+>>> from attnuq_bench.methods import Task, make_method
+>>> _ = torch.manual_seed(0)
+>>> net = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3)).eval()
+>>> x, y = torch.randn(60, 2), torch.randint(0, 3, (60,))
+>>> task = Task(model=net, train=(x, y), val=(x, y), cal=(x, y), kind="classification")
+>>> pred = make_method("temperature").fit(task).predict(x[:4])
+>>> pred.probs.shape, bool(torch.allclose(pred.probs.sum(1), torch.ones(4).double()))
+(torch.Size([4, 3]), True)
+>>> make_method("mc-dropout-cls", n_samples=5).fit(task).predict(x[:4]).samples.shape
+torch.Size([5, 4, 3])
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnuq._validation import check_positive_int
+from attnuq_bench.methods._base import Cost, Method, Task, split_batch
+from attnuq_bench.methods.simple import dropout_active
+from attnuq_bench.training import as_batches
+
+__all__ = ["ClassPredictive", "ConformalSets", "DeepEnsembleClassifier", "FrozenSoftmax",
+           "LaplaceClassifier", "LevyProbit", "MCDropoutClassifier", "SAClassifierMethod",
+           "TemperatureScaling", "collect_logits", "logits_of", "probs_from_logits"]
+
+
+@dataclass
+class ClassPredictive:
+    """A categorical predictive: ``probs`` ``(B, C)`` and optional per-draw ``samples``
+    ``(S, B, C)`` (probabilities of each draw; ``probs`` is their mean for the Monte Carlo
+    methods).
+
+    Entropies in nats: :attr:`entropy` ``H[p]`` ``(B,)``; :attr:`expected_entropy`
+    ``E_s H[p_s]`` and :attr:`mutual_information` ``H[p] - E_s H[p_s]`` (``None`` without
+    draws).
+
+    >>> p = ClassPredictive(probs=torch.tensor([[0.5, 0.5]]),
+    ...                     samples=torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]]]))
+    >>> round(float(p.entropy[0]), 4), float(p.expected_entropy[0]), round(float(
+    ...     p.mutual_information[0]), 4)
+    (0.6931, 0.0, 0.6931)
+    """
+
+    probs: torch.Tensor
+    samples: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.probs.dim() != 2 or self.probs.shape[1] < 2:
+            raise ValueError(f"probs must be (B, C) with C >= 2, got {tuple(self.probs.shape)}")
+        if self.samples is not None and self.samples.shape[1:] != self.probs.shape:
+            raise ValueError(f"samples must be (S, *{tuple(self.probs.shape)}), got "
+                             f"{tuple(self.samples.shape)}")
+
+    @staticmethod
+    def _h(p: torch.Tensor) -> torch.Tensor:
+        return -(p * torch.log(p.clamp_min(1e-12))).sum(-1)
+
+    @property
+    def entropy(self) -> torch.Tensor:
+        return self._h(self.probs)
+
+    @property
+    def expected_entropy(self) -> torch.Tensor | None:
+        return None if self.samples is None else self._h(self.samples).mean(0)
+
+    @property
+    def mutual_information(self) -> torch.Tensor | None:
+        ee = self.expected_entropy
+        return None if ee is None else (self.entropy - ee).clamp_min(0)
+
+
+def probs_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Class probabilities ``(..., C)`` of logits ``(..., K)``: softmax, or for ``K = 1`` the
+    sigmoid written as ``[1 - p, p]``; logits are divided by ``temperature`` first.
+
+    >>> probs_from_logits(torch.tensor([[0.0]])).tolist()
+    [[0.5, 0.5]]
+    """
+    z = logits.double() / temperature
+    if z.shape[-1] == 1:
+        p = torch.sigmoid(z)
+        return torch.cat([1 - p, p], dim=-1)
+    return torch.softmax(z, dim=-1)
+
+
+def logits_of(task: Task, model: nn.Module, inputs: Any) -> torch.Tensor:
+    """The logits ``(B, K)`` of ``model`` on ``inputs`` through the task's ``forward_fn`` (an
+    output object gives its ``mean``; ``(B,)`` becomes ``(B, 1)``)."""
+    out = task.forward(model, inputs)
+    if out.dim() == 1:
+        out = out[:, None]
+    if out.dim() != 2:
+        raise ValueError(f"a classifier's forward_fn must give logits (B, K), got "
+                         f"{tuple(out.shape)}")
+    return out
+
+
+def collect_logits(task: Task, model: nn.Module, batches: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``(N, K)`` (float64, eval mode, no gradients) and targets ``(N,)`` over
+    ``batches``; the targets are checked to be class ids in ``[0, max(K, 2))``."""
+    zs, ys = [], []
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        for batch in as_batches(batches):
+            x, y = split_batch(batch)
+            zs.append(logits_of(task, model, x).double().cpu())
+            ys.append(y.cpu())
+    model.train(was)
+    if not zs:
+        raise ValueError("empty data: no batches")
+    z, y = torch.cat(zs), torch.cat(ys)
+    check_targets(y, max(z.shape[1], 2))
+    return z, y.long()
+
+
+def check_targets(y: torch.Tensor, n_classes: int) -> None:
+    """Raise unless ``y`` holds integer class ids in ``[0, n_classes)``."""
+    if y.is_floating_point():
+        if not bool((y == y.round()).all()):
+            raise ValueError(f"targets must be integer class ids, got e.g. "
+                             f"{y[y != y.round()][0].item()!r}")
+    bad = (y < 0) | (y >= n_classes)
+    if bool(bad.any()):
+        raise ValueError(f"targets must lie in [0, {n_classes}), got {y[bad][0].item()!r}")
+
+
+def _nll(z: torch.Tensor, y: torch.Tensor, temperature: float) -> float:
+    p = probs_from_logits(z, temperature)
+    return float(-torch.log(p.gather(1, y[:, None]).clamp_min(1e-300)).mean())
+
+
+def fit_temperature_nll(z: torch.Tensor, y: torch.Tensor, *, log_range: tuple[float, float] = (
+        -4.0, 4.0), iters: int = 80) -> float:
+    """The temperature minimising the NLL of ``softmax(z / T)`` (golden section on ``log T``;
+    the NLL is convex in ``1 / T``, so unimodal in ``log T``).
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> z = torch.randn(4000, 3, generator=g, dtype=torch.float64)
+    >>> y = torch.multinomial(torch.softmax(z, 1), 1, generator=g)[:, 0]
+    >>> 0.9 < fit_temperature_nll(3 * z, y) / 3 < 1.1   # logits 3x too sharp
+    True
+    """
+    a, b = log_range
+    gr = (math.sqrt(5) - 1) / 2
+    c, d = b - gr * (b - a), a + gr * (b - a)
+    fc, fd = _nll(z, y, math.exp(c)), _nll(z, y, math.exp(d))
+    for _ in range(iters):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - gr * (b - a)
+            fc = _nll(z, y, math.exp(c))
+        else:
+            a, c, fc = c, d, fd
+            d = a + gr * (b - a)
+            fd = _nll(z, y, math.exp(d))
+    return math.exp((a + b) / 2)
+
+
+class _ClassMethod(Method):
+    """Base of the classification methods: refuses regression tasks."""
+
+    task_kinds = ("classification",)
+
+    def predict(self, inputs: Any) -> ClassPredictive:  # type: ignore[override]
+        return super().predict(inputs)  # type: ignore[return-value]
+
+
+class FrozenSoftmax(_ClassMethod):
+    """The frozen model's class probabilities (one pass)."""
+
+    implementation = "attnuq (softmax / sigmoid of the frozen logits)"
+
+    def _fit(self, task: Task) -> Cost | None:
+        return None
+
+    def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
+        with torch.no_grad():
+            z = logits_of(task, task.model.eval(), inputs)
+        return ClassPredictive(probs=probs_from_logits(z)), 1
+
+
+class TemperatureScaling(_ClassMethod):
+    """``softmax(z / T)`` with ``T`` minimising the validation NLL (:func:`fit_temperature_nll`)."""
+
+    implementation = ("attnuq (golden section on log T over the validation NLL); agrees with "
+                      "torch-uncertainty 0.13 TemperatureScaler (tests/methods/"
+                      "test_classification_methods.py)")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature: float | None = None
+
+    def _fit(self, task: Task) -> Cost | None:
+        z, y = collect_logits(task, task.model, task.val)
+        self.cost.fit_forward += y.shape[0]
+        self.temperature = fit_temperature_nll(z, y)
+        return None
+
+    def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
+        assert self.temperature is not None
+        with torch.no_grad():
+            z = logits_of(task, task.model.eval(), inputs)
+        return ClassPredictive(probs=probs_from_logits(z, self.temperature)), 1
+
+    def info(self) -> dict[str, Any]:
+        return {"temperature": self.temperature}
+
+
+class MCDropoutClassifier(_ClassMethod):
+    """MC dropout: only the dropout modules active, ``n_samples`` seeded passes; the draws'
+    probabilities ``(S, B, C)`` and their mean."""
+
+    implementation = ("attnuq (attnuq_bench.methods.simple.dropout_active, as mc-dropout; "
+                      "mean of the passes' probabilities)")
+
+    def __init__(self, n_samples: int = 50, seed: int = 0) -> None:
+        super().__init__()
+        self.n_samples = check_positive_int(n_samples, "n_samples")
+        self.seed = int(seed)
+
+    def _fit(self, task: Task) -> Cost | None:
+        with dropout_active(task.model) as n:
+            if n == 0:
+                raise ValueError(f"mc-dropout-cls needs dropout modules of p > 0; "
+                                 f"{type(task.model).__name__} has none")
+        return None
+
+    def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
+        model = task.model.eval()
+        state = torch.get_rng_state()
+        torch.manual_seed(self.seed)
+        try:
+            with torch.no_grad(), dropout_active(model):
+                s = torch.stack([probs_from_logits(logits_of(task, model, inputs))
+                                 for _ in range(self.n_samples)])  # (S, B, C)
+        finally:
+            torch.set_rng_state(state)
+        return ClassPredictive(probs=s.mean(0), samples=s), self.n_samples
+
+
+class DeepEnsembleClassifier(_ClassMethod):
+    """Deep ensemble of ``n_members`` backbones (member 0 = the frozen model; the others from
+    ``task.member(seed)``); the members' probabilities and their mean."""
+
+    implementation = "attnuq (members retrained with the suite's recipe; mean probability)"
+
+    def __init__(self, n_members: int = 5) -> None:
+        super().__init__()
+        self.n_members = check_positive_int(n_members, "n_members")
+        if self.n_members < 2:
+            raise ValueError(f"an ensemble needs n_members >= 2, got {n_members=}")
+        self._models: list[nn.Module] = []
+
+    def _fit(self, task: Task) -> Cost | None:
+        task.require_retraining(self.name)
+        extra = Cost()
+        self._models = []
+        for seed in range(self.n_members):
+            m, c = task.member(seed)
+            self._models.append(m)
+            extra.fit_seconds += c.fit_seconds
+            extra.fit_forward += c.fit_forward
+        return extra
+
+    def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
+        with torch.no_grad():
+            s = torch.stack([probs_from_logits(logits_of(task, m.eval(), inputs))
+                             for m in self._models])  # (M, B, C)
+        return ClassPredictive(probs=s.mean(0), samples=s), len(self._models)
+
+
+def _two_logit_copy(model: nn.Module) -> nn.Module:
+    """A copy of a one-logit model whose last ``nn.Linear`` gives ``(0, z)`` instead of ``z``
+    (softmax of ``(0, z)`` is ``sigmoid(z)``), so a K-class method can treat it."""
+    from attnuq_bench.methods.laplace import find_last_linear
+
+    m = copy.deepcopy(model).eval()
+    name, lin = find_last_linear(m)
+    two = nn.Linear(lin.in_features, 2, bias=lin.bias is not None).to(lin.weight)
+    with torch.no_grad():
+        two.weight.zero_()
+        two.weight[1] = lin.weight[0]
+        if lin.bias is not None:
+            two.bias.zero_()
+            two.bias[1] = lin.bias[0]
+    parent, _, attr = name.rpartition(".")
+    setattr(m.get_submodule(parent) if parent else m, attr, two)
+    return m
+
+
+class LaplaceClassifier(_ClassMethod):
+    """Last-layer Laplace from laplace-torch: ``Laplace(model, "classification",
+    subset_of_weights="last_layer", hessian_structure="full")`` fitted on the training part,
+    prior precision by ``optimize_prior_precision(method="marglik")``, predictive
+    ``pred_type="glm", link_approx="probit"``. The model must take a tensor input and return
+    its logits (``model(x)``, laplace-torch's convention); a one-logit model is rewritten
+    with the two logits ``(0, z)`` (:func:`_two_logit_copy`)."""
+
+    implementation = ("laplace-torch 0.3 (Laplace(..., 'classification', last_layer, full), "
+                      "marglik prior precision, GLM predictive, probit link)")
+
+    def __init__(self, batch_size: int = 256) -> None:
+        super().__init__()
+        self.batch_size = check_positive_int(batch_size, "batch_size")
+        self._la: Any = None
+        self.prior_precision: float | None = None
+
+    def _fit(self, task: Task) -> Cost | None:
+        from laplace import Laplace
+        from torch.utils.data import DataLoader, TensorDataset
+
+        xs, ys = [], []
+        for batch in as_batches(task.train):
+            x, y = split_batch(batch)
+            if not isinstance(x, torch.Tensor):
+                raise NotImplementedError(
+                    f"laplace-cls needs tensor inputs (laplace-torch calls model(x)), got "
+                    f"{type(x).__name__}")
+            xs.append(x)
+            ys.append(y.long())
+        x, y = torch.cat(xs), torch.cat(ys)
+        with torch.no_grad():
+            k = logits_of(task, task.model.eval(), x[:2]).shape[1]
+        model = _two_logit_copy(task.model) if k == 1 else copy.deepcopy(task.model).eval()
+        with torch.no_grad():  # laplace-torch calls model(x): check it gives the task's logits
+            ref = probs_from_logits(logits_of(task, task.model, x[:4]))
+            got = torch.softmax(model(x[:4]).double(), -1)
+        if not torch.allclose(ref, got, atol=1e-5):
+            raise NotImplementedError("laplace-cls needs model(x) to be the task's logits")
+        loader = DataLoader(TensorDataset(x, y), batch_size=self.batch_size)
+        la = Laplace(model, "classification", subset_of_weights="last_layer",
+                     hessian_structure="full")
+        la.fit(loader)
+        la.optimize_prior_precision(method="marglik", pred_type="glm", link_approx="probit")
+        self._la = la
+        self.prior_precision = float(la.prior_precision.reshape(-1)[0])
+        self.cost.fit_forward += int(y.shape[0])
+        return None
+
+    def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
+        with torch.no_grad():
+            p = self._la(inputs, pred_type="glm", link_approx="probit")
+        return ClassPredictive(probs=p.double()), 1
+
+    def info(self) -> dict[str, Any]:
+        return {"prior_precision": self.prior_precision}
+
+
+class ConformalSets(FrozenSoftmax):
+    """Split conformal prediction sets on the frozen softmax (:meth:`predict_set`), the
+    threshold from the ``cal`` part by the library's conformal scores (``lac``, ``aps``,
+    ``raps``); :meth:`predict` is the frozen softmax."""
+
+    implementation = "attnuq.conformal (split conformal sets on the frozen softmax)"
+
+    def __init__(self, score: str = "lac") -> None:
+        super().__init__()
+        if score not in ("lac", "aps", "raps"):
+            raise ValueError(f"score must be 'lac', 'aps' or 'raps', got {score=!r}")
+        self.score = score
+        self._cal: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _fit(self, task: Task) -> Cost | None:
+        z, y = collect_logits(task, task.model, task.cal)
+        self.cost.fit_forward += y.shape[0]
+        self._cal = (probs_from_logits(z), y)
+        return None
+
+    def cal_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The calibration part's frozen probabilities ``(n, C)`` and labels ``(n,)``."""
+        if self._cal is None:
+            raise RuntimeError("conformal-cls is not fitted: call fit(task) first")
+        return self._cal
+
+
+class SAClassifierMethod(_ClassMethod):
+    """Stochastic attention through :class:`attnuq.SAClassifier` (a thin wrapper):
+    ``SAClassifier(task.model, output_fn=...).fit(task.val, task.cal)``; ``predict`` gives its
+    Monte Carlo mean probability and the draws, :meth:`predict_set` its sets. Keywords go to
+    the estimator (``score``, ``n_samples``, ...). The fit's example-forward passes are the
+    estimator's ``diagnostics["forward_passes"]`` (per example) times the validation and
+    calibration rows."""
+
+    implementation = ("attnuq.SAClassifier (fit(val, cal): nu by the validation NLL of the MC "
+                      "mean probability with a joint temperature; predict; predict_set)")
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self.kwargs = {"progress": False, **kwargs}
+        self.clf: Any = None
+
+    def _fit(self, task: Task) -> Cost | None:
+        import attnuq
+
+        self.clf = attnuq.SAClassifier(task.model, output_fn=_logits_output(task),  # type: ignore[attr-defined]
+                                       **self.kwargs)
+        self.clf.fit(list(as_batches(task.val)), list(as_batches(task.cal)))
+        d = self.clf.diagnostics
+        rows = int(d.get("n_val", 0)) + int(d.get("n_cal", 0))
+        self.cost.fit_forward += int(d.get("forward_passes", 0)) * rows
+        return None
+
+    def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
+        pred = self.clf.predict(inputs)
+        return (ClassPredictive(probs=pred.probs.double(), samples=pred.samples.double()),
+                int(pred.samples.shape[0]) + 1)
+
+    def predict_set(self, inputs: Any, alpha: float) -> torch.Tensor:
+        return self.clf.predict_set(inputs, alpha=alpha)
+
+    def info(self) -> dict[str, Any]:
+        if self.clf is None:
+            return {}
+        d = self.clf.diagnostics
+        keep = ("nu", "nu_at_edge", "temperature", "temperature_rule", "forward_passes",
+                "fit_seconds", "val", "val_mean_mutual_information", "n_val", "n_cal")
+        return {k: d[k] for k in keep if k in d}
+
+
+def _logits_output(task: Task) -> Any:
+    """``output_fn`` of the estimator: the task's ``forward_fn`` reads the model's output the
+    same way (a tensor of logits, or an object's ``mean``)."""
+    from attnuq_bench.training import output_mean
+
+    def output_fn(out: Any) -> torch.Tensor:
+        return output_mean(out)
+
+    return output_fn
+
+
+class LevyProbit(_ClassMethod):
+    """The Levy classifier's one pass: ``sigmoid(mu / sqrt(1 + pi sigma^2 / 8))`` of the
+    logit's mean and sigma (:func:`attnuq_bench.models.classifiers.probit_probability`'s formula;
+    ``forward_fn`` must return an object with ``mean`` and ``sigma`` ``(B,)``)."""
+
+    implementation = "attnuq (LevyAttention closed-form mean and sigma, probit approximation)"
+
+    def _fit(self, task: Task) -> Cost | None:
+        return None
+
+    def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
+        with torch.no_grad():
+            out = task.forward_fn(task.model.eval(), inputs)
+        mu, sd = getattr(out, "mean", None), getattr(out, "sigma", None)
+        if not isinstance(mu, torch.Tensor) or not isinstance(sd, torch.Tensor):
+            raise TypeError(f"levy needs a forward_fn output with mean and sigma tensors, got "
+                            f"{type(out).__name__}")
+        p = torch.sigmoid(mu.double().reshape(-1)
+                          / torch.sqrt(1.0 + math.pi * sd.double().reshape(-1) ** 2 / 8.0))
+        return ClassPredictive(probs=torch.stack([1 - p, p], -1)), 1

@@ -1,0 +1,198 @@
+"""The classification spine of the suites (``mortality``, ``digits``): predictions stored per
+item, scores computed from them by the library's metrics, sets, figures.
+
+A run item (one method on one backbone and seed) stores its predictions beside its JSON record
+(``<method>.npz``: class probabilities of the calibration part and of every evaluation set,
+the mutual information and expected entropy where the method draws samples, and the labels),
+written atomically before the record; the page is computed from these files alone
+(:func:`scores_of`), so ``--render-only`` and the page-regeneration test need nothing else.
+
+Scores (:func:`class_scores`, :mod:`attnuq.metrics`): NLL, Brier, ECE (15 equal-width bins of
+the top-label confidence), accuracy, AURC and error-AUROC of the method's uncertainty score
+(``1 - max_c p_c``); binary sets also AUROC and AUPRC of ``p_1`` and the AUROC on the 80 %
+most confident examples (confidence ``max(p, 1 - p)``). Sets (:func:`set_scores_of`): split
+conformal on the method's own calibration-part probabilities (:func:`attnuq.conformal_sets.
+fit_sets`), coverage and mean size on each evaluation set.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["class_scores", "compute_line", "load_predictions", "predict_all", "reliability_figure",
+           "save_predictions", "set_scores_of", "uncertainty_of"]
+
+#: the uncertainty score a method is ranked by for OOD detection: the mutual information for
+#: methods that draw samples, else ``1 - max_c p_c`` (max-softmax)
+OOD_SCORE = "mutual information (methods with draws), else 1 - max softmax"
+
+
+def predict_all(method: Any, batches: Sequence[Any]) -> dict[str, np.ndarray]:
+    """Probabilities ``(N, C)`` (float64) of a fitted classification method over ``batches``
+    (inputs only, or ``(inputs, targets)`` pairs), and its per-example mutual information and
+    expected entropy ``(N,)`` when it draws samples."""
+    probs, mi, ee = [], [], []
+    for b in batches:
+        x = b[0] if isinstance(b, tuple) else b
+        pred = method.predict(x)
+        probs.append(pred.probs.double().cpu())
+        if pred.samples is not None:
+            mi.append(pred.mutual_information.double().cpu())
+            ee.append(pred.expected_entropy.double().cpu())
+    out = {"probs": torch.cat(probs).numpy()}
+    if mi:
+        out["mi"] = torch.cat(mi).numpy()
+        out["ee"] = torch.cat(ee).numpy()
+    return out
+
+
+def save_predictions(path: Path, arrays: Mapping[str, np.ndarray]) -> Path:
+    """Write ``arrays`` to ``path`` (``.npz``, compressed) atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **{k: np.asarray(v) for k, v in arrays.items()})  # type: ignore[arg-type]
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(buf.getvalue())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_predictions(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a predictions file (raises ``FileNotFoundError`` naming it)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"predictions file {path} is missing: rerun the item")
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
+
+
+def uncertainty_of(probs: np.ndarray) -> np.ndarray:
+    """``1 - max_c p_c`` ``(N,)``."""
+    return 1.0 - np.asarray(probs).max(-1)
+
+
+def class_scores(probs: np.ndarray, y: np.ndarray, *, keep: float = 0.8) -> dict[str, float]:
+    """The scores of one method on one evaluation set (module docstring)."""
+    from attnuq import metrics
+
+    p = torch.as_tensor(np.asarray(probs, dtype=np.float64))
+    t = torch.as_tensor(np.asarray(y, dtype=np.int64))
+    binary = p.shape[1] == 2
+    pin = p[:, 1] if binary else p  # the binary conventions of the metrics (Brier: (p - y)^2)
+    wrong = (p.argmax(1) != t).double()
+    unc = torch.as_tensor(uncertainty_of(p.numpy()))
+    out = {"nll": float(metrics.nll_probs(pin, t)), "brier": float(metrics.brier_probs(pin, t)),
+           "ece": float(metrics.ece_probs(pin, t)), "accuracy": float(1 - wrong.mean()),
+           "aurc": float(metrics.aurc(unc, wrong)),
+           "auroc_error": (float(metrics.auroc_error(unc, wrong))
+                           if 0 < float(wrong.sum()) < len(wrong) else math.nan)}
+    if binary:
+        out["auroc"] = float(metrics.auroc(p[:, 1], t))
+        out["auprc"] = float(metrics.auprc(p[:, 1], t))
+        k = max(2, math.floor(keep * len(t)))
+        order = torch.sort(unc, stable=True).indices[:k]
+        ys = t[order]
+        out[f"auroc_top{round(100 * keep)}"] = (float(metrics.auroc(p[order, 1], ys))
+                                               if 0 < int(ys.sum()) < k else math.nan)
+    return out
+
+
+def set_scores_of(cal_probs: np.ndarray, cal_y: np.ndarray,
+                  evals: Mapping[str, tuple[np.ndarray, np.ndarray]], *,
+                  alphas: Sequence[float] = (0.1, 0.05), score: str = "lac"
+                  ) -> dict[str, dict[str, float]]:
+    """Split-conformal sets fitted on ``(cal_probs, cal_y)``: ``{eval set: {"coverage_90",
+    "size_90", ...}}`` for each ``alpha`` (the level ``round(100 (1 - alpha))``); ``nan`` for
+    an ``alpha`` below ``1 / (n + 1)``, which a calibration part of ``n`` cannot support."""
+    from attnuq import metrics
+    from attnuq.conformal_sets import fit_sets
+
+    out: dict[str, dict[str, float]] = {k: {} for k in evals}
+    n = len(cal_y)
+    for a in alphas:
+        lv = round(100 * (1 - a))
+        if a < 1.0 / (n + 1):
+            for name in evals:
+                out[name][f"coverage_{lv}"] = out[name][f"size_{lv}"] = math.nan
+            continue
+        rule = fit_sets(torch.as_tensor(cal_probs), torch.as_tensor(cal_y), alpha=a,
+                        score=score)  # type: ignore[arg-type]
+        for name, (p, y) in evals.items():
+            sets = rule.predict(torch.as_tensor(p))
+            out[name][f"coverage_{lv}"] = float(metrics.set_coverage(sets, torch.as_tensor(y)))
+            out[name][f"size_{lv}"] = float(metrics.set_size(sets))
+    return out
+
+
+def compute_line(rows: Sequence[Mapping[str, Any]], threads: Any) -> str:
+    """The page's line on what the stored items cost: the items' wall time (fits and
+    predictions), the distinct backbones' training time (each once), the threads.
+
+    >>> line = compute_line([{"wall_seconds": 60.0, "seed": 0, "backbone_info": {
+    ...     "seconds": 30.0, "cache_key": "k"}}], 1)
+    >>> "1 stored items took 1.0 min" in line, "1 backbones trained in 0.5 min" in line
+    (True, True)
+    """
+    items = sum(float(r.get("wall_seconds", 0.0)) for r in rows)
+    bb = {(r.get("backbone", ""), r["seed"], r["backbone_info"].get("cache_key")):
+          float(r["backbone_info"].get("seconds", 0.0)) for r in rows}
+    return (f"Compute: {len(rows)} stored items took {items / 60:.1f} min of wall time (fits and "
+            f"predictions); their {len(bb)} backbones trained in {sum(bb.values()) / 60:.1f} min;"
+            f" {threads} thread(s).")
+
+
+def reliability_figure(path: Path, title: str, panels: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                       n_bins: int = 15) -> Path:
+    """One PNG of reliability diagrams (accuracy against top-label confidence, equal-width
+    bins), one panel per ``label -> (probs, labels)``; written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from attnuq._io import atomic_savefig
+
+    if not panels:
+        raise ValueError(f"no reliability panels for {str(path)!r}")
+    ncol = min(4, len(panels))
+    nrow = math.ceil(len(panels) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.0 * ncol, 2.9 * nrow), squeeze=False)
+    edges = np.linspace(0, 1, n_bins + 1)
+    for ax, (label, (p, y)) in zip(axes.flat, panels.items(), strict=False):
+        conf, pred = p.max(1), p.argmax(1)
+        acc = (pred == y).astype(float)
+        idx = np.clip(np.searchsorted(edges, conf, side="left") - 1, 0, n_bins - 1)
+        cnt = np.bincount(idx, minlength=n_bins)
+        a = np.bincount(idx, weights=acc, minlength=n_bins) / np.maximum(cnt, 1)
+        c = np.bincount(idx, weights=conf, minlength=n_bins) / np.maximum(cnt, 1)
+        keep = cnt > 0
+        ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+        ax.bar(c[keep], a[keep], width=1.0 / n_bins, alpha=0.6, color="#3b6ea5",
+               edgecolor="white")
+        ax.set_title(label, fontsize=8)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("confidence", fontsize=7)
+        ax.set_ylabel("accuracy", fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    atomic_savefig(fig, path, dpi=80)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,146 @@
+"""The classification methods (attnuq_bench.methods.classification) on tiny models: the Task kind
+contract, every registered method's output, and agreement with the maintained libraries."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from attnuq_bench.methods import Task, make_method
+from attnuq_bench.methods.classification import (
+    ClassPredictive,
+    _two_logit_copy,
+    fit_temperature_nll,
+    probs_from_logits,
+)
+
+CLS_METHODS = ["softmax", "temperature", "mc-dropout-cls", "ensemble-cls", "laplace-cls",
+               "conformal-cls"]
+
+
+def _net(k: int, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, k)).eval()
+
+
+def _task(k: int = 3, n: int = 90) -> Task:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=g)
+    y = (x[:, 0] > 0).long() if k == 1 else torch.randint(0, k, (n,), generator=g)
+
+    def train_fn(model: nn.Module, train: object, val: object, seed: int) -> None:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for _ in range(3):
+            for xb, yb in train:  # type: ignore[attr-defined]
+                opt.zero_grad()
+                z = model(xb)
+                loss = (nn.functional.binary_cross_entropy_with_logits(z[:, 0], yb.float())
+                        if k == 1 else nn.functional.cross_entropy(z, yb))
+                loss.backward()
+                opt.step()
+        model.eval()
+
+    return Task(model=_net(k), train=(x, y), val=(x, y), cal=(x, y), batch_size=32,
+                make_model=lambda s: _net(k, s), train_fn=train_fn, kind="classification")
+
+
+@pytest.mark.parametrize("name", CLS_METHODS)
+@pytest.mark.parametrize("k", [1, 3])
+def test_every_classification_method_gives_probabilities(name: str, k: int) -> None:
+    task = _task(k)
+    kw = {"n_members": 2} if name == "ensemble-cls" else (
+        {"n_samples": 4} if name == "mc-dropout-cls" else {})
+    m = make_method(name, **kw).fit(task)
+    x = torch.randn(5, 3)
+    pred = m.predict(x)
+    assert isinstance(pred, ClassPredictive)
+    c = max(k, 2)
+    assert pred.probs.shape == (5, c)
+    torch.testing.assert_close(pred.probs.sum(1), torch.ones(5, dtype=pred.probs.dtype))
+    assert bool((pred.probs >= 0).all())
+    if pred.samples is not None:
+        assert pred.samples.shape[1:] == (5, c)
+        assert bool((pred.mutual_information >= 0).all())
+    assert m.cost.predict_forward_per_input >= 1
+
+
+def test_a_regression_method_refuses_a_classification_task_and_back() -> None:
+    task = _task(3)
+    with pytest.raises(ValueError, match="serves \\['regression'\\] tasks, got a task of "
+                                         "kind='classification'"):
+        make_method("gaussian").fit(task)
+    x, y = torch.randn(10, 3), torch.randn(10)
+    reg = Task(model=nn.Linear(3, 1), train=(x, y), val=(x, y), cal=(x, y))
+    with pytest.raises(ValueError, match="kind='regression'"):
+        make_method("temperature").fit(reg)
+    with pytest.raises(ValueError, match="kind='ordinal'"):
+        Task(model=nn.Linear(3, 1), train=(x, y), val=(x, y), cal=(x, y), kind="ordinal")
+
+
+def test_targets_outside_the_classes_are_refused_naming_the_value() -> None:
+    x = torch.randn(20, 3)
+    y = torch.full((20,), 7)
+    task = Task(model=_net(3), train=(x, y), val=(x, y), cal=(x, y), kind="classification")
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, 3\), got 7"):
+        make_method("temperature").fit(task)
+
+
+def test_temperature_agrees_with_torch_uncertainty() -> None:
+    """Our golden-section T against torch-uncertainty's TemperatureScaler (L-BFGS on the same
+    validation NLL) on a deliberately over-confident model: both minimise one convex function
+    of 1/T, so they agree to the optimisers' tolerance (1 %)."""
+    tu = pytest.importorskip("torch_uncertainty.post_processing")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2000, 3, generator=g)
+    w = torch.randn(3, 4, generator=g)
+    y = torch.multinomial(torch.softmax(x @ w, 1), 1, generator=g)[:, 0]
+    lin = nn.Linear(3, 4, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(3.0 * w.T)  # logits 3x too sharp
+    ours = fit_temperature_nll((x @ (3.0 * w)).double(), y)
+    scaler = tu.TemperatureScaler(model=lin, init_temperature=1.0, lr=0.1, max_iter=200)
+    scaler.fit(DataLoader(TensorDataset(x, y), batch_size=500), progress=False)
+    theirs = float(scaler.temperature[0].detach())
+    assert abs(ours - theirs) / theirs < 0.01, (ours, theirs)
+    assert 2.5 < ours < 3.5
+
+
+def test_two_logit_copy_is_the_sigmoid_and_leaves_the_model_alone() -> None:
+    net = _net(1)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    two = _two_logit_copy(net)
+    x = torch.randn(7, 3)
+    torch.testing.assert_close(torch.softmax(two(x), -1)[:, 1], torch.sigmoid(net(x)[:, 0]))
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_levy_probit_is_the_probit_approximation() -> None:
+    from attnuq_bench.models.classifiers import LevyClassifier
+
+    torch.manual_seed(0)
+    model = LevyClassifier(num_channels=3, value_features=2, d_model=8, num_heads=2).eval()
+    t = torch.rand(6, 5) * 48
+    c = torch.randint(0, 3, (6, 5))
+    f = torch.randn(6, 5, 2)
+    mask = torch.ones(6, 5, dtype=torch.bool)
+    y = torch.randint(0, 2, (6,))
+
+    class Inp:
+        def __init__(self) -> None:
+            self.times, self.channels, self.features, self.mask = t, c, f, mask
+
+    inp = Inp()
+    task = Task(model=model, train=[(inp, y)], val=[(inp, y)], cal=[(inp, y)],
+                forward_fn=lambda m, x: m.forward_inputs(x), kind="classification")
+    pred = make_method("levy").fit(task).predict(inp)
+    out = model.forward_inputs(inp)
+    p = torch.sigmoid(out.mean.double() / torch.sqrt(1 + math.pi * out.sigma.double() ** 2 / 8))
+    torch.testing.assert_close(pred.probs[:, 1], p)
+    # the frozen row of the same backbone reads the mean logit alone
+    frozen = make_method("softmax").fit(task).predict(inp)
+    torch.testing.assert_close(frozen.probs, probs_from_logits(out.mean.detach()[:, None]))

@@ -1,0 +1,133 @@
+"""The classification suites' pieces (issue #33): outcomes parsing, the stays' two views, the
+scores of one prediction file, and the summary.json layout of ``mortality`` and ``digits``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from attnuq.data import DataFormatError
+
+
+def test_read_outcomes_names_the_file_and_line_of_a_bad_label(tmp_path: Path) -> None:
+    from attnuq_bench.suites._mortality_data import read_outcomes
+
+    p = tmp_path / "Outcomes-a.txt"
+    p.write_text("RecordID,In-hospital_death\n1,0\n2,3\n")
+    with pytest.raises(DataFormatError, match=r"Outcomes-a.txt:3: In-hospital_death must be 0 "
+                                              r"or 1, got 3"):
+        read_outcomes(p)
+    p.write_text("RecordID,Survival\n1,0\n")
+    with pytest.raises(DataFormatError, match="In-hospital_death"):
+        read_outcomes(p)
+
+
+def test_mortality_parts_and_views_of_synthetic_stays(tmp_path: Path) -> None:
+    import importlib.util
+
+    from attnuq_bench.suites._mortality_data import grid_inputs, irregular_inputs, load_mortality
+
+    spec = importlib.util.spec_from_file_location(
+        "_cm", Path(__file__).with_name("_contract_mortality.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.write_stays(tmp_path / "physionet2012", 50)
+    d = load_mortality(tmp_path / "physionet2012", cal_fraction=0.2, cache_dir=tmp_path / "c")
+    sizes = {k: v.size for k, v in d.parts.items()}
+    assert sizes == {"test": 10, "val": 8, "cal": 6, "train": 26}
+    every = np.concatenate(list(d.parts.values()))
+    assert sorted(every.tolist()) == list(range(50))  # a partition of the stays
+    assert d.labels.tolist() == [i % 2 for i in range(50)]
+    g = grid_inputs(d, d.parts["test"], 4)
+    C = d.ds.n_channels
+    assert g.shape == (10, 13, 6 * C)
+    # the 48 h summary token's carried-forward value equals the last window's
+    torch.testing.assert_close(g[:, 0, :C], g[:, -1, :C])
+    x = irregular_inputs(d, d.parts["test"])
+    assert x.features.shape[:2] == x.mask.shape and x.features.shape[2] == 4
+    n_obs = np.diff(d.ds.offsets)[d.parts["test"]]
+    assert x.mask.sum(1).tolist() == n_obs.tolist()
+
+
+def test_class_scores_of_a_binary_prediction() -> None:
+    from attnuq_bench.suites._classify import class_scores
+
+    p1 = np.array([0.9, 0.8, 0.7, 0.6, 0.4, 0.3, 0.2, 0.1, 0.55, 0.45])
+    y = np.array([1, 1, 0, 1, 0, 0, 1, 0, 0, 1])
+    sc = class_scores(np.stack([1 - p1, p1], 1), y)
+    # the 8 most confident (max(p, 1 - p)) leave out 0.55 and 0.45
+    keep = np.argsort(-np.maximum(p1, 1 - p1), kind="stable")[:8]
+    from sklearn.metrics import roc_auc_score
+
+    assert sc["auroc_top80"] == pytest.approx(roc_auc_score(y[keep], p1[keep]))
+    assert sc["auroc"] == pytest.approx(roc_auc_score(y, p1))
+    assert sc["brier"] == pytest.approx(float(np.mean((p1 - y) ** 2)))
+    assert sc["accuracy"] == pytest.approx(float(np.mean((p1 > 0.5) == y)))
+
+
+def _digits_rows() -> list[dict]:
+    from attnuq_bench.suites.digits import EVAL_SETS
+
+    rows = []
+    for seed in (0, 1):
+        for m in ("softmax", "sa-cls"):
+            sc = {ds: {"accuracy": 0.9, "nll": 0.3 + seed, "brier": 0.1, "ece": 0.05,
+                       "aurc": 0.02, "auroc_error": 0.8, "coverage_90": 0.91, "size_90": 1.2,
+                       "coverage_95": 0.96, "size_95": 1.5} for ds in EVAL_SETS}
+            sc["ood"] = {"auroc_ood": 0.7, "auroc_ood_msp": 0.7}
+            rows.append({"method": m, "seed": seed, "scores": sc})
+    return rows
+
+
+def test_summary_layout_of_the_classification_suites(tmp_path: Path) -> None:
+    from attnuq_bench.suites import digits, mortality
+    from attnuq_bench.suites._page import update_summary
+
+    dg = digits.summary(_digits_rows())
+    assert sorted(dg) == sorted([*digits.EVAL_SETS, "ood"])
+    assert dg["noise-3"]["backbone"]["metric"] == "accuracy"
+    assert set(dg["noise-3"]["methods"]["sa-cls"]) == {
+        "nll", "brier", "ece", "aurc", "auroc_error", "set_coverage_90", "set_size_90"}
+    assert dg["clean"]["methods"]["sa-cls"]["nll"] == pytest.approx(0.8)  # mean of 2 seeds
+    assert dg["ood"]["methods"]["softmax"] == {"auroc_ood": 0.7}
+    mrows = [{"dataset": "set-a", "backbone": b, "method": m, "seed": s,
+              "scores": {"auroc": 0.84, "nll": 0.3, "brier": 0.1, "ece": 0.02, "aurc": 0.05,
+                         "auroc_error": 0.7}}
+             for b in ("transformer", "levy") for m in ("softmax", "temperature")
+             for s in (0, 1, 2)]
+    mo = mortality.summary(mrows)
+    assert sorted(mo) == ["set-a/levy", "set-a/transformer"]
+    e = mo["set-a/transformer"]
+    assert e["backbone"]["metric"] == "auroc" and e["backbone"]["value"] == pytest.approx(0.84)
+    assert e["splits"] == 3
+    assert set(e["methods"]["temperature"]) == {"nll", "brier", "ece", "aurc", "auroc_error"}
+    path = tmp_path / "summary.json"
+    update_summary(path, "mortality", mo)
+    update_summary(path, "digits", dg)
+    both = json.loads(path.read_text())
+    assert sorted(both) == ["digits", "mortality"]
+    with pytest.raises(ValueError, match="backbone metric"):
+        update_summary(path, "x", {"a": {"backbone": {"metric": "f1"}, "splits": 1,
+                                         "methods": {}}})
+    assert not math.isnan(both["digits"]["ood"]["methods"]["sa-cls"]["auroc_ood"])
+
+
+def test_digits_shifts_are_fixed_and_ood_is_not_digits() -> None:
+    from attnuq_bench.suites.digits import digits_data
+
+    a, b = digits_data(max_images=300), digits_data(max_images=300)
+    for k in ("noise-3", "rotation-2", "ood"):
+        assert torch.equal(a[k][0], b[k][0])
+    x = a["clean"][0]
+    assert not torch.equal(a["noise-1"][0], x) and float(a["noise-3"][0].min()) >= 0.0
+    assert a["ood"][0].shape == (2 * len(x), 1, 8, 8)
+    # shuffled pixels keep each image's pixel values
+    n = len(x)
+    torch.testing.assert_close(a["ood"][0][:n].reshape(n, -1).sort(1).values,
+                               x.reshape(n, -1).sort(1).values)
