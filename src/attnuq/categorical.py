@@ -137,7 +137,7 @@ def labelled_rows(
     tokens = targets.dim() == 2
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"the model output must be a tensor of logits, got {type(out).__name__}")
-    z = class_logits(out, tokens=tokens)
+    z = class_logits(out)
     if tuple(z.shape[:-1]) != tuple(targets.shape):
         want = "(B, L, C)" if tokens else "(B,), (B, 1) or (B, C)"
         raise ValueError(
