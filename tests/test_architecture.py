@@ -23,9 +23,10 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 #: top-level component of attnuq -> layer; a module may import its own layer or lower ones
 LAYERS: dict[str, int] = {
     "_validation": 0, "_io": 0, "_runtime": 0,
-    "ops": 1, "data": 1, "metrics": 1, "predictive": 1, "distributed": 1,
+    "ops": 1, "data": 1, "metrics": 1, "predictive": 1, "categorical": 1, "distributed": 1,
     "nn": 2, "patching": 2, "models": 2,
-    "training": 3, "calibration": 3, "prediction": 3, "conformal": 3, "plots": 3, "report": 3,
+    "training": 3, "calibration": 3, "prediction": 3, "conformal": 3, "conformal_sets": 3,
+    "plots": 3, "report": 3,
     "methods": 4, "baselines": 4,
     "bench": 5,
     "cli": 6,
