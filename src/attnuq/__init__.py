@@ -33,8 +33,8 @@ _LAZY: dict[str, str] = {
     "SAClassifier": "attnuq.estimators._classifier:SAClassifier",
     "CategoricalPredictive": "attnuq.categorical:CategoricalPredictive",
 }
-_SUBMODULES = ("ops", "nn", "metrics", "plots", "data", "models", "methods", "baselines",
-               "calibration", "prediction", "patching", "bench", "estimators")
+_SUBMODULES = ("ops", "nn", "metrics", "plots", "models", "calibration", "prediction", "patching",
+               "estimators")
 
 __all__ = ["__version__", *_LAZY, *_SUBMODULES]
 
