@@ -59,6 +59,7 @@ from attnuq.conformal_sets import (
 )
 from attnuq.estimators._common import (
     check_model,
+    check_settings,
     read_envelope,
     read_pairs,
     warn_and_record,
@@ -187,9 +188,9 @@ class SAClassifier:
         from attnuq.calibration.search import check_nu_range
 
         self.model = check_model(model)
-        if output_fn is not None and not callable(output_fn):
-            raise TypeError(f"output_fn must be callable or None, got {type(output_fn).__name__}")
+        counts = check_settings(output_fn, seed, n_samples=n_samples, n_passes=n_passes)
         self.output_fn = output_fn
+        self.n_samples, self.n_passes, self.seed = counts["n_samples"], counts["n_passes"], seed
         self.nu = None if nu is None else check_positive_int(nu, "nu")
         if temperature is not None and temperature not in TEMPERATURE_RULES:
             raise ValueError(
@@ -200,14 +201,6 @@ class SAClassifier:
             raise ValueError(f"score must be one of {SET_SCORES}, got {score=!r}")
         self.score: SetScore = score
         self.nu_range = check_nu_range(nu_range)
-        self.n_samples = check_positive_int(n_samples, "n_samples")
-        self.n_passes = check_positive_int(n_passes, "n_passes")
-        for name, v in (("n_samples", self.n_samples), ("n_passes", self.n_passes)):
-            if v < 2:
-                raise ValueError(f"{name} must be >= 2 (a spread needs two passes), got {name}={v}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-            raise ValueError(f"seed must be an int in [0, 2**63), got {seed=!r}")
-        self.seed = seed
         if ignore_index is not None and (isinstance(ignore_index, bool)
                                          or not isinstance(ignore_index, int)):
             raise TypeError(f"ignore_index must be an int or None, got {ignore_index=!r}")
