@@ -19,8 +19,9 @@ Why: ``nu`` and ``T`` both widen the predictive, and a temperature is the cheape
 fix for a frozen model's over-confidence. Scored at ``T = 1`` (``"after"``: ``nu`` first, then
 ``T``), an over-confident model makes the search pick a small ``nu`` whose noise merely does
 the temperature's job (SA then looks useful when it is not, and its draws are noisier than
-needed); profiled over ``T``, ``nu`` is chosen for what SA adds beyond one temperature, and
-as ``nu -> inf`` SA becomes the frozen model, so temperature scaling alone is a member of the
+needed); profiled over ``T``, ``nu`` is chosen for what SA adds beyond one temperature
+(the NLL of ``softmax(c z / T)`` depends on ``c / T`` only, so rescaling the frozen logits by
+``c`` leaves the chosen ``nu`` unchanged and multiplies ``T`` by ``c``), and as ``nu -> inf`` SA becomes the frozen model, so temperature scaling alone is a member of the
 family searched (up to Monte Carlo noise SA then cannot be worse than it on validation).
 ``"after"`` is kept as the ablation, ``None`` for no temperature (``T = 1``).
 

@@ -179,6 +179,25 @@ def test_temperature_scaling_reduces_nll_of_an_overconfident_model(model: nn.Mod
     assert nll_sa < nll_frozen, (nll_sa, nll_frozen)  # on fresh data too
 
 
+def test_joint_rule_is_invariant_to_logit_scale_and_after_is_not(model: nn.Module) -> None:
+    """The temperature rule's justification, checked: profiled over T ("joint"), the NLL of
+    softmax(c z_s / T) depends on c / T only, so rescaling the frozen logits by c = 4 leaves
+    the grid's choice of nu unchanged and multiplies T by 4 (same seeds: same draws). Scored at
+    T = 1 ("after"), the over-confident model makes the search buy spread with fewer draws."""
+    g = torch.Generator().manual_seed(11)
+    val = synth(300, g)
+    over = Scaled(model, 4.0).eval()
+    kw: dict[str, Any] = {"search": "grid", "grid_size": 7, "n_samples": 8, "n_passes": 8,
+                          "progress": False}
+    joint = quiet_fit(SAClassifier(model, **kw), [val])
+    joint_over = quiet_fit(SAClassifier(over, **kw), [val])
+    after_over = quiet_fit(SAClassifier(over, temperature="after", **kw), [val])
+    assert joint_over.diagnostics["nu"] == joint.diagnostics["nu"]
+    assert joint_over.diagnostics["temperature"] == pytest.approx(
+        4 * joint.diagnostics["temperature"], rel=1e-3)  # Brent's tolerance on ln T: 1e-4
+    assert after_over.diagnostics["nu"] < joint_over.diagnostics["nu"]
+
+
 def test_sets_cover_at_the_nominal_rate(model: nn.Module) -> None:
     """Mean coverage over R = 8 random cal/test splits of a pool is within 5 sd of
     k/(n+1) = ceil(0.9 (n+1))/(n+1): one split's coverage has variance at most
