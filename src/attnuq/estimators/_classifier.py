@@ -21,7 +21,8 @@ fix for a frozen model's over-confidence. Scored at ``T = 1`` (``"after"``: ``nu
 the temperature's job (SA then looks useful when it is not, and its draws are noisier than
 needed); profiled over ``T``, ``nu`` is chosen for what SA adds beyond one temperature
 (the NLL of ``softmax(c z / T)`` depends on ``c / T`` only, so rescaling the frozen logits by
-``c`` leaves the chosen ``nu`` unchanged and multiplies ``T`` by ``c``), and as ``nu -> inf`` SA becomes the frozen model, so temperature scaling alone is a member of the
+``c`` leaves the chosen ``nu`` unchanged and multiplies ``T`` by ``c``), and as
+``nu -> inf`` SA becomes the frozen model, so temperature scaling alone is a member of the
 family searched (up to Monte Carlo noise SA then cannot be worse than it on validation).
 ``"after"`` is kept as the ablation, ``None`` for no temperature (``T = 1``).
 
