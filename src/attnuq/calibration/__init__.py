@@ -104,6 +104,7 @@ def calibrate(
     distributed: bool | None = None,
     chunk_examples: int = 16,
     nu_tol: float = 0.0,
+    ignore_index: int | None = -100,
     _keep: dict[Any, Any] | None = None,
 ) -> CalibrationReport:
     r"""Choose ``nu`` for :func:`attnuq.stochastic` on held-out ``(inputs, targets)`` pairs.
@@ -174,6 +175,8 @@ def calibrate(
         passes the same model, data and settings (checked by checksums). See
         :mod:`attnuq.distributed`.
 
+    ignore_index
+        Classification criteria only: the target value left out (``None``: none).
     nu_tol
         BO only: also stop when the next ``nu`` the surrogate proposes lies within a factor
         ``1 + nu_tol`` of one already evaluated (``0``: only when it equals one; see
@@ -287,7 +290,7 @@ def calibrate(
         from attnuq.calibration._classify import prepare_classes
 
         with torch.no_grad():
-            cbatches = prepare_classes(model, data, output_fn)
+            cbatches = prepare_classes(model, data, output_fn, ignore_index=ignore_index)
         batches = list(cbatches)
         if _keep is not None:
             _keep["batches"] = batches

@@ -210,7 +210,7 @@ class SAClassifier:
         self.progress = progress
         bad = sorted(set(calibrate_kwargs) & {"criterion", "n_passes", "nu_range", "seed",
                                               "output_fn", "progress", "level", "per_layer",
-                                              "distributed"})
+                                              "distributed", "ignore_index"})
         if bad:
             raise TypeError(f"{bad} cannot be calibrate_kwargs of SAClassifier (set the "
                             "SAClassifier arguments; per_layer and distributed are not "
@@ -282,7 +282,7 @@ class SAClassifier:
                     self.model, val, criterion=self.criterion,  # type: ignore[arg-type]
                     n_passes=self.n_passes, nu_range=self.nu_range, output_fn=self.output_fn,
                     seed=self.seed, progress=self.progress, distributed=False,
-                    **self.calibrate_kwargs,
+                    ignore_index=self.ignore_index, **self.calibrate_kwargs,
                 )
             nu = int(self.report.nu)
             passes += self.report.forward_passes

@@ -141,6 +141,24 @@ def test_nll_search_picks_nu_and_reports(model: nn.Module) -> None:
     assert after.report.criterion == "nll"
 
 
+def test_calibrate_takes_integer_labels_with_a_classification_criterion(model: nn.Module) -> None:
+    """The low-level search on a classifier (integer labels, logits (B, C)): the issue's
+    ``calibrate`` failure with integer labels is gone for the classification criteria."""
+    from attnuq import calibrate
+
+    g = torch.Generator().manual_seed(12)
+    x, y = synth(100, g)
+    rep = calibrate(model, [(x, y)], criterion="nll", n_passes=4, max_evals=3, progress=False)
+    assert 1 <= rep.nu <= 1024 and rep.n_examples == 100
+    assert set(rep.evaluations[0].values) == {"nll", "nll_temperature", "temperature",
+                                              "scale_ratio"}
+    with pytest.raises(ValueError, match="prediction and targets must have the same shape"):
+        calibrate(model, [(x, y)], criterion="auto", n_passes=4, max_evals=2, progress=False)
+    with pytest.raises(ValueError, match=r"per_layer='geometric' is not available with the "
+                                         r"classification criterion='nll'"):
+        calibrate(model, [(x, y)], criterion="nll", per_layer="geometric")
+
+
 def test_nll_criterion_matches_a_direct_computation() -> None:
     """The registered criterion's objective is -mean ln(mean_m softmax(f + d_m))_y."""
     from sklearn.metrics import log_loss
