@@ -443,16 +443,20 @@ def edge_message(edge: dict[str, Any], criterion: str) -> str:
     """
     lo, hi = edge["nu_range"]
     s, t = edge["spread"], edge["target_scale"]
+    classify = get_criterion(criterion).task == "classification"
     if edge["side"] == "lower":
         what = (f"SA's largest spread s({edge['nu']}) = {s:.4g} against the target scale "
                 f"{t:.4g} of criterion {criterion!r}")
-        why = ("SA's spread cannot reach the error scale: its raw intervals under-cover (a "
+        why = ("the NLL asks for more spread than SA gives" if classify and s < t else
+               "SA's spread cannot reach the error scale: its raw intervals under-cover (a "
                "conformal step, as in attnuq.SARegressor, is needed)" if s < t else
                "the criterion's minimum lies at the range's end")
     else:
         what = (f"SA's smallest spread s({edge['nu']}) = {s:.4g} against the target scale "
                 f"{t:.4g} of criterion {criterion!r}")
-        why = ("even the most draws leave SA's spread above the error scale: widen nu_range "
+        why = ("the NLL prefers less spread than SA's smallest: SA adds little beyond the "
+               "frozen model" if classify and s > t else
+               "even the most draws leave SA's spread above the error scale: widen nu_range "
                "upwards" if s > t else "the criterion's minimum lies at the range's end")
     return (f"calibrate: nu = {edge['nu']} sits at the {edge['side']} edge of "
             f"nu_range=({lo}, {hi}): {what}; {why}")
