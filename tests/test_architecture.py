@@ -34,10 +34,10 @@ LIBRARY, HARNESS = "attnuq", "attnuq_bench"
 LAYERS: dict[tuple[str, str], int] = {
     (LIBRARY, "_validation"): 0, (LIBRARY, "_io"): 0, (LIBRARY, "_runtime"): 0,
     (LIBRARY, "ops"): 1, (LIBRARY, "data"): 1, (LIBRARY, "metrics"): 1,
-    (LIBRARY, "predictive"): 1, (LIBRARY, "distributed"): 1,
+    (LIBRARY, "predictive"): 1, (LIBRARY, "categorical"): 1, (LIBRARY, "distributed"): 1,
     (LIBRARY, "nn"): 2, (LIBRARY, "patching"): 2, (LIBRARY, "models"): 2,
     (LIBRARY, "calibration"): 3, (LIBRARY, "montecarlo"): 3, (LIBRARY, "conformal"): 3,
-    (LIBRARY, "plots"): 3, (LIBRARY, "html_report"): 3,
+    (LIBRARY, "plots"): 3, (LIBRARY, "html_report"): 3, (LIBRARY, "conformal_sets"): 3,
     (LIBRARY, "estimators"): 4, (LIBRARY, "cli"): 4,
     (HARNESS, "data"): 101, (HARNESS, "models"): 102,
     (HARNESS, "training"): 103,

@@ -137,7 +137,7 @@ def labelled_rows(
     tokens = targets.dim() == 2
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"the model output must be a tensor of logits, got {type(out).__name__}")
-    z = class_logits(out, tokens=tokens)
+    z = class_logits(out)
     if tuple(z.shape[:-1]) != tuple(targets.shape):
         want = "(B, L, C)" if tokens else "(B,), (B, 1) or (B, C)"
         raise ValueError(
@@ -209,13 +209,14 @@ def fit_temperature(
     labels: torch.Tensor,
     *,
     bounds: tuple[float, float] = TEMPERATURE_RANGE,
+    xatol: float = 1e-4,
 ) -> float:
     r"""The temperature minimising the mean NLL of the Monte Carlo mean probability.
 
     .. math:: T^* = \arg\min_{T} -\frac1N \sum_i \ln \frac1S \sum_s
               \mathrm{softmax}(z_i^{(s)} / T)_{y_i},
 
-    searched over ``ln T`` in ``bounds`` (bounded Brent, ``|Delta ln T| < 1e-4``); for ``S = 1``
+    searched over ``ln T`` in ``bounds`` (bounded Brent to ``|Delta ln T| < xatol``); for ``S = 1``
     this is temperature scaling (Guo et al. 2017), convex in ``1/T``.
 
     Parameters
@@ -244,7 +245,7 @@ def fit_temperature(
     def f(log_t: float) -> float:
         return float(mc_nll(z, y, math.exp(log_t)).mean())
 
-    res = minimize_scalar(f, bounds=(lo, hi), method="bounded", options={"xatol": 1e-4})
+    res = minimize_scalar(f, bounds=(lo, hi), method="bounded", options={"xatol": xatol})
     return float(math.exp(res.x))
 
 

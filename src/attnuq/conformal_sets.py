@@ -37,7 +37,7 @@ from typing import Literal
 
 import torch
 
-from attnuq.metrics._classification import check_labels, check_probs
+from attnuq.metrics._classification import check_probs, row_labels
 
 __all__ = ["SET_SCORES", "ConformalSets", "check_alpha", "fit_sets", "set_scores"]
 
@@ -137,15 +137,7 @@ def set_scores(
     """
     score, lam, k_reg = _check_score(score, lam, k_reg)
     p = check_probs(probs)
-    y = None
-    if targets is not None:
-        y = check_labels(targets, p.shape[-1])
-        if y.shape != p.shape[:1]:
-            raise ValueError(
-                "targets must be (B,) class ids for probs (B, C), got "
-                f"targets.shape={tuple(y.shape)} and probs.shape={tuple(p.shape)}"
-            )
-        y = y.to(p.device)
+    y = None if targets is None else row_labels(targets, p)
     if score == "lac":
         s = 1.0 - p
     else:

@@ -104,6 +104,7 @@ def calibrate(
     distributed: bool | None = None,
     chunk_examples: int = 16,
     nu_tol: float = 0.0,
+    ignore_index: int | None = -100,
     _observe: Callable[[Any, Any], None] | None = None,
 ) -> CalibrationReport:
     r"""Choose ``nu`` for :func:`attnuq.stochastic` on held-out ``(inputs, targets)`` pairs.
@@ -175,6 +176,8 @@ def calibrate(
         passes the same model, data and settings (checked by checksums). See
         :mod:`attnuq.distributed`.
 
+    ignore_index
+        Classification criteria only: the target value left out (``None``: none).
     nu_tol
         BO only: also stop when the next ``nu`` the surrogate proposes lies within a factor
         ``1 + nu_tol`` of one already evaluated (``0``: only when it equals one; see
@@ -282,7 +285,7 @@ def calibrate(
         from attnuq.calibration._classify import prepare_classes
 
         with torch.no_grad():
-            cbatches = prepare_classes(model, data, output_fn)
+            cbatches = prepare_classes(model, data, output_fn, ignore_index=ignore_index)
         batches = list(cbatches)
         n_examples = sum(0 if cb.labels is None else int(cb.labels.numel()) for cb in cbatches)
         frozen_calls = len(batches)
@@ -451,16 +454,20 @@ def edge_message(edge: dict[str, Any], criterion: str) -> str:
     """
     lo, hi = edge["nu_range"]
     s, t = edge["spread"], edge["target_scale"]
+    classify = get_criterion(criterion).task == "classification"
     if edge["side"] == "lower":
         what = (f"SA's largest spread s({edge['nu']}) = {s:.4g} against the target scale "
                 f"{t:.4g} of criterion {criterion!r}")
-        why = ("SA's spread cannot reach the error scale: its raw intervals under-cover (a "
+        why = ("the NLL asks for more spread than SA gives" if classify and s < t else
+               "SA's spread cannot reach the error scale: its raw intervals under-cover (a "
                "conformal step, as in attnuq.SARegressor, is needed)" if s < t else
                "the criterion's minimum lies at the range's end")
     else:
         what = (f"SA's smallest spread s({edge['nu']}) = {s:.4g} against the target scale "
                 f"{t:.4g} of criterion {criterion!r}")
-        why = ("even the most draws leave SA's spread above the error scale: widen nu_range "
+        why = ("the NLL prefers less spread than SA's smallest: SA adds little beyond the "
+               "frozen model" if classify and s > t else
+               "even the most draws leave SA's spread above the error scale: widen nu_range "
                "upwards" if s > t else "the criterion's minimum lies at the range's end")
     return (f"calibrate: nu = {edge['nu']} sits at the {edge['side']} edge of "
             f"nu_range=({lo}, {hi}): {what}; {why}")

@@ -84,7 +84,7 @@ labels):
 
 Their target scale: ``s_* = k_* s(nu)``, ``k_*`` the factor on the logit deviations
 ``f + k (f_nu - f)`` that minimises the criterion (bounded Brent over ``ln k`` in
-``[-6 ln 2, 6 ln 2]``; for ``"nll-temperature"`` jointly with ``ln T``, Nelder-Mead). The
+``[-6 ln 2, 6 ln 2]``; for ``"nll-temperature"`` with ``T`` refitted at every ``k``). The
 scale ``s(nu)`` and the search are those of regression.
 
 NOTE(paper): the paper has no classification criterion ("needs a dedicated residual
@@ -412,23 +412,20 @@ def _nll(st: PassStats, level: float, s0: float) -> CriterionValue:
 
 
 def _nll_temperature(st: PassStats, level: float, s0: float) -> CriterionValue:
-    import numpy as _np
-    from scipy.optimize import minimize
+    from scipy.optimize import minimize_scalar
 
-    from attnuq.categorical import TEMPERATURE_RANGE, fit_temperature, mc_nll
+    from attnuq.categorical import fit_temperature, mc_nll
 
     f, d, y = _class_parts(st)
     t = fit_temperature(f + d, y)
     g = mc_nll(f + d, y, t)
-    lt = (math.log(TEMPERATURE_RANGE[0]), math.log(TEMPERATURE_RANGE[1]))
 
-    def at(v: _np.ndarray) -> float:  # v = (ln k, ln T)
-        lk, ltv = float(_np.clip(v[0], *_LOG_K)), float(_np.clip(v[1], *lt))
-        return float(mc_nll(f + math.exp(lk) * d, y, math.exp(ltv)).mean())
+    def at(log_k: float) -> float:  # the NLL at ln k, profiled over T
+        z = f + math.exp(log_k) * d
+        return float(mc_nll(z, y, fit_temperature(z, y, xatol=1e-3)).mean())
 
-    res = minimize(at, _np.array([0.0, math.log(t)]), method="Nelder-Mead",
-                   options={"xatol": 1e-3, "fatol": 1e-7, "maxiter": 200})
-    k = math.exp(float(_np.clip(res.x[0], *_LOG_K)))
+    k = math.exp(minimize_scalar(at, bounds=_LOG_K, method="bounded",
+                                 options={"xatol": 1e-2}).x)
     return CriterionValue(float(g.mean()), g, k * st.scale)
 
 

@@ -19,8 +19,10 @@ Why: ``nu`` and ``T`` both widen the predictive, and a temperature is the cheape
 fix for a frozen model's over-confidence. Scored at ``T = 1`` (``"after"``: ``nu`` first, then
 ``T``), an over-confident model makes the search pick a small ``nu`` whose noise merely does
 the temperature's job (SA then looks useful when it is not, and its draws are noisier than
-needed); profiled over ``T``, ``nu`` is chosen for what SA adds beyond one temperature, and
-as ``nu -> inf`` SA becomes the frozen model, so temperature scaling alone is a member of the
+needed); profiled over ``T``, ``nu`` is chosen for what SA adds beyond one temperature
+(the NLL of ``softmax(c z / T)`` depends on ``c / T`` only, so rescaling the frozen logits by
+``c`` leaves the chosen ``nu`` unchanged and multiplies ``T`` by ``c``), and as
+``nu -> inf`` SA becomes the frozen model, so temperature scaling alone is a member of the
 family searched (up to Monte Carlo noise SA then cannot be worse than it on validation).
 ``"after"`` is kept as the ablation, ``None`` for no temperature (``T = 1``).
 
@@ -59,6 +61,7 @@ from attnuq.conformal_sets import (
 )
 from attnuq.estimators._common import (
     check_model,
+    check_settings,
     read_envelope,
     read_pairs,
     warn_and_record,
@@ -187,9 +190,9 @@ class SAClassifier:
         from attnuq.calibration.search import check_nu_range
 
         self.model = check_model(model)
-        if output_fn is not None and not callable(output_fn):
-            raise TypeError(f"output_fn must be callable or None, got {type(output_fn).__name__}")
+        counts = check_settings(output_fn, seed, n_samples=n_samples, n_passes=n_passes)
         self.output_fn = output_fn
+        self.n_samples, self.n_passes, self.seed = counts["n_samples"], counts["n_passes"], seed
         self.nu = None if nu is None else check_positive_int(nu, "nu")
         if temperature is not None and temperature not in TEMPERATURE_RULES:
             raise ValueError(
@@ -200,14 +203,6 @@ class SAClassifier:
             raise ValueError(f"score must be one of {SET_SCORES}, got {score=!r}")
         self.score: SetScore = score
         self.nu_range = check_nu_range(nu_range)
-        self.n_samples = check_positive_int(n_samples, "n_samples")
-        self.n_passes = check_positive_int(n_passes, "n_passes")
-        for name, v in (("n_samples", self.n_samples), ("n_passes", self.n_passes)):
-            if v < 2:
-                raise ValueError(f"{name} must be >= 2 (a spread needs two passes), got {name}={v}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-            raise ValueError(f"seed must be an int in [0, 2**63), got {seed=!r}")
-        self.seed = seed
         if ignore_index is not None and (isinstance(ignore_index, bool)
                                          or not isinstance(ignore_index, int)):
             raise TypeError(f"ignore_index must be an int or None, got {ignore_index=!r}")
@@ -215,7 +210,7 @@ class SAClassifier:
         self.progress = progress
         bad = sorted(set(calibrate_kwargs) & {"criterion", "n_passes", "nu_range", "seed",
                                               "output_fn", "progress", "level", "per_layer",
-                                              "distributed"})
+                                              "distributed", "ignore_index"})
         if bad:
             raise TypeError(f"{bad} cannot be calibrate_kwargs of SAClassifier (set the "
                             "SAClassifier arguments; per_layer and distributed are not "
@@ -287,7 +282,7 @@ class SAClassifier:
                     self.model, val, criterion=self.criterion,  # type: ignore[arg-type]
                     n_passes=self.n_passes, nu_range=self.nu_range, output_fn=self.output_fn,
                     seed=self.seed, progress=self.progress, distributed=False,
-                    **self.calibrate_kwargs,
+                    ignore_index=self.ignore_index, **self.calibrate_kwargs,
                 )
             nu = int(self.report.nu)
             passes += self.report.forward_passes

@@ -39,6 +39,7 @@ __all__ = [
     "ENVELOPE_VERSION",
     "EstimatorWarning",
     "check_model",
+    "check_settings",
     "model_digest",
     "read_envelope",
     "read_pairs",
@@ -63,6 +64,35 @@ def check_model(model: object) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     return model
+
+
+def check_settings(output_fn: object, seed: object, **passes: object) -> dict[str, int]:
+    """Check the settings every estimator takes: ``output_fn`` (callable or ``None``),
+    ``seed`` (an int in ``[0, 2**63)``) and each pass count in ``passes`` (an int ``>= 2``: a
+    spread needs two passes); returns the pass counts as ints.
+
+    Examples
+    --------
+    >>> check_settings(None, 0, n_samples=8)
+    {'n_samples': 8}
+    >>> check_settings(None, -1)
+    Traceback (most recent call last):
+    ...
+    ValueError: seed must be an int in [0, 2**63), got seed=-1
+    """
+    from attnuq._validation import check_positive_int
+
+    if output_fn is not None and not callable(output_fn):
+        raise TypeError(f"output_fn must be callable or None, got {type(output_fn).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed=!r}")
+    out = {}
+    for name, v in passes.items():
+        n = check_positive_int(v, name)
+        if n < 2:
+            raise ValueError(f"{name} must be >= 2 (a spread needs two passes), got {name}={v!r}")
+        out[name] = n
+    return out
 
 
 def read_pairs(data: Iterable[Any], name: str, *, finite: bool = True

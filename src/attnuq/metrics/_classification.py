@@ -108,15 +108,21 @@ def check_labels(targets: object, n_classes: int, name: str = "targets") -> torc
     return t
 
 
+def row_labels(targets: object, table: torch.Tensor, name: str = "probs") -> torch.Tensor:
+    """``targets`` as ``(B,)`` class ids for a ``(B, C)`` ``table`` (probabilities, scores or
+    sets), on its device; errors name both shapes."""
+    y = check_labels(targets, table.shape[-1])
+    if y.shape != table.shape[:1]:
+        raise ValueError(
+            f"targets must be (B,) class ids for {name} (B, C), got "
+            f"targets.shape={tuple(y.shape)} and {name}.shape={tuple(table.shape)}"
+        )
+    return y.to(table.device)
+
+
 def _probs_labels(probs: object, targets: object) -> tuple[torch.Tensor, torch.Tensor]:
     p = check_probs(probs)
-    y = check_labels(targets, p.shape[-1])
-    if y.shape != p.shape[:1]:
-        raise ValueError(
-            "targets must be (B,) class ids for probs (B, C), got "
-            f"targets.shape={tuple(y.shape)} and probs.shape={tuple(p.shape)}"
-        )
-    return p, y.to(p.device)
+    return p, row_labels(targets, p)
 
 
 def nll_probs(
@@ -473,13 +479,8 @@ def set_coverage(
     """
     check_reduction(reduction)
     c = _check_sets(sets)
-    y = check_labels(targets, c.shape[-1])
-    if y.shape != c.shape[:1]:
-        raise ValueError(
-            "targets must be (B,) for sets (B, C), got "
-            f"targets.shape={tuple(y.shape)} and sets.shape={tuple(c.shape)}"
-        )
-    return reduce(c.gather(-1, y.to(c.device)[:, None])[:, 0].to(D), reduction)
+    y = row_labels(targets, c, "sets")
+    return reduce(c.gather(-1, y[:, None])[:, 0].to(D), reduction)
 
 
 def set_size(sets: torch.Tensor, *, reduction: Reduction = "mean") -> torch.Tensor:

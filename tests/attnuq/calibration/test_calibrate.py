@@ -159,7 +159,7 @@ def test_clear_errors(problem) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="no attention site"):
         calibrate(nn.Sequential(nn.Flatten(), nn.Linear(256, 8)).eval(), [(v, y)], progress=False)
     with pytest.raises(ValueError, match="criterion"):
-        calibrate(model, data, criterion="nll", progress=False)  # type: ignore[arg-type]
+        calibrate(model, data, criterion="mse", progress=False)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="search"):
         calibrate(model, data, search="random", progress=False)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="nu_range"):
