@@ -495,6 +495,9 @@ def run(args: argparse.Namespace) -> Path:
     if args.grid_seeds is not None and args.grid_seeds < 1:
         raise ValueError(f"--grid-seeds must be >= 1, got {args.grid_seeds}")
     info = run_info()
+    import time
+
+    t_start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     ctx = _context(args)
     ds, tr, te, val_b = ctx["ds"], ctx["tr"], ctx["te"], ctx["val_b"]
@@ -553,6 +556,8 @@ def run(args: argparse.Namespace) -> Path:
             levy0, ds, te, out, args.plots, per_seed[0]["metrics"]["levy"]["T"],
             sigma_key="sigma_total" if w > 0 else "sigma")
     results["sigma_floor"] = SIGMA_FLOOR
+    # this process's wall time (models and records loaded from the cache cost little here)
+    results["run_seconds"] = time.perf_counter() - t_start
     results["implementations"] = impl_record(page_rows({**results, "per_seed": per_seed}))
     full = _write_json(out, results, per_seed)
     _write_page(out, md, full)
