@@ -41,7 +41,7 @@ def argv(tmp: Path) -> list[str]:
             "--max-epochs", "1", "--sub-stays", "2", "--mc-passes", "2", "--sampler-draws", "4",
             "--ensemble-members", "2", "--gp-train-stays", "4", "--gp-iters", "2", "--plots", "1",
             "--out", str(tmp / "physionet"), "--cache-dir", str(tmp.parent / "physionet_cache"),
-            "--reuse", "--device", "cpu"]
+            "--reuse", "--device", "cpu", "--uq-weights", "0,0.1", "--grid-seeds", "1"]
 
 
 def page(tmp: Path) -> Path:
