@@ -344,9 +344,9 @@ def build_page(results: dict[str, Any]) -> Page:
                          f"{pi['spearman_sd_lambda_forecast']:.3f}{x}")
         page.add("", *(f"![{f}]({out_name}/{f})" for f in results["plots"]))
     if results.get("run_seconds") is not None:
-        g = results.get("grid") or {}
-        ents = [e for v in g.get("entries", {}).values() for e in v]
-        gseeds = set(g.get("seeds", []))
+        gr: dict[str, Any] = results.get("grid") or {}
+        ents = [e for v in gr.get("entries", {}).values() for e in v]
+        gseeds = set(gr.get("seeds", []))
         tr = sum(float(e["seconds"]) for e in ents)  # every grid model once
         tr += sum(float(r["train_softmax"]["seconds"]) + (0.0 if r["seed"] in gseeds else float(
             r["train_levy"]["seconds"])) for r in per_seed)

@@ -375,8 +375,9 @@ def _train(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[
     if kind == "levy":
         lp = model.layer_params()  # type: ignore[operator]
         info.update({k: float(lp[k].detach()) for k in ("alpha", "beta", "h")})
-        info.update(uq_weight=float(w), temperature=float(model.temperature.detach()),
-                    prior_std_median=float(model.prior_std.detach().median()))
+        lm: Any = model
+        info.update(uq_weight=float(w), temperature=float(lm.temperature.detach()),
+                    prior_std_median=float(lm.prior_std.detach().median()))
     return model, info
 
 
