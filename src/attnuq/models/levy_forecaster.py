@@ -252,6 +252,10 @@ class LevyForecaster(nn.Module):
     through ``phi``, while ``sigma_total -> s0_c`` as ``Lambda_q -> 0``. The temperature
     ``T = exp(log_temperature)`` of the predictive ``N(mu, (T sigma_total)^2)`` is a parameter so
     that a training score (:func:`forecast_loss`) can use it; scoring refits ``T`` on validation.
+
+    NOTE(paper): the paper defines the output and its moments conditional on ``N >= 1`` and
+    reports ``p_empty`` beside them; ``sigma_total`` (a per-channel prior scale weighted by
+    ``p_empty``) is ours, so that the spread grows as the evidence vanishes.
     """
 
     def __init__(
@@ -653,6 +657,9 @@ def forecast_loss(
     ``T / sqrt(alpha)`` is identified by the data, and the prior fixes the rest. Gradients reach
     ``Sigma_V``, ``Lambda`` (hence ``alpha``, ``beta``, the keys and values) and the prior scale
     through ``sigma_total``. ``weight = 0`` is the masked MSE alone.
+
+    NOTE(paper): the paper trains the expected output on the MSE only and fits ``T`` afterwards;
+    the score term (and with it a trained ``alpha`` under a prior) is ours (issue #36).
 
     Parameters
     ----------

@@ -59,6 +59,9 @@ is exact (no cross terms are dropped).
 
 NOTE(paper): heads are modelled as independent Poisson random measures, so their variances add;
 the paper states the operator for one head.
+
+NOTE(paper): ``total_sigma_dim`` (the prior scale ``prior_std`` weighted by ``p_empty``) is ours;
+the paper reports the moments conditional on ``N >= 1`` and ``p_empty`` beside them.
 """
 
 from __future__ import annotations
