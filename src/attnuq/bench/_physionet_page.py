@@ -174,9 +174,10 @@ def _chosen_w(results: dict[str, Any]) -> float:
     return float((results.get("grid") or {}).get("chosen", 0.0))
 
 
-def build_page(results: dict[str, Any]) -> Page:
-    """The page of a stored ``physionet.json`` record (a pure function of it)."""
-    out_name = Path(str(results["args"]["out"])).name
+def build_page(results: dict[str, Any], out_name: str | None = None) -> Page:
+    """The page of a stored ``physionet.json`` record (a pure function of it); ``out_name``:
+    the results folder's name beside the page (default: the run's ``--out``), for the links."""
+    out_name = out_name or Path(str(results["args"]["out"])).name
     per_seed = results["per_seed"]
     summ = summarise(per_seed)
     a, d, run_ = results["args"], results["data"], results["run"]

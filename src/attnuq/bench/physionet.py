@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -574,7 +575,7 @@ def _write_json(out: Path, results: dict[str, Any], per_seed: list[dict[str, Any
 
 def _write_page(out: Path, md: Path, results: dict[str, Any]) -> None:
     """The page and its twin from ``results``; the ``physionet`` key of ``summary.json``."""
-    build_page(results).write(md)
+    build_page(results, out_name=Path(os.path.relpath(out, md.parent)).as_posix()).write(md)
     summ = summarise(results["per_seed"])
     if "levy" in summ and "softmax" in summ:
         name = Path(str(results["data"].get("source") or "physionet")).name.split(".")[0]
@@ -594,7 +595,8 @@ def _write_page(out: Path, md: Path, results: dict[str, Any]) -> None:
 
 def render_page(out: Path, table: Path) -> Page:
     """The page of the stored ``<out>/physionet.json`` (no training, no writes)."""
-    return build_page(read_json(Path(out) / "physionet.json"))
+    return build_page(read_json(Path(out) / "physionet.json"),
+                      out_name=Path(os.path.relpath(out, Path(table).parent)).as_posix())
 
 
 register("physionet", help="Levy-attention forecaster on PhysioNet 2012 (t-PatchGNN protocol)",
