@@ -58,7 +58,7 @@ def _models() -> list[tuple[str, nn.Module, torch.Tensor]]:
         ("TransformerEncoder (B=16, L=32, d=64)", _Encoder().eval(), torch.randn(16, 32, 64)),
     ]
     try:
-        from attnuq.models.ft import make_ft_transformer
+        from attnuq_bench.models.ft import make_ft_transformer
 
         ft = make_ft_transformer(8, n_blocks=3, seed=0).eval()
         out.append(("FT-Transformer (B=64, 8 features, 3 blocks)", ft, torch.randn(64, 8)))

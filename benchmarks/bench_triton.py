@@ -217,7 +217,8 @@ def render(info: dict[str, Any], ops: list[dict[str, Any]], hf: list[dict[str, A
         f"Written by `{info.get('command', 'benchmarks/bench_triton.py')}` on "
         f"{info.get('date', '?')}, {info.get('machine', '?')}; device: {info.get('gpu', '?')}.",
         "",
-        f"CUDA tests (`pytest tests/ops/test_triton.py`, compiled, TRITON_INTERPRET=0): {tests}",
+        f"CUDA tests (`pytest tests/attnuq/ops/test_triton.py`, compiled, TRITON_INTERPRET=0): "
+        f"{tests}",
         "",
         f"## Speed and peak memory (B={B}, H={H}, D={D}, bfloat16, Lq = Lk = L)",
         "",

@@ -26,12 +26,14 @@ MODULES = [
     "attnuq.distributed",
     "attnuq.metrics",
     "attnuq.plots",
-    "attnuq.methods",
-    "attnuq.training",
     "attnuq.models",
     "attnuq.data",
-    "attnuq.bench",
     "attnuq.report",
+    "attnuq_bench.methods",
+    "attnuq_bench.training",
+    "attnuq_bench.models",
+    "attnuq_bench.data",
+    "attnuq_bench.suites",
 ]
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "api.md"

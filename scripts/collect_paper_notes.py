@@ -41,7 +41,9 @@ def _remark(lines: list[str], i: int) -> str:
 
 def collect() -> list[str]:
     bullets = []
-    for path in sorted((ROOT / "src" / "attnuq").rglob("*.py")):
+    paths = [*(ROOT / "src" / "attnuq").rglob("*.py"),
+             *(ROOT / "harness" / "src" / "attnuq_bench").rglob("*.py")]
+    for path in sorted(paths):
         lines = path.read_text().splitlines()
         for i, line in enumerate(lines):
             if "NOTE(paper):" in line:

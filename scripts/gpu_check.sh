@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU check of the Triton kernels (issue #22), in at most 8 minutes on one H200:
-#   1. the Triton tests compiled on CUDA tensors (TRITON_INTERPRET=0; tests/ops/test_triton.py
+#   1. the Triton tests compiled on CUDA tensors (TRITON_INTERPRET=0; tests/attnuq/ops/test_triton.py
 #      plus the CUDA dispatch test), at most 3 minutes;
 #   2. benchmarks/bench_triton.py: sampled attention vs SDPA flash at B4 H16 D64 bf16 for
 #      L in {1024, 4096, 16384}, peak memory, the torch path, moments, and the nu=4 overhead of
@@ -23,7 +23,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 export TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MPLBACKEND=Agg
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_triton.py \
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/attnuq/ops/test_triton.py \
   >"$OUT_DIR/triton_tests.log" 2>&1
 tests_rc=$?
 tail -n 15 "$OUT_DIR/triton_tests.log"

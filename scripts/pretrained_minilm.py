@@ -300,7 +300,7 @@ def render(res: dict[str, Any]) -> str:
         "(`{'weight': (K, D), 'bias': (K,)}`) applied to the pooled embedding (`--pool mean`, "
         "the un-normalised mask-weighted mean over the tokens, by default, or `cls`); the NPZ "
         "holds the tokenizer's arrays (`input_ids`, `attention_mask`, ...) and `y`. "
-        "`tests/test_cli_pretrained.py` runs it end to end on "
+        "`tests/attnuq/cli/test_cli_pretrained.py` runs it end to end on "
         "a ridge head fitted to a random linear function of the embeddings plus noise.",
         "",
         "## Sentences",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv and install attnuq with every extra.
+# Create .venv and install the library attnuq with its extras and the harness attnuq-bench
+# (harness/), both editable.
 # torch and torchvision are pinned here (a CUDA build that also runs on the CPU; torchvision is
-# what timm needs); the package itself only asks for a range (torch>=2.4,<3).
+# what timm needs); the packages themselves only ask for a range (torch>=2.4,<3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,4 +12,4 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
 .venv/bin/python -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1" \
-    -e ".[hf,tabular,bench,weather,vision,laplace,uncertainty,pretrained,dev]"
+    -e ".[hf,tabular,vision,plots,pretrained,dev]" -e "./harness[weather]"

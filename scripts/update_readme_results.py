@@ -2,7 +2,7 @@
 
 The block between ``<!-- results:start -->`` and ``<!-- results:end -->`` of ``README.md`` is
 rebuilt from the JSON twin of each page, ``docs/results/<suite>.json`` (written with the page by
-``attnuq bench <suite>``, :class:`attnuq.bench._page.Page`): the page's title, date and its
+``attnuq bench <suite>``, :class:`attnuq_bench.suites._page.Page`): the page's title, date and its
 headline lines (or headline table), with a link. Nothing is typed by hand and no markdown is
 scraped; a page without a twin is listed as such. ``--check`` exits 1 when the
 README block is stale (the tests run it that way). From ``docs/results/summary.json`` (issue

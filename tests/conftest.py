@@ -8,9 +8,10 @@ from collections.abc import Iterator
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
-# Triton kernels (tests/ops/test_triton.py) run under triton's interpreter on CPU tensors: the
-# switch is read when triton is first imported (transformers and laplace import it), so it is set
-# here, before any test module. scripts/gpu_check.sh sets TRITON_INTERPRET=0 (compiled, CUDA).
+# Triton kernels (tests/attnuq/ops/test_triton.py) run under triton's interpreter on CPU
+# tensors: the switch is read when triton is first imported (transformers and laplace import it),
+# so it is set here, before any test module. scripts/gpu_check.sh sets TRITON_INTERPRET=0
+# (compiled, CUDA).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest

@@ -16,14 +16,14 @@ import types
 import pytest
 
 COVERED = (
-    "attnuq.methods._base",
-    "attnuq.methods.calibration",
-    "attnuq.methods.ensemble",
-    "attnuq.methods.hsa",
-    "attnuq.methods.laplace",
-    "attnuq.methods.sa",
-    "attnuq.methods.simple",
-    "attnuq.methods.swag",
+    "attnuq_bench.methods._base",
+    "attnuq_bench.methods.calibration",
+    "attnuq_bench.methods.ensemble",
+    "attnuq_bench.methods.hsa",
+    "attnuq_bench.methods.laplace",
+    "attnuq_bench.methods.sa",
+    "attnuq_bench.methods.simple",
+    "attnuq_bench.methods.swag",
     "attnuq.calibration",
     "attnuq.calibration.criteria",
     "attnuq.calibration.layers",
@@ -45,7 +45,7 @@ COVERED = (
     "attnuq.prediction",
     "attnuq.predictive",
     "attnuq.report",
-    "attnuq.training",
+    "attnuq_bench.training",
 )
 
 

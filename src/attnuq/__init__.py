@@ -29,8 +29,7 @@ _LAZY: dict[str, str] = {
     "GaussianPredictive": "attnuq.predictive:GaussianPredictive",
     "recentre": "attnuq.predictive:recentre",
 }
-_SUBMODULES = ("ops", "nn", "metrics", "plots", "data", "models", "methods", "baselines",
-               "calibration", "prediction", "patching", "bench")
+_SUBMODULES = ("ops", "nn", "metrics", "plots", "models", "calibration", "prediction", "patching")
 
 __all__ = ["__version__", *_LAZY, *_SUBMODULES]
 

@@ -1,17 +1,21 @@
 """The ``attnuq`` command line.
 
-* ``attnuq demo``: train (or reuse) a small FT-Transformer on a bundled UCI set, calibrate ``nu``,
-  predict, compare with MC dropout and write a report folder (``report.html``, PNGs,
-  ``results.json``).
-* ``attnuq bench <suite>``: a benchmark suite (``uci``, ``ett``, ``era5``, ``physionet``,
-  ``calibration``).
 * ``attnuq calibrate MODEL DATA``: calibrate ``nu`` for a user's saved model (a Hugging Face model
   folder or a ``torch.save``-d module) on a CSV or NPZ file of held-out inputs and targets.
 * ``attnuq report RESULTS_JSON``: (re)write ``report.html`` from a results file.
+* Commands of installed plugins: a distribution that declares entry points in the group
+  ``attnuq.commands`` adds one subcommand per entry point (its name). The benchmark harness
+  (``attnuq-bench``, in ``harness/`` of the repository) adds ``attnuq demo`` and
+  ``attnuq bench <suite>`` this way; without it those two say how to install it (exit 2).
+
+A plugin command is an object with ``help`` (str), ``distributed`` (bool: share the work across
+``torchrun`` ranks), ``add_arguments(parser, argv)`` (``argv``: the words after the command name,
+so that a command can load only what they ask for) and ``run(args) -> int`` (the exit status).
 
 Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set),
-``calibrate`` and ``bench`` initialise a process group (gloo; NCCL for a CUDA ``--device``) and
-share their work across the ranks; rank 0 alone writes the results (:mod:`attnuq.distributed`).
+``calibrate`` and the distributed plugin commands initialise a process group (gloo; NCCL for a
+CUDA ``--device``) and share their work across the ranks; rank 0 alone writes the results
+(:mod:`attnuq.distributed`).
 
 Bad input ends with a one-line ``attnuq: error: ...`` on stderr and exit status 2: invalid
 options and files, a model that fails on the given data, a model folder without weights or with
@@ -26,11 +30,39 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 from attnuq._runtime import version
 from attnuq.calibration import CRITERIA, PER_LAYER, SEARCHES, get_criterion
 
-__all__ = ["build_parser", "main"]
+__all__ = [
+    "COMMANDS_GROUP", "Command", "add_common_options", "build_parser", "main", "plugin_commands",
+]
+
+#: entry-point group through which installed distributions add subcommands
+COMMANDS_GROUP = "attnuq.commands"
+#: commands the benchmark harness provides, named in the message when it is not installed
+_HARNESS_COMMANDS = ("bench", "demo")
+_HARNESS_HINT = ("install the benchmark harness: pip install attnuq-bench "
+                 "(from a clone of the repository: pip install -e harness)")
+
+
+class Command(Protocol):
+    """A subcommand a plugin adds (see the module docstring)."""
+
+    help: str
+    distributed: bool
+
+    def add_arguments(self, parser: argparse.ArgumentParser, argv: Sequence[str]) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def plugin_commands() -> dict[str, Any]:
+    """The entry points of the group ``attnuq.commands``, by command name (not yet loaded)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)}
 
 
 class _UserError(Exception):
@@ -72,21 +104,16 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
 
 
-def _add_common(p: argparse.ArgumentParser, *, data_dir: bool = True) -> None:
-    if data_dir:
-        p.add_argument(
-            "--data-dir",
-            default=None,
-            help="data root (default: $ATTNUQ_DATA_DIR, else ../shared/data)",
-        )
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    p.add_argument(
-        "--device", default="cpu", help="torch device: cpu, cuda, cuda:N or auto (default: cpu)"
-    )
+def add_common_options(p: argparse.ArgumentParser) -> None:
+    """Give a command ``--seed`` and ``--device`` (``main`` resolves the device) unless it has them.
 
-
-def _add_missing_common(p: argparse.ArgumentParser) -> None:
-    """Give a bench suite ``--seed`` and ``--device`` when it does not define them itself."""
+    Examples
+    --------
+    >>> p = argparse.ArgumentParser()
+    >>> add_common_options(p)
+    >>> p.parse_args(["--device", "cpu"]).seed
+    0
+    """
     have = {opt for action in p._actions for opt in action.option_strings}
     if "--seed" not in have:
         p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
@@ -97,57 +124,18 @@ def _add_missing_common(p: argparse.ArgumentParser) -> None:
         )
 
 
-def build_parser(load_suite: str | None = None) -> argparse.ArgumentParser:
-    """The argument parser of ``attnuq``; only the bench suite ``load_suite`` is imported."""
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The argument parser of ``attnuq``, with the plugins' commands.
+
+    ``argv`` is the command line: a plugin command gets the words after its name (so the bench
+    loads only the suite asked for); the other plugins are listed but not loaded.
+    """
     parser = argparse.ArgumentParser(
         prog="attnuq", description="Prediction uncertainty from attention layers."
     )
     parser.add_argument("--version", action="version", version=f"attnuq {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-
-    demo = sub.add_parser(
-        "demo",
-        help="train a small FT-Transformer on a bundled data set, calibrate nu, write a report",
-        description="Train (or reuse) a small FT-Transformer on a bundled UCI set, calibrate SA's "
-        "nu on held-out data, predict with intervals, compare with MC dropout and write "
-        "report.html, PNGs and results.json.",
-    )
-    demo.add_argument("--out", default="attnuq-demo", help="report folder (default: attnuq-demo)")
-    demo.add_argument("--dataset", default="concrete", help="UCI set name (default: concrete)")
-    demo.add_argument("--split", type=int, default=0, help="standard split index (default: 0)")
-    demo.add_argument("--retrain", action="store_true", help="retrain even if a model is cached")
-    demo.add_argument(
-        "--max-epochs", type=int, default=100, help="training epochs at most (default: 100)"
-    )
-    demo.add_argument(
-        "--n-blocks", type=int, default=1, help="FT-Transformer blocks (default: 1)"
-    )
-    demo.add_argument(
-        "--n-samples", type=int, default=100, help="stochastic passes for prediction (default: 100)"
-    )
-    _add_common(demo)
-    demo.set_defaults(data_dir="bundled")
-
-    bench = sub.add_parser("bench", help="run a benchmark suite (uci, ett, era5, physionet, ...)")
-    bench_sub = bench.add_subparsers(dest="suite", metavar="SUITE")
-    bench_sub.required = True
-    from attnuq.bench import SUITES, get_suite
-
-    for name in SUITES:
-        if name != load_suite:  # suites import their extras lazily: only the one asked for
-            p = bench_sub.add_parser(name, help=f"see: attnuq bench {name} --help")
-            continue
-        try:
-            suite = get_suite(name)
-        except ImportError as exc:  # extras missing: listed, but refuses to run
-            p = bench_sub.add_parser(name, help=f"(unavailable: {exc})")
-            p.set_defaults(_unavailable=str(exc))
-            continue
-        p = bench_sub.add_parser(name, help=suite.help, description=suite.help)
-        suite.add_arguments(p)
-        _add_missing_common(p)
-        p.set_defaults(_run=suite.run)
 
     cal = sub.add_parser(
         "calibrate",
@@ -195,7 +183,7 @@ def build_parser(load_suite: str | None = None) -> argparse.ArgumentParser:
     cal.add_argument("--n-passes", type=int, default=10, help="passes per input (default: 10)")
     cal.add_argument("--batch-size", type=int, default=64, help="default: 64")
     cal.add_argument("--out", default="attnuq-calibration", help="report folder")
-    _add_common(cal, data_dir=False)
+    add_common_options(cal)
 
     rep = sub.add_parser(
         "report", help="write report.html from a results.json",
@@ -203,26 +191,19 @@ def build_parser(load_suite: str | None = None) -> argparse.ArgumentParser:
     )
     rep.add_argument("results", help="path to results.json")
     rep.add_argument("--out", default=None, help="HTML file (default: beside results.json)")
+
+    asked = argv[0] if argv else None
+    for name, ep in sorted(plugin_commands().items()):
+        if name in ("calibrate", "report"):
+            continue  # the library's own commands cannot be replaced
+        if name != asked:  # not loaded: a plugin's imports cost only when it is asked for
+            sub.add_parser(name, help=f"see: attnuq {name} --help")
+            continue
+        cmd = ep.load()
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p, list(argv[1:]))
+        p.set_defaults(_command=cmd)
     return parser
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from attnuq.cli._demo import run_demo
-
-    out = run_demo(
-        out_dir=args.out,
-        dataset=args.dataset,
-        split=args.split,
-        data_dir=args.data_dir,
-        seed=args.seed,
-        device=args.device,
-        retrain=args.retrain,
-        max_epochs=args.max_epochs,
-        n_blocks=args.n_blocks,
-        n_samples=args.n_samples,
-    )
-    print(f"report written to {out / 'report.html'}")
-    return 0
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -272,9 +253,13 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``attnuq`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    load = argv[1] if len(argv) >= 2 and argv[0] == "bench" else None
-    parser = build_parser(load)
+    if argv and argv[0] in _HARNESS_COMMANDS and argv[0] not in plugin_commands():
+        print(f"attnuq: error: 'attnuq {argv[0]}' needs the benchmark harness; {_HARNESS_HINT}",
+              file=sys.stderr)
+        return 2
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
+    command: Command | None = getattr(args, "_command", None)
     started = False
     try:
         if getattr(args, "device", None) is not None:
@@ -282,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             args.device = str(resolve_device(args.device))
         _check_outputs(args)
-        if args.command in ("calibrate", "bench"):  # under torchrun: share the work
+        if args.command == "calibrate" or (command is not None and command.distributed):
+            # under torchrun: share the work
             from attnuq.distributed import init_from_env
 
             started = init_from_env(getattr(args, "device", None))
@@ -290,20 +276,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 import torch
 
                 args.device = f"cuda:{torch.cuda.current_device()}"  # this rank's GPU
-        if args.command == "demo":
-            return _cmd_demo(args)
         if args.command == "calibrate":
             return _cmd_calibrate(args)
         if args.command == "report":
             return _cmd_report(args)
-        if args.command == "bench":
-            if getattr(args, "_unavailable", None):
-                raise _UserError(f"suite {args.suite!r} unavailable: {args._unavailable}")
-            if not hasattr(args, "_run"):
-                raise _UserError(f"suite {args.suite!r} could not be loaded")
-            out = args._run(args)
-            print(f"results written to {Path(out)}")
-            return 0
+        if command is not None:
+            return int(command.run(args))
     except _input_errors() as exc:
         if os.environ.get("ATTNUQ_TRACEBACK", "") not in ("", "0"):
             raise

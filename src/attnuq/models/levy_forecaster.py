@@ -20,10 +20,10 @@ the variance), the evidence ``Lambda_q`` and ``sqrt(Sigma_V,cc)`` (``sigma`` wit
 dot-product softmax attention with attention dropout, no uncertainty of its own (MC dropout and
 ensembles give it one).
 
-Training goes through :func:`attnuq.training.fit` (``forward_fn=``:func:`forward_batch`, the
+Training goes through :func:`attnuq_bench.training.fit` (``forward_fn=``:func:`forward_batch`, the
 masked MSE of ``mu`` over every forecast point of a batch, exact gradients through the expected
 output, plus ``nll_weight`` times the Gaussian NLL of ``N(mu, sigma^2 + eps)`` for the Levy model:
-:func:`attnuq.training.masked_mse_loss`; Adam, gradient norm clipped to 5, early stopping on
+:func:`attnuq_bench.training.masked_mse_loss`; Adam, gradient norm clipped to 5, early stopping on
 validation masked MSE; ``fit``, here until 0.3, did the same bit for bit).
 :func:`fit_temperature` fits the one temperature ``T`` of
 ``N(mu, (T sigma)^2)`` on validation in closed form, ``T^2 = mean((y - mu)^2 / sigma^2)``, which is
@@ -470,7 +470,7 @@ def _forward(model: nn.Module, b: _Batch) -> ForecastOutput:
 def forward_batch(model: nn.Module, b: _Batch) -> ForecastOutput:
     """``model(b.obs_times, b.obs_channels, b.obs_values, b.obs_mask, b.query_times,
     b.query_channels)``: the ``forward_fn`` of either forecaster over a ``ForecastBatch``
-    (for :func:`attnuq.training.fit` and the methods' ``Task``).
+    (for :func:`attnuq_bench.training.fit` and the methods' ``Task``).
 
     Examples
     --------

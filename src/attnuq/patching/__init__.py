@@ -21,15 +21,7 @@ Inside, by responsibility, bottom first (each imports only those above it in thi
 per-site state), ``_nu`` (``nu`` resolved and validated once), ``_adapter`` (the one adapter onto
 :func:`attnuq.ops.sampled_attention`), the backends, ``_registry`` (backend registry and
 :func:`find_attention`), ``_handle`` (:class:`PatchHandle`, :func:`patch`, :func:`stochastic`).
-
-``attnuq.patching`` is both this subpackage and the function :func:`patch`: once the subpackage is
-imported, Python binds ``attnuq.patching`` to the module, so the module itself is made callable
-(calling it calls :func:`patch`).
 """
-
-import sys
-import types
-from typing import Any
 
 from attnuq.patching._handle import PatchHandle, patch, resolve, stochastic
 from attnuq.patching._registry import find_attention
@@ -37,10 +29,3 @@ from attnuq.patching._sites import AttentionSite
 
 __all__ = ["AttentionSite", "PatchHandle", "find_attention", "patch", "resolve", "stochastic"]
 
-
-class _CallablePackage(types.ModuleType):
-    def __call__(self, *args: Any, **kwargs: Any) -> PatchHandle:
-        return patch(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage

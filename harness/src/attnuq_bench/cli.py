@@ -1,0 +1,136 @@
+"""The harness's subcommands of ``attnuq``: ``attnuq demo`` and ``attnuq bench <suite>``.
+
+The library's command line finds them through the entry-point group ``attnuq.commands``
+(declared in ``harness/pyproject.toml``); each is a :class:`attnuq.cli.Command`.
+
+* ``attnuq demo``: train (or reuse) a small FT-Transformer on a bundled UCI set, calibrate ``nu``,
+  predict, compare with MC dropout and write a report folder (``report.html``, PNGs,
+  ``results.json``).
+* ``attnuq bench <suite>``: a benchmark suite (``uci``, ``ett``, ``era5``, ``physionet``,
+  ``calibration``); only the suite asked for is imported.
+
+Examples
+--------
+>>> import argparse
+>>> p = argparse.ArgumentParser()
+>>> DEMO.add_arguments(p, [])
+>>> p.parse_args([]).dataset
+'concrete'
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from attnuq.cli import add_common_options
+
+__all__ = ["BENCH", "DEMO", "BenchCommand", "DemoCommand"]
+
+_DATA_DIR_HELP = "data root (default: $ATTNUQ_DATA_DIR, else ../shared/data)"
+
+
+class DemoCommand:
+    """``attnuq demo``: the end-to-end path a new user takes (:func:`attnuq_bench.demo.run_demo`).
+
+    Examples
+    --------
+    >>> DemoCommand().distributed
+    False
+    """
+
+    help = "train a small FT-Transformer on a bundled data set, calibrate nu, write a report"
+    distributed = False
+
+    def add_arguments(self, parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+        parser.description = (
+            "Train (or reuse) a small FT-Transformer on a bundled UCI set, calibrate SA's nu on "
+            "held-out data, predict with intervals, compare with MC dropout and write "
+            "report.html, PNGs and results.json.")
+        parser.add_argument(
+            "--out", default="attnuq-demo", help="report folder (default: attnuq-demo)")
+        parser.add_argument(
+            "--dataset", default="concrete", help="UCI set name (default: concrete)")
+        parser.add_argument(
+            "--split", type=int, default=0, help="standard split index (default: 0)")
+        parser.add_argument(
+            "--retrain", action="store_true", help="retrain even if a model is cached")
+        parser.add_argument(
+            "--max-epochs", type=int, default=100, help="training epochs at most (default: 100)"
+        )
+        parser.add_argument(
+            "--n-blocks", type=int, default=1, help="FT-Transformer blocks (default: 1)"
+        )
+        parser.add_argument(
+            "--n-samples", type=int, default=100,
+            help="stochastic passes for prediction (default: 100)",
+        )
+        parser.add_argument("--data-dir", default="bundled", help=_DATA_DIR_HELP)
+        add_common_options(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from attnuq_bench.demo import run_demo
+
+        out = run_demo(
+            out_dir=args.out,
+            dataset=args.dataset,
+            split=args.split,
+            data_dir=args.data_dir,
+            seed=args.seed,
+            device=args.device,
+            retrain=args.retrain,
+            max_epochs=args.max_epochs,
+            n_blocks=args.n_blocks,
+            n_samples=args.n_samples,
+        )
+        print(f"report written to {out / 'report.html'}")
+        return 0
+
+
+class BenchCommand:
+    """``attnuq bench <suite>``: run a benchmark suite registered in :mod:`attnuq_bench.suites`.
+
+    Examples
+    --------
+    >>> BenchCommand().distributed
+    True
+    """
+
+    help = "run a benchmark suite (uci, ett, era5, physionet, ...)"
+    distributed = True
+
+    def add_arguments(self, parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+        from attnuq_bench.suites import SUITES, get_suite
+
+        load_suite = argv[0] if argv else None
+        bench_sub = parser.add_subparsers(dest="suite", metavar="SUITE")
+        bench_sub.required = True
+        for name in SUITES:
+            if name != load_suite:  # suites import their extras lazily: only the one asked for
+                bench_sub.add_parser(name, help=f"see: attnuq bench {name} --help")
+                continue
+            try:
+                suite = get_suite(name)
+            except ImportError as exc:  # extras missing: listed, but refuses to run
+                p = bench_sub.add_parser(name, help=f"(unavailable: {exc})")
+                p.set_defaults(_unavailable=str(exc))
+                continue
+            p = bench_sub.add_parser(name, help=suite.help, description=suite.help)
+            suite.add_arguments(p)
+            add_common_options(p)
+            p.set_defaults(_run=suite.run)
+
+    def run(self, args: argparse.Namespace) -> int:
+        if getattr(args, "_unavailable", None):
+            raise ValueError(f"suite {args.suite!r} unavailable: {args._unavailable}")
+        if not hasattr(args, "_run"):
+            raise ValueError(f"suite {args.suite!r} could not be loaded")
+        out = args._run(args)
+        print(f"results written to {Path(out)}")
+        return 0
+
+
+#: the entry points of the group ``attnuq.commands`` (harness/pyproject.toml)
+DEMO = DemoCommand()
+BENCH = BenchCommand()
