@@ -65,6 +65,7 @@ from attnuq._io import (
     torch_load_or_none,
 )
 from attnuq.distributed import is_primary, primary_first
+from attnuq.models.levy_forecaster import check_score_weight
 from attnuq_bench.data.physionet import ForecastBatch, PhysioNet2012, load_physionet2012
 from attnuq_bench.suites import register
 from attnuq_bench.suites._page import Page, update_summary
@@ -89,7 +90,6 @@ from attnuq_bench.suites._physionet_page import (
     stopped_by,
     summarise,
 )
-from attnuq.models.levy_forecaster import check_score_weight
 
 __all__ = ["UQ_WEIGHTS", "add_arguments", "parse_weights", "render_page", "run"]
 
