@@ -221,6 +221,17 @@ def build_page(results: dict[str, Any], out_name: str | None = None) -> Page:
         f"subset of {sub.get('val')} val / {sub.get('test')} test stays; the Levy model is "
         "scored on the same subset for those comparisons (rows marked [subset]). Everything "
         "else uses the full val/test splits.")
+    if a.get("max_stays"):
+        g = results.get("grid") or {}
+        page.add(
+            f"* reduced run (compute limit of a shared 2-core machine): training on "
+            f"{d['used_split_sizes']['train']} stays (`--max-stays {a['max_stays']}`; val and test "
+            f"keep their {d['used_split_sizes']['val']} / {d['used_split_sizes']['test']} stays), "
+            f"up to {a['max_epochs']} epochs"
+            + (f", the w grid trained for model seeds {g['seeds']} only (the other seeds train "
+               "the chosen w)" if g and len(g.get("seeds", [])) < len(per_seed) else "")
+            + ". The numbers are not comparable with runs on the full training split; every "
+            "comparison on this page is within this run.")
     if a.get("reuse"):
         page.add(
             "* this file merges separate processes run with the same options: `--only-seed S` for "
