@@ -225,8 +225,8 @@ def build_page(results: dict[str, Any], out_name: str | None = None) -> Page:
         g = results.get("grid") or {}
         page.add(
             f"* reduced run (compute limit of a shared 2-core machine): training on "
-            f"{d['used_split_sizes']['train']} stays (`--max-stays {a['max_stays']}`; val and test "
-            f"keep their {d['used_split_sizes']['val']} / {d['used_split_sizes']['test']} stays), "
+            f"{d['used_split_sizes']['train']} stays (`--max-stays {a['max_stays']}`; val / test "
+            f"{d['used_split_sizes']['val']} / {d['used_split_sizes']['test']} stays), "
             f"up to {a['max_epochs']} epochs"
             + (f", the w grid trained for model seeds {g['seeds']} only (the other seeds train "
                "the chosen w)" if g and len(g.get("seeds", [])) < len(per_seed) else "")
