@@ -30,7 +30,10 @@ def _harness_entry_points() -> None:
 
     if list(entry_points(group="attnuq.commands")):
         return
-    spec = find_spec("attnuq_bench.cli")
+    try:
+        spec = find_spec("attnuq_bench.cli")
+    except ModuleNotFoundError:  # no harness here (the library's own environment)
+        return
     if spec is None or spec.origin is None:
         return
     pyproject = Path(spec.origin).resolve().parents[2] / "pyproject.toml"

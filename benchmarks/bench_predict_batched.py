@@ -35,7 +35,7 @@ from torch import nn
 
 from attnuq._io import atomic_write_json, atomic_write_text
 from attnuq._runtime import run_info
-from attnuq.prediction import CPU_MAX_ACTIVATION, predict, replicas_per_call, widest_output
+from attnuq.montecarlo import CPU_MAX_ACTIVATION, predict, replicas_per_call, widest_output
 
 S, NU = 32, 8
 

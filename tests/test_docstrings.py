@@ -17,7 +17,7 @@ import pytest
 
 COVERED = (
     "attnuq_bench.methods._base",
-    "attnuq_bench.methods.calibration",
+    "attnuq_bench.methods.coverage",
     "attnuq_bench.methods.ensemble",
     "attnuq_bench.methods.hsa",
     "attnuq_bench.methods.laplace",
@@ -42,9 +42,9 @@ COVERED = (
     "attnuq.patching.sdpa",
     "attnuq.patching.timm",
     "attnuq.plots",
-    "attnuq.prediction",
+    "attnuq.montecarlo",
     "attnuq.predictive",
-    "attnuq.report",
+    "attnuq.html_report",
     "attnuq_bench.training",
 )
 

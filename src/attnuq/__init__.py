@@ -20,7 +20,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 # public name -> "module:attribute"
 _LAZY: dict[str, str] = {
     "calibrate": "attnuq.calibration:calibrate",
-    "predict": "attnuq.prediction:predict",
+    "predict": "attnuq.montecarlo:predict",
     "stochastic": "attnuq.patching:stochastic",
     "patch": "attnuq.patching:patch",
     "find_attention": "attnuq.patching:find_attention",
@@ -29,7 +29,7 @@ _LAZY: dict[str, str] = {
     "GaussianPredictive": "attnuq.predictive:GaussianPredictive",
     "recentre": "attnuq.predictive:recentre",
 }
-_SUBMODULES = ("ops", "nn", "metrics", "plots", "models", "calibration", "prediction", "patching")
+_SUBMODULES = ("ops", "nn", "metrics", "plots", "models", "calibration", "montecarlo", "patching")
 
 __all__ = ["__version__", *_LAZY, *_SUBMODULES]
 

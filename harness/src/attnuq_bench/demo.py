@@ -181,8 +181,8 @@ def _run_demo(
 
     from attnuq import plots
     from attnuq._runtime import run_info
+    from attnuq.html_report import render_report
     from attnuq.predictive import GaussianPredictive
-    from attnuq.report import render_report
     from attnuq_bench.data.uci import load_uci
     from attnuq_bench.methods import Task, make_method
     from attnuq_bench.models.ft import make_ft_transformer
@@ -233,7 +233,7 @@ def _run_demo(
         atomic_torch_save(model.state_dict(), ckpt)
         atomic_write_json(meta, fp, indent=2)
         print(f"[attnuq demo] trained {res.epochs_run} epochs in {res.seconds:.0f} s "
-              f"(best val RMSE {res.best_val_rmse * s.y_std:.3f})")
+              f"(best val RMSE {res.best_val * s.y_std:.3f})")
     model.eval()
 
     task = Task(model=model, train=(to(s.x_fit), to(s.y_fit)), val=(to(s.x_val), to(s.y_val)),

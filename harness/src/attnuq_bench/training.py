@@ -32,20 +32,18 @@ bit (a batch factory must draw its order from the epoch it is given, not from a 
 
 Recipes
 -------
-The three loops this module replaced (``tests/attnuq_bench/test_training.py`` checks each call
-against a frozen copy of the old loop, bit for bit):
+The suites' backbones:
 
-* FT-Transformer (``train_regressor``): ``fit(model, (x, y), (x_val, y_val))`` -- the defaults
-  are rtdl's recipe (AdamW over ``make_parameter_groups()``, lr 1e-4, weight decay 1e-5, early
+* FT-Transformer (UCI, the demo): ``fit(model, (x, y), (x_val, y_val))`` -- the defaults are
+  rtdl's recipe (AdamW over ``make_parameter_groups()``, lr 1e-4, weight decay 1e-5, early
   stopping on validation RMSE, patience 16);
-* PatchTST / ViT (``train_forecaster``): ``fit(..., metric="mse", lr=1e-3, weight_decay=0.0,
-  max_epochs=10, patience=3, batch_size=64, val_batch_size=512, seed_torch=True,
-  count_val_forward=False)`` (AdamW over the parameters: these models have no parameter
-  groups);
-* Levy forecaster and softmax control (``levy_forecaster.fit``): ``fit(model, epoch_batches,
-  val_batches, loss=masked_mse_loss(forward_batch, nll_weight), metric="masked_mse",
+* PatchTST (ETT) and the ViT field forecaster (ERA5): ``fit(..., metric="mse", lr=1e-3,
+  weight_decay=0.0, max_epochs=10, patience=3, batch_size=64, val_batch_size=512,
+  seed_torch=True)`` (AdamW over the parameters: these models have no parameter groups);
+* Levy forecaster and softmax control (PhysioNet): ``fit(model, epoch_batches, val_batches,
+  loss=masked_mse_loss(forward_batch, nll_weight), metric="masked_mse",
   forward_fn=forward_batch, optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad_norm=5.0,
-  max_epochs=20, patience=3, loss_average="batches", count_val_forward=False)``.
+  max_epochs=20, patience=3)``.
 
 PatchTST's own supervised ETTh1 script trains with Adam at lr 1e-4, batch 128 and the
 ``"type3"`` schedule: ``optimizer="adam", lr=1e-4, weight_decay=0.0, batch_size=128,
@@ -548,21 +546,18 @@ def schedule_factor(schedule: Schedule, epoch: int) -> float:
 class TrainReport:
     """What :func:`fit` did.
 
-    ``train_loss[e]``: mean training loss of epoch ``e`` (per row, or per batch with
-    ``loss_average="batches"``); ``val_metric[e]``: the validation ``metric`` after it;
+    ``train_loss[e]``: mean training loss of epoch ``e`` (per row); ``val_metric[e]``: the
+    validation ``metric`` after it;
     ``best_epoch``/``best_val``: the epoch whose weights were kept and its metric;
     ``stopped_by``: ``"max_epochs"``, ``"patience"`` or ``"max_seconds"``; ``steps``:
     optimiser steps; ``n_forward``: example-forwards spent (training rows, plus validation rows
-    per epoch unless ``count_val_forward=False``); ``seconds``: wall time (summed over resumed
-    parts); ``resumed_from``: epochs read from a checkpoint (0 when none).
-
-    The names of the three reports it replaces read the same fields: ``val_loss``, ``val_rmse``
-    and ``val_mse`` are ``val_metric``; ``best_val_rmse`` and ``best_val_mse`` are ``best_val``.
+    per epoch); ``seconds``: wall time (summed over resumed parts); ``resumed_from``: epochs
+    read from a checkpoint (0 when none).
 
     Examples
     --------
     >>> r = TrainReport(metric="mse", val_metric=[2.0, 1.0], best_epoch=1, best_val=1.0)
-    >>> r.val_mse, r.best_val_mse, sorted(r.to_dict())[:3]
+    >>> r.val_metric, r.best_val, sorted(r.to_dict())[:3]
     ([2.0, 1.0], 1.0, ['best_epoch', 'best_val', 'epochs_run'])
     """
 
@@ -577,27 +572,6 @@ class TrainReport:
     n_forward: int = 0
     stopped_by: str = "max_epochs"
     resumed_from: int = 0
-
-    # names used by the loops this report replaced
-    @property
-    def val_loss(self) -> list[float]:
-        return self.val_metric
-
-    @property
-    def val_rmse(self) -> list[float]:
-        return self.val_metric
-
-    @property
-    def val_mse(self) -> list[float]:
-        return self.val_metric
-
-    @property
-    def best_val_rmse(self) -> float:
-        return self.best_val
-
-    @property
-    def best_val_mse(self) -> float:
-        return self.best_val
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -726,8 +700,6 @@ def fit(
     val_batch_size: int = 1024,
     seed: int = 0,
     seed_torch: bool = False,
-    loss_average: Literal["rows", "batches"] = "rows",
-    count_val_forward: bool = True,
     restore_best: bool = True,
     on_epoch_end: Callable[[nn.Module, int], None] | None = None,
     checkpoint: str | Path | None = None,
@@ -767,11 +739,9 @@ def fit(
         Stopping rules; ``max_steps_per_epoch`` keeps the first steps of each epoch's batches.
     seed, seed_torch
         ``seed`` seeds the batch order of ``(X, Y)`` training tensors; ``seed_torch=True`` also
-        calls ``torch.manual_seed(seed)`` before the first epoch (dropout draws).
-    loss_average
-        How ``train_loss`` averages an epoch: weighted by rows or per batch.
-    count_val_forward
-        Whether ``n_forward`` counts the validation rows of each epoch.
+        calls ``torch.manual_seed(seed)`` before the first epoch (dropout draws). ETT's PatchTST
+        and ERA5's ViT recipes set it, so their committed backbones (docs/results/ett.md,
+        era5.md) retrain identically from the seed alone.
     on_epoch_end
         ``on_epoch_end(model, epoch)`` after each epoch's validation.
     checkpoint
@@ -822,8 +792,6 @@ def fit(
         raise ValueError(f"clip_grad_norm must be a positive finite float, got {clip_grad_norm=}")
     if max_seconds is not None and not max_seconds >= 0:
         raise ValueError(f"max_seconds must be >= 0, got {max_seconds=}")
-    if loss_average not in ("rows", "batches"):
-        raise ValueError(f"loss_average must be 'rows' or 'batches', got {loss_average=!r}")
     schedule_factor(schedule, 0)  # validates the schedule
     for part, data in (("train", train), ("val", val)):
         if _is_pair(data):
@@ -906,17 +874,15 @@ def fit(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
             opt.step()
             rows = _rows(batch)
-            w = rows if loss_average == "rows" else 1
-            tot += float(value.detach()) * w
-            cnt += w
+            tot += float(value.detach()) * rows
+            cnt += rows
             steps += 1
             rep.n_forward += rows
         rep.steps += steps
         v = float(metricf(model, val_src(epoch)))
-        if count_val_forward:
-            if n_val_rows is None:  # counted once, on a fresh iterable (a factory may be lazy)
-                n_val_rows = count_rows(val_src(epoch))
-            rep.n_forward += n_val_rows
+        if n_val_rows is None:  # counted once, on a fresh iterable (a factory may be lazy)
+            n_val_rows = count_rows(val_src(epoch))
+        rep.n_forward += n_val_rows
         rep.train_loss.append(tot / max(cnt, 1))
         rep.val_metric.append(v)
         rep.epochs_run = epoch + 1

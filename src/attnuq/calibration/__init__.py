@@ -56,7 +56,7 @@ from attnuq.calibration.search import (
     grid_search,
     log_grid,
 )
-from attnuq.prediction import OutputFn
+from attnuq.montecarlo import OutputFn
 
 __all__ = [
     "CRITERIA",

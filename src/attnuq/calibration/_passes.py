@@ -12,7 +12,7 @@ from torch import nn
 
 from attnuq._validation import check_finite
 from attnuq.calibration.criteria import PassStats
-from attnuq.prediction import (
+from attnuq.montecarlo import (
     CPU_MAX_ACTIVATION,
     Inputs,
     OutputFn,

@@ -23,7 +23,7 @@ from attnuq import distributed as _dist
 from attnuq._validation import check_finite
 from attnuq.calibration._passes import check_data, check_pair
 from attnuq.calibration.criteria import PassStats
-from attnuq.prediction import (
+from attnuq.montecarlo import (
     Inputs,
     OutputFn,
     batch_size,

@@ -43,7 +43,7 @@ __all__ = [
 COMMANDS_GROUP = "attnuq.commands"
 #: commands the benchmark harness provides, named in the message when it is not installed
 _HARNESS_COMMANDS = ("bench", "demo")
-_HARNESS_HINT = ("install the benchmark harness: pip install attnuq-bench "
+_HARNESS_HINT = ("pip install attnuq-bench "
                  "(from a clone of the repository: pip install -e harness)")
 
 
@@ -218,7 +218,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from attnuq.report import render_report
+    from attnuq.html_report import render_report
 
     out = render_report(args.results, args.out)
     print(f"report written to {out}")
@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``attnuq`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _HARNESS_COMMANDS and argv[0] not in plugin_commands():
-        print(f"attnuq: error: 'attnuq {argv[0]}' needs the benchmark harness; {_HARNESS_HINT}",
+        print(f"attnuq: error: 'attnuq {argv[0]}' needs the benchmark harness: {_HARNESS_HINT}",
               file=sys.stderr)
         return 2
     parser = build_parser(argv)

@@ -151,7 +151,7 @@ def _read_npz(p: Path) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Te
 
 def _read_csv(p: Path, targets: list[str] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """CSV part of :func:`load_heldout`: a strict header table (file and line in every error)."""
-    from attnuq.data._formats import read_csv_table
+    from attnuq.data.readers import read_csv_table
 
     table = read_csv_table(p)
     cols = list(targets) if targets else [table.header[-1]]
@@ -224,7 +224,7 @@ def _probe(model: nn.Module, batch: tuple[Any, torch.Tensor],
     Raises ``ValueError`` naming the model, the data file and the model's own error (e.g. a
     wrong number of input features) instead of a traceback from deep inside calibration.
     """
-    from attnuq.prediction import call_model
+    from attnuq.montecarlo import call_model
 
     xb, _ = batch
     shape = ({k: tuple(v.shape) for k, v in xb.items()} if isinstance(xb, dict)
@@ -278,18 +278,24 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
         return out
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "calibration.json", report.to_json())
-    import matplotlib
+    figures = []
+    try:  # the figure needs the extra `plots`; the report and the JSON do not
+        import matplotlib
+    except ModuleNotFoundError:
+        print("calibration_curve.png not drawn: matplotlib is not installed "
+              "(pip install 'attnuq[plots]')")
+    else:
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    report.plot(ax=ax)
-    fig.tight_layout()
-    atomic_savefig(fig, out / "calibration_curve.png", dpi=120)
-    plt.close(fig)
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        report.plot(ax=ax)
+        fig.tight_layout()
+        atomic_savefig(fig, out / "calibration_curve.png", dpi=120)
+        plt.close(fig)
+        figures.append({"file": "calibration_curve.png", "caption": "objective against nu"})
     from attnuq._runtime import run_info
-    from attnuq.report import render_report
+    from attnuq.html_report import render_report
 
     info = run_info()
     results = {
@@ -310,7 +316,7 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
                if getattr(args, "head", None) is not None else {}),
         },
         "tables": [],
-        "figures": [{"file": "calibration_curve.png", "caption": "objective against nu"}],
+        "figures": figures,
         "meta": info,
     }
     atomic_write_json(out / "results.json", results, indent=2)

@@ -1,4 +1,4 @@
-"""Readers of users' data files: strict CSV and whitespace tables (:mod:`attnuq.data._formats`).
+"""Readers of users' data files: strict CSV and whitespace tables (:mod:`attnuq.data.readers`).
 
 Every reader reports malformed file *content* with :class:`DataFormatError` (a ``ValueError``)
 naming the file and, where the format has lines, the 1-based line; a missing file is a

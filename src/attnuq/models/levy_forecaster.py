@@ -20,11 +20,11 @@ the variance), the evidence ``Lambda_q`` and ``sqrt(Sigma_V,cc)`` (``sigma`` wit
 dot-product softmax attention with attention dropout, no uncertainty of its own (MC dropout and
 ensembles give it one).
 
-Training goes through :func:`attnuq_bench.training.fit` (``forward_fn=``:func:`forward_batch`, the
-masked MSE of ``mu`` over every forecast point of a batch, exact gradients through the expected
-output, plus ``nll_weight`` times the Gaussian NLL of ``N(mu, sigma^2 + eps)`` for the Levy model:
-:func:`attnuq_bench.training.masked_mse_loss`; Adam, gradient norm clipped to 5, early stopping on
-validation masked MSE; ``fit``, here until 0.3, did the same bit for bit).
+Training: :func:`forward_batch` runs a model on a batch of stays; the loss is the masked MSE of
+``mu`` over every forecast point of a batch (exact gradients through the expected output), plus,
+for the Levy model, ``nll_weight`` times the Gaussian NLL of ``N(mu, sigma^2 + eps)``. The
+benchmark harness trains both models this way with Adam, the gradient norm clipped to 5 and early
+stopping on the validation masked MSE.
 :func:`fit_temperature` fits the one temperature ``T`` of
 ``N(mu, (T sigma)^2)`` on validation in closed form, ``T^2 = mean((y - mu)^2 / sigma^2)``, which is
 the exact minimiser of the Gaussian NLL over ``T``.

@@ -58,14 +58,6 @@ _SHARED = SharedInstall()
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "cu_seq_lens_q", "cu_seq_lens_k")
 
 
-def _transformers_ok() -> bool:
-    try:
-        import transformers  # noqa: F401
-    except Exception:  # pragma: no cover - transformers is an extra
-        return False
-    return True
-
-
 def sampled_attention_forward(
     module: nn.Module,
     query: torch.Tensor,

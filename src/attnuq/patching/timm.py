@@ -140,10 +140,6 @@ def _kind(cls: type) -> str | None:
     return _KNOWN.get((owner.__module__, owner.__name__))
 
 
-def _is_timm_attention(cls: type) -> bool:
-    return _kind(cls) is not None
-
-
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 

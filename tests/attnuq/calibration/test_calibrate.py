@@ -262,7 +262,7 @@ def test_cpu_passes_are_batched_within_the_activation_cap() -> None:
     feed-forward output for one batch, (8, 6, 4096) = 196,608 elements, is above
     CPU_MAX_ACTIVATION runs one replica per call (no call sees more than the batch), a
     narrow one stacks every pass of an evaluation into one call; batch_replicas overrides."""
-    from attnuq.prediction import CPU_MAX_ACTIVATION
+    from attnuq.montecarlo import CPU_MAX_ACTIVATION
 
     def run(ffn: int, **kw: object) -> set[int]:
         layer = torch.nn.TransformerEncoderLayer(8, 2, ffn, dropout=0.0, batch_first=True)

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+
+pytest.importorskip("attnuq_bench.cli", reason="needs the harness attnuq-bench (attnuq bench uci)")
 from _count_writes import logging_writes
 from _launch import WORKER, start_torchrun
 

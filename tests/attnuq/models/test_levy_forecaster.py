@@ -1,11 +1,11 @@
 """Levy forecaster: exact per-channel sigma (vs explicit Poisson draws), invariances, control,
-training utilities, temperature; and the per-stay GP against dense references."""
+temperature and alpha fits. (Its training recipe is tested with the harness's loop in
+tests/attnuq_bench/models/test_forecaster_training.py.)"""
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,26 +13,9 @@ from attnuq.models.levy_forecaster import (
     LevyForecaster,
     SoftmaxForecaster,
     fit_temperature,
-    forward_batch,
 )
-from attnuq_bench.models.gp_irregular import ChannelGP, fit_channel_gps, predict_channel_gps
-from attnuq_bench.training import evaluate_masked_mse, masked_mse, masked_mse_loss
-from attnuq_bench.training import fit as train_fit
 
 C = 3
-
-
-def fit(model, train_batches, val_batches, *, lr=1e-3, nll_weight=0.0, **kw):  # type: ignore[no-untyped-def]
-    """The forecasters' recipe (what physionet trains with) through attnuq_bench.training.fit."""
-    return train_fit(model, train_batches, val_batches,
-                     loss=masked_mse_loss(forward_batch, nll_weight), metric="masked_mse",
-                     forward_fn=forward_batch, optimizer="adam", lr=lr, weight_decay=0.0,
-                     clip_grad_norm=5.0, loss_average="batches", count_val_forward=False,
-                     progress=False, **kw)
-
-
-def evaluate_mse(model, batches):  # type: ignore[no-untyped-def]
-    return evaluate_masked_mse(model, batches, forward_batch)
 
 
 def _inputs(B: int = 2, L: int = 6, Q: int = 4, seed: int = 0, dtype=torch.float64):
@@ -149,8 +132,6 @@ def test_input_validation() -> None:
         LevyForecaster(C, beta=0.0)
     with pytest.raises(ValueError, match="dropout"):
         SoftmaxForecaster(C, dropout=1.5)
-    with pytest.raises(ValueError, match="selects no element"):
-        masked_mse(torch.zeros(2), torch.zeros(2), torch.zeros(2, dtype=torch.bool))
 
 
 def test_fit_temperature_is_the_nll_minimiser() -> None:
@@ -164,83 +145,6 @@ def test_fit_temperature_is_the_nll_minimiser() -> None:
     assert abs(float(grid[nll.argmin()]) - T) <= float(grid[1] - grid[0])
     with pytest.raises(ValueError, match="one length"):
         fit_temperature(mu, sd[:3], y)
-
-
-class _B:
-    def __init__(self, x, y, qm):
-        (self.obs_times, self.obs_channels, self.obs_values, self.obs_mask, self.query_times,
-         self.query_channels) = x
-        self.targets, self.query_mask = y, qm
-
-
-def test_fit_reduces_validation_mse_and_restores_best() -> None:
-    torch.manual_seed(0)
-    # target = value of the stay's last observation of the query's channel, roughly
-    batches = []
-    for s in range(4):
-        x = _inputs(B=8, L=10, Q=5, seed=s, dtype=torch.float32)
-        y = x[2].mean(1, keepdim=True).expand(-1, 5).clone()
-        batches.append(_B(x, y, torch.ones(8, 5, dtype=torch.bool)))
-    m = LevyForecaster(C, d=8, encoder_layers=0, dropout=0.0)
-    before = evaluate_mse(m, batches[3:])
-    rep = fit(m, lambda e: batches[:3], lambda: batches[3:], max_epochs=4, patience=4, lr=2e-2)
-    assert rep.best_val_mse < before
-    assert abs(evaluate_mse(m, batches[3:]) - rep.best_val_mse) < 1e-6
-    assert len(rep.val_mse) == 4 and rep.best_val_mse == min(rep.val_mse)
-
-
-def test_gp_padded_batch_matches_dense_reference() -> None:
-    gp = ChannelGP(lengthscale=3.0, outputscale=0.2, noise=0.01)
-    g = torch.Generator().manual_seed(0)
-    t = torch.sort(torch.rand(2, 5, generator=g, dtype=torch.float64) * 24, dim=1).values
-    y = torch.rand(2, 5, generator=g, dtype=torch.float64)
-    m = torch.ones(2, 5, dtype=torch.bool)
-    m[1, 3:] = False
-    lml = gp.log_marginal(t, y, m)
-    ref = 0.0
-    for i in range(2):
-        ti, yi = t[i][m[i]], y[i][m[i]]
-        K = gp.kernel(ti[:, None], ti[:, None]).to_dense() + gp.noise * torch.eye(len(ti))
-        mvn = torch.distributions.MultivariateNormal(gp.mean.expand(len(ti)), K)
-        ref = ref + mvn.log_prob(yi)
-    torch.testing.assert_close(lml, ref.detach() if hasattr(ref, "detach") else ref)
-    tq = torch.tensor([[30.0, 40.0], [26.0, 47.0]], dtype=torch.float64)
-    mu, var = gp.predict(t, y, m, tq)
-    i = 1
-    ti, yi = t[i][m[i]], y[i][m[i]]
-    with torch.no_grad():
-        K = gp.kernel(ti[:, None], ti[:, None]).to_dense() + gp.noise * torch.eye(len(ti))
-        Ks = gp.kernel(tq[i][:, None], ti[:, None]).to_dense()
-        Kss = gp.kernel(tq[i][:, None], tq[i][:, None]).to_dense()
-        mu_ref = gp.mean + Ks @ torch.linalg.solve(K, yi - gp.mean)
-        var_ref = torch.diagonal(Kss - Ks @ torch.linalg.solve(K, Ks.T)) + gp.noise
-    torch.testing.assert_close(mu[i], mu_ref)
-    torch.testing.assert_close(var[i], var_ref)
-    # an empty series predicts the prior
-    mu0, var0 = gp.predict(t, y, torch.zeros_like(m), tq)
-    torch.testing.assert_close(mu0, gp.mean.detach().expand_as(mu0))
-    torch.testing.assert_close(var0, (gp.kernel.outputscale + gp.noise).detach().expand_as(var0))
-
-
-def test_gp_fit_and_batch_prediction() -> None:
-    rng = np.random.default_rng(0)
-    ts = [np.sort(rng.uniform(0, 48, 15)) for _ in range(8)]
-    ys = [0.5 + 0.1 * np.sin(t / 4) + 0.01 * rng.standard_normal(t.size) for t in ts]
-    gps = fit_channel_gps({0: (ts, ys)}, 2, iters=20)
-    assert abs(float(gps[0].mean) - 0.5) < 0.1
-    ot = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
-    oc = torch.tensor([[0, 0, 1, 0]])
-    ov = torch.tensor([[0.5, 0.6, 0.2, 0.0]])
-    om = torch.tensor([[True, True, True, False]])
-    qt = torch.tensor([[30.0, 31.0, 32.0]])
-    qc = torch.tensor([[0, 1, 0]])
-    qm = torch.tensor([[True, True, False]])
-    mean, std = predict_channel_gps(gps, ot, oc, ov, om, qt, qc, qm)
-    mu0, var0 = gps[0].predict(torch.tensor([[1.0, 2.0]]), torch.tensor([[0.5, 0.6]]),
-                               torch.ones(1, 2, dtype=torch.bool), torch.tensor([[30.0]]))
-    torch.testing.assert_close(mean[0, 0], mu0[0, 0])
-    torch.testing.assert_close(std[0, 0], var0[0, 0].sqrt())
-    assert float(std[0, 2]) == 1.0  # padded query
 
 
 def test_alpha_gets_no_gradient_from_mse_but_one_from_nll() -> None:
@@ -292,23 +196,6 @@ def test_fit_alpha_temperature_recovers_alpha_and_minimises_nll() -> None:
         fit_alpha_temperature(mu, -var, S, y)
     with pytest.raises(ValueError, match="log_range"):
         fit_alpha_temperature(mu, var, S, y, log_range=(1.0, 1.0))
-
-
-def test_fit_reports_why_it_stopped() -> None:
-    batches = []
-    for s in range(2):
-        x = _inputs(B=4, L=6, Q=3, seed=s, dtype=torch.float32)
-        batches.append(_B(x, x[2][:, :3].clone(), torch.ones(4, 3, dtype=torch.bool)))
-    torch.manual_seed(0)
-    m = SoftmaxForecaster(C, d=8, encoder_layers=0, dropout=0.0)
-    rep = fit(m, lambda e: batches[:1], lambda: batches[1:], max_epochs=3, patience=5,
-              max_seconds=0.0)
-    assert rep.stopped_by == "max_seconds" and len(rep.val_mse) == 1
-    rep = fit(m, lambda e: batches[:1], lambda: batches[1:], max_epochs=2, patience=5)
-    assert rep.stopped_by == "max_epochs" and len(rep.val_mse) == 2
-    rep = fit(m, lambda e: batches[:1], lambda: batches[1:], max_epochs=50, patience=1,
-              lr=0.5)
-    assert rep.stopped_by == "patience" and len(rep.val_mse) < 50
 
 
 def test_sigma_total_matches_draws_with_a_prior_for_empty_measures() -> None:

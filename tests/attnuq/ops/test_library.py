@@ -28,7 +28,6 @@ from attnuq.ops.sampled import (
     _sampled_op,
     sampled_attention_unchecked,
 )
-from attnuq_bench.models.ft import make_ft_transformer
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -211,8 +210,14 @@ def test_compile_fullgraph_patched_mha_same_samples(seed: int | None) -> None:
     h.remove()
 
 
+def _ft_transformer() -> nn.Module:
+    """The harness's small FT-Transformer (rtdl), in eval mode; skips without the harness."""
+    ft = pytest.importorskip("attnuq_bench.models.ft", reason="needs the harness attnuq-bench")
+    return ft.make_ft_transformer(4, n_blocks=1, seed=0).eval()
+
+
 def test_compile_fullgraph_ft_transformer_same_samples() -> None:
-    ft = make_ft_transformer(4, n_blocks=1, seed=0).eval()
+    ft = _ft_transformer()
     x = torch.randn(5, 4, generator=_gen(2))
     h = attnuq.patch(ft, nu=3, seed=7)
     compiled = torch.compile(ft, fullgraph=True, backend="aot_eager")
@@ -276,7 +281,7 @@ def test_export_round_trip_patched_model() -> None:
     """torch.export of a patched model (global RNG: the program does not depend on this
     process's generator registry) keeps the ops as nodes, survives save/load, and the loaded
     program gives the eager samples from the same global generator state."""
-    ft = make_ft_transformer(4, n_blocks=1, seed=0).eval()
+    ft = _ft_transformer()
     x = torch.randn(5, 4, generator=_gen(3))
     h = attnuq.patch(ft, nu=3)
     with torch.no_grad():

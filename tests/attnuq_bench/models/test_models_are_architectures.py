@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[3]
 #: the library's user-facing models and the harness's experiment architectures
 MODELS = (ROOT / "src" / "attnuq" / "models", ROOT / "harness" / "src" / "attnuq_bench" / "models")
 ABOVE = ("attnuq_bench.training", "attnuq_bench.methods", "attnuq.calibration",
-         "attnuq_bench.suites", "attnuq.cli", "attnuq_bench.cli", "attnuq.prediction",
+         "attnuq_bench.suites", "attnuq.cli", "attnuq_bench.cli", "attnuq.montecarlo",
          "attnuq.conformal")
 MOVED = ("train_regressor", "train_forecaster", "fit", "as_batches", "evaluate_rmse",
          "evaluate_mse", "predict_batched", "make_optimizer", "TrainResult", "TrainReport",

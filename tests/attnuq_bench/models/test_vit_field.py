@@ -62,7 +62,7 @@ def test_learns_a_shift() -> None:
     m = ViTFieldForecaster((5, 7), **KW)
     rep = fit(m, (x[:64], y[:64]), (x[64:], y[64:]), metric="mse", max_epochs=4, patience=3,
               batch_size=16, lr=1e-2, weight_decay=0.0, progress=False)
-    assert rep.best_val < 1.0, rep.val_loss
+    assert rep.best_val < 1.0, rep.val_metric
 
 
 def test_errors(tmp_path: Path) -> None:

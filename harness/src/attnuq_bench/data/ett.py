@@ -31,6 +31,7 @@ Examples
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ import torch
 
 from attnuq._validation import check_positive_int
 from attnuq.data import DataFormatError
-from attnuq.data._formats import CSVTable, _float_or_nan, read_csv_table
+from attnuq.data.readers import CSVTable, read_csv_table
 from attnuq_bench.data import data_dir
 
 __all__ = [
@@ -59,6 +60,14 @@ ETT_CHANNELS: tuple[str, ...] = ("HUFL", "HULL", "MUFL", "MULL", "LUFL", "LULL",
 
 Split = Literal["train", "val", "test"]
 _SPLITS: tuple[str, ...] = ("train", "val", "test")
+
+
+def _float_or_nan(s: str) -> float:
+    """``float(s)``, or NaN where ``s`` is not a number."""
+    try:
+        return float(s)
+    except ValueError:
+        return math.nan
 
 
 def resolve_ett_path(

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from attnuq.data import DataFormatError
-from attnuq.data._formats import read_int_list, read_number_rows, row_lines, token_lines
+from attnuq.data.readers import read_int_list, read_number_rows, row_lines, token_lines
 from attnuq_bench.data import data_dir as _resolve_data_dir
 
 __all__ = [

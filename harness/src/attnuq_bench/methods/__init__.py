@@ -60,7 +60,7 @@ from attnuq_bench.methods._base import (
     method_implementation,
     register_method,
 )
-from attnuq_bench.methods.calibration import coverage_scale, needed_scales
+from attnuq_bench.methods.coverage import coverage_scale, needed_scales
 from attnuq_bench.methods.ensemble import DeepEnsemble
 from attnuq_bench.methods.hsa import HSA, gumbel_attention
 from attnuq_bench.methods.ivon import IVONMethod

@@ -34,7 +34,6 @@ True
 
 from __future__ import annotations
 
-import copy
 import time
 import warnings
 from abc import ABC, abstractmethod
@@ -500,10 +499,3 @@ def method_implementation(name: str) -> str:
 
 def _load_all() -> None:
     import attnuq_bench.methods  # noqa: F401  (registers every method on import)
-
-
-def frozen_copy(model: nn.Module) -> nn.Module:
-    """A deep copy in eval mode (for methods that move weights, e.g. SWAG sampling)."""
-    m = copy.deepcopy(model)
-    m.eval()
-    return m

@@ -163,7 +163,7 @@ class LastLayerLaplace(Method):
     implementation = (
         "attnuq closed form (last layer, full GGN); agrees with laplace-torch 0.3 "
         "FullLLLaplace to 1e-6 relative in mean, variance and log marginal likelihood "
-        "(tests/methods/test_library_agreement.py)"
+        "(tests/attnuq_bench/methods/test_library_agreement.py)"
     )
 
     def __init__(

@@ -8,7 +8,7 @@ output attached; a custom ``forward_fn`` is wrapped in a module whose ``forward(
 it, so any input form works.
 
 ``conformal=True`` adds a split-conformal step on the ``cal`` part: the SA spread about its mean
-is scaled by the conformal factor of :func:`attnuq_bench.methods.calibration.coverage_scale`
+is scaled by the conformal factor of :func:`attnuq_bench.methods.coverage.coverage_scale`
 (normalised by the SA interval), which gives finite-sample coverage ``>= 1 - alpha`` of the
 central interval at ``level = 1 - alpha``.
 
@@ -64,7 +64,7 @@ from attnuq.calibration.criteria import resolve_criterion
 from attnuq.conformal import FloorConformal, fit_floor
 from attnuq.predictive import RECENTRE, GaussianPredictive, Predictive, recentre
 from attnuq_bench.methods._base import Cost, Method, PredictiveLike, Task, split_batch
-from attnuq_bench.methods.calibration import coverage_scale
+from attnuq_bench.methods.coverage import coverage_scale
 from attnuq_bench.training import default_forward
 
 __all__ = ["RecommendedSA", "StochasticAttention"]
@@ -254,7 +254,7 @@ class StochasticAttention(Method):
                           frozen=pred.frozen)
 
     def _sa(self, task: Task, inputs: Any) -> Predictive:
-        from attnuq.prediction import predict
+        from attnuq.montecarlo import predict
 
         assert self.nu is not None
         nu: Any = self.nu if self.nu_map is None else self.nu_map

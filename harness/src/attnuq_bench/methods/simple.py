@@ -225,7 +225,8 @@ class SplitConformal(Method):
     """
 
     implementation = ("attnuq (split conformal per output coordinate, "
-                      "attnuq.conformal.conformal_quantile; attnuq.methods.ResidualQuantiles)")
+                      "attnuq.conformal.conformal_quantile; "
+                      "attnuq_bench.methods.ResidualQuantiles)")
 
     def __init__(self, alpha: float = 0.05, n_quantiles: int = 100) -> None:
         super().__init__()
@@ -323,7 +324,7 @@ class MCDropout(Method):
     implementation = (
         "attnuq (only the dropout modules in training mode, passes in a loop); the draws equal "
         "torch-uncertainty 0.13 mc_dropout(on_batch=False) bit for bit "
-        "(tests/methods/test_library_agreement.py)"
+        "(tests/attnuq_bench/methods/test_library_agreement.py)"
     )
 
     def __init__(self, n_samples: int = 100, seed: int = 0) -> None:

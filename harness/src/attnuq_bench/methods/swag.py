@@ -241,8 +241,8 @@ class SWAG(Method):
     implementation = (
         "attnuq SWAGCollector (Maddox et al. 2019); moments and draws agree with "
         "torch-uncertainty 0.13 SWAG on the same snapshots "
-        "(tests/methods/test_library_agreement.py), which however draws the low-rank part "
-        "per parameter tensor (docs/methods.md)"
+        "(tests/attnuq_bench/methods/test_library_agreement.py), which however draws the "
+        "low-rank part per parameter tensor (docs/methods.md)"
     )
 
     def __init__(
@@ -343,7 +343,7 @@ class MultiSWAG(SWAG):
     implementation = (
         "attnuq SWAG (as 'swag') around each deep-ensemble member, samples pooled; SWAG agrees "
         "with torch-uncertainty 0.13 SWAG on the same snapshots "
-        "(tests/methods/test_library_agreement.py; its per-tensor low-rank draw: "
+        "(tests/attnuq_bench/methods/test_library_agreement.py; its per-tensor low-rank draw: "
         "docs/methods.md)"
     )
 

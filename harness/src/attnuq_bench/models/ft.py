@@ -9,8 +9,7 @@ patchers find its ``MultiheadAttention`` modules, and offers rtdl's parameter gr
 
 Training lives in :mod:`attnuq_bench.training`: ``fit(model, (x, y), (x_val, y_val))`` with its
 defaults is the FT-Transformer recipe (AdamW over the parameter groups, lr 1e-4, weight decay
-1e-5, early stopping on validation RMSE), bit-identical to ``train_regressor``, the loop that
-lived here until 0.3 (``tests/attnuq_bench/test_training.py``).
+1e-5, early stopping on validation RMSE).
 
 Examples
 --------

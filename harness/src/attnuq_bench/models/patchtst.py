@@ -2,8 +2,8 @@
 
 This is the ETT backbone: a small multivariate PatchTST (channel-independent patches of length
 16 with stride 8, a few transformer layers) trained with early stopping
-(:func:`attnuq_bench.training.fit`; ``train_forecaster``, here until 0.3, is ``fit(...,
-metric="mse", seed_torch=True, val_batch_size=512, count_val_forward=False)``), written with
+(:func:`attnuq_bench.training.fit` with ``metric="mse", seed_torch=True, val_batch_size=512``),
+written with
 ``save_pretrained`` and read back with ``from_pretrained`` -- the same code path a user takes with
 a hub checkpoint. The reloaded model is then frozen and perturbed only at inference time.
 

@@ -237,7 +237,7 @@ class _MemberRecipe:
                    lr=self.lr, weight_decay=float(getattr(self, "weight_decay", 0.0)),
                    max_epochs=self.epochs, patience=self.patience,
                    batch_size=self.batch_size, val_batch_size=512, seed=self.seed + index,
-                   seed_torch=True, count_val_forward=False, progress=self.progress,
+                   seed_torch=True, progress=self.progress,
                    desc=f"member{index}")
 
 

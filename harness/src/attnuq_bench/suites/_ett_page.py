@@ -40,7 +40,8 @@ _TITLE = "ETTh1: stochastic attention on a frozen PatchTST vs baselines"
 _REFERENCE = (0.375, "PatchTST/42 (Nie et al. 2023), ETTh1 horizon 96")
 #: rows this suite computes itself (the others are registered methods: the registry's text)
 IMPLEMENTATIONS: dict[str, str] = {
-    "seasonal-naive": "this suite: the last 24 h repeated (attnuq.data.ett.seasonal_naive) plus "
+    "seasonal-naive": "this suite: the last 24 h repeated "
+                      "(attnuq_bench.data.ett.seasonal_naive) plus "
                       "val residual quantiles per (horizon step, channel)",
 }
 

@@ -35,13 +35,14 @@ __all__ = ["INTRO_TEXT", "SCORES_TEXT", "block_from_page", "block_lines", "imple
 SCORES_TEXT = (
     "Scores: `attnuq.metrics`; `crps_samples` (fair ensemble CRPS), `crps_normal`, "
     "`nll_normal` and `interval_score` agree with scoringrules 0.10 to 1e-12 "
-    "(tests/test_metrics.py); PIT, W1 and coverage are attnuq's (no library counterpart used)."
+    "(tests/attnuq/metrics/test_metrics.py); PIT, W1 and coverage are attnuq's "
+    "(no library counterpart used)."
 )
 
 #: the sentence above the table
 INTRO_TEXT = ("Which code produced each row (registered methods: the `implementation` text of "
-              "their class in `src/attnuq/methods/`, from the code that rendered this page; "
-              "docs/methods.md, section 5):")
+              "their class in `harness/src/attnuq_bench/methods/`, from the code that rendered "
+              "this page; docs/methods.md, section 5):")
 
 
 def implementation_texts(rows: Iterable[str], local: Mapping[str, str] | None = None

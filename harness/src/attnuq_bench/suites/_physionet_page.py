@@ -92,7 +92,8 @@ _ROWS: dict[str, tuple[str, str]] = {
     "softmax_mcdropout": ("softmax control, MC dropout ({mc_passes} passes){tag}", "mc-dropout"),
     "ensemble": ("softmax deep ensemble ({members} members, one ensemble)", "ensemble"),
     "gp": ("per-stay per-channel exact GP (one fit)", "attnuq ChannelGP "
-           "(attnuq.models.gp_irregular) on GPyTorch exact GP (ScaleKernel(MaternKernel(nu=1.5)))"),
+           "(attnuq_bench.models.gp_irregular) on GPyTorch exact GP "
+           "(ScaleKernel(MaternKernel(nu=1.5)))"),
 }
 
 

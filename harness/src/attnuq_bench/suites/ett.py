@@ -192,7 +192,7 @@ class _MemberRecipe:
             max_epochs=self.epochs if index == 0 else self.member_epochs,
             patience=self.patience, batch_size=self.batch_size, val_batch_size=512,
             max_steps_per_epoch=self.max_steps_per_epoch, seed=self.seed + index,
-            seed_torch=True, count_val_forward=False, progress=self.progress,
+            seed_torch=True, progress=self.progress,
             desc="backbone" if index == 0 else f"member{index}",
         )
 

@@ -345,8 +345,8 @@ def _train(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[
            ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Train ``kind`` of ``seed``: Adam on the masked MSE of ``mu`` (Levy with ``w > 0``: plus
     ``w`` x the score of its predictive, :func:`_levy_loss`; ``w = 0``: ``--nll-weight`` x NLL),
-    early stopping on validation MSE (:func:`attnuq_bench.training.fit`, the recipe of the old
-    ``levy_forecaster.fit``, bit for bit); ``checkpoint``: fit's per-epoch state (resumed)."""
+    early stopping on validation MSE (:func:`attnuq_bench.training.fit`); ``checkpoint``: fit's
+    per-epoch state (resumed)."""
     from attnuq.models.levy_forecaster import forward_batch
     from attnuq_bench.training import fit, masked_mse_loss
 
@@ -365,7 +365,7 @@ def _train(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[
               metric="masked_mse", forward_fn=forward_batch, optimizer="adam", lr=args.lr,
               weight_decay=0.0, clip_grad_norm=5.0, max_epochs=args.max_epochs,
               patience=args.patience, max_seconds=args.max_train_seconds,
-              loss_average="batches", count_val_forward=False, checkpoint=checkpoint,
+              checkpoint=checkpoint,
               progress=lambda s: log(f"{kind}{f' w={w:g}' if kind == 'levy' else ''} seed "
                                      f"{seed} {s}"))
     info = {"epochs": len(rep.val_metric), "best_epoch": rep.best_epoch,

@@ -166,7 +166,8 @@ def _budget(args: argparse.Namespace, batch_size: int | str | None = None) -> di
     }
 
 
-#: bump when the backbone recipe in :func:`_make_task` changes in a way the options do not show
+#: bump when the backbone recipe in :func:`_make_task` changes in a way the options do not show;
+#: the text is part of the cache key of every stored backbone (a rewording would retrain them)
 _RECIPE = "FTTransformer rtdl defaults, train_regressor (AdamW, early stopping on val RMSE) v1"
 
 
@@ -221,7 +222,7 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
     def train(model: torch.nn.Module) -> dict[str, Any]:
         res = train_fn(model, (data.x_fit, data.y_fit), (data.x_val, data.y_val), 0)
         return {"best_epoch": res.best_epoch, "epochs_run": res.epochs_run,
-                "best_val_rmse_std_units": res.best_val_rmse, "seconds": res.seconds,
+                "best_val_rmse_std_units": res.best_val, "seconds": res.seconds,
                 "n_forward": res.n_forward}
 
     model, info = cached_state(cache, lambda: make_model(0), train, device=device)

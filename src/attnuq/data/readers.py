@@ -1,4 +1,5 @@
-"""Strict readers for the text formats the loaders share (header CSV, whitespace tables).
+"""Strict readers of text data files (header CSV, whitespace tables): the CLI reads a user's
+held-out data with them, and the harness's benchmark loaders share them.
 
 Every malformed input raises :class:`attnuq.data.DataFormatError` naming the file and the
 1-based line; nothing is dropped or guessed silently (no skipped first row, no first-of-two

@@ -9,7 +9,7 @@ import torch
 from tests.attnuq._reference_calibration import make_uniform_problem
 from torch import nn
 
-from attnuq.prediction import predict
+from attnuq.montecarlo import predict
 from attnuq.predictive import Predictive
 
 C = 4.0
@@ -207,7 +207,7 @@ def test_cpu_replicas_are_capped_by_the_widest_activation() -> None:
     max_activation: 6144 allows 4 replicas, so 16 passes take 4 calls; the default cap
     (CPU_MAX_ACTIVATION) allows all 16 at once; batch_replicas overrides the cap; the hooks
     that measured it are gone afterwards."""
-    from attnuq.prediction import CPU_MAX_ACTIVATION
+    from attnuq.montecarlo import CPU_MAX_ACTIVATION
 
     model = _encoder(8, 64)
     sizes, _ = _calls(model, max_activation=6144)
@@ -225,7 +225,7 @@ def test_cpu_replicas_are_capped_by_the_widest_activation() -> None:
 
 
 def test_widest_output_removes_its_hooks_when_the_call_raises() -> None:
-    from attnuq.prediction import widest_output
+    from attnuq.montecarlo import widest_output
 
     class Boom(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from attnuq._runtime import machine_line, run_info
-from attnuq.report import load_results, render_report
+from attnuq.html_report import load_results, render_report
 
 # a 1x1 PNG
 _PNG = bytes.fromhex(
