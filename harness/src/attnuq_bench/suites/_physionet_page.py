@@ -235,11 +235,12 @@ def build_page(results: dict[str, Any], out_name: str | None = None) -> Page:
             "comparison on this page is within this run.")
     if a.get("reuse"):
         page.add(
-            "* this file merges separate processes run with the same options: `--only-seed S` for "
-            "each seed, `--train-only softmax:3,softmax:4` (extra ensemble members), `--only-gp`, "
-            "then the command above with `--reuse` (ensemble, plots, tables); trained models are "
-            "reused from the checkpoint cache when the training options match (seed records are "
-            f"reused only from the same scoring version, {SCORING_VERSION}).")
+            "* this file merges separate processes run with the same options (e.g. "
+            "`--only-seed S`, `--train-only kind:seed`, `--only-gp`, an earlier run), then the "
+            "command above with "
+            "`--reuse` (what is missing, ensemble, plots, tables); trained models are reused from "
+            "the checkpoint cache when the training options match (seed records are reused only "
+            f"from the same scoring version, {SCORING_VERSION}, and chosen w).")
     page.add("")
     page.section("Training (per seed)")
     page.add("Epochs count from 1, best epoch from 0; 'stopped by' is why training ended "
@@ -336,9 +337,10 @@ def build_page(results: dict[str, Any], out_name: str | None = None) -> Page:
     _issue_goals(page, results, rows)
     if results.get("plots"):
         page.add("")
-        page.section(f"Example stays (seed {seeds[0]} Levy model, fitted alpha; band = 90 % "
-                  "of N(mu, (T sigma)^2); lower panel: evidence Lambda (green) and the band "
-                  "half-width (dashed))")
+        spread = ("alpha as trained; band = 90 % of N(mu, (T sigma_total)^2)"
+                  if _chosen_w(results) > 0 else "fitted alpha; band = 90 % of N(mu, (T sigma)^2)")
+        page.section(f"Example stays (seed {seeds[0]} Levy model, {spread}; lower panel: evidence "
+                     "Lambda (green) and the band half-width (dashed))")
         page.add(f"Chosen by rule, not by eye: the {len(results['plots'])} test stays whose "
                   "channel has the largest ratio of the longest to the median gap between "
                   f"distinct input times in [0, 24] h (channels with >= {PLOT_MIN_INPUTS} input "
