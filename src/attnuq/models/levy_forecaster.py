@@ -70,16 +70,23 @@ __all__ = [
     "SoftmaxForecaster",
     "fit_alpha_temperature",
     "fit_temperature",
+    "forecast_loss",
     "forward_batch",
 ]
+
+#: the training scores of :func:`forecast_loss`
+SCORES = ("crps", "nll")
 
 @dataclass(frozen=True)
 class ForecastOutput:
     """Per-query forecasts, all ``(B, Q)`` (padding positions hold finite junk).
 
-    ``sigma`` is ``sqrt(Sigma_V,cc phi(Lambda))`` for the Levy model and ``None`` for the control;
-    ``sigma_nophi`` is ``sqrt(Sigma_V,cc)`` (the disagreement term alone); ``evidence`` is
-    ``Lambda_q``.
+    ``sigma`` is ``sqrt(Sigma_V,cc phi(Lambda))`` for the Levy model and ``None`` for the control:
+    the spread of the sampled operator conditional on at least one atom; ``sigma_nophi`` is
+    ``sqrt(Sigma_V,cc)`` (the disagreement term alone); ``evidence`` is ``Lambda_q``, ``p_empty``
+    ``exp(-Lambda_q)``; ``sigma_total`` is ``sqrt((1 - p_empty) sigma^2 + p_empty s0_c^2)``, the
+    spread when an empty measure (no atom, probability ``p_empty``) falls back on the channel's
+    prior scale ``s0_c`` (:attr:`LevyForecaster.prior_std`): it grows as the evidence vanishes.
     """
 
     mean: torch.Tensor
@@ -87,6 +94,7 @@ class ForecastOutput:
     sigma_nophi: torch.Tensor | None = None
     evidence: torch.Tensor | None = None
     p_empty: torch.Tensor | None = None
+    sigma_total: torch.Tensor | None = None
 
 
 class _Batch(Protocol):
@@ -225,6 +233,9 @@ class LevyForecaster(nn.Module):
     alpha, beta, h
         initial ``alpha`` (atoms per fully compatible observation), ``beta`` (sharpness) and
         mollifier bandwidth ``h`` (hours); all three are learned (softplus-parametrised).
+    prior_std
+        initial per-channel prior scale ``s0_c > 0`` of ``sigma_total`` (learned,
+        softplus-parametrised; in the target's units).
 
     Notes
     -----
@@ -233,6 +244,18 @@ class LevyForecaster(nn.Module):
     (the bias is a deterministic shift). NOTE(paper): the paper's values are generic embeddings;
     here they are the ``C`` output channels (output projection folded in, as METHODS asks) and
     the per-channel bias is added after the layer.
+
+    ``sigma_total = sqrt((1 - p_q) sigma_q^2 + p_q s0_c^2)``, ``p_q = exp(-Lambda_q)``, is the
+    root-mean-square distance of the sampled output from ``mu_q`` when a query whose measure has
+    no atom draws its value from ``N(mu_q, s0_c^2)`` (the channel's prior scale around the point
+    forecast): ``sigma`` alone is conditional on ``N_q >= 1`` and shrinks with the evidence only
+    through ``phi``, while ``sigma_total -> s0_c`` as ``Lambda_q -> 0``. The temperature
+    ``T = exp(log_temperature)`` of the predictive ``N(mu, (T sigma_total)^2)`` is a parameter so
+    that a training score (:func:`forecast_loss`) can use it; scoring refits ``T`` on validation.
+
+    NOTE(paper): the paper defines the output and its moments conditional on ``N >= 1`` and
+    reports ``p_empty`` beside them; ``sigma_total`` (a per-channel prior scale weighted by
+    ``p_empty``) is ours, so that the spread grows as the evidence vanishes.
     """
 
     def __init__(
@@ -247,9 +270,10 @@ class LevyForecaster(nn.Module):
         alpha: float = 1.0,
         beta: float = 4.0,
         h: float = 1.0,
+        prior_std: float = 0.1,
     ) -> None:
         super().__init__()
-        for v, n in ((alpha, "alpha"), (beta, "beta"), (h, "h")):
+        for v, n in ((alpha, "alpha"), (beta, "beta"), (h, "h"), (prior_std, "prior_std")):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{n} must be a finite float > 0, got {n}={v!r}")
         self.backbone = _Backbone(n_channels, d, n_time_features, encoder_layers, dropout)
@@ -261,6 +285,20 @@ class LevyForecaster(nn.Module):
         self.omega = nn.Parameter(2 * math.pi / torch.exp(torch.linspace(0.0, math.log(48.0), K)))
         self.phase = nn.Parameter(torch.zeros(K))
         self.D = nn.Parameter(torch.zeros(n_channels, K))
+        # created last and without random numbers: the other parameters' initial values do not
+        # depend on them
+        self.raw_prior = nn.Parameter(torch.full((n_channels,), inv(prior_std)))
+        self.log_temperature = nn.Parameter(torch.zeros(()))
+
+    @property
+    def prior_std(self) -> torch.Tensor:
+        """``(C,)`` prior scale ``s0_c`` of ``sigma_total``, ``softplus(raw_prior)``."""
+        return F.softplus(self.raw_prior)
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        """``T = exp(log_temperature)`` (a training score's temperature; see the class notes)."""
+        return self.log_temperature.exp()
 
     @property
     def n_channels(self) -> int:
@@ -324,9 +362,12 @@ class LevyForecaster(nn.Module):
         var = res.var[:, 0].gather(-1, idx)[..., 0].clamp_min(0)  # Sigma_V,cc  (B, Q)
         sd_nophi = _safe_sqrt(var)
         sigma = res.sigma_dim[:, 0].gather(-1, idx)[..., 0]
+        p0 = res.p_empty[:, 0]
+        s0 = self.prior_std[query_channels]
+        total = _safe_sqrt((1 - p0) * sigma**2 + p0 * s0**2)
         return ForecastOutput(
             mean=mu, sigma=sigma, sigma_nophi=sd_nophi, evidence=res.evidence[:, 0],
-            p_empty=res.p_empty[:, 0],
+            p_empty=p0, sigma_total=total,
         )
 
     @torch.no_grad()
@@ -574,3 +615,112 @@ def fit_alpha_temperature(
     alpha = math.exp(la)
     sd = (v * poisson_phi(alpha * S)).sqrt()
     return alpha, fit_temperature(mu, sd, y, floor=floor)
+
+
+def check_score_weight(weight: object, name: str = "weight") -> float:
+    """``weight`` as a float, or ``ValueError`` naming it unless it is finite and ``>= 0``.
+
+    >>> check_score_weight(0.1)
+    0.1
+    """
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+            math.isfinite(weight) and weight >= 0):
+        raise ValueError(f"{name} must be a finite float >= 0, got {name}={weight!r}")
+    return float(weight)
+
+
+def forecast_loss(
+    out: ForecastOutput,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    weight: float,
+    score: str = "crps",
+    temperature: torch.Tensor | float = 1.0,
+    log_alpha: torch.Tensor | None = None,
+    alpha_prior: float = 1e-3,
+    floor: float = 1e-3,
+) -> torch.Tensor:
+    r"""Training loss that teaches ``sigma``: masked MSE of ``mu`` plus ``weight`` times a score.
+
+    .. math::
+
+        L = \overline{(y - \mu)^2} + w \Big[ \overline{S\big(N(\mu, s^2), y\big)}
+            + \kappa \log^2 \alpha \Big],
+        \qquad s^2 = (T \sigma_{\text{total}})^2 + \epsilon^2,
+
+    means over the masked points (``mask``), ``S`` the closed-form Gaussian CRPS
+    (``score="crps"``, Gneiting et al. 2005) or NLL (``"nll"``), ``T`` the model's temperature,
+    ``epsilon = floor``. ``kappa log^2 alpha`` (``alpha_prior``, with ``log_alpha``) is a
+    Gaussian prior on ``log alpha`` centred at ``alpha = 1`` (one atom per fully compatible
+    observation): where the evidence is large, ``phi(Lambda) ~ 1/Lambda`` and only
+    ``T / sqrt(alpha)`` is identified by the data, and the prior fixes the rest. Gradients reach
+    ``Sigma_V``, ``Lambda`` (hence ``alpha``, ``beta``, the keys and values) and the prior scale
+    through ``sigma_total``. ``weight = 0`` is the masked MSE alone.
+
+    NOTE(paper): the paper trains the expected output on the MSE only and fits ``T`` afterwards;
+    the score term (and with it a trained ``alpha`` under a prior) is ours (issue #36).
+
+    Parameters
+    ----------
+    out
+        The Levy forecaster's output (``mean``, ``sigma_total`` ``(B, Q)``).
+    targets, mask
+        ``(B, Q)`` targets and bool mask of the forecast points.
+    weight
+        ``w >= 0``.
+    score
+        ``"crps"`` or ``"nll"``.
+    temperature
+        ``T > 0`` (a tensor to learn it).
+    log_alpha
+        ``log alpha`` (a tensor; ``None``: no prior term).
+    alpha_prior
+        ``kappa >= 0``.
+    floor
+        ``epsilon > 0``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> out = ForecastOutput(mean=torch.zeros(1, 2), sigma_total=torch.ones(1, 2))
+    >>> y, m = torch.tensor([[1.0, 5.0]]), torch.tensor([[True, False]])
+    >>> float(forecast_loss(out, y, m, weight=0.0))
+    1.0
+    >>> round(float(forecast_loss(out, y, m, weight=1.0, floor=1e-12)), 4)  # 1 + CRPS(N(0,1), 1)
+    1.6024
+    """
+    w = check_score_weight(weight)
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score=!r}")
+    check_score_weight(alpha_prior, "alpha_prior")
+    if not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor > 0):
+        raise ValueError(f"floor must be a finite float > 0, got {floor=!r}")
+    if not isinstance(temperature, torch.Tensor) and not (
+            isinstance(temperature, (int, float)) and math.isfinite(temperature)
+            and temperature > 0):
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature=!r}")
+    if mask.shape != targets.shape or out.mean.shape != targets.shape:
+        raise ValueError(
+            f"out.mean, targets and mask must have one shape, got {tuple(out.mean.shape)}, "
+            f"{tuple(targets.shape)}, {tuple(mask.shape)}"
+        )
+    n = mask.sum().clamp_min(1)
+    err = targets - out.mean
+    loss = (err**2 * mask).sum() / n
+    if w == 0:
+        return loss
+    if out.sigma_total is None:
+        raise ValueError("out.sigma_total is None: a score needs the Levy forecaster's output")
+    sd = ((temperature * out.sigma_total) ** 2 + floor**2).sqrt()
+    z = torch.where(mask, err / sd, torch.zeros_like(err))
+    if score == "crps":
+        cdf = 0.5 * (1 + torch.erf(z / math.sqrt(2)))
+        pdf = torch.exp(-0.5 * z**2) / math.sqrt(2 * math.pi)
+        sc = sd * (z * (2 * cdf - 1) + 2 * pdf - 1 / math.sqrt(math.pi))
+    else:
+        sc = torch.log(sd) + 0.5 * z**2 + 0.5 * math.log(2 * math.pi)
+    loss = loss + w * (sc * mask).sum() / n
+    if log_alpha is not None and alpha_prior > 0:
+        loss = loss + w * alpha_prior * log_alpha**2
+    return loss

@@ -3,7 +3,8 @@
 API (stable)
 ------------
 ``LevyAttention(num_channels, d_model=64, num_heads=4, *, value_features=1, out_features=None,
-n_fourier=8, alpha=1.0, beta=2.0, h=0.1, max_period=100.0, per_dim=True, block_size=256)``
+n_fourier=8, alpha=1.0, beta=2.0, h=0.1, max_period=100.0, per_dim=True, block_size=256,
+prior_std=1.0)``
 
 ``forward(times, channels, values, mask, query_times, query_channels=None)
 -> LevyAttentionOutput`` with
@@ -19,9 +20,22 @@ n_fourier=8, alpha=1.0, beta=2.0, h=0.1, max_period=100.0, per_dim=True, block_s
 ``LevyAttentionOutput`` fields (``D_out = out_features`` if given, else ``d_model``):
 
 * ``mean``      ``(B, Q, D_out)`` expected output.
-* ``sigma_dim`` ``(B, Q, D_out)`` predictive standard deviation per output dimension (exact).
-* ``sigma``     ``(B, Q)`` ``sqrt`` of the summed predictive variance (``sigma_hat``).
-* ``evidence``  ``(B, Q, H)`` ``Lambda_q`` per head; ``p_empty`` ``(B, Q, H)`` ``exp(-Lambda_q)``.
+* ``sigma_dim`` ``(B, Q, D_out)`` standard deviation per output dimension of the sampled
+  output given that every head has at least one atom (exact): ``sqrt(sum_h Sigma_V,h,jj
+  phi(Lambda_h))``. It measures how much the attended values disagree, shrunk by ``phi`` as
+  evidence accumulates; it does NOT grow as evidence vanishes (one observation: only its
+  time jitter; no observation: 0 by convention).
+* ``sigma``     ``(B, Q)`` ``sqrt`` of the summed conditional variance (``sigma_hat``).
+* ``total_sigma_dim`` ``(B, Q, D_out)`` the spread that also counts the chance of no evidence:
+  ``sqrt(sum_h [(1 - p_h) Sigma_V,h,jj phi(Lambda_h) + p_h s0^2 / H_j])`` with
+  ``p_h = exp(-Lambda_h)``, ``s0 = prior_std`` and ``H_j`` the number of heads that feed
+  output ``j`` (1 with concatenated heads, ``H`` with a folded projection): an empty head's
+  contribution is drawn from a prior of scale ``s0 / sqrt(H_j)`` around its point output, so
+  ``total_sigma_dim -> s0`` as every ``Lambda_h -> 0`` (all observations masked: exactly
+  ``s0``) and ``-> sigma_dim`` as the evidence grows. ``total_sigma`` ``(B, Q)``: its summed
+  version.
+* ``evidence``  ``(B, Q, H)`` ``Lambda_q`` per head (the evidence signal: about the number of
+  compatible observations times ``alpha``); ``p_empty`` ``(B, Q, H)`` ``exp(-Lambda_q)``.
 * ``heads``     the per-head :class:`attnuq.ops.LevyResult` (shapes ``(B, H, Q, Dv)``).
 
 ``sample(..., num_samples, generator=None) -> (samples (S, B, Q, D_out), nonempty (S, B, Q, H))``
@@ -45,6 +59,9 @@ is exact (no cross terms are dropped).
 
 NOTE(paper): heads are modelled as independent Poisson random measures, so their variances add;
 the paper states the operator for one head.
+
+NOTE(paper): ``total_sigma_dim`` (the prior scale ``prior_std`` weighted by ``p_empty``) is ours;
+the paper reports the moments conditional on ``N >= 1`` and ``p_empty`` beside them.
 """
 
 from __future__ import annotations
@@ -69,12 +86,16 @@ class LevyAttentionOutput:
     Attributes
     ----------
     mean : ``(B, Q, D_out)``.
-    sigma_dim : ``(B, Q, D_out)`` predictive std per output dimension (``None`` if the layer was
-        built with ``per_dim=False``).
+    sigma_dim : ``(B, Q, D_out)`` std per output dimension given at least one atom per head
+        (``None`` if the layer was built with ``per_dim=False``).
     sigma : ``(B, Q)`` ``sqrt(sum_j sigma_dim_j^2)``.
     evidence : ``(B, Q, H)``.
     p_empty : ``(B, Q, H)``.
     heads : :class:`attnuq.ops.LevyResult` with ``(B, H, Q, Dv)`` tensors.
+    total_sigma_dim : ``(B, Q, D_out)`` std per output dimension with the prior term weighted by
+        ``p_empty`` (grows to ``prior_std`` as the evidence vanishes; ``None`` with
+        ``per_dim=False``).
+    total_sigma : ``(B, Q)`` ``sqrt`` of the summed total variance.
     """
 
     mean: torch.Tensor
@@ -83,6 +104,8 @@ class LevyAttentionOutput:
     evidence: torch.Tensor
     p_empty: torch.Tensor
     heads: LevyResult
+    total_sigma_dim: torch.Tensor | None = None
+    total_sigma: torch.Tensor | None = None
 
 
 #: a warning is given when the float resolution of a series' times exceeds this part of its span
@@ -165,6 +188,10 @@ class LevyAttention(nn.Module):
         (cheaper: see :func:`attnuq.ops.levy_attention`).
     block_size : int
         Block size of the sums over observations (see :func:`attnuq.ops.levy_attention`).
+    prior_std : float
+        ``s0 >= 0``, the std per output dimension of ``total_sigma_dim`` when no observation
+        supports the query (module docstring); in the output's units. ``0`` makes
+        ``total_sigma_dim = sqrt(1 - p_empty) sigma_dim`` per head.
 
     Examples
     --------
@@ -177,6 +204,10 @@ class LevyAttention(nn.Module):
     ...             query_channels=torch.randint(0, 3, (B, Q)))
     >>> out.mean.shape, out.sigma_dim.shape, out.evidence.shape
     (torch.Size([2, 4, 1]), torch.Size([2, 4, 1]), torch.Size([2, 4, 2]))
+    >>> empty = layer(torch.rand(1, 3), torch.zeros(1, 3, dtype=torch.long), torch.randn(1, 3),
+    ...               torch.zeros(1, 3, dtype=torch.bool), torch.rand(1, 2))
+    >>> empty.sigma_dim.flatten().tolist(), empty.total_sigma_dim.flatten().tolist()
+    ([0.0, 0.0], [1.0, 1.0])
     """
 
     def __init__(
@@ -194,8 +225,13 @@ class LevyAttention(nn.Module):
         max_period: float = 100.0,
         per_dim: bool = True,
         block_size: int = 256,
+        prior_std: float = 1.0,
     ) -> None:
         super().__init__()
+        if isinstance(prior_std, bool) or not isinstance(prior_std, (int, float)) or not (
+                math.isfinite(prior_std) and prior_std >= 0):
+            raise ValueError(f"prior_std must be a finite float >= 0, got {prior_std=!r}")
+        self.prior_std = float(prior_std)
         self.num_channels = check_positive_int(num_channels, "num_channels")
         self.d_model = check_positive_int(d_model, "d_model")
         self.num_heads = check_positive_int(num_heads, "num_heads")
@@ -445,6 +481,26 @@ class LevyAttention(nn.Module):
             tot_dim = (res.var * res.phi[..., None]).sum(1)  # (B, Q, P)
             sigma_dim = root(tot_dim)
             total = tot_dim.sum(-1)
+        # the chance of no atom: head h is empty with probability p_h and then contributes a
+        # prior draw of variance s0^2 / H_j per output dimension it feeds
+        p = res.p_empty  # (B, H, Q)
+        s2 = self.prior_std**2
+        if self.out_proj is None:
+            cond_h = res.sigma**2  # (B, H, Q) trace per head
+            tot_all = ((1 - p) * cond_h + p * (s2 * Dv)).sum(1)
+            tot_dim_all = None
+            if res.sigma_dim is not None:
+                td = (1 - p)[..., None] * res.sigma_dim**2 + p[..., None] * s2
+                tot_dim_all = td.transpose(1, 2).reshape(B, Q, H * Dv)
+        else:
+            P = self.out_proj.out_features
+            if res.var is not None:
+                td = ((1 - p)[..., None] * res.var * res.phi[..., None] + p[..., None] * (s2 / H))
+                tot_dim_all = td.sum(1)
+                tot_all = tot_dim_all.sum(-1)
+            else:
+                tot_dim_all = None
+                tot_all = ((1 - p) * res.sigma**2 + p * (s2 * P / H)).sum(1)
         return LevyAttentionOutput(
             mean=mean,
             sigma_dim=sigma_dim,
@@ -452,6 +508,8 @@ class LevyAttention(nn.Module):
             evidence=res.evidence.transpose(1, 2),
             p_empty=res.p_empty.transpose(1, 2),
             heads=res,
+            total_sigma_dim=None if tot_dim_all is None else root(tot_dim_all),
+            total_sigma=root(tot_all),
         )
 
     @torch.no_grad()

@@ -374,3 +374,67 @@ def test_levy_train_step_float32_matches_float64_torch_loops(
     bias = 0.0 if layer32.out_proj is None else layer32.out_proj.bias.detach()
     assert bool((v32[0][1] == bias).all()) and bool((v32[1][1] == 0).all())
     assert bool((v32[2][1] == 0).all())
+
+
+@pytest.mark.parametrize("out_features", [None, 2])
+def test_total_sigma_grows_as_evidence_vanishes(out_features: int | None) -> None:
+    """#35.11: with every observation masked ``sigma_dim`` is 0 (no atom, a convention) but
+    ``total_sigma_dim`` is the prior scale; one far observation gives a larger total spread
+    than 50 observations around the query, while the conditional ``sigma_dim`` is smaller."""
+    torch.manual_seed(0)
+    layer = LevyAttention(num_channels=1, d_model=16, num_heads=2, out_features=out_features,
+                          prior_std=0.5).double().requires_grad_(False)
+    one = lambda n: torch.zeros(1, n, dtype=torch.long)  # noqa: E731
+    q = torch.tensor([[40.0]], dtype=F64)
+    empty = layer(torch.rand(1, 4, dtype=F64), one(4), torch.randn(1, 4, dtype=F64),
+                  torch.zeros(1, 4, dtype=torch.bool), q)
+    assert bool((empty.sigma_dim == 0).all())
+    torch.testing.assert_close(empty.total_sigma_dim, torch.full_like(empty.mean, 0.5),
+                               rtol=1e-12, atol=0)
+    d_out = empty.mean.shape[-1]
+    torch.testing.assert_close(empty.total_sigma, torch.full((1, 1), 0.5 * math.sqrt(d_out),
+                                                             dtype=F64), rtol=1e-12, atol=0)
+    g = torch.Generator().manual_seed(1)
+    far = layer(torch.zeros(1, 1, dtype=F64), one(1), torch.randn(1, 1, generator=g, dtype=F64),
+                torch.ones(1, 1, dtype=torch.bool), q)
+    t50 = 40 + torch.randn(1, 50, generator=g, dtype=F64)
+    near = layer(t50, one(50), torch.randn(1, 50, generator=g, dtype=F64),
+                 torch.ones(1, 50, dtype=torch.bool), q)
+    assert float(far.evidence.sum()) < float(near.evidence.sum())
+    assert float(far.sigma) < float(near.sigma)  # the conditional spread: disagreement only
+    assert float(far.total_sigma) > float(near.total_sigma)
+    assert bool((far.total_sigma_dim > near.total_sigma_dim).all())
+    # the identity behind it, per head (concatenated) or summed over heads (folded)
+    p, H = far.heads.p_empty, layer.num_heads
+    var = far.heads.var * far.heads.phi[..., None]  # (1, H, 1, Dv)
+    td = (1 - p)[..., None] * var + p[..., None] * (0.25 if out_features is None else 0.25 / H)
+    td = td.transpose(1, 2).reshape(1, 1, -1) if out_features is None else td.sum(1)
+    torch.testing.assert_close(far.total_sigma_dim**2, td, rtol=1e-10, atol=1e-14)
+
+
+def test_total_sigma_matches_draws_with_a_prior_for_empty_heads() -> None:
+    """E|Y - mean|^2 per output dim = total_sigma_dim^2 when a head without atoms draws its
+    block from N(mean, prior_std^2): the explicit sampler's draws (empty heads replaced by such
+    prior draws) against the closed form. z-test per dim (standard error of the mean squared
+    deviation), |z| <= 5 over 8 dims: false-failure probability < 8 * 5.8e-7 < 5e-6."""
+    layer = make_layer(prior_std=0.7)
+    x = make_inputs(B=1, N=2, Q=1)  # one or two observations: heads are often empty
+    out = layer(**x)
+    gen = torch.Generator().manual_seed(5)
+    smp, nonempty = layer.sample(**x, num_samples=20_000, generator=gen)  # (S, 1, 1, D)
+    H, D = layer.num_heads, out.mean.shape[-1]
+    ne = nonempty[:, 0, 0].repeat_interleave(D // H, dim=-1)  # (S, D): the head of each dim
+    assert 0.05 < float((~ne).double().mean()) < 0.95  # both kinds of draw occur
+    mu = out.mean[0, 0].detach()
+    prior = mu + 0.7 * torch.randn(smp.shape[0], D, generator=gen, dtype=F64)
+    y = torch.where(ne, smp[:, 0, 0], prior)
+    dev2 = (y - mu) ** 2
+    target = out.total_sigma_dim[0, 0].detach() ** 2
+    z = (dev2.mean(0) - target) / (dev2.std(0) / math.sqrt(dev2.shape[0]))
+    assert bool((z.abs() <= 5).all()), z
+
+
+def test_bad_prior_std() -> None:
+    for bad in (-1.0, math.nan, math.inf, True):
+        with pytest.raises(ValueError, match="prior_std"):
+            LevyAttention(num_channels=2, prior_std=bad)  # type: ignore[arg-type]

@@ -11,9 +11,11 @@ from pathlib import Path
 SUITE = "physionet"
 _TAG = " [subset: 2 test stays]"
 METHODS = [
-    "Levy (one pass, sigma with phi, alpha fitted)", "Levy, alpha as trained (ablation)",
+    "Levy (one pass, MSE + 0.1 x CRPS, sigma_total)",
+    "Levy, sigma conditional on N >= 1, no prior term (ablation)",
     "Levy, sigma without phi (ablation)", "softmax control (deterministic)",
-    "Levy (one pass)" + _TAG, "Levy (one pass), alpha as trained" + _TAG,
+    "Levy (one pass)" + _TAG, "Levy (one pass), sigma conditional on N >= 1, alpha as trained"
+    + _TAG,
     "Levy, explicit Poisson sampler (4 draws), alpha as trained" + _TAG,
     "softmax control, MC dropout (2 passes)" + _TAG,
     "softmax deep ensemble (2 members, one ensemble)", "per-stay per-channel exact GP (one fit)",
@@ -41,7 +43,7 @@ def argv(tmp: Path) -> list[str]:
             "--max-epochs", "1", "--sub-stays", "2", "--mc-passes", "2", "--sampler-draws", "4",
             "--ensemble-members", "2", "--gp-train-stays", "4", "--gp-iters", "2", "--plots", "1",
             "--out", str(tmp / "physionet"), "--cache-dir", str(tmp.parent / "physionet_cache"),
-            "--reuse", "--device", "cpu"]
+            "--reuse", "--device", "cpu", "--uq-weights", "0.1"]
 
 
 def page(tmp: Path) -> Path:

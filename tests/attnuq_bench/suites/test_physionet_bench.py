@@ -37,7 +37,8 @@ def test_bench_physionet_end_to_end(tmp_path: Path) -> None:
               "--d", "8", "--max-epochs", "1", "--sub-stays", "2", "--mc-passes", "2",
               "--sampler-draws", "4", "--ensemble-members", "2", "--gp-train-stays", "4",
               "--gp-iters", "2", "--plots", "1", "--out", str(out),
-              "--cache-dir", str(tmp_path / "cache"), "--seed", "1", "--device", "cpu"]
+              "--cache-dir", str(tmp_path / "cache"), "--seed", "1", "--device", "cpu",
+              "--uq-weights", "0,0.1"]
     assert main([*common, "--only-seed", "1"]) == 0
     seed1 = json.loads((out / "seed_1.json").read_text())
     (out / "seed_1.json").write_bytes(b"")  # torn by a crash: redone with a warning
@@ -50,14 +51,27 @@ def test_bench_physionet_end_to_end(tmp_path: Path) -> None:
     assert seed1["seed"] == 1 and res["ensemble"]["seeds"] == [1, 2]  # --seed honoured
     assert res["args"]["device"] == "cpu"
     cal = seed1["calibration"]
-    assert cal["alpha_trained"] == pytest.approx(1.0, rel=1e-5)  # MSE gives alpha no gradient
+    grid = res["grid"]
+    assert grid["weights"] == [0.0, 0.1] and set(grid["entries"]) == {"0", "0.1"}
+    w = grid["chosen"]  # by validation CRPS only
+    assert grid["val_crps"][f"{w:g}"] == min(grid["val_crps"].values())
+    assert cal["weight"] == w and seed1["train_levy"]["uq_weight"] == w
+    g0 = grid["entries"]["0"][0]
+    assert g0["alpha_trained"] == pytest.approx(1.0, rel=1e-5)  # MSE gives alpha no gradient
+    assert grid["entries"]["0.1"][0]["alpha_trained"] != pytest.approx(1.0, rel=1e-6)
     assert cal["alpha"] > 0 and np.isfinite(cal["T"])
     assert seed1["train_levy"]["stopped_by"] == "max_epochs"
     summ = res["summary"]
-    for meth in ("levy", "levy_alpha_trained", "levy_nophi", "levy_sub", "levy_sampler",
+    ablation = "levy_alpha_trained" if w == 0 else "levy_cond"
+    for meth in ("levy", ablation, "levy_nophi", "levy_sub", "levy_sampler",
                  "levy_sub_alpha_trained", "softmax_mcdropout"):
-        for key in ("mse", "mae", "nll", "crps", "T", "cov90", "ccov90", "width95", "cwidth95"):
+        for key in ("mse", "mae", "nll", "crps", "T", "cov90", "ccov90", "width95", "cwidth95",
+                    "sel_mse10", "sel_mse20", "sel_mse50"):
             assert np.isfinite(summ[meth][key][0]), (meth, key)
+        assert "spearman_within_channel" in summ[meth]
+    assert len(seed1["channel_spearman"]["levy"]) == 3  # one per channel
+    for key in ("spearman_within_channel", "sel_mse50", "channel_spearman"):
+        assert key in res["ensemble"] and key in res["gp"], key
     assert summ["levy"]["mse"] == summ["levy_nophi"]["mse"]  # same pass, different spread
     # the floor under sigma_hat (beta on the first half of val, factor on the second)
     for key in ("fcov50", "fwidth50", "floor_beta50"):
@@ -68,6 +82,9 @@ def test_bench_physionet_end_to_end(tmp_path: Path) -> None:
     assert res["data"]["n_stays"] == 15 and res["data"]["channels"] == ["Age", "HR", "Temp"]
     md = (tmp_path / "res" / "physionet.md").read_text()
     assert "MSE within 5.6 %" in md and "machine:" in md and "command:" in md
+    for head in ("Loss weight w", "Selective prediction", "per channel", "Goals of issue #36",
+                 "What ran:"):
+        assert head in md, head
     assert "floor under sigma_hat" in md
     assert "(matched: both models" in md and "alpha trained -> fitted" in md
     assert "absent from this copy of the data: Gender, Height, ICUType" in md
@@ -90,6 +107,9 @@ def test_bench_physionet_end_to_end(tmp_path: Path) -> None:
         1.03 * summ["softmax"]["mse"][0])
     assert set(entry["physionet2012"]["methods"]) >= {"frozen", "levy", "softmax_mcdropout",
                                                       "ensemble", "gp"}
+    for meth in ("levy", "softmax_mcdropout", "ensemble", "gp"):  # every method with a spread
+        assert {"mse", "crps", "spearman", "spearman_within_channel"} <= set(
+            entry["physionet2012"]["methods"][meth]), meth
     # --render-only rewrites the same page from physionet.json alone
     (tmp_path / "res" / "physionet.md").write_text("")
     assert main([*common, "--render-only"]) == 0
@@ -132,7 +152,7 @@ def test_torn_checkpoint_is_retrained_with_a_warning(tmp_path: Path) -> None:
     _write_stays(data, 9)
     common = ["bench", "physionet", "--data-dir", str(tmp_path / "data"), "--d", "4",
               "--max-epochs", "1", "--out", str(tmp_path / "res"), "--cache-dir",
-              str(tmp_path / "cache"), "--train-only", "levy:0"]
+              str(tmp_path / "cache"), "--train-only", "levy@0:0"]
     assert main(common) == 0
     (ck,) = (tmp_path / "cache" / "physionet-runs").glob("*/levy_0.pt")
     size = ck.stat().st_size
@@ -190,7 +210,7 @@ def test_interrupted_training_resumes_to_the_same_model(
     def train(cache: str) -> dict[str, torch.Tensor]:
         assert main(["bench", "physionet", "--data-dir", str(tmp_path / "data"), "--d", "4",
                      "--max-epochs", "3", "--patience", "3", "--out", str(tmp_path / "res"),
-                     "--cache-dir", str(tmp_path / cache), "--train-only", "levy:0"]) == 0
+                     "--cache-dir", str(tmp_path / cache), "--train-only", "levy@0:0"]) == 0
         (ck,) = (tmp_path / cache / "physionet-runs").glob("*/levy_0.pt")
         assert not list(ck.parent.glob("*.train.pt"))  # the per-epoch state is dropped at the end
         blob = torch.load(ck, weights_only=False)
@@ -214,3 +234,25 @@ def test_interrupted_training_resumes_to_the_same_model(
     resumed = train("b")
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+@pytest.mark.parametrize("weights", ["", " , ", "-0.1", "0,nan", "0,x", "0,0.1,0"])
+def test_bad_weight_grid_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], weights: str
+) -> None:
+    """An empty or negative --uq-weights grid fails before any work, naming the value."""
+    assert main(["bench", "physionet", "--data-dir", str(tmp_path), "--out",
+                 str(tmp_path / "res"), "--uq-weights", weights]) == 2
+    err = capsys.readouterr().err
+    assert "--uq-weights" in err and "Traceback" not in err
+    assert not (tmp_path / "res").exists()
+
+
+def test_parse_weights() -> None:
+    from attnuq_bench.suites.physionet import UQ_WEIGHTS, parse_weights
+
+    assert parse_weights("0, 0.1,1") == UQ_WEIGHTS == (0.0, 0.1, 1.0)
+    with pytest.raises(ValueError, match=r"-0\.5"):
+        parse_weights("0,-0.5")
+    with pytest.raises(ValueError, match="at least one"):
+        parse_weights("")

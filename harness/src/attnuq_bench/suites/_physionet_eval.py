@@ -23,14 +23,19 @@ import torch
 
 from attnuq_bench.data.physionet import ForecastBatch, PhysioNet2012
 
-__all__ = ["LEVELS", "SIGMA_FLOOR", "control_task", "flat", "gaussian_scores", "plots",
-           "score_gp", "score_seed"]
+__all__ = ["LEVELS", "SELECT_FRACTIONS", "SIGMA_FLOOR", "channel_spearman", "control_task",
+           "flat", "gaussian_scores", "grid_entry", "plots", "score_gp", "score_seed",
+           "selective_mse"]
 
 LEVELS = (0.5, 0.8, 0.9, 0.95)
 #: every method's spread is floored here (scaled units, 0.1 % of a channel's range) before T is
 #: fitted: a spread of exactly 0 (one attended value, identical draws) would make T infinite
 SIGMA_FLOOR = 1e-3
 KEEP_FRACTIONS = (0.1, 0.5, 0.9)
+#: selective prediction: the most uncertain fractions of the forecasts withheld
+SELECT_FRACTIONS = (0.1, 0.2, 0.5)
+#: a channel enters the within-channel Spearman with at least this many forecast points
+MIN_CHANNEL_POINTS = 20
 #: a channel needs this many distinct input times in [0, 24] h to be a plot candidate
 PLOT_MIN_INPUTS = 6
 
@@ -47,6 +52,53 @@ def flat(batches: Sequence[ForecastBatch], per_batch: Sequence[torch.Tensor]) ->
 
 def targets(batches: Sequence[ForecastBatch]) -> torch.Tensor:
     return flat(batches, [b.targets for b in batches])
+
+
+def channels(batches: Sequence[ForecastBatch]) -> torch.Tensor:
+    """The channel of every forecast point, ``(N,)`` int64 (aligned with :func:`targets`)."""
+    return flat(batches, [b.query_channels for b in batches]).long()
+
+
+def selective_mse(sd: torch.Tensor, mu: torch.Tensor, y: torch.Tensor,
+                  fractions: Sequence[float] = SELECT_FRACTIONS) -> dict[str, float]:
+    """MSE of the retained forecasts when the fraction ``f`` with the largest spread is withheld.
+
+    Points are ordered by ``sd`` (ties: input order, a stable sort); the
+    ``n - floor(f n)`` smallest spreads are kept. Keys ``sel_mse{int(100 f)}``.
+
+    >>> import torch
+    >>> selective_mse(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.zeros(4),
+    ...               torch.tensor([1.0, 1.0, 2.0, 4.0]), (0.25, 0.5))
+    {'sel_mse25': 2.0, 'sel_mse50': 1.0}
+    """
+    order = torch.argsort(sd, stable=True)
+    se = ((y - mu) ** 2)[order]
+    n = se.numel()
+    return {f"sel_mse{round(100 * f)}": float(se[: n - math.floor(f * n)].mean())
+            for f in fractions}
+
+
+def channel_spearman(sd: torch.Tensor, mu: torch.Tensor, y: torch.Tensor, ch: torch.Tensor,
+                     n_channels: int) -> tuple[list[float], float]:
+    """Spearman(|y - mu|, sd) per channel and their mean weighted by the channel's points.
+
+    A channel with fewer than :data:`MIN_CHANNEL_POINTS` points, or a constant ``sd`` or error,
+    gets NaN and no weight. Within one channel the target's scale is fixed, so the within-channel
+    value cannot be raised by ranking channels alone.
+    """
+    from attnuq.metrics import spearman_spread_error as spearman
+
+    per, num, den = [], 0.0, 0
+    for c in range(n_channels):
+        s = ch == c
+        k = int(s.sum())
+        if k < MIN_CHANNEL_POINTS or float(sd[s].std()) == 0 or float((y - mu)[s].std()) == 0:
+            per.append(math.nan)
+            continue
+        r = float(spearman(sd[s], mu[s], y[s]))
+        per.append(r)
+        num, den = num + r * k, den + k
+    return per, (num / den if den else math.nan)
 
 
 def batches(ds: PhysioNet2012, idx: np.ndarray, bs: int, keep: float = 1.0, seed: int = 0
@@ -72,7 +124,7 @@ def _levy_pass(model: Any, bs: list[ForecastBatch]) -> dict[str, torch.Tensor]:
     model.eval()
     outs = [forward_batch(model, b.to_device(_dev(model))) for b in bs]
     return {k: flat(bs, [getattr(o, k) for o in outs])
-            for k in ("mean", "sigma", "sigma_nophi", "evidence")}
+            for k in ("mean", "sigma", "sigma_nophi", "evidence", "p_empty", "sigma_total")}
 
 
 @torch.no_grad()
@@ -133,8 +185,12 @@ def _sampler(model: Any, bs: list[ForecastBatch], draws: int, seed: int
 
 
 def gaussian_scores(mu: torch.Tensor, sd: torch.Tensor, y: torch.Tensor,
-                    val: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+                    val: tuple[torch.Tensor, ...], ch: torch.Tensor | None = None,
+                    n_channels: int = 0) -> dict[str, Any]:
     """Every metric of one Gaussian method; ``val = (mu, sd, y)`` raw (before ``T``).
+
+    With the points' channels ``ch``: ``spearman_within_channel`` (:func:`channel_spearman`);
+    always the selective-prediction MSEs ``sel_mse{10,20,50}`` (:func:`selective_mse`).
 
     ``ccov``/``cwidth``: split conformal normalised by ``T sd``, calibrated on all of ``val``;
     ``fcov``/``fwidth``: the floor ``|y - mu| / sqrt(sd^2 + beta^2)``
@@ -157,7 +213,10 @@ def gaussian_scores(mu: torch.Tensor, sd: torch.Tensor, y: torch.Tensor,
         "T": T, "mse": float((err**2).mean()), "mae": float(err.abs().mean()),
         "nll": float(nll_normal(mu, sd_t, y)), "crps": float(crps_normal(mu, sd_t, y)),
         "spearman": float(spearman(sd, mu, y)) if float(sd.std()) > 0 else float("nan"),
+        **selective_mse(sd, mu, y),
     }
+    if ch is not None:
+        out["spearman_within_channel"] = channel_spearman(sd, mu, y, ch, n_channels)[1]
     h = vy.numel() // 2
     for lv in LEVELS:
         lo, hi = test_pred.interval(lv)
@@ -193,71 +252,138 @@ def _binned(mu: torch.Tensor, sd: torch.Tensor, y: torch.Tensor, T: float, bins:
     return rows
 
 
+def grid_entry(model: Any, w: float, ctx: dict[str, Any]) -> dict[str, Any]:
+    """Validation and test scores of one Levy model of the ``w`` grid, calibrated on validation.
+
+    ``w = 0`` (MSE only; ``alpha`` has no gradient): ``alpha`` and ``T`` fitted jointly on
+    validation by Gaussian NLL (:func:`~attnuq.models.levy_forecaster.fit_alpha_temperature`),
+    spread ``sigma``; ``w > 0``: ``alpha`` as trained, spread ``sigma_total``, ``T`` in closed
+    form on validation. ``val_crps`` (the choice of ``w``) is the CRPS on validation of that
+    calibrated Gaussian; the test keys are recorded for the page, never used for the choice.
+    The model's ``alpha`` is left as it was.
+    """
+    from attnuq.models.levy_forecaster import fit_alpha_temperature, fit_temperature
+
+    val_b, test_b, y_val, y_test = (ctx[k] for k in ("val_b", "test_b", "y_val", "y_test"))
+    alpha0 = float(model.layer_params()["alpha"].detach())
+    v = _levy_pass(model, val_b)
+    key = "sigma" if w == 0 else "sigma_total"
+    alpha = alpha0
+    try:
+        if w == 0:
+            alpha, _ = fit_alpha_temperature(v["mean"], v["sigma_nophi"] ** 2,
+                                             v["evidence"] / alpha0, y_val, floor=SIGMA_FLOOR)
+            model.set_alpha(alpha)
+            v = _levy_pass(model, val_b)
+        t, secs = _timed(lambda: _levy_pass(model, test_b))
+    finally:
+        model.set_alpha(alpha0)
+    T = fit_temperature(v["mean"], v[key], y_val, floor=SIGMA_FLOOR)
+    vs = gaussian_scores(v["mean"], v[key], y_val, (v["mean"], v[key], y_val))
+    ts = gaussian_scores(t["mean"], t[key], y_test, (v["mean"], v[key], y_val), ctx["ch_test"],
+                         ctx["ds"].n_channels)
+    return {"w": float(w), "alpha_trained": alpha0, "alpha": alpha, "T": T,
+            "temperature_trained": float(model.temperature.detach()),
+            "val_crps": vs["crps"], "val_mse": vs["mse"], "val_nll": vs["nll"],
+            "stays_per_s": len(ctx["te"]) / secs,
+            **{k: ts[k] for k in ("mse", "crps", "nll", "spearman", "spearman_within_channel",
+                                  "cov90", "ccov90", "sel_mse10", "sel_mse20", "sel_mse50")}}
+
+
 def score_seed(levy: Any, ctrl: torch.nn.Module, ctx: dict[str, Any], seed: int, *,
-               mc_passes: int, sampler_draws: int) -> dict[str, Any]:
+               mc_passes: int, sampler_draws: int, weight: float = 0.0) -> dict[str, Any]:
     """Every per-seed row and analysis of the page for one seed's two trained models.
 
-    Returns ``calibration`` (alpha trained -> fitted on validation, the joint ``T``),
-    ``sigma_evidence_spearman``, ``evidence_edges`` / ``evidence_bins``, ``sparsity`` and
-    ``metrics`` (row key -> scores). Sets ``levy``'s alpha to the fitted value.
+    ``weight``: the Levy model's loss weight ``w``. ``w = 0``: ``alpha`` and ``T`` fitted
+    jointly on validation (two-stage), the spread is ``sigma``; ``w > 0``: ``alpha`` as trained
+    (the prior on ``log alpha`` identifies it), the spread is ``sigma_total``.
+    Returns ``calibration`` (alpha trained -> used, the validation ``T``),
+    ``sigma_evidence_spearman``, ``evidence_edges`` / ``evidence_bins``, ``sparsity``,
+    ``channel_spearman`` (row -> per-channel Spearman) and ``metrics`` (row key -> scores).
+    Sets ``levy``'s alpha to the value used.
     """
     from scipy.stats import spearmanr
 
-    from attnuq.models.levy_forecaster import fit_alpha_temperature
+    from attnuq.models.levy_forecaster import fit_alpha_temperature, fit_temperature
     from attnuq.ops.phi import poisson_phi
     from attnuq_bench.methods import make_method
 
     ds, val_b, test_b, y_val, y_test = (ctx[k] for k in ("ds", "val_b", "test_b", "y_val",
                                                          "y_test"))
+    C = ds.n_channels
+    ch_test, chs_test = ctx["ch_test"], ctx["chs_test"]
     sub_val_b, sub_test_b = ctx["sub_val_b"], ctx["sub_test_b"]
     ys_val, ys_test = targets(sub_val_b), targets(sub_test_b)
     n_test, n_sub = len(ctx["te"]), len(ctx["sub_te"])
     rec: dict[str, Any] = {}
-    # second stage: alpha (no gradient from the MSE loss) and T by validation NLL
     lv_val0 = _levy_pass(levy, val_b)
     alpha0 = float(levy.layer_params()["alpha"].detach())
-    alpha, T_joint = fit_alpha_temperature(
-        lv_val0["mean"], lv_val0["sigma_nophi"] ** 2, lv_val0["evidence"] / alpha0, y_val,
-        floor=SIGMA_FLOOR)
+    if weight == 0:
+        # second stage: alpha (no gradient from the MSE loss) and T by validation NLL
+        alpha, T_joint = fit_alpha_temperature(
+            lv_val0["mean"], lv_val0["sigma_nophi"] ** 2, lv_val0["evidence"] / alpha0, y_val,
+            floor=SIGMA_FLOOR)
+        sk = "sigma"
+    else:
+        alpha, sk = alpha0, "sigma_total"
+        T_joint = fit_temperature(lv_val0["mean"], lv_val0[sk], y_val, floor=SIGMA_FLOOR)
     levy.set_alpha(alpha)
-    rec["calibration"] = {"alpha_trained": alpha0, "alpha": alpha, "T": T_joint}
-    log(f"seed {seed}: alpha {alpha0:.4g} (trained) -> {alpha:.4g} (fitted on val), "
+    rec["calibration"] = {"alpha_trained": alpha0, "alpha": alpha, "T": T_joint,
+                          "weight": float(weight),
+                          "temperature_trained": float(levy.temperature.detach()),
+                          "prior_std": levy.prior_std.detach().tolist()}
+    log(f"seed {seed}: w {weight:g}, alpha {alpha0:.4g} (trained) -> {alpha:.4g} (used), "
         f"T {T_joint:.4g}")
 
     def sd_at_alpha0(o: dict[str, torch.Tensor]) -> torch.Tensor:
         return (o["sigma_nophi"] ** 2 * poisson_phi(o["evidence"] * (alpha0 / alpha))).sqrt()
 
+    def gs(mu: torch.Tensor, sd: torch.Tensor, y: torch.Tensor, val: tuple[torch.Tensor, ...],
+           ch: torch.Tensor) -> dict[str, Any]:
+        return gaussian_scores(mu, sd, y, val, ch, C)
+
     lv_val = _levy_pass(levy, val_b)
     lv_test, t_levy = _timed(lambda: _levy_pass(levy, test_b))
     c_test, t_ctrl = _timed(lambda: _mean_pass(ctrl, test_b))
     m: dict[str, Any] = {}
-    m["levy"] = gaussian_scores(lv_test["mean"], lv_test["sigma"], y_test,
-                                (lv_val["mean"], lv_val["sigma"], y_val))
-    # ablation: alpha as trained (sigma recomputed in closed form from the same pass)
-    m["levy_alpha_trained"] = gaussian_scores(lv_test["mean"], sd_at_alpha0(lv_test), y_test,
-                                              (lv_val0["mean"], lv_val0["sigma"], y_val))
+    chan: dict[str, list[float]] = {}
+    m["levy"] = gs(lv_test["mean"], lv_test[sk], y_test, (lv_val["mean"], lv_val[sk], y_val),
+                   ch_test)
+    chan["levy"] = channel_spearman(lv_test[sk], lv_test["mean"], y_test, ch_test, C)[0]
+    if weight == 0:
+        # ablation: alpha as trained (sigma recomputed in closed form from the same pass)
+        m["levy_alpha_trained"] = gs(lv_test["mean"], sd_at_alpha0(lv_test), y_test,
+                                     (lv_val0["mean"], lv_val0["sigma"], y_val), ch_test)
+    else:
+        # ablation: the spread conditional on N >= 1 (no prior term)
+        m["levy_cond"] = gs(lv_test["mean"], lv_test["sigma"], y_test,
+                            (lv_val["mean"], lv_val["sigma"], y_val), ch_test)
     rec["sigma_evidence_spearman"] = {
         k: float(spearmanr(lv_test[s], lv_test["evidence"])[0])
-        for k, s in (("levy", "sigma"), ("levy_nophi", "sigma_nophi"))}
-    m["levy_nophi"] = gaussian_scores(lv_test["mean"], lv_test["sigma_nophi"], y_test,
-                                      (lv_val["mean"], lv_val["sigma_nophi"], y_val))
+        for k, s in (("levy", sk), ("levy_nophi", "sigma_nophi"))}
+    m["levy_nophi"] = gs(lv_test["mean"], lv_test["sigma_nophi"], y_test,
+                         (lv_val["mean"], lv_val["sigma_nophi"], y_val), ch_test)
     err_c = y_test - c_test
     m["softmax"] = {"mse": float((err_c**2).mean()), "mae": float(err_c.abs().mean())}
-    for k in ("levy", "levy_nophi", "levy_alpha_trained"):
-        m[k]["stays_per_s"] = n_test / t_levy
+    for k in ("levy", "levy_nophi", "levy_alpha_trained", "levy_cond"):
+        if k in m:
+            m[k]["stays_per_s"] = n_test / t_levy
     m["softmax"]["stays_per_s"] = n_test / t_ctrl
     log(f"seed {seed}: levy MSE {m['levy']['mse']:.5f} CRPS {m['levy']['crps']:.5f} "
         f"softmax MSE {m['softmax']['mse']:.5f}")
     # the expensive baselines, on the (possibly smaller) evaluation subset
     ls_val, ls_test = _levy_pass(levy, sub_val_b), _levy_pass(levy, sub_test_b)
-    m["levy_sub"] = gaussian_scores(ls_test["mean"], ls_test["sigma"], ys_test,
-                                    (ls_val["mean"], ls_val["sigma"], ys_val))
+    m["levy_sub"] = gs(ls_test["mean"], ls_test[sk], ys_test,
+                       (ls_val["mean"], ls_val[sk], ys_val), chs_test)
+    chan["levy_sub"] = channel_spearman(ls_test[sk], ls_test["mean"], ys_test, chs_test, C)[0]
     mc = make_method("mc-dropout", n_samples=mc_passes, seed=seed)
     mc.fit(control_task(ctrl, sub_val_b, sub_val_b))
     mc_val = method_pass(mc, sub_val_b)
     mc_test, t_mc = _timed(lambda: method_pass(mc, sub_test_b))
-    m["softmax_mcdropout"] = gaussian_scores(mc_test["mean"], mc_test["sigma"], ys_test,
-                                             (mc_val["mean"], mc_val["sigma"], ys_val))
+    m["softmax_mcdropout"] = gs(mc_test["mean"], mc_test["sigma"], ys_test,
+                                (mc_val["mean"], mc_val["sigma"], ys_val), chs_test)
+    chan["softmax_mcdropout"] = channel_spearman(mc_test["sigma"], mc_test["mean"], ys_test,
+                                                 chs_test, C)[0]
     m["softmax_mcdropout"]["stays_per_s"] = n_sub / t_mc
     log(f"seed {seed}: MC dropout CRPS {m['softmax_mcdropout']['crps']:.5f} "
         f"(levy on subset {m['levy_sub']['crps']:.5f})")
@@ -268,11 +394,11 @@ def score_seed(levy: Any, ctrl: torch.nn.Module, ctx: dict[str, Any], seed: int,
     sm_val = _sampler(levy, sub_val_b, sampler_draws, seed)
     sm_test, t_sm = _timed(lambda: _sampler(levy, sub_test_b, sampler_draws, seed + 1))
     levy.set_alpha(alpha)
-    m["levy_sampler"] = gaussian_scores(sm_test["mean"], sm_test["sigma"], ys_test,
-                                        (sm_val["mean"], sm_val["sigma"], ys_val))
+    m["levy_sampler"] = gs(sm_test["mean"], sm_test["sigma"], ys_test,
+                           (sm_val["mean"], sm_val["sigma"], ys_val), chs_test)
     m["levy_sampler"]["stays_per_s"] = n_sub / t_sm
-    m["levy_sub_alpha_trained"] = gaussian_scores(ls_test["mean"], sd_at_alpha0(ls_test), ys_test,
-                                                  (ls_val["mean"], sd_at_alpha0(ls_val), ys_val))
+    m["levy_sub_alpha_trained"] = gs(ls_test["mean"], sd_at_alpha0(ls_test), ys_test,
+                                     (ls_val["mean"], sd_at_alpha0(ls_val), ys_val), chs_test)
     # evidence bins: quintiles of Lambda on the test points (full test; MC dropout on subset)
     lam = lv_test["evidence"]
     edges = torch.quantile(lam, torch.linspace(0, 1, 6, dtype=lam.dtype))
@@ -280,12 +406,12 @@ def score_seed(levy: Any, ctrl: torch.nn.Module, ctx: dict[str, Any], seed: int,
     sub_bins = torch.bucketize(ls_test["evidence"], edges[1:-1], right=False)
     rec["evidence_edges"] = edges.tolist()
     rec["evidence_bins"] = {
-        "levy": _binned(lv_test["mean"], lv_test["sigma"], y_test, m["levy"]["T"], bins),
+        "levy": _binned(lv_test["mean"], lv_test[sk], y_test, m["levy"]["T"], bins),
         "levy_nophi": _binned(lv_test["mean"], lv_test["sigma_nophi"], y_test,
                               m["levy_nophi"]["T"], bins),
         "softmax_mcdropout_sub": _binned(mc_test["mean"], mc_test["sigma"], ys_test,
                                          m["softmax_mcdropout"]["T"], sub_bins),
-        "levy_sub": _binned(ls_test["mean"], ls_test["sigma"], ys_test, m["levy_sub"]["T"],
+        "levy_sub": _binned(ls_test["mean"], ls_test[sk], ys_test, m["levy_sub"]["T"],
                             sub_bins),
     }
     # sparsity sweep: thin observed points of val and test alike, refit T per variant
@@ -297,13 +423,14 @@ def score_seed(levy: Any, ctrl: torch.nn.Module, ctx: dict[str, Any], seed: int,
         yv, yt = targets(vb), targets(tb)
         ct = _mean_pass(ctrl, tb)
         s = {v: gaussian_scores(lv_t["mean"], lv_t[k], yt, (lv_v["mean"], lv_v[k], yv))
-             for v, k in (("phi", "sigma"), ("nophi", "sigma_nophi"))}
+             for v, k in (("phi", sk), ("nophi", "sigma_nophi"))}
         rec["sparsity"][str(keep)] = {
             "levy_mse": s["phi"]["mse"], "softmax_mse": float(((yt - ct) ** 2).mean()),
             "mean_evidence": float(lv_t["evidence"].mean()),
             **{f"{k}_{v}": s[v][k] for k in ("nll", "crps", "spearman", "cov90")
                for v in ("phi", "nophi")}}
     rec["metrics"] = m
+    rec["channel_spearman"] = chan
     log(f"seed {seed} done: sampler CRPS {m['levy_sampler']['crps']:.5f}")
     return rec
 
@@ -315,8 +442,11 @@ def score_ensemble(task: Any, members: int, ctx: dict[str, Any]) -> dict[str, An
     ens = make_method("ensemble", n_members=members).fit(task)
     ev = method_pass(ens, ctx["val_b"])
     et, t_e = _timed(lambda: method_pass(ens, ctx["test_b"]))
+    C = ctx["ds"].n_channels
     out = gaussian_scores(et["mean"], et["sigma"], ctx["y_test"],
-                          (ev["mean"], ev["sigma"], ctx["y_val"]))
+                          (ev["mean"], ev["sigma"], ctx["y_val"]), ctx["ch_test"], C)
+    out["channel_spearman"] = channel_spearman(et["sigma"], et["mean"], ctx["y_test"],
+                                               ctx["ch_test"], C)[0]
     return {**out, "stays_per_s": len(ctx["te"]) / t_e, "members": members}
 
 
@@ -346,7 +476,10 @@ def score_gp(ctx: dict[str, Any], train_stays: int, iters: int) -> dict[str, Any
     gv_mu, gv_sd = gp_pred(ctx["val_b"])
     (gt_mu, gt_sd), t_gp = _timed(lambda: gp_pred(ctx["test_b"]))
     y = ctx["y_test"]
-    gp = gaussian_scores(gt_mu, gt_sd, y, (gv_mu, gv_sd, ctx["y_val"]))
+    gp = gaussian_scores(gt_mu, gt_sd, y, (gv_mu, gv_sd, ctx["y_val"]), ctx["ch_test"],
+                         ds.n_channels)
+    gp["channel_spearman"] = channel_spearman(gt_sd, gt_mu, y, ctx["ch_test"],
+                                              ds.n_channels)[0]
     gp.update(nll_untempered=float(nll_normal(gt_mu, gt_sd, y)),
               crps_untempered=float(crps_normal(gt_mu, gt_sd, y)),
               stays_per_s=len(ctx["te"]) / t_gp, fit_seconds=t_fit)
@@ -384,8 +517,8 @@ def _plot_choice(ds: PhysioNet2012, te: np.ndarray, n_plots: int) -> list[tuple[
 
 
 @torch.no_grad()
-def plots(model: Any, ds: PhysioNet2012, te: np.ndarray, out: Path, n_plots: int, T: float
-          ) -> tuple[list[str], list[dict[str, Any]]]:
+def plots(model: Any, ds: PhysioNet2012, te: np.ndarray, out: Path, n_plots: int, T: float,
+          sigma_key: str = "sigma") -> tuple[list[str], list[dict[str, Any]]]:
     """One PNG per chosen test stay (forecast band, observations; evidence and half-width)."""
     import matplotlib
 
@@ -404,7 +537,7 @@ def plots(model: Any, ds: PhysioNet2012, te: np.ndarray, out: Path, n_plots: int
         grid = torch.linspace(0.0, ds.horizon_hours, 385, dtype=torch.float32, device=dev)[None]
         o = model(b.obs_times, b.obs_channels, b.obs_values, b.obs_mask, grid,
                   torch.full_like(grid, ch, dtype=torch.long))
-        mu, sd = o.mean[0].cpu().numpy(), (T * o.sigma[0]).cpu().numpy()
+        mu, sd = o.mean[0].cpu().numpy(), (T * getattr(o, sigma_key)[0]).cpu().numpy()
         lam, g = o.evidence[0].cpu().numpy(), grid[0].cpu().numpy()
         fig, (ax, ax_l) = plt.subplots(2, 1, figsize=(8, 5.6), sharex=True,
                                        gridspec_kw={"height_ratios": [2, 1]})

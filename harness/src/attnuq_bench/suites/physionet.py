@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -64,13 +65,16 @@ from attnuq._io import (
     torch_load_or_none,
 )
 from attnuq.distributed import is_primary, primary_first
+from attnuq.models.levy_forecaster import check_score_weight
 from attnuq_bench.data.physionet import ForecastBatch, PhysioNet2012, load_physionet2012
 from attnuq_bench.suites import register
 from attnuq_bench.suites._page import Page, update_summary
 from attnuq_bench.suites._physionet_eval import (
     SIGMA_FLOOR,
     batches,
+    channels,
     control_task,
+    grid_entry,
     log,
     plots,
     score_ensemble,
@@ -87,7 +91,33 @@ from attnuq_bench.suites._physionet_page import (
     summarise,
 )
 
-__all__ = ["add_arguments", "render_page", "run"]
+__all__ = ["UQ_WEIGHTS", "add_arguments", "parse_weights", "render_page", "run"]
+
+#: the grid of the Levy loss weight w, fixed before any run (0: the MSE-only recipe)
+UQ_WEIGHTS = (0.0, 0.1, 1.0)
+
+
+def parse_weights(text: str) -> tuple[float, ...]:
+    """``--uq-weights``: a comma list of distinct finite weights ``>= 0``, at least one.
+
+    >>> parse_weights("0, 0.1,1")
+    (0.0, 0.1, 1.0)
+    """
+    from attnuq.models.levy_forecaster import check_score_weight
+
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise ValueError(f"--uq-weights must list at least one weight, got {text!r}")
+    out = []
+    for p in parts:
+        try:
+            w = float(p)
+        except ValueError:
+            raise ValueError(f"--uq-weights entries must be numbers, got {p!r}") from None
+        out.append(check_score_weight(w, "--uq-weights entry"))
+    if len(set(out)) != len(out):
+        raise ValueError(f"--uq-weights must not repeat a weight, got {text!r}")
+    return tuple(out)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,6 +138,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--patience", type=int, default=2)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--nll-weight", type=float, default=0.0, help="Levy loss: MSE + w * NLL")
+    p.add_argument("--uq-weights", default=",".join(f"{w:g}" for w in UQ_WEIGHTS),
+                   help="grid of w for the Levy loss MSE + w * score of N(mu, (T sigma)^2), "
+                   "fixed in advance; w is chosen by validation CRPS (comma list, each >= 0)")
+    p.add_argument("--uq-score", default="crps", choices=("crps", "nll"),
+                   help="the score of the Levy loss (closed-form Gaussian CRPS or NLL)")
+    p.add_argument("--alpha-prior", type=float, default=1e-3,
+                   help="kappa of the prior kappa * log(alpha)^2 in the Levy loss (w > 0)")
+    p.add_argument("--grid-seeds", type=int, default=None,
+                   help="the first this many model seeds train every w of the grid (default: "
+                   "all); the others train the chosen w only")
     p.add_argument("--max-train-queries", type=int, default=64,
                    help="forecast points per stay per training batch (random subset)")
     p.add_argument("--max-train-seconds", type=float, default=None, help="cap per model")
@@ -156,19 +196,29 @@ _CONFIG_KEYS = ("d", "encoder_layers", "dropout", "batch_size", "max_epochs", "p
                 "nll_weight", "max_train_queries", "max_train_seconds", "max_stays", "split_seed")
 
 
-def _train_config(args: argparse.Namespace, ds: PhysioNet2012) -> dict[str, Any]:
+def _train_config(args: argparse.Namespace, ds: PhysioNet2012, w: float | None = None
+                  ) -> dict[str, Any]:
+    """The options that shape a trained model; ``w``: the Levy model's loss weight (its score,
+    prior and the model version join the key), ``None`` for the softmax control."""
     cfg = {k: getattr(args, k, None) for k in _CONFIG_KEYS}
     cfg["cache"] = Path(ds.cache_path or ds.source).name
+    if w is not None:
+        cfg.update(uq_weight=float(w), uq_score=args.uq_score, alpha_prior=args.alpha_prior,
+                   levy_version=LEVY_VERSION)
     return cfg
 
 
-def _ckpt_dir(args: argparse.Namespace, ds: PhysioNet2012) -> Path:
+#: bump when the Levy forecaster's parameters or loss change (its checkpoints are keyed by it)
+LEVY_VERSION = 2
+
+
+def _ckpt_dir(args: argparse.Namespace, ds: PhysioNet2012, w: float | None = None) -> Path:
     """Checkpoint folder (in the cache, never the repository) keyed by data and config."""
     import hashlib
 
     from attnuq_bench.data.physionet import default_cache_dir
 
-    cfg = _train_config(args, ds)
+    cfg = _train_config(args, ds, w)
     key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
     base = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     return base / "physionet-runs" / key
@@ -205,14 +255,14 @@ def _valid_blob(blob: Any) -> bool:
             and isinstance(blob.get("info"), dict))
 
 
-def _find_ckpt(kind: str, seed: int, args: argparse.Namespace, ds: PhysioNet2012
-               ) -> tuple[Path, str | None] | None:
+def _find_ckpt(kind: str, seed: int, args: argparse.Namespace, ds: PhysioNet2012,
+               w: float | None = None) -> tuple[Path, str | None] | None:
     """This config's checkpoint, else one of another cap config that trained the same model."""
-    here = _ckpt_dir(args, ds)
+    here = _ckpt_dir(args, ds, w)
     ck = here / f"{kind}_{seed}.pt"
     if _valid_blob(torch_load_or_none(ck, "checkpoint", weights_only=False, map_location="cpu")):
         return ck, None  # a torn checkpoint of this config is warned about and retrained
-    new = _train_config(args, ds)
+    new = _train_config(args, ds, w)
     for cfg_file in sorted(here.parent.glob("*/config.json")):
         other = cfg_file.parent / f"{kind}_{seed}.pt"
         if cfg_file.parent == here or not other.is_file():
@@ -229,20 +279,22 @@ def _find_ckpt(kind: str, seed: int, args: argparse.Namespace, ds: PhysioNet2012
 
 
 def _model(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[ForecastBatch],
-           args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, Any]]:
+           args: argparse.Namespace, w: float = 0.0) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Load ``kind`` seed ``seed`` from the checkpoint cache, or train and save it.
 
     A checkpoint of a configuration that differs only in ``--max-epochs`` /
     ``--max-train-seconds`` is reused when it is the model this configuration would train
-    (:func:`_same_run`); its record then says so (``reused_from``).
+    (:func:`_same_run`); its record then says so (``reused_from``). ``w``: the Levy model's
+    loss weight (ignored for the control).
     """
-    here = _ckpt_dir(args, ds)
+    wk = float(w) if kind == "levy" else None
+    here = _ckpt_dir(args, ds, wk)
     here.mkdir(parents=True, exist_ok=True)
     cfg_file = here / "config.json"
-    if is_primary() and read_json_or_none(cfg_file, "checkpoint config") != _train_config(
-            args, ds):  # shared by the seeds: under torchrun rank 0 writes it
-        atomic_write_json(cfg_file, _train_config(args, ds), sort_keys=True)  # absent or torn
-    found = _find_ckpt(kind, seed, args, ds)
+    cfg = _train_config(args, ds, wk)
+    if is_primary() and read_json_or_none(cfg_file, "checkpoint config") != cfg:
+        atomic_write_json(cfg_file, cfg, sort_keys=True)  # shared by the seeds; absent or torn
+    found = _find_ckpt(kind, seed, args, ds, wk)
     if found is not None:
         ck, why = found
         blob = torch.load(ck, weights_only=False, map_location=args.device)
@@ -257,7 +309,7 @@ def _model(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[
         return model, info
     ck = here / f"{kind}_{seed}.pt"
     partial = ck.with_suffix(".train.pt")  # per-epoch state: an interrupted training resumes
-    model, info = _train(kind, seed, ds, tr, val_b, args, checkpoint=partial)
+    model, info = _train(kind, seed, ds, tr, val_b, args, checkpoint=partial, w=float(w))
     atomic_torch_save({"state": model.state_dict(), "info": info}, ck)
     partial.unlink(missing_ok=True)
     return model, info
@@ -273,12 +325,33 @@ def _new_model(kind: str, ds: PhysioNet2012, args: argparse.Namespace) -> torch.
     return cls(ds.n_channels, **common).to(args.device)
 
 
+def _levy_loss(w: float, args: argparse.Namespace) -> Any:
+    """The Levy model's training loss: :func:`~attnuq.models.levy_forecaster.forecast_loss`
+    (masked MSE + ``w`` x the ``--uq-score`` of ``N(mu, (T sigma_total)^2)`` + the prior on
+    ``log alpha``, ``T`` the model's learned temperature)."""
+    import torch.nn.functional as F
+
+    from attnuq.models.levy_forecaster import forecast_loss, forward_batch
+
+    def loss(model: Any, b: Any) -> torch.Tensor | None:
+        if int(b.query_mask.sum()) == 0:
+            return None
+        out = forward_batch(model, b)
+        log_alpha = torch.log(F.softplus(model.raw_alpha))
+        return forecast_loss(out, b.targets, b.query_mask, weight=w, score=args.uq_score,
+                             temperature=model.temperature, log_alpha=log_alpha,
+                             alpha_prior=args.alpha_prior, floor=SIGMA_FLOOR)
+
+    return loss
+
+
 def _train(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[ForecastBatch],
-           args: argparse.Namespace, checkpoint: Path | None = None
+           args: argparse.Namespace, checkpoint: Path | None = None, w: float = 0.0
            ) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Train ``kind`` of ``seed``: Adam on the masked MSE of ``mu`` (+ ``--nll-weight`` x NLL for
-    Levy), early stopping on validation MSE (:func:`attnuq_bench.training.fit`); ``checkpoint``:
-    fit's per-epoch state (resumed)."""
+    """Train ``kind`` of ``seed``: Adam on the masked MSE of ``mu`` (Levy with ``w > 0``: plus
+    ``w`` x the score of its predictive, :func:`_levy_loss`; ``w = 0``: ``--nll-weight`` x NLL),
+    early stopping on validation MSE (:func:`attnuq_bench.training.fit`); ``checkpoint``: fit's
+    per-epoch state (resumed)."""
     from attnuq.models.levy_forecaster import forward_batch
     from attnuq_bench.training import fit, masked_mse_loss
 
@@ -291,13 +364,15 @@ def _train(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[
             generator=np.random.default_rng(1000 * seed + epoch)))
 
     val_d = [b.to_device(args.device) for b in val_b]
-    rep = fit(model, train_batches, lambda: val_d,
-              loss=masked_mse_loss(forward_batch, args.nll_weight if kind == "levy" else 0.0),
+    loss = (_levy_loss(w, args) if kind == "levy" and w > 0 else
+            masked_mse_loss(forward_batch, args.nll_weight if kind == "levy" else 0.0))
+    rep = fit(model, train_batches, lambda: val_d, loss=loss,
               metric="masked_mse", forward_fn=forward_batch, optimizer="adam", lr=args.lr,
               weight_decay=0.0, clip_grad_norm=5.0, max_epochs=args.max_epochs,
               patience=args.patience, max_seconds=args.max_train_seconds,
               checkpoint=checkpoint,
-              progress=lambda s: log(f"{kind} seed {seed} {s}"))
+              progress=lambda s: log(f"{kind}{f' w={w:g}' if kind == 'levy' else ''} seed "
+                                     f"{seed} {s}"))
     info = {"epochs": len(rep.val_metric), "best_epoch": rep.best_epoch,
             "best_val_mse": rep.best_val, "seconds": rep.seconds,
             "val_mse_curve": list(rep.val_metric), "stopped_by": rep.stopped_by,
@@ -306,6 +381,9 @@ def _train(kind: str, seed: int, ds: PhysioNet2012, tr: np.ndarray, val_b: list[
     if kind == "levy":
         lp = model.layer_params()  # type: ignore[operator]
         info.update({k: float(lp[k].detach()) for k in ("alpha", "beta", "h")})
+        lm: Any = model
+        info.update(uq_weight=float(w), temperature=float(lm.temperature.detach()),
+                    prior_std_median=float(lm.prior_std.detach().median()))
     return model, info
 
 
@@ -334,26 +412,57 @@ def _context(args: argparse.Namespace) -> dict[str, Any]:
                            "sub_val_b": batches(ds, sub_va, 64),
                            "sub_test_b": batches(ds, sub_te, 64)}
     ctx["y_val"], ctx["y_test"] = targets(ctx["val_b"]), targets(ctx["test_b"])
+    for k, b in (("ch_val", "val_b"), ("ch_test", "test_b"), ("chs_val", "sub_val_b"),
+                 ("chs_test", "sub_test_b")):
+        ctx[k] = channels(ctx[b])
     log(f"{len(tr)}/{len(va)}/{len(te)} stays; {len(ctx['y_test'])} test points; subset "
         f"{len(sub_va)}/{len(sub_te)} val/test stays; checkpoints {_ckpt_dir(args, ds)}")
     return ctx
 
 
-def _seed_record(seed: int, ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """Train (or load) both models of one seed and score every per-seed row."""
+def _select_weight(seeds: list[int], ctx: dict[str, Any], args: argparse.Namespace
+                   ) -> dict[str, Any]:
+    """Train (or load) the Levy model of every ``--uq-weights`` ``w`` for the grid seeds and
+    choose ``w`` by the validation CRPS (seed mean; each ``w``'s own calibration on validation,
+    :func:`attnuq_bench.suites._physionet_eval.grid_entry`). The test scores of every grid model are
+    recorded beside (the cost of ``w`` in point accuracy), never used for the choice."""
+    ds, tr, val_b = ctx["ds"], ctx["tr"], ctx["val_b"]
+    n_grid = len(seeds) if args.grid_seeds is None else min(args.grid_seeds, len(seeds))
+    entries: dict[str, list[dict[str, Any]]] = {}
+    for s in seeds[:n_grid]:
+        for w in args.uq_weight_grid:
+            model, info = _model("levy", s, ds, tr, val_b, args, w=w)
+            e = grid_entry(model, w, ctx)
+            e.update(seed=s, epochs=info["epochs"], best_epoch=info["best_epoch"],
+                     seconds=info["seconds"], stopped_by=stopped_by(info, args))
+            entries.setdefault(f"{w:g}", []).append(e)
+            log(f"grid seed {s} w={w:g}: val CRPS {e['val_crps']:.5f}, val MSE "
+                f"{e['val_mse']:.5f}")
+    val = {k: float(np.mean([e["val_crps"] for e in v])) for k, v in entries.items()}
+    chosen = min(args.uq_weight_grid, key=lambda w: (val[f"{w:g}"], w))
+    log(f"chosen w = {chosen:g} (validation CRPS {val})")
+    return {"weights": list(args.uq_weight_grid), "seeds": seeds[:n_grid], "entries": entries,
+            "val_crps": val, "chosen": chosen, "score": args.uq_score,
+            "alpha_prior": args.alpha_prior}
+
+
+def _seed_record(seed: int, ctx: dict[str, Any], args: argparse.Namespace, w: float
+                 ) -> dict[str, Any]:
+    """Train (or load) both models of one seed (Levy at the chosen ``w``) and score every
+    per-seed row."""
     ds, tr, val_b = ctx["ds"], ctx["tr"], ctx["val_b"]
     rec: dict[str, Any] = {"method": f"seed_{seed}", "seed": seed,
                            "scoring_version": SCORING_VERSION,
-                           "train_config": _train_config(args, ds)}
-    levy, rec["train_levy"] = _model("levy", seed, ds, tr, val_b, args)
+                           "train_config": _train_config(args, ds, w)}
+    levy, rec["train_levy"] = _model("levy", seed, ds, tr, val_b, args, w=w)
     ctrl, rec["train_softmax"] = _model("softmax", seed, ds, tr, val_b, args)
     for key in ("train_levy", "train_softmax"):
         rec[key] = dict(rec[key], stopped_by=stopped_by(rec[key], args))
     return {**rec, **score_seed(levy, ctrl, ctx, seed, mc_passes=args.mc_passes,
-                                sampler_draws=args.sampler_draws)}
+                                sampler_draws=args.sampler_draws, weight=w)}
 
 
-def _seeds(seeds: list[int], ctx: dict[str, Any], args: argparse.Namespace,
+def _seeds(seeds: list[int], ctx: dict[str, Any], args: argparse.Namespace, w: float,
            on_saved: Any = None) -> list[dict[str, Any]]:
     """The seed records ``<out>/seed_<S>.json`` (the runner's items; ``--reuse``: reused when
     their training options and scoring version match this run's)."""
@@ -367,10 +476,10 @@ def _seeds(seeds: list[int], ctx: dict[str, Any], args: argparse.Namespace,
     from attnuq_bench.suites._digests import files_digest
 
     group = Group(parts=(), methods=names,
-                  reuse=[SCORING_VERSION, _train_config(args, ctx["ds"])],
+                  reuse=[SCORING_VERSION, _train_config(args, ctx["ds"], w)],
                   data=files_digest([_resolve(args.data_dir)]))  # other data: never reused
     run_items(store, [group], lambda g: ctx,
-              lambda c, g, m: _seed_record(int(m.split("_")[1]), c, args), progress=False,
+              lambda c, g, m: _seed_record(int(m.split("_")[1]), c, args, w), progress=False,
               rerun=() if args.reuse else names, on_saved=on_saved)
     recs = [store.load((), m, check=False) for m in names]
     failed = [m for m, r in zip(names, recs, strict=True) if r is None]
@@ -391,35 +500,48 @@ def run(args: argparse.Namespace) -> Path:
     torch.set_num_threads(max(1, int(args.threads)))
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    args.uq_weight_grid = parse_weights(args.uq_weights)
+    check_score_weight(args.alpha_prior, "--alpha-prior")
+    if args.grid_seeds is not None and args.grid_seeds < 1:
+        raise ValueError(f"--grid-seeds must be >= 1, got {args.grid_seeds}")
     info = run_info()
+    import time
+
+    t_start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     ctx = _context(args)
     ds, tr, te, val_b = ctx["ds"], ctx["tr"], ctx["te"], ctx["val_b"]
-    if args.train_only:
+    if args.train_only:  # kind:seed, levy at every grid weight (levy@w:seed: that w only)
         for item in args.train_only.split(","):
             kind, s = item.split(":")
-            _model(kind.strip(), int(s), ds, tr, val_b, args)
+            kind, _, wt = kind.strip().partition("@")
+            for w in ((float(wt),) if wt else args.uq_weight_grid) if kind == "levy" else (0.0,):
+                _model(kind, int(s), ds, tr, val_b, args, w=w)
         return out
     if args.only_gp:
         atomic_write_json(out / "gp.json", score_gp(ctx, args.gp_train_stays, args.gp_iters),
                           indent=1, default=float)
         return out
+    seeds = [args.seed + k for k in range(args.seeds)]
+    grid = _select_weight(seeds, ctx, args)
+    w = float(grid["chosen"])
     if args.only_seed is not None:
-        _seeds([int(args.only_seed)], ctx, argparse.Namespace(**{**vars(args), "reuse": False}))
+        _seeds([int(args.only_seed)], ctx, argparse.Namespace(**{**vars(args), "reuse": False}),
+               w)
         return out
     results: dict[str, Any] = {"run": info, "data": ds.summary(), "args": {
         k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}}
     results["data"]["used_split_sizes"] = {k: len(v) for k, v in ctx["splits"].items()}
     results["data"]["subset_sizes"] = {"val": len(ctx["sub_va"]), "test": len(ctx["sub_te"])}
     results["data"]["issues"] = [str(i) for i in ds.issues[:50]]
-    seeds = [args.seed + k for k in range(args.seeds)]
+    results["grid"] = grid
     done: list[dict[str, Any]] = []
 
     def saved(group: Any, method: str, rec: dict[str, Any]) -> None:  # a partial results file
         done.append(rec)
         _write_json(out, results, done)
 
-    per_seed = _seeds(seeds, ctx, args, on_saved=saved)
+    per_seed = _seeds(seeds, ctx, args, w, on_saved=saved)
     ens: dict[str, Any] = {}
     if args.ensemble_members >= 2:  # members = softmax controls of seeds --seed + k
         ctrl0 = _model("softmax", args.seed, ds, tr, val_b, args)[0]
@@ -438,11 +560,14 @@ def run(args: argparse.Namespace) -> Path:
         results["gp"] = score_gp(ctx, args.gp_train_stays, args.gp_iters)
         atomic_write_json(gp_file, results["gp"], indent=1, default=float)
     if args.plots > 0:
-        levy0, _ = _model("levy", seeds[0], ds, tr, val_b, args)
+        levy0, _ = _model("levy", seeds[0], ds, tr, val_b, args, w=w)
         levy0.set_alpha(float(per_seed[0]["calibration"]["alpha"]))  # type: ignore[operator]
         results["plots"], results["plot_info"] = plots(
-            levy0, ds, te, out, args.plots, per_seed[0]["metrics"]["levy"]["T"])
+            levy0, ds, te, out, args.plots, per_seed[0]["metrics"]["levy"]["T"],
+            sigma_key="sigma_total" if w > 0 else "sigma")
     results["sigma_floor"] = SIGMA_FLOOR
+    # this process's wall time (models and records loaded from the cache cost little here)
+    results["run_seconds"] = time.perf_counter() - t_start
     results["implementations"] = impl_record(page_rows({**results, "per_seed": per_seed}))
     full = _write_json(out, results, per_seed)
     _write_page(out, md, full)
@@ -458,7 +583,7 @@ def _write_json(out: Path, results: dict[str, Any], per_seed: list[dict[str, Any
 
 def _write_page(out: Path, md: Path, results: dict[str, Any]) -> None:
     """The page and its twin from ``results``; the ``physionet`` key of ``summary.json``."""
-    build_page(results).write(md)
+    build_page(results, out_name=Path(os.path.relpath(out, md.parent)).as_posix()).write(md)
     summ = summarise(results["per_seed"])
     if "levy" in summ and "softmax" in summ:
         name = Path(str(results["data"].get("source") or "physionet")).name.split(".")[0]
@@ -466,7 +591,8 @@ def _write_page(out: Path, md: Path, results: dict[str, Any]) -> None:
                 **{k: results[k] for k in ("ensemble", "gp") if results.get(k)}}
         methods = {"frozen": {"mse": summ["levy"]["mse"][0]}} | {
             key: {k: row[s] for k, s in (("mse", "mse"), ("crps", "crps"), ("pi95_width_cal",
-                  "cwidth95"), ("coverage95_native", "cov95")) if s in row}
+                  "cwidth95"), ("coverage95_native", "cov95"), ("spearman", "spearman"),
+                  ("spearman_within_channel", "spearman_within_channel")) if s in row}
             for key, row in rows.items()}
         update_summary(md.parent / "summary.json", "physionet", {name: {
             "backbone": {"metric": "mse", "value": summ["levy"]["mse"][0],
@@ -477,7 +603,8 @@ def _write_page(out: Path, md: Path, results: dict[str, Any]) -> None:
 
 def render_page(out: Path, table: Path) -> Page:
     """The page of the stored ``<out>/physionet.json`` (no training, no writes)."""
-    return build_page(read_json(Path(out) / "physionet.json"))
+    return build_page(read_json(Path(out) / "physionet.json"),
+                      out_name=Path(os.path.relpath(out, Path(table).parent)).as_posix())
 
 
 register("physionet", help="Levy-attention forecaster on PhysioNet 2012 (t-PatchGNN protocol)",
