@@ -18,6 +18,7 @@ from attnuq.calibration.criteria import PassStats
 from attnuq.categorical import class_logits, labelled_rows
 from attnuq.montecarlo import (
     CPU_MAX_ACTIVATION,
+    Inputs,
     OutputFn,
     batch_size,
     call_model,

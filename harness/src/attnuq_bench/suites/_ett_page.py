@@ -203,7 +203,7 @@ def render_page(out: Path, table: Path) -> Page:
     The committed page of the checkout is what this makes of the committed JSON:
 
     >>> from pathlib import Path
-    >>> docs = Path(__file__).resolve().parents[3] / "docs" / "results"
+    >>> docs = Path(__file__).resolve().parents[4] / "docs" / "results"
     >>> page = render_page(docs / "ett", docs / "ett.md")
     >>> page.markdown() == (docs / "ett.md").read_text()
     True
