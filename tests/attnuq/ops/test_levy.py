@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any
 
@@ -499,17 +500,25 @@ def test_float32_close_to_float64(backend: str) -> None:
         ({"alpha": torch.ones(3)}, "alpha"),
     ],
 )
-def test_bad_input(change: dict[str, Any], match: str) -> None:
+@pytest.mark.parametrize("entry", ["levy_attention", "sample", "reference"])
+def test_bad_input(change: dict[str, Any], match: str, entry: str) -> None:
+    """Every public entry runs the same validation: the same bad input, the same message."""
+    call = {
+        "levy_attention": levy_attention,
+        "sample": functools.partial(levy_attention_sample, num_samples=2),
+        "reference": levy_mod.levy_attention_reference,
+    }[entry]
     args, kw = make_problem()
     q, k, a, times, mask = args
     times, a = times.clone(), a.clone()
+    change = dict(change)  # the parameter is shared by the entries
     if change.pop("times_nan", False):
         times[0, 0] = math.nan  # entry 0 is observed
     if change.pop("a_nan", False):
         a[0, 1, 0, 0] = math.nan
     kw.update(change)
     with pytest.raises(ValueError, match=match):
-        levy_attention(q, k, a, times, mask, **kw)
+        call(q, k, a, times, mask, **kw)
 
 
 @pytest.mark.parametrize("name", ["q", "k", "a"])

@@ -148,7 +148,7 @@ from attnuq.ops import _rng
 from attnuq.ops.levy._common import _FLASH as _FLASH
 from attnuq.ops.levy._common import _FLASH_BWD as _FLASH_BWD
 from attnuq.ops.levy._common import _safe_sqrt as _safe_sqrt
-from attnuq.ops.levy._common import _scores
+from attnuq.ops.levy._common import _weights
 from attnuq.ops.levy._dispatch import STRATEGIES, levy_attention_impl
 from attnuq.ops.levy._field import _pair_index as _pair_index
 from attnuq.ops.levy._field import _SharedField as _SharedField
@@ -156,7 +156,7 @@ from attnuq.ops.levy._flash import _FlashBlock as _FlashBlock
 from attnuq.ops.levy._op import _levy_op as _levy_op
 from attnuq.ops.levy._op import _levy_via_op
 from attnuq.ops.levy._sample import levy_attention_sample
-from attnuq.ops.levy._types import LevyResult, LevySamples, _Call
+from attnuq.ops.levy._types import LevyResult, LevySamples, _Args, _Call
 from attnuq.ops.levy._validate import _validate
 from attnuq.ops.levy.reference import levy_attention_reference
 
@@ -202,10 +202,8 @@ def levy_weights(
     B, H = q.shape[:2]
     N = k.shape[2]
     dummy_a = k.new_zeros(B, H, N, 1)
-    inp = _validate(q, k, dummy_a, k.new_zeros(B, N), mask, alpha, beta, 0.0, None, None, None)
-    cos = _scores(inp)
-    w = inp.alpha[:, None, None] * torch.exp(inp.beta[:, None, None] * (cos - 1))
-    return torch.where(mask[:, None, None, :], w, torch.zeros_like(w))
+    args = _Args(q, k, dummy_a, k.new_zeros(B, N), mask, alpha, beta, 0.0, None, None, None)
+    return _weights(_validate(args))
 
 
 def levy_attention(
@@ -314,8 +312,8 @@ def levy_attention(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad
         for t in (q, k, a, times, alpha, beta, h, omega, phase, D))
-    call = _Call(q, k, a, times, mask, alpha, beta, h, omega, phase, D, per_dim, block_size,
-                 backend)
+    call = _Call(_Args(q, k, a, times, mask, alpha, beta, h, omega, phase, D), per_dim,
+                 block_size, backend)
     if not needs_grad and isinstance(q, torch.Tensor) and _rng.tracing(q):
         # traced inference (torch.compile, torch.export): one opaque custom op
         return _levy_via_op(call)

@@ -68,6 +68,13 @@ def _scores(inp: _Inputs) -> torch.Tensor:
     return qn @ kn.transpose(-1, -2)
 
 
+def _weights(inp: _Inputs) -> torch.Tensor:
+    """``w_qi = alpha exp(beta (cos(q, k_i) - 1))``, 0 for masked ``i``, ``(B, H, Q, N)``, from
+    the definition (no max shift, so it underflows for very large ``beta``)."""
+    w = inp.alpha[:, None, None] * torch.exp(inp.beta[:, None, None] * (_scores(inp) - 1))
+    return torch.where(inp.mask[:, None, None, :], w, torch.zeros_like(w))
+
+
 def _unit(t: torch.Tensor, broadcast_ok: bool = False) -> torch.Tensor:
     """``t`` itself when its last stride is 1 (or 0 with ``broadcast_ok``), else a contiguous
     copy (what the compiled loops read)."""

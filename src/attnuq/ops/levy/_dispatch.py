@@ -292,7 +292,8 @@ def levy_attention_impl(call: _Call, needs_grad: bool) -> LevyResult:
     one do the detailed checks run, to raise with a precise message or, for masked non-finite
     rows or squares that overflow, to run the torch path on sanitised inputs.
     """
-    q, k, a, times, mask, alpha, beta, h, omega, phase, D, per_dim, block_size, backend = call
+    q, k, a = call.args.q, call.args.k, call.args.a
+    per_dim, block_size, backend = call.per_dim, call.block_size, call.backend
     opts = _Opts(per_dim, block_size, needs_grad)
     is_tensor = isinstance(q, torch.Tensor)
     why_not_native = _native_unusable(q, needs_grad) if is_tensor else "no tensor"
@@ -301,10 +302,9 @@ def levy_attention_impl(call: _Call, needs_grad: bool) -> LevyResult:
     grad_light = (backend in ("auto", "sdpa") and is_tensor
                   and not _why_not_flash_grad(q, opts))
     light = run_native or grad_light
-    inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D, light=light)
+    inp = _validate(call.args, light=light)
     if q.shape[0] * q.shape[1] * q.shape[2] == 0:  # B, H or Q is 0: nothing to compute
-        return _empty_result(q, a, per_dim, needs_grad,
-                             (q, k, a, times, alpha, beta, h, omega, phase, D))
+        return _empty_result(q, a, per_dim, needs_grad, call.args)
     if k.shape[2] == 0:  # N = 0: one masked entry gives every series the empty-series values
         inp = _pad_one_masked(inp)
     if backend == "native" and why_not_native:
@@ -328,7 +328,6 @@ def levy_attention_impl(call: _Call, needs_grad: bool) -> LevyResult:
 
 def _full_checks(call: _Call, inp: _Inputs) -> _Inputs:
     """The detailed checks of every input (after a strategy reported a non-finite value)."""
-    q, k, a, times, mask, alpha, beta, h, omega, phase, D = call[:11]
-    if k.shape[2] == 0:
+    if call.args.k.shape[2] == 0:
         return inp  # nothing observed: no value to check
-    return _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
+    return _validate(call.args)

@@ -12,7 +12,7 @@ import torch
 
 from attnuq.ops import _native
 from attnuq.ops.levy import _common
-from attnuq.ops.levy._common import _ordered_sum, _unit
+from attnuq.ops.levy._common import _centered_values, _ordered_sum, _unit
 from attnuq.ops.levy._types import _Inputs
 from attnuq.ops.phi import poisson_phi
 
@@ -106,17 +106,8 @@ class _FlashBlock(torch.autograd.Function):
             nrm = torch.linalg.vector_norm(kt, dim=-1, keepdim=True).clamp_min_(1e-12)
             torch.div(kt, nrm, out=buf[..., :E])
             buf[..., E:v0] = 0.0  # T (the trace column of the narrow backward) and Z
-            vc = torch.sub(vbar.transpose(1, 2), ref.transpose(1, 2),
-                           out=buf[..., v0 : v0 + dv])
-            if per_dim:
-                sq = buf[..., v0 + dv : v0 + c]
-                if wt is None:
-                    torch.mul(vc, vc, out=sq)
-                else:
-                    torch.addcmul(wt, vc, vc, out=sq)
-            else:
-                tr = torch.linalg.vecdot(vc, vc)[..., None]
-                buf[..., v0 + dv : v0 + c] = tr if wt is None else tr + wt
+            _centered_values(vbar.transpose(1, 2), wt, ref.transpose(1, 2), per_dim,
+                             out=(buf[..., v0 : v0 + dv], buf[..., v0 + dv : v0 + c]))
             buf[..., v0 + c :] = 0.0
         dpf = max(E, c)
         assert _common._FLASH is not None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from attnuq.ops.levy._dispatch import levy_attention_impl
-from attnuq.ops.levy._types import LevyResult, _Call
+from attnuq.ops.levy._types import LevyResult, _Args, _Call
 
 _LEVY_FIELDS = ("mean", "var", "evidence", "p_empty", "phi", "sigma", "sigma_dim")
 
@@ -44,8 +44,8 @@ def _levy_op(
 ) -> list[torch.Tensor]:
     """``attnuq::levy_attention``: the fields of :func:`levy_attention` (no autograd)."""
     with torch.no_grad():
-        res = levy_attention_impl(_Call(q, k, a, times, mask, alpha, beta, h, omega, phase, D,
-                                         per_dim, block_size, backend), False)
+        args = _Args(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
+        res = levy_attention_impl(_Call(args, per_dim, block_size, backend), False)
     empty = q.new_empty((0,))
     return [empty.clone() if t is None else t.clone(memory_format=torch.contiguous_format)
             for t in (getattr(res, f) for f in _LEVY_FIELDS)]
@@ -63,13 +63,15 @@ def _levy_fake(
 
 
 def _levy_via_op(call: _Call) -> LevyResult:
-    q, per_dim = call.q, call.per_dim
+    args, per_dim = call.args, call.per_dim
+    q = args.q
 
     def tens(x: float | torch.Tensor) -> torch.Tensor:
         return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=q.dtype,
                                                                   device=q.device)
 
-    out = _levy_op(*call[:5], tens(call.alpha), tens(call.beta), tens(call.h), *call[8:])
+    out = _levy_op(*args[:5], tens(args.alpha), tens(args.beta), tens(args.h), *args[8:],
+                   per_dim, call.block_size, call.backend)
     mean, var, evidence, p_empty, phi, sigma, sigma_dim = out
     return LevyResult(mean=mean, var=var if per_dim else None, evidence=evidence,
                       p_empty=p_empty, phi=phi, sigma=sigma,

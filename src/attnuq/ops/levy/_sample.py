@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from attnuq._validation import check_positive_int
-from attnuq.ops.levy._common import _scores
-from attnuq.ops.levy._types import LevySamples
+from attnuq.ops.levy._common import _weights
+from attnuq.ops.levy._types import LevySamples, _Args
 from attnuq.ops.levy._validate import _pad_one_masked, _validate
 
 
@@ -66,7 +66,7 @@ def levy_attention_sample(
     """
     S = check_positive_int(num_samples, "num_samples")
     chunk_atoms = check_positive_int(max_atoms_per_chunk, "max_atoms_per_chunk")
-    inp = _validate(q, k, a, times, mask, alpha, beta, h, omega, phase, D)
+    inp = _validate(_Args(q, k, a, times, mask, alpha, beta, h, omega, phase, D))
     if k.shape[2] == 0:  # N = 0: one masked entry; every draw is then empty
         inp = _pad_one_masked(inp)
         q, k, a, times, mask = inp.q, inp.k, inp.a, inp.times, inp.mask
@@ -74,9 +74,7 @@ def levy_attention_sample(
     N, Dv = a.shape[2], a.shape[3]
     dt, dev = q.dtype, q.device
     # weights directly from the definition (a separate path from levy_attention's shifted form)
-    cos = _scores(inp)
-    w = inp.alpha[:, None, None] * torch.exp(inp.beta[:, None, None] * (cos - 1))
-    w = torch.where(mask[:, None, None, :], w, torch.zeros_like(w))  # (B, H, Q, N)
+    w = _weights(inp)  # (B, H, Q, N)
     lam = w.sum(-1)  # (B, H, Q)
     R = B * H * Q
     cdf = w.reshape(R, N).cumsum(-1)

@@ -47,9 +47,8 @@ class LevySamples(NamedTuple):
     nonempty: torch.Tensor
 
 
-class _Call(NamedTuple):
-    """The arguments of one :func:`levy_attention` call after its option checks (what the
-    eager path and the custom op take; tensors not yet validated)."""
+class _Args(NamedTuple):
+    """The tensor arguments shared by every Levy operator, as given (not yet validated)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -62,6 +61,13 @@ class _Call(NamedTuple):
     omega: torch.Tensor | None
     phase: torch.Tensor | None
     D: torch.Tensor | None
+
+
+class _Call(NamedTuple):
+    """The arguments of one :func:`levy_attention` call after its option checks (what the
+    eager path and the custom op take; tensors not yet validated)."""
+
+    args: _Args
     per_dim: bool
     block_size: int
     backend: str

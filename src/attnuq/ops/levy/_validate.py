@@ -11,16 +11,21 @@ import math
 
 import torch
 
-from attnuq.ops.levy._types import _Inputs
+from attnuq.ops.levy._types import _Args, _Inputs
+
+
+def _per_head(x: float | torch.Tensor, heads: int, ref: torch.Tensor) -> torch.Tensor:
+    """``x`` as a tensor of ``ref``'s dtype/device, a scalar expanded to ``(heads,)`` (any other
+    shape is left for the caller to reject)."""
+    t = torch.as_tensor(x, dtype=ref.dtype, device=ref.device)
+    return t.expand(heads) if t.dim() == 0 else t
 
 
 def _head_param(
     x: float | torch.Tensor, name: str, heads: int, ref: torch.Tensor, *, strict: bool
 ) -> torch.Tensor:
     """Return ``x`` as a ``(H,)`` tensor of ``ref``'s dtype/device after range checks."""
-    t = torch.as_tensor(x, dtype=ref.dtype, device=ref.device)
-    if t.dim() == 0:
-        t = t.expand(heads)
+    t = _per_head(x, heads, ref)
     if t.shape != (heads,):
         raise ValueError(f"{name} must be a scalar or have shape ({heads},), got {tuple(t.shape)}")
     bad = ~torch.isfinite(t) | ((t <= 0) if strict else (t < 0))
@@ -28,6 +33,24 @@ def _head_param(
         rel = "> 0" if strict else ">= 0"
         raise ValueError(f"{name} must be finite and {rel}, got {name}={t.detach().tolist()}")
     return t
+
+
+def _fourier(
+    omega: torch.Tensor, phase: torch.Tensor, D: torch.Tensor, heads: int, dv: int,
+    ref: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``omega``, ``phase`` as ``(1, K)`` when both are shared 1-D (the time features are then
+    computed once for all heads), else ``(H, K)``, and ``D`` as ``(H, Dv, K)``, in ``ref``'s
+    dtype; ``None`` where the shapes do not fit."""
+    om, ph, dd = omega.to(ref.dtype), phase.to(ref.dtype), D.to(ref.dtype)
+    hw = 1 if (om.dim() == 1 and ph.dim() == 1) else heads
+    om = om[None].expand(hw, -1) if om.dim() == 1 else om
+    ph = ph[None].expand(hw, -1) if ph.dim() == 1 else ph
+    dd = dd.expand(heads, -1, -1) if dd.dim() == 2 else dd
+    K = om.shape[-1]
+    if om.shape != (hw, K) or ph.shape != (hw, K) or dd.shape != (heads, dv, K):
+        return None
+    return om, ph, dd
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -49,20 +72,7 @@ def _check_observed_finite(t: torch.Tensor, m: torch.Tensor, name: str) -> None:
         )
 
 
-def _fast_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    a: torch.Tensor,
-    times: torch.Tensor,
-    mask: torch.Tensor,
-    alpha: float | torch.Tensor,
-    beta: float | torch.Tensor,
-    h: float | torch.Tensor,
-    omega: torch.Tensor | None,
-    phase: torch.Tensor | None,
-    D: torch.Tensor | None,
-    light: bool = False,
-) -> _Inputs | None:
+def _fast_inputs(args: _Args, light: bool = False) -> _Inputs | None:
     """The validated inputs when everything is in order, checked with one host sync; else None.
 
     In order means: every entry of ``times``, ``k``, ``q``, ``omega``, ``phase``, ``D`` finite
@@ -72,27 +82,19 @@ def _fast_inputs(
     With ``light`` the checks of ``q``, ``k`` and ``a`` are left to the caller (the compiled
     kernel checks the rows it reads, see :func:`_native_forward`).
     """
-    H, Dv = q.shape[1], a.shape[3]
-    pars = []
-    for x in (alpha, beta, h):
-        t = torch.as_tensor(x, dtype=q.dtype, device=q.device)
-        if t.dim() == 0:
-            t = t.expand(H)
-        if t.shape != (H,):
-            return None
-        pars.append(t)
+    q, k, a, times, mask, alpha, beta, h, omega, phase, D = args
+    H = q.shape[1]
+    pars = [_per_head(x, H, q) for x in (alpha, beta, h)]
+    if any(t.shape != (H,) for t in pars):
+        return None
     om = ph = dd = None
     if omega is not None or phase is not None or D is not None:
         if omega is None or phase is None or D is None:
             return None
-        om, ph, dd = omega.to(q.dtype), phase.to(q.dtype), D.to(q.dtype)
-        hw = 1 if (om.dim() == 1 and ph.dim() == 1) else H
-        om = om[None].expand(hw, -1) if om.dim() == 1 else om
-        ph = ph[None].expand(hw, -1) if ph.dim() == 1 else ph
-        dd = dd.expand(H, -1, -1) if dd.dim() == 2 else dd
-        K = om.shape[-1]
-        if om.shape != (hw, K) or ph.shape != (hw, K) or dd.shape != (H, Dv, K):
+        fourier = _fourier(omega, phase, D, H, a.shape[3], q)
+        if fourier is None:
             return None
+        om, ph, dd = fourier
     # alpha, beta, h as Python floats (H values each): the range checks cost no tensor ops
     al_, be_, h_ = torch.stack(pars).detach().tolist()
     if not (all(math.isfinite(x) and x > 0 for x in al_ + be_)
@@ -110,20 +112,11 @@ def _fast_inputs(
     return _Inputs(q, k, a, times, mask, pars[0], pars[1], pars[2], om, ph, dd)
 
 
-def _validate(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    a: torch.Tensor,
-    times: torch.Tensor,
-    mask: torch.Tensor,
-    alpha: float | torch.Tensor,
-    beta: float | torch.Tensor,
-    h: float | torch.Tensor,
-    omega: torch.Tensor | None,
-    phase: torch.Tensor | None,
-    D: torch.Tensor | None,
-    light: bool = False,
-) -> _Inputs:
+def _validate(args: _Args, light: bool = False) -> _Inputs:
+    """The checked inputs of one Levy call (see the module docstring); raises ``TypeError`` or
+    ``ValueError`` naming the argument. With ``light`` the finiteness of ``q``, ``k`` and ``a``
+    is left to the caller when everything else is in order (:func:`_fast_inputs`)."""
+    q, k, a, times, mask, alpha, beta, h, omega, phase, D = args
     for t, n in ((q, "q"), (k, "k"), (a, "a"), (times, "times")):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"{n} must be a floating-point torch.Tensor, got {type(t).__name__}")
@@ -148,7 +141,7 @@ def _validate(
     for t, n in ((q, "q"), (k, "k"), (a, "a"), (times, "times")):
         if t.dtype != q.dtype:
             raise TypeError(f"{n} must have dtype {q.dtype} like q, got {n}.dtype={t.dtype}")
-    fast = _fast_inputs(q, k, a, times, mask, alpha, beta, h, omega, phase, D, light)
+    fast = _fast_inputs(args, light)
     if fast is not None:
         return fast
     # something is off (or merely unusual, e.g. a sum that overflows): the detailed checks
@@ -179,26 +172,14 @@ def _validate(
         )
     om = ph = dd = None
     if omega is not None and phase is not None and D is not None:
-        Dv = a.shape[3]
-        om = omega.to(q.dtype)
-        ph = phase.to(q.dtype)
-        dd = D.to(q.dtype)
-        # shared (1-D) frequencies and phases stay (1, K): the time features are then computed
-        # once for all heads
-        hw = 1 if (om.dim() == 1 and ph.dim() == 1) else H
-        if om.dim() == 1:
-            om = om[None].expand(hw, -1)
-        if ph.dim() == 1:
-            ph = ph[None].expand(hw, -1)
-        if dd.dim() == 2:
-            dd = dd.expand(H, -1, -1)
-        K = om.shape[-1]
-        if om.shape != (hw, K) or ph.shape != (hw, K) or dd.shape != (H, Dv, K):
+        fourier = _fourier(omega, phase, D, H, a.shape[3], q)
+        if fourier is None:
             raise ValueError(
                 "omega, phase must be (K,) or (H, K) and D (Dv, K) or (H, Dv, K), got "
                 f"omega.shape={tuple(omega.shape)}, phase.shape={tuple(phase.shape)}, "
-                f"D.shape={tuple(D.shape)} with H={H}, Dv={Dv}"
+                f"D.shape={tuple(D.shape)} with H={H}, Dv={a.shape[3]}"
             )
+        om, ph, dd = fourier
         for t, n in ((om, "omega"), (ph, "phase"), (dd, "D")):
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{n} contains non-finite values")

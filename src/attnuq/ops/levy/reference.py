@@ -14,14 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from attnuq.ops.levy._common import _safe_sqrt
-from attnuq.ops.levy._types import LevyResult
+from attnuq.ops.levy._types import LevyResult, _Args
+from attnuq.ops.levy._validate import _per_head, _validate
 from attnuq.ops.phi import poisson_phi
 
 __all__ = ["levy_attention_reference"]
-
-
-def _per_head(x: float | torch.Tensor, heads: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(x, dtype=like.dtype, device=like.device).expand(heads)
 
 
 def levy_attention_reference(
@@ -39,7 +36,8 @@ def levy_attention_reference(
     D: torch.Tensor | None = None,
 ) -> LevyResult:
     r"""Levy attention from its definition (arguments and result as
-    :func:`attnuq.ops.levy_attention`; inputs are not checked).
+    :func:`attnuq.ops.levy_attention`, checked by the same validation; the formulas below then
+    use the arguments as given).
 
     .. math::
 
@@ -77,6 +75,7 @@ def levy_attention_reference(
     >>> torch.allclose(fast.sigma.double(), ref.sigma, atol=1e-5)
     True
     """
+    _validate(_Args(q, k, a, times, mask, alpha, beta, h, omega, phase, D))
     H, Dv = q.shape[1], a.shape[-1]
     al, be, hh = (_per_head(x, H, q)[:, None, None] for x in (alpha, beta, h))  # (H, 1, 1)
     observed = mask[:, None, None, :]  # (B, 1, 1, N)
