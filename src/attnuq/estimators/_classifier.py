@@ -62,8 +62,9 @@ from attnuq.conformal_sets import (
 from attnuq.estimators._common import (
     check_model,
     check_settings,
-    read_envelope,
+    read_fitted,
     read_pairs,
+    require_fitted,
     warn_and_record,
     write_envelope,
 )
@@ -405,10 +406,7 @@ class SAClassifier:
 
     # -------------------------------------------------------------- predict
     def _require_fitted(self) -> dict[str, Any]:
-        if self._fitted is None:
-            raise RuntimeError("this SAClassifier is not fitted: call fit(val_data, cal_data) "
-                               "or SAClassifier.load(path, model)")
-        return self._fitted
+        return require_fitted(self._fitted, "SAClassifier")
 
     def predict(self, inputs: Any) -> CategoricalPredictive:
         """The predictive of one batch of ``inputs`` (a tensor, tuple or dict as the model
@@ -503,9 +501,8 @@ class SAClassifier:
              strict: bool = True, progress: bool | None = None) -> SAClassifier:
         """Read an estimator written by :meth:`save` for ``model`` (same digest unless
         ``strict=False``). ``output_fn`` is not saved: pass the one used at fit time."""
-        check_model(model)
-        obj = read_envelope(path, "SAClassifier", model, strict=strict)
-        try:
+
+        def build(obj: dict[str, Any]) -> SAClassifier:
             st, ft = obj["settings"], obj["fitted"]
             est = cls(model, output_fn, nu=st["nu"], temperature=st["temperature"],
                       score=st["score"], nu_range=tuple(st["nu_range"]),
@@ -529,11 +526,9 @@ class SAClassifier:
                                      "finite floats")
             est._fitted = {"nu": nu, "temperature": t, "n_classes": c,
                            "tokens": bool(ft["tokens"]), "cal_scores": scores}
-            est.diagnostics = dict(obj.get("diagnostics") or {})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: malformed SAClassifier file ({type(exc).__name__}: "
-                             f"{exc})") from None
-        return est
+            return est
+
+        return read_fitted(path, "SAClassifier", model, strict=strict, build=build)
 
     def __repr__(self) -> str:
         state = "unfitted" if self._fitted is None else (

@@ -14,6 +14,9 @@ The API here is stable: both estimators build on it.
   "format_version", "estimator", "attnuq_version", "model_digest", "created", ...payload}``
   as strict JSON, written atomically; the reader refuses a torn or foreign file, another
   estimator kind, a newer format and (unless ``strict=False``) another model.
+* :func:`require_fitted` -- the fitted state, or the error that says how to get one.
+* :func:`read_fitted` -- :func:`read_envelope`, then the estimator's own reading of its
+  fields; a missing or malformed field is reported as a malformed file naming the path.
 * :class:`EstimatorWarning` and :func:`warn_and_record` -- a warning that also lands in the
   estimator's ``diagnostics["warnings"]`` (so the JSON says what the user was warned about).
 * :func:`spearman` -- rank correlation (average ranks for ties) of two flat tensors.
@@ -25,9 +28,9 @@ import datetime as _dt
 import json
 import math
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -42,7 +45,9 @@ __all__ = [
     "check_settings",
     "model_digest",
     "read_envelope",
+    "read_fitted",
     "read_pairs",
+    "require_fitted",
     "spearman",
     "warn_and_record",
     "write_envelope",
@@ -232,7 +237,7 @@ def write_envelope(path: str | Path, estimator: str, model: nn.Module,
 
 
 def read_envelope(path: str | Path, estimator: str, model: nn.Module | None, *,
-                  strict: bool = True) -> dict[str, Any]:
+                  strict: bool = True, stacklevel: int = 3) -> dict[str, Any]:
     """Read a file written by :func:`write_envelope` and check it.
 
     Parameters
@@ -248,6 +253,8 @@ def read_envelope(path: str | Path, estimator: str, model: nn.Module | None, *,
         ``False``: a different digest only warns (:class:`EstimatorWarning`) instead of
         raising -- for a model whose weights you know to be the same function (e.g. moved to
         another dtype).
+    stacklevel
+        Of that warning (the default names the caller of the function that calls this one).
 
     Raises
     ------
@@ -289,8 +296,44 @@ def read_envelope(path: str | Path, estimator: str, model: nn.Module | None, *,
                    f"{got_d!r} for the model given (parameters or buffers differ)")
             if strict:
                 raise ValueError(msg + "; pass strict=False to load it anyway")
-            warnings.warn(msg + "; loaded anyway (strict=False)", EstimatorWarning, stacklevel=3)
+            warnings.warn(msg + "; loaded anyway (strict=False)", EstimatorWarning,
+                          stacklevel=stacklevel)
     return obj
+
+
+def require_fitted(fitted: dict[str, Any] | None, estimator: str) -> dict[str, Any]:
+    """``fitted`` (an estimator's fitted state), or ``RuntimeError`` when it is ``None``."""
+    if fitted is None:
+        raise RuntimeError(f"this {estimator} is not fitted: call fit(val_data, cal_data) "
+                           f"or {estimator}.load(path, model)")
+    return fitted
+
+
+class _Loaded(Protocol):
+    diagnostics: dict[str, Any]
+
+
+_E = TypeVar("_E", bound=_Loaded)
+
+
+def read_fitted(path: str | Path, estimator: str, model: nn.Module, *, strict: bool,
+                build: Callable[[dict[str, Any]], _E]) -> _E:
+    """Read a saved ``estimator`` for ``model`` (:func:`read_envelope`) and rebuild it.
+
+    ``build`` turns the file's object into the estimator (settings and fitted values, each
+    checked); the file's ``diagnostics`` are attached to the result. A ``KeyError``,
+    ``TypeError`` or ``ValueError`` there becomes ``ValueError: <path>: malformed <estimator>
+    file (...)``.
+    """
+    check_model(model)
+    obj = read_envelope(path, estimator, model, strict=strict, stacklevel=4)
+    try:
+        est = build(obj)
+        est.diagnostics = dict(obj.get("diagnostics") or {})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: malformed {estimator} file ({type(exc).__name__}: "
+                         f"{exc})") from None
+    return est
 
 
 def warn_and_record(diagnostics: dict[str, Any], message: str, *, stacklevel: int = 3) -> None:

@@ -63,8 +63,10 @@ from torch import nn
 from attnuq.conformal import FLOOR_GRID
 from attnuq.estimators._common import (
     check_model,
-    read_envelope,
+    check_settings,
+    read_fitted,
     read_pairs,
+    require_fitted,
     spearman,
     warn_and_record,
     write_envelope,
@@ -450,9 +452,8 @@ class SARegressor:
         from attnuq.calibration.search import check_nu_range
 
         self.model = check_model(model)
-        if output_fn is not None and not callable(output_fn):
-            raise TypeError(f"output_fn must be callable or None, got {type(output_fn).__name__}")
-        self.output_fn = output_fn
+        self.n_samples = check_settings(output_fn, seed, n_samples=n_samples)["n_samples"]
+        self.output_fn, self.seed = output_fn, seed
         if nu is not None and not isinstance(nu, Mapping):
             check_positive_int(nu, "nu")
         self.nu = nu
@@ -463,13 +464,6 @@ class SARegressor:
         self.recentre = recentre
         self.floor = floor
         self.nu_range = check_nu_range(nu_range)
-        self.n_samples = check_positive_int(n_samples, "n_samples")
-        if self.n_samples < 2:
-            raise ValueError(f"n_samples must be >= 2 (a spread needs two passes), got "
-                             f"{n_samples=}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-            raise ValueError(f"seed must be an int in [0, 2**63), got {seed=!r}")
-        self.seed = seed
         self.progress = progress
         bad = sorted(set(calibrate_kwargs) & {"criterion", "n_passes", "nu_range", "seed",
                                               "output_fn", "progress", "level"})
@@ -707,10 +701,7 @@ class SARegressor:
 
     # -------------------------------------------------------------- predict
     def _require_fitted(self) -> dict[str, Any]:
-        if self._fitted is None:
-            raise RuntimeError("this SARegressor is not fitted: call fit(val_data, cal_data) "
-                               "or SARegressor.load(path, model)")
-        return self._fitted
+        return require_fitted(self._fitted, "SARegressor")
 
     def predict(self, inputs: Any) -> SAPredictive:
         """The calibrated predictive of one batch of ``inputs`` (a tensor, tuple or dict as
@@ -779,9 +770,8 @@ class SARegressor:
         ``ValueError`` naming the file and the field. ``output_fn`` is not saved (a function):
         pass the one used at fit time.
         """
-        check_model(model)
-        obj = read_envelope(path, "SARegressor", model, strict=strict)
-        try:
+
+        def build(obj: dict[str, Any]) -> SARegressor:
             st, ft = obj["settings"], obj["fitted"]
             kwargs = dict(st.get("calibrate_kwargs") or {})
             est = cls(model, output_fn, nu=st["nu"], criterion=st["criterion"],
@@ -812,12 +802,10 @@ class SARegressor:
                 "n_cal": n, "scores": scores, "ranks": ranks,
                 "criterion_resolved": ft.get("criterion_resolved"),
             }
-            est.diagnostics = dict(obj.get("diagnostics") or {})
             est.metadata = dict(obj.get("metadata") or {})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: malformed SARegressor file ({type(exc).__name__}: "
-                             f"{exc})") from None
-        return est
+            return est
+
+        return read_fitted(path, "SARegressor", model, strict=strict, build=build)
 
     def __repr__(self) -> str:
         state = "unfitted" if self._fitted is None else (

@@ -142,8 +142,9 @@ def test_load_refuses_another_model_unless_not_strict(fitted: tuple, tmp_path: P
     other = Net().eval()
     with pytest.raises(ValueError, match=r"fitted on another model.*strict=False"):
         SARegressor.load(path, other)
-    with pytest.warns(EstimatorWarning, match="loaded anyway"):
+    with pytest.warns(EstimatorWarning, match="loaded anyway") as record:
         SARegressor.load(path, other, strict=False)
+    assert record[0].filename == __file__  # the warning names the caller's line
 
 
 @pytest.mark.parametrize("text, match", [
