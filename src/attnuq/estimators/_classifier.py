@@ -84,6 +84,12 @@ class _Rows:
         self.draws, self.frozen, self.labels = draws, frozen, labels
 
 
+def _draw_logits(s: torch.Tensor) -> torch.Tensor:
+    """Class logits of SA draws ``(S, B, ...)``: :func:`class_logits` of every draw."""
+    zs = class_logits(s.reshape(s.shape[0] * s.shape[1], *s.shape[2:]))
+    return zs.reshape(s.shape[0], s.shape[1], *zs.shape[1:])
+
+
 def _ece(logit_draws: torch.Tensor, labels: torch.Tensor, t: float) -> float:
     from attnuq.metrics import ece_probs
 
@@ -392,9 +398,7 @@ class SAClassifier:
                            **self._predict_kwargs())
             assert pred.frozen is not None
             fz, mask, labels = labelled_rows(pred.frozen, y, ignore_index=self.ignore_index)
-            s = pred.samples
-            zs = class_logits(s.reshape(s.shape[0] * s.shape[1], *s.shape[2:]))
-            zs = zs.reshape(s.shape[0], s.shape[1], *zs.shape[1:])
+            zs = _draw_logits(pred.samples)
             ds.append(zs[:, mask].double().cpu())
             fs.append(fz[mask].double().cpu())
             ys.append(labels.cpu())
@@ -439,9 +443,7 @@ class SAClassifier:
                 f"the model output must be logits with {fit['n_classes']} classes (as at fit), "
                 f"got output shape={tuple(pred.frozen.shape)}"
             )
-        s = pred.samples
-        zs = class_logits(s.reshape(s.shape[0] * s.shape[1], *s.shape[2:]))
-        zs = zs.reshape(s.shape[0], s.shape[1], *zs.shape[1:])
+        zs = _draw_logits(pred.samples)
         return CategoricalPredictive.from_logits(zs, temperature=fit["temperature"],
                                                  frozen_logits=fz)
 
