@@ -21,19 +21,56 @@ import io
 import math
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["class_scores", "compute_line", "load_predictions", "predict_all", "reliability_figure",
-           "save_predictions", "set_scores_of", "uncertainty_of"]
+__all__ = ["class_scores", "compute_line", "fit_method", "load_predictions", "predict_all",
+           "reliability_figure", "save_predictions", "seed_members", "set_scores_of",
+           "uncertainty_of"]
 
 #: the uncertainty score a method is ranked by for OOD detection: the mutual information for
 #: methods that draw samples, else ``1 - max_c p_c`` (max-softmax)
 OOD_SCORE = "mutual information (methods with draws), else 1 - max softmax"
+
+
+def seed_members(backbone: Callable[[int], tuple[torch.nn.Module, dict[str, Any]]], seed: int
+                 ) -> tuple[Callable[[int], torch.nn.Module], dict[int, dict[str, Any]]]:
+    """Deep-ensemble members from the backbone cache: member ``k`` is ``backbone(seed + k)``
+    (a model and its training record). Returns the ``make_model`` of a
+    :class:`~attnuq_bench.methods.Task` and the records of the members it has made so far
+    (what :func:`fit_method` books)."""
+    members: dict[int, dict[str, Any]] = {}
+
+    def make_model(k: int) -> torch.nn.Module:
+        model, info = backbone(seed + k)
+        members[k] = info
+        return model
+
+    return make_model, members
+
+
+def fit_method(method: str, task: Any, seed: int, members: Mapping[int, Mapping[str, Any]], *,
+               mc_samples: int, ensemble: int) -> tuple[Any, dict[str, Any]]:
+    """The registered classification ``method`` (``mc_samples`` MC-dropout passes,
+    ``ensemble`` members) fitted on ``task`` after ``torch.manual_seed(1234 + seed)``, and its
+    cost. The ensemble's members come trained from the backbone cache: their training seconds
+    (member 0 is the backbone itself, not booked) are added to its fit time."""
+    from attnuq_bench.methods import make_method
+
+    torch.manual_seed(1234 + seed)
+    kw = {"mc-dropout-cls": {"n_samples": mc_samples},
+          "ensemble-cls": {"n_members": ensemble}}.get(method, {})
+    m = make_method(method, **kw)
+    m.fit(task)
+    cost = m.cost.to_dict()
+    if method == "ensemble-cls":
+        cost["fit_seconds"] += sum(float(v.get("seconds", 0.0)) for k, v in members.items()
+                                   if k != 0)
+    return m, cost
 
 
 def predict_all(method: Any, batches: Sequence[Any]) -> dict[str, np.ndarray]:

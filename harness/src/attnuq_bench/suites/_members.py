@@ -42,6 +42,7 @@ from attnuq_bench.methods._base import Cost, load_member, save_member
 __all__ = [
     "MemberRecipe",
     "cache_text",
+    "cached_backbone",
     "cached_state",
     "check_member_jobs",
     "jobs_text",
@@ -408,3 +409,29 @@ def cached_state(cache: str | Path, make: Callable[[], nn.Module],
         atomic_torch_save(model.state_dict(), wpath)
         atomic_write_json(ipath, info)
     return model, dict(info)
+
+
+def cached_backbone(cache: Path, spec: dict[str, Any], seed: int, make: Callable[[], nn.Module],
+                    train: Callable[[nn.Module, Path], dict[str, Any]]
+                    ) -> tuple[nn.Module, dict[str, Any]]:
+    """The backbone of ``seed`` under ``cache/backbones/<cache_key(spec)>/seed<seed>/``, in
+    ``eval()`` mode, with its record plus ``cache_key`` (the folder's name).
+
+    ``spec`` is everything that shapes the backbone (recipe and data digest), written beside
+    as ``spec.json`` (by the writer only). The weights are :func:`cached_state`'s:
+    ``train(model, checkpoint)`` trains a fresh ``make()`` in place, resuming from
+    ``checkpoint`` (``seed<seed>/train.ckpt``) after a killed run; the checkpoint is removed
+    once the backbone is saved.
+    """
+    from attnuq._io import atomic_write_json, cache_key, read_json_or_none
+    from attnuq.distributed import is_writer
+
+    folder = Path(cache) / "backbones" / cache_key(spec)
+    sub = folder / f"seed{seed}"
+    sub.mkdir(parents=True, exist_ok=True)
+    if is_writer() and read_json_or_none(folder / "spec.json", "cache spec") != spec:
+        atomic_write_json(folder / "spec.json", spec, indent=1)
+    model, info = cached_state(sub, make, lambda m: train(m, sub / "train.ckpt"))
+    (sub / "train.ckpt").unlink(missing_ok=True)
+    model.eval()
+    return model, {**info, "cache_key": folder.name}

@@ -54,7 +54,7 @@ from typing import Any
 from attnuq._io import atomic_write_json, atomic_write_text, read_json_or_none
 
 __all__ = ["Page", "Table", "error_lines", "fmt", "gap_lines", "pit_figure", "plain",
-           "read_twin", "runs_lines", "twin_path", "update_summary"]
+           "read_twin", "require_twin", "runs_lines", "twin_path", "update_summary"]
 
 #: keys every JSON twin has
 TWIN_KEYS = ("suite", "title", "provenance", "headline", "headline_table", "sections",
@@ -302,6 +302,15 @@ def read_twin(md: str | Path) -> dict[str, Any] | None:
     """The JSON twin of the page ``md``, or ``None`` when there is none (a torn or invalid one:
     ``None`` with a :class:`~attnuq._io.CorruptFileWarning`)."""
     return read_json_or_none(twin_path(md), "results page twin", validate=_valid_twin)
+
+
+def require_twin(md: str | Path, hint: str = "") -> dict[str, Any]:
+    """The JSON twin of the page ``md`` to render it from; ``ValueError`` naming the page when
+    there is none (``hint``: what to run first)."""
+    twin = read_twin(md)
+    if twin is None:
+        raise ValueError(f"no JSON twin of {str(md)!r} to render from{hint}")
+    return twin
 
 
 def runs_lines(records: Sequence[Mapping[str, Any]], key_of: Any, *,

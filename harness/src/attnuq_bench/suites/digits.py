@@ -38,16 +38,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnuq._io import atomic_write_json, atomic_write_text, cache_key, read_json_or_none
+from attnuq._io import atomic_write_text
 from attnuq_bench.suites import register
 from attnuq_bench.suites._classify import (
     OOD_SCORE,
     class_scores,
     compute_line,
+    fit_method,
     load_predictions,
     predict_all,
     reliability_figure,
     save_predictions,
+    seed_members,
     set_scores_of,
     uncertainty_of,
 )
@@ -57,7 +59,7 @@ from attnuq_bench.suites._page import (
     Table,
     error_lines,
     fmt,
-    read_twin,
+    require_twin,
     twin_path,
     update_summary,
 )
@@ -213,20 +215,11 @@ def _train(model: torch.nn.Module, data: dict[str, Any], args: argparse.Namespac
 def _backbone(data: dict[str, Any], args: argparse.Namespace, seed: int, cache: Path
               ) -> tuple[torch.nn.Module, dict[str, Any]]:
     from attnuq._io import tensor_digest
-    from attnuq.distributed import is_writer
-    from attnuq_bench.suites._members import cached_state
+    from attnuq_bench.suites._members import cached_backbone
 
     spec = {**_recipe(args), "data": tensor_digest(*data["train"], *data["val"])}
-    folder = cache / "backbones" / cache_key(spec)
-    sub = folder / f"seed{seed}"
-    sub.mkdir(parents=True, exist_ok=True)
-    if is_writer() and read_json_or_none(folder / "spec.json", "cache spec") != spec:
-        atomic_write_json(folder / "spec.json", spec, indent=1)
-    model, info = cached_state(sub, lambda: _make(args, seed),
-                               lambda m: _train(m, data, args, seed, sub / "train.ckpt"))
-    (sub / "train.ckpt").unlink(missing_ok=True)
-    model.eval()
-    return model, {**info, "cache_key": folder.name}
+    return cached_backbone(cache, spec, seed, lambda: _make(args, seed),
+                           lambda m, ckpt: _train(m, data, args, seed, ckpt))
 
 
 # ----------------------------------------------------------------------------- items
@@ -238,18 +231,12 @@ def _batches(x: torch.Tensor, bs: int = 256) -> list[torch.Tensor]:
 
 def _run_one(ctx: Any, g: Group, method: str, args: argparse.Namespace,
              store: RunStore) -> dict[str, Any]:
-    from attnuq_bench.methods import make_method, method_implementation
+    from attnuq_bench.methods import method_implementation
 
     data, task, info, members = ctx
     seed = g.payload
-    torch.manual_seed(1234 + seed)
-    kw: dict[str, Any] = {}
-    if method == "mc-dropout-cls":
-        kw = {"n_samples": args.mc_samples}
-    elif method == "ensemble-cls":
-        kw = {"n_members": args.ensemble}
-    m = make_method(method, **kw)
-    m.fit(task)
+    m, cost = fit_method(method, task, seed, members, mc_samples=args.mc_samples,
+                         ensemble=args.ensemble)
     arrays: dict[str, np.ndarray] = {"cal_y": data["cal"][1].numpy()}
     pc = predict_all(m, _batches(data["cal"][0]))
     arrays["cal_probs"] = pc["probs"].astype(np.float32)
@@ -260,10 +247,6 @@ def _run_one(ctx: Any, g: Group, method: str, args: argparse.Namespace,
     arrays["test_y"] = data["clean"][1].numpy()
     npz = store.path(g.parts, method).with_suffix(".npz")
     save_predictions(npz, arrays)
-    cost = m.cost.to_dict()
-    if method == "ensemble-cls":
-        cost["fit_seconds"] += sum(float(v.get("seconds", 0.0)) for k, v in members.items()
-                                   if k != 0)
     return {"method": method, "seed": seed, "backbone_info": info, "cost": cost,
             "info": m.info(), "config": {**m.config(), "budget": _budget(args)},
             "sizes": {k: len(data[k][0]) for k in ("train", "val", "cal", "clean", "ood")},
@@ -315,13 +298,7 @@ def run(args: argparse.Namespace) -> Path:
         data = held["d"]
         seed = g.payload
         model, binfo = _backbone(data, args, seed, cache)
-        members: dict[int, dict[str, Any]] = {}
-
-        def make_model(k: int) -> torch.nn.Module:
-            mm, inf = _backbone(data, args, seed + k, cache)
-            members[k] = inf
-            return mm
-
+        make_model, members = seed_members(lambda s: _backbone(data, args, s, cache), seed)
         task = Task(model=model, train=data["train"], val=data["val"], cal=data["cal"],
                     make_model=make_model, train_fn=lambda *a: None, batch_size=256,
                     kind="classification")
@@ -604,9 +581,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def render_page(out: Path, table: Path) -> Page:
     """The page ``table`` again from the stored records and predictions under ``out``."""
-    twin = read_twin(table)
-    if twin is None:
-        raise ValueError(f"no JSON twin of {str(table)!r} to render from")
+    twin = require_twin(table)
     out = Path(out)
     return build_page(out, _rows(out), twin["provenance"], twin["state"],
                       errors=_store(out).errors())

@@ -45,15 +45,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnuq._io import atomic_write_json, atomic_write_text, cache_key, read_json_or_none
+from attnuq._io import atomic_write_text
 from attnuq_bench.suites import register
 from attnuq_bench.suites._classify import (
     class_scores,
     compute_line,
+    fit_method,
     load_predictions,
     predict_all,
     reliability_figure,
     save_predictions,
+    seed_members,
     set_scores_of,
 )
 from attnuq_bench.suites._options import add_methods_argument
@@ -62,7 +64,7 @@ from attnuq_bench.suites._page import (
     Table,
     error_lines,
     fmt,
-    read_twin,
+    require_twin,
     twin_path,
     update_summary,
 )
@@ -290,22 +292,11 @@ def _log(msg: str) -> None:
 def _backbone(backbone: str, data: _Data, args: argparse.Namespace, seed: int, cache: Path
               ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The backbone of ``seed`` from the cache, or trained (resumable) and cached."""
-    from attnuq.distributed import is_writer
-    from attnuq_bench.suites._members import cached_state
+    from attnuq_bench.suites._members import cached_backbone
 
     spec = {**_recipe(args, backbone), "data": data.d.summary()}
-    folder = cache / "backbones" / cache_key(spec)
-    folder.mkdir(parents=True, exist_ok=True)
-    if is_writer() and read_json_or_none(folder / "spec.json", "cache spec") != spec:
-        atomic_write_json(folder / "spec.json", spec, indent=1)
-    sub = folder / f"seed{seed}"
-    sub.mkdir(exist_ok=True)
-    model, info = cached_state(
-        sub, lambda: _make_model(backbone, data, args, seed),
-        lambda m: _train(backbone, data, args, seed, m, sub / "train.ckpt"))
-    (sub / "train.ckpt").unlink(missing_ok=True)
-    model.eval()
-    return model, {**info, "cache_key": folder.name}
+    return cached_backbone(cache, spec, seed, lambda: _make_model(backbone, data, args, seed),
+                           lambda m, ckpt: _train(backbone, data, args, seed, m, ckpt))
 
 
 # ----------------------------------------------------------------------------- items
@@ -315,25 +306,11 @@ def _parts(data_name: str, backbone: str, seed: int) -> tuple[str, ...]:
     return (data_name, backbone, f"seed{seed}")
 
 
-def _method_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    if name == "mc-dropout-cls":
-        return {"n_samples": args.mc_samples}
-    if name == "ensemble-cls":
-        return {"n_members": args.ensemble}
-    return {}
-
-
 def _task(backbone: str, data: _Data, args: argparse.Namespace, seed: int, cache: Path) -> Any:
     from attnuq_bench.methods import Task
 
     model, info = _backbone(backbone, data, args, seed, cache)
-    members: dict[int, dict[str, Any]] = {}
-
-    def make_model(k: int) -> torch.nn.Module:  # member k: the backbone of seed + k
-        m, inf = _backbone(backbone, data, args, seed + k, cache)
-        members[k] = inf
-        return m
-
+    make_model, members = seed_members(lambda s: _backbone(backbone, data, args, s, cache), seed)
     task = Task(model=model, train=data.batches(backbone, "train"),
                 val=data.batches(backbone, "val"), cal=data.batches(backbone, "cal"),
                 forward_fn=_forward(backbone), make_model=make_model,
@@ -342,13 +319,12 @@ def _task(backbone: str, data: _Data, args: argparse.Namespace, seed: int, cache
 
 
 def _run_one(ctx: Any, g: Group, method: str, args: argparse.Namespace) -> dict[str, Any]:
-    from attnuq_bench.methods import make_method, method_implementation
+    from attnuq_bench.methods import method_implementation
 
     data, task, info, members, store = ctx
     backbone, seed = g.payload
-    torch.manual_seed(1234 + seed)
-    m = make_method(method, **_method_kwargs(method, args))
-    m.fit(task)
+    m, cost = fit_method(method, task, seed, members, mc_samples=args.mc_samples,
+                         ensemble=args.ensemble)
     cal = predict_all(m, data.batches(backbone, "cal"))
     test = predict_all(m, data.batches(backbone, "test"))
     arrays = {"cal_probs": cal["probs"], "test_probs": test["probs"],
@@ -358,10 +334,6 @@ def _run_one(ctx: Any, g: Group, method: str, args: argparse.Namespace) -> dict[
         arrays["test_mi"], arrays["test_ee"] = test["mi"], test["ee"]
     npz = store.path(g.parts, method).with_suffix(".npz")
     save_predictions(npz, arrays)
-    cost = m.cost.to_dict()
-    if method == "ensemble-cls":  # members come trained from the backbone cache: book them
-        cost["fit_seconds"] += sum(float(v.get("seconds", 0.0)) for k, v in members.items()
-                                   if k != 0)
     return {"method": method, "backbone": backbone, "seed": seed, "dataset": data.name,
             "backbone_info": info, "cost": cost, "info": m.info(),
             "config": {**m.config(), "budget": _budget(args)},
@@ -670,9 +642,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def render_page(out: Path, table: Path) -> Page:
     """The page ``table`` again from the stored records and predictions under ``out`` and the
     twin's provenance and state."""
-    twin = read_twin(table)
-    if twin is None:
-        raise ValueError(f"no JSON twin of {str(table)!r} to render from")
+    twin = require_twin(table)
     out = Path(out)
     return build_page(out, _rows(out), twin["provenance"], twin["state"],
                       errors=_store(out).errors())

@@ -54,7 +54,14 @@ from attnuq_bench.suites import register
 from attnuq_bench.suites._digests import split_digest
 from attnuq_bench.suites._members import cached_state
 from attnuq_bench.suites._options import add_methods_argument
-from attnuq_bench.suites._page import Page, pit_figure, read_twin, twin_path, update_summary
+from attnuq_bench.suites._page import (
+    Page,
+    pit_figure,
+    read_twin,
+    require_twin,
+    twin_path,
+    update_summary,
+)
 from attnuq_bench.suites._runner import Group, RunStore, run_items
 from attnuq_bench.suites._scoring import sample_scores, to_cpu
 from attnuq_bench.suites._uci_page import build_page, summary
@@ -436,10 +443,7 @@ def write_table(
 def render_page(out: Path, table: Path) -> Page:
     """The page ``table`` again from the stored run JSON under ``out`` and the page's twin
     (provenance, budget and seed of the command that wrote it, its Implementations block)."""
-    twin = read_twin(table)
-    if twin is None:
-        raise ValueError(f"no JSON twin of {str(table)!r} to render from: write the table with "
-                         "--aggregate-only first")
+    twin = require_twin(table, ": write the table with --aggregate-only first")
     rows = aggregate(Path(out), int(twin["state"].get("seed", 0)))
     return build_page(Path(out), rows, twin["provenance"], twin["state"],
                       twin.get("implementations"), order=DEFAULT_METHODS, errors=_errors(Path(out)))
