@@ -37,7 +37,8 @@ from __future__ import annotations
 import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,19 @@ PredictiveLike = Predictive | GaussianPredictive
 TASK_KINDS = ("regression", "classification")
 
 
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """The draws inside come from ``torch.manual_seed(seed)``; the CPU generator's state is
+    restored on exit (exceptions included), so a method's draws are reproducible and leave
+    the caller's random stream as it was."""
+    state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
+
+
 @dataclass
 class Cost:
     """Extra cost of a method beyond training the frozen backbone once.
@@ -100,6 +114,11 @@ class Cost:
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
+
+    def add_fit(self, other: Cost) -> None:
+        """Book ``other``'s fitting (seconds and example-forwards) into this cost."""
+        self.fit_seconds += other.fit_seconds
+        self.fit_forward += other.fit_forward
 
 
 def member_paths(member_dir: str | Path, index: int) -> tuple[Path, Path]:
@@ -236,6 +255,19 @@ class Task:
                 f"train_fn, got make_model={self.make_model!r}, train_fn={self.train_fn!r}"
             )
         return self.make_model, self.train_fn
+
+    def members(self, n: int, method: str) -> tuple[list[nn.Module], Cost]:
+        """The backbones of seeds ``0 .. n - 1`` (:meth:`member`; ``n > 1`` needs
+        ``make_model`` and ``train_fn``, refused naming ``method``) and what training them
+        took, to book."""
+        if n > 1:
+            self.require_retraining(method)
+        models, cost = [], Cost()
+        for seed in range(n):
+            model, c = self.member(seed)
+            models.append(model)
+            cost.add_fit(c)
+        return models, cost
 
     def member(self, seed: int) -> tuple[nn.Module, Cost]:
         """Backbone trained with ``seed``: seed 0 is the frozen ``model`` (no extra cost).
@@ -402,8 +434,7 @@ class Method(ABC):
         in_fit = task._member_train_seconds - trained0
         self.cost.fit_seconds += time.perf_counter() - t0 - in_fit
         if extra is not None:  # members' training cost (trained now or read from the cache)
-            self.cost.fit_seconds += extra.fit_seconds
-            self.cost.fit_forward += extra.fit_forward
+            self.cost.add_fit(extra)
         return self
 
     def predict(self, inputs: Any) -> PredictiveLike:

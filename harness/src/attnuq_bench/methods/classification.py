@@ -51,8 +51,9 @@ import torch
 from torch import nn
 
 from attnuq._validation import check_positive_int
-from attnuq_bench.methods._base import Cost, Method, Task, split_batch
-from attnuq_bench.methods.simple import dropout_active
+from attnuq_bench.methods._base import Cost, Method, Task, seeded, split_batch
+from attnuq_bench.methods.ensemble import DeepEnsemble
+from attnuq_bench.methods.simple import MCDropout, dropout_active
 from attnuq_bench.training import as_batches
 
 __all__ = ["ClassPredictive", "ConformalSets", "DeepEnsembleClassifier", "FrozenSoftmax",
@@ -244,61 +245,31 @@ class TemperatureScaling(_ClassMethod):
         return {"temperature": self.temperature}
 
 
-class MCDropoutClassifier(_ClassMethod):
-    """MC dropout: only the dropout modules active, ``n_samples`` seeded passes; the draws'
-    probabilities ``(S, B, C)`` and their mean."""
+class MCDropoutClassifier(_ClassMethod, MCDropout):
+    """MC dropout (as :class:`~attnuq_bench.methods.MCDropout`): only the dropout modules
+    active, ``n_samples`` seeded passes; the draws' probabilities ``(S, B, C)`` and their
+    mean."""
 
     implementation = ("attnuq (attnuq_bench.methods.simple.dropout_active, as mc-dropout; "
                       "mean of the passes' probabilities)")
 
     def __init__(self, n_samples: int = 50, seed: int = 0) -> None:
-        super().__init__()
-        self.n_samples = check_positive_int(n_samples, "n_samples")
-        self.seed = int(seed)
-
-    def _fit(self, task: Task) -> Cost | None:
-        with dropout_active(task.model) as n:
-            if n == 0:
-                raise ValueError(f"mc-dropout-cls needs dropout modules of p > 0; "
-                                 f"{type(task.model).__name__} has none")
-        return None
+        super().__init__(n_samples, seed)
 
     def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
         model = task.model.eval()
-        state = torch.get_rng_state()
-        torch.manual_seed(self.seed)
-        try:
-            with torch.no_grad(), dropout_active(model):
-                s = torch.stack([probs_from_logits(logits_of(task, model, inputs))
-                                 for _ in range(self.n_samples)])  # (S, B, C)
-        finally:
-            torch.set_rng_state(state)
+        with seeded(self.seed), torch.no_grad(), dropout_active(model):
+            s = torch.stack([probs_from_logits(logits_of(task, model, inputs))
+                             for _ in range(self.n_samples)])  # (S, B, C)
         return ClassPredictive(probs=s.mean(0), samples=s), self.n_samples
 
 
-class DeepEnsembleClassifier(_ClassMethod):
+class DeepEnsembleClassifier(_ClassMethod, DeepEnsemble):
     """Deep ensemble of ``n_members`` backbones (member 0 = the frozen model; the others from
-    ``task.member(seed)``); the members' probabilities and their mean."""
+    ``task.member(seed)``, as :class:`~attnuq_bench.methods.DeepEnsemble`); the members'
+    probabilities and their mean."""
 
     implementation = "attnuq (members retrained with the suite's recipe; mean probability)"
-
-    def __init__(self, n_members: int = 5) -> None:
-        super().__init__()
-        self.n_members = check_positive_int(n_members, "n_members")
-        if self.n_members < 2:
-            raise ValueError(f"an ensemble needs n_members >= 2, got {n_members=}")
-        self._models: list[nn.Module] = []
-
-    def _fit(self, task: Task) -> Cost | None:
-        task.require_retraining(self.name)
-        extra = Cost()
-        self._models = []
-        for seed in range(self.n_members):
-            m, c = task.member(seed)
-            self._models.append(m)
-            extra.fit_seconds += c.fit_seconds
-            extra.fit_forward += c.fit_forward
-        return extra
 
     def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
         with torch.no_grad():

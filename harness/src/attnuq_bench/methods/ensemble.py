@@ -76,14 +76,7 @@ class DeepEnsemble(Method):
         self._models: list[nn.Module] = []
 
     def _fit(self, task: Task) -> Cost | None:
-        task.require_retraining(self.name)
-        extra = Cost()
-        self._models = []
-        for seed in range(self.n_members):
-            m, c = task.member(seed)
-            self._models.append(m)
-            extra.fit_seconds += c.fit_seconds
-            extra.fit_forward += c.fit_forward
+        self._models, extra = task.members(self.n_members, self.name)
         return extra
 
     def _predict(self, task: Task, inputs: Any) -> tuple[PredictiveLike, int]:

@@ -36,7 +36,7 @@ from torch import nn
 
 from attnuq._validation import check_positive_int
 from attnuq.predictive import Predictive
-from attnuq_bench.methods._base import Cost, Method, PredictiveLike, Task
+from attnuq_bench.methods._base import Cost, Method, PredictiveLike, Task, seeded
 
 __all__ = ["HSA", "gumbel_attention"]
 
@@ -165,13 +165,8 @@ class HSA(Method):
 
     def _predict(self, task: Task, inputs: Any) -> tuple[PredictiveLike, int]:
         assert self._model is not None
-        state = torch.get_rng_state()
-        torch.manual_seed(self.seed)
-        try:
-            with torch.no_grad(), gumbel_attention(self._model, self.tau):
-                samples = torch.stack(
-                    [task.forward(self._model, inputs) for _ in range(self.n_samples)]
-                )
-        finally:
-            torch.set_rng_state(state)
+        with seeded(self.seed), torch.no_grad(), gumbel_attention(self._model, self.tau):
+            samples = torch.stack(
+                [task.forward(self._model, inputs) for _ in range(self.n_samples)]
+            )
         return Predictive(samples=samples), self.n_samples

@@ -51,7 +51,7 @@ from torch import nn
 
 from attnuq._validation import check_positive_int
 from attnuq.predictive import Predictive
-from attnuq_bench.methods._base import Cost, Method, PredictiveLike, Task
+from attnuq_bench.methods._base import Cost, Method, PredictiveLike, Task, seeded
 from attnuq_bench.training import as_batches, evaluate_rmse, progress_bar, reseeded
 
 __all__ = ["IVONMethod"]
@@ -145,27 +145,22 @@ class IVONMethod(Method):
     def _val_scores(self, task: Task, model: nn.Module, opt: Any) -> tuple[float, float, float]:
         """Validation RMSE of the predictive mean and NLL of a Gaussian fitted to ``n_select``
         draws, and the RMSE of the mean weights."""
-        state = torch.get_rng_state()
-        torch.manual_seed(self.seed)
         nll, se, se_p, n = 0.0, 0.0, 0.0, 0
-        try:
-            with torch.no_grad():
-                for inputs, targets in task.val:
-                    y = targets.double()
-                    se += float(((task.forward(model, inputs).double() - y) ** 2).sum())
-                    draws = []
-                    for _ in range(self.n_select):
-                        with opt.sampled_params():
-                            draws.append(task.forward(model, inputs).double())
-                    d = torch.stack(draws)
-                    m = d.mean(0)
-                    se_p += float(((m - y) ** 2).sum())
-                    s = (d.std(0) if len(d) > 1 else torch.zeros_like(m)).clamp_min(1e-6)
-                    nll += float((0.5 * math.log(2 * math.pi) + s.log()
-                                  + 0.5 * ((y - m) / s) ** 2).sum())
-                    n += y.numel()
-        finally:
-            torch.set_rng_state(state)
+        with seeded(self.seed), torch.no_grad():
+            for inputs, targets in task.val:
+                y = targets.double()
+                se += float(((task.forward(model, inputs).double() - y) ** 2).sum())
+                draws = []
+                for _ in range(self.n_select):
+                    with opt.sampled_params():
+                        draws.append(task.forward(model, inputs).double())
+                d = torch.stack(draws)
+                m = d.mean(0)
+                se_p += float(((m - y) ** 2).sum())
+                s = (d.std(0) if len(d) > 1 else torch.zeros_like(m)).clamp_min(1e-6)
+                nll += float((0.5 * math.log(2 * math.pi) + s.log()
+                              + 0.5 * ((y - m) / s) ** 2).sum())
+                n += y.numel()
         return math.sqrt(se_p / n), nll / n, math.sqrt(se / n)
 
     def _fit(self, task: Task) -> Cost | None:
@@ -194,17 +189,12 @@ class IVONMethod(Method):
     def _predict(self, task: Task, inputs: Any) -> tuple[PredictiveLike, int]:
         assert self._model is not None and self._opt is not None
         model, opt = self._model.eval(), self._opt
-        state = torch.get_rng_state()
-        torch.manual_seed(self.seed)
         outs = []
-        try:
-            with torch.no_grad():
-                frozen = task.forward(model, inputs)
-                for _ in range(self.n_samples):
-                    with opt.sampled_params():
-                        outs.append(task.forward(model, inputs))
-        finally:
-            torch.set_rng_state(state)
+        with seeded(self.seed), torch.no_grad():
+            frozen = task.forward(model, inputs)
+            for _ in range(self.n_samples):
+                with opt.sampled_params():
+                    outs.append(task.forward(model, inputs))
         return Predictive(samples=torch.stack(outs), frozen=frozen), self.n_samples
 
     def info(self) -> dict[str, Any]:

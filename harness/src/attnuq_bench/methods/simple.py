@@ -41,7 +41,7 @@ from torch import nn
 from attnuq._validation import check_finite, check_positive_int
 from attnuq.conformal import conformal_quantile
 from attnuq.predictive import GaussianPredictive, Predictive
-from attnuq_bench.methods._base import Cost, Method, PredictiveLike, Task, collect
+from attnuq_bench.methods._base import Cost, Method, PredictiveLike, Task, collect, seeded
 
 __all__ = [
     "HomoscedasticGaussian",
@@ -336,22 +336,17 @@ class MCDropout(Method):
         with dropout_active(task.model) as n:
             if n == 0:
                 raise ValueError(
-                    "mc-dropout needs a model with dropout modules of p > 0; "
+                    f"{self.name} needs a model with dropout modules of p > 0; "
                     f"{type(task.model).__name__} has none"
                 )
         return None
 
     def _predict(self, task: Task, inputs: Any) -> tuple[PredictiveLike, int]:
         model = task.model.eval()
-        gen_state = torch.get_rng_state()
-        torch.manual_seed(self.seed)
-        try:
-            with torch.no_grad():
-                frozen = task.forward(model, inputs)
-                with dropout_active(model):
-                    samples = torch.stack(
-                        [task.forward(model, inputs) for _ in range(self.n_samples)]
-                    )  # (S, B, ...)
-        finally:
-            torch.set_rng_state(gen_state)
+        with seeded(self.seed), torch.no_grad():
+            frozen = task.forward(model, inputs)
+            with dropout_active(model):
+                samples = torch.stack(
+                    [task.forward(model, inputs) for _ in range(self.n_samples)]
+                )  # (S, B, ...)
         return Predictive(samples=samples, frozen=frozen), self.n_samples

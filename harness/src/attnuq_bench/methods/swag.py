@@ -278,8 +278,7 @@ class SWAG(Method):
         self._posteriors = []
         for k in range(self.n_members):
             base, c = task.member(k)
-            extra.fit_seconds += c.fit_seconds
-            extra.fit_forward += c.fit_forward
+            extra.add_fit(c)
             net, coll, n_fwd = fit_swag(
                 base, task, epochs=self.epochs, snapshots_per_epoch=self.snapshots_per_epoch,
                 lr=self.lr, max_rank=self.max_rank, seed=self.seed + k, progress=self.progress,
