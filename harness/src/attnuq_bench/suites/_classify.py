@@ -30,11 +30,28 @@ import torch
 
 __all__ = ["class_scores", "compute_line", "fit_method", "load_predictions", "predict_all",
            "reliability_figure", "save_predictions", "seed_members", "set_scores_of",
-           "uncertainty_of"]
+           "start_run", "uncertainty_of"]
 
 #: the uncertainty score a method is ranked by for OOD detection: the mutual information for
 #: methods that draw samples, else ``1 - max_c p_c`` (max-softmax)
 OOD_SCORE = "mutual information (methods with draws), else 1 - max softmax"
+
+
+def start_run(args: Any) -> tuple[Path, dict[str, Any]]:
+    """What a classification suite does before its items, once its own options are checked:
+    refuse an unknown ``--methods`` name, set ``--threads``, create ``--out`` (with a
+    ``.gitignore`` of the backbone cache and error files). Returns the backbone cache folder
+    (``--cache-dir``, default ``<out>/_models``) and the run's provenance."""
+    from attnuq._io import atomic_write_text
+    from attnuq._runtime import run_info
+    from attnuq_bench.suites._options import check_method_names
+
+    check_method_names(args.methods)
+    torch.set_num_threads(max(1, int(args.threads)))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / ".gitignore", "_models/\n*.err.txt\n")
+    return (Path(args.cache_dir) if args.cache_dir else out / "_models"), run_info()
 
 
 def seed_members(backbone: Callable[[int], tuple[torch.nn.Module, dict[str, Any]]], seed: int

@@ -15,8 +15,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["AT_LEAST", "BenchHelpFormatter", "add_methods_argument", "check_options",
-           "split_methods"]
+__all__ = ["AT_LEAST", "BenchHelpFormatter", "add_methods_argument", "check_method_names",
+           "check_options", "split_methods"]
 
 #: option (argparse dest) -> least value, with the reason for the ones that are not 1
 AT_LEAST: dict[str, int] = {
@@ -68,6 +68,17 @@ def check_options(args: argparse.Namespace) -> None:
         if isinstance(v, int) and not isinstance(v, bool) and not 0 <= v < 2**63:
             raise ValueError(f"{_flag(dest)} must be an int with 0 <= seed < 2**63, got "
                              f"{_flag(dest)} {v}")
+
+
+def check_method_names(names: Sequence[str] | None) -> None:
+    """``ValueError`` naming the first of ``names`` (``--methods``) that is not a registered
+    method (:func:`attnuq_bench.methods.available_methods`); ``None`` passes."""
+    from attnuq_bench.methods import available_methods
+
+    known = available_methods()
+    for m in names or []:
+        if m not in known:
+            raise ValueError(f"unknown method {m!r}; known: {known}")
 
 
 def split_methods(values: str | Sequence[str] | None) -> list[str]:

@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnuq._io import atomic_write_text
 from attnuq_bench.suites import register
 from attnuq_bench.suites._classify import (
     OOD_SCORE,
@@ -51,6 +50,7 @@ from attnuq_bench.suites._classify import (
     save_predictions,
     seed_members,
     set_scores_of,
+    start_run,
     uncertainty_of,
 )
 from attnuq_bench.suites._options import add_methods_argument
@@ -263,8 +263,7 @@ def _store(out: Path, info: dict[str, Any] | None = None) -> RunStore:
 
 def run(args: argparse.Namespace) -> Path:
     """Run the suite (or only render it); return the results folder."""
-    from attnuq._runtime import run_info
-    from attnuq_bench.methods import Task, available_methods
+    from attnuq_bench.methods import Task
 
     out = Path(args.out)
     md = Path(args.md) if args.md else out.with_suffix(".md")
@@ -277,15 +276,7 @@ def run(args: argparse.Namespace) -> Path:
     if args.seeds < 1 or args.ensemble < 2:
         raise ValueError(f"need --seeds >= 1 and --ensemble >= 2, got {args.seeds=}, "
                          f"{args.ensemble=}")
-    known = available_methods()
-    for m in args.methods:
-        if m not in known:
-            raise ValueError(f"unknown method {m!r}; known: {known}")
-    torch.set_num_threads(max(1, int(args.threads)))
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / ".gitignore", "_models/\n*.err.txt\n")
-    cache = Path(args.cache_dir) if args.cache_dir else out / "_models"
-    info = run_info()
+    cache, info = start_run(args)
     store = _store(out, info)
     held: dict[str, Any] = {}
     groups = [Group(parts=("digits", f"seed{args.seed + k}"), methods=list(args.methods),

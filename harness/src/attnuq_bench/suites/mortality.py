@@ -45,7 +45,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnuq._io import atomic_write_text
 from attnuq_bench.suites import register
 from attnuq_bench.suites._classify import (
     class_scores,
@@ -57,6 +56,7 @@ from attnuq_bench.suites._classify import (
     save_predictions,
     seed_members,
     set_scores_of,
+    start_run,
 )
 from attnuq_bench.suites._options import add_methods_argument
 from attnuq_bench.suites._page import (
@@ -353,9 +353,6 @@ def _store(out: Path, info: dict[str, Any] | None = None) -> RunStore:
 
 def run(args: argparse.Namespace) -> Path:
     """Run the suite (or only render it); return the results folder."""
-    from attnuq._runtime import run_info
-    from attnuq_bench.methods import available_methods
-
     out = Path(args.out)
     md = Path(args.md) if args.md else out.with_suffix(".md")
     twin_path(md)
@@ -368,15 +365,7 @@ def run(args: argparse.Namespace) -> Path:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
     if args.ensemble < 2:
         raise ValueError(f"--ensemble must be >= 2, got {args.ensemble}")
-    known = available_methods()
-    for m in args.methods or []:
-        if m not in known:
-            raise ValueError(f"unknown method {m!r}; known: {known}")
-    torch.set_num_threads(max(1, int(args.threads)))
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / ".gitignore", "_models/\n*.err.txt\n")
-    cache = Path(args.cache_dir) if args.cache_dir else out / "_models"
-    info = run_info()
+    cache, info = start_run(args)
     store = _store(out, info)
     held: dict[str, _Data] = {}
 

@@ -53,7 +53,7 @@ from attnuq.distributed import is_writer
 from attnuq_bench.suites import register
 from attnuq_bench.suites._digests import split_digest
 from attnuq_bench.suites._members import cached_state
-from attnuq_bench.suites._options import add_methods_argument
+from attnuq_bench.suites._options import add_methods_argument, check_method_names
 from attnuq_bench.suites._page import (
     Page,
     pit_figure,
@@ -318,7 +318,6 @@ def _store(out: Path, info: dict[str, Any] | None = None) -> RunStore:
 def run(args: argparse.Namespace) -> Path:
     from attnuq._runtime import run_info
     from attnuq_bench.data.uci import load_uci, n_splits
-    from attnuq_bench.methods import available_methods
 
     torch.set_num_threads(max(1, int(args.threads)))
     seed = _seed(args)
@@ -331,10 +330,7 @@ def run(args: argparse.Namespace) -> Path:
         page.write(table)
         _write_summary(out, aggregate(out, int(page.state.get("seed", 0))))
         return out
-    known = available_methods()
-    for m in args.methods:
-        if m not in known:
-            raise ValueError(f"unknown method {m!r}; known: {known}")
+    check_method_names(args.methods)
     if args.splits < 1 or args.first_split < 0:
         raise ValueError(f"--splits must be >= 1 and --first-split >= 0, got {args.splits=}, "
                          f"{args.first_split=}")
