@@ -10,36 +10,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tests._cli import heldout, saved_regressor
 from torch import nn
 
 import attnuq
 from attnuq.cli import main
 
 
-class _Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(1, 8)
-        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = self.embed(x.unsqueeze(-1))
-        h, _ = self.attn(t, t, t, need_weights=False)
-        return self.head(h.mean(1)).squeeze(-1)
-
-
 @pytest.fixture
 def files(tmp_path: Path) -> dict[str, Path]:
-    torch.manual_seed(0)
-    m = _Tiny().eval()
-    torch.save(m, tmp_path / "model.pt")
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(24, 3, generator=g)
-    with torch.no_grad():
-        y = m(x) + 0.1 * torch.randn(24, generator=g)
-    np.savez(tmp_path / "d.npz", x=x.numpy(), y=y.numpy())
-    return {"model": tmp_path / "model.pt", "data": tmp_path / "d.npz", "dir": tmp_path}
+    model_path, model = saved_regressor(tmp_path)
+    x, y = heldout(model, 24)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    return {"model": model_path, "data": tmp_path / "d.npz", "dir": tmp_path}
 
 
 def _cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

@@ -7,23 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from tests._cli import assert_one_line_exit_2, run
 
 from attnuq.cli import main
-
-
-def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    rc = main(args)
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def _assert_one_line_exit_2(rc: int, err: str, message: str) -> None:
-    assert rc == 2, err
-    assert "Traceback" not in err, err
-    # progress lines may precede it; the error itself is one line, the last one
-    lines = [ln for ln in err.strip().splitlines() if ln.startswith("attnuq: error: ")]
-    assert len(lines) == 1 and err.strip().splitlines()[-1] == lines[0], err
-    assert message in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("args", [["demo"], ["bench"], ["bench", "uci"]])
@@ -46,8 +32,8 @@ def test_demo_out_naming_a_file_fails_before_any_work(
     monkeypatch.setattr(attnuq_bench.data.uci, "load_uci", no_work)
     taken = tmp_path / "taken.txt"
     taken.write_text("not a folder")
-    rc, _, err = _run(["demo", "--out", str(taken)], capsys)
-    _assert_one_line_exit_2(rc, err, "is not a folder")
+    rc, _, err = run(["demo", "--out", str(taken)], capsys)
+    assert_one_line_exit_2(rc, err, "is not a folder")
     assert taken.read_text() == "not a folder"
 
 
@@ -79,7 +65,7 @@ def test_calibration_suite_seed_and_device(
             "--seeds", "1", "--nu-max", "16", "--grid-size", "3", "--max-evals", "2",
             "--threads", "1", "--device", "cpu", "--seed", "5",
             "--out", str(tmp_path / "cal")]
-    rc, out, _ = _run(args, capsys)
+    rc, out, _ = run(args, capsys)
     assert rc == 0, out
     res = json.loads((tmp_path / "cal" / "results.json").read_text())
     assert [r["seed"] for r in res["rows"]] == [5]
@@ -94,9 +80,9 @@ def test_text_file_given_as_grib_is_one_line(
     pytest.importorskip("cfgrib", reason="the 'weather' extra (cfgrib) is not installed")
     grib = tmp_path / "field.grib"
     grib.write_text("this is a text file, not GRIB\n")
-    rc, _, err = _run(["bench", "era5", "--file", str(grib), "--out", str(tmp_path / "r"),
+    rc, _, err = run(["bench", "era5", "--file", str(grib), "--out", str(tmp_path / "r"),
                        "--no-progress"], capsys)
-    _assert_one_line_exit_2(rc, err, "could not read 'field.grib' as GRIB")
+    assert_one_line_exit_2(rc, err, "could not read 'field.grib' as GRIB")
 
 
 
@@ -118,10 +104,10 @@ def test_truncated_physionet_archive_is_one_line(
     root.mkdir(parents=True)
     blob = buf.getvalue()
     (root / "set-a.tar.gz").write_bytes(blob[: len(blob) // 2])
-    rc, _, err = _run(["bench", "physionet", "--data-dir", str(tmp_path / "data"),
+    rc, _, err = run(["bench", "physionet", "--data-dir", str(tmp_path / "data"),
                        "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "r")],
                       capsys)
-    _assert_one_line_exit_2(rc, err, "could not read the archive")
+    assert_one_line_exit_2(rc, err, "could not read the archive")
 
 
 
@@ -141,6 +127,6 @@ def test_bench_output_paths_checked_before_work(
     file = tmp_path / "taken.txt"
     file.write_text("x")
     fill = {"file": str(file), "dir": str(tmp_path)}
-    rc, _, err = _run([a.format(**fill) for a in args], capsys)
-    _assert_one_line_exit_2(rc, err, message.format(**fill))
+    rc, _, err = run([a.format(**fill) for a in args], capsys)
+    assert_one_line_exit_2(rc, err, message.format(**fill))
     assert file.read_text() == "x" and sorted(tmp_path.iterdir()) == [file]

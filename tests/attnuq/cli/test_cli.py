@@ -12,46 +12,10 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
+from tests._cli import TinyRegressor, assert_one_line_exit_2, heldout, run, saved_regressor
 from torch import nn
 
 from attnuq.cli import main
-
-
-class _TinyRegressor(nn.Module):
-    """Tokens from features, one self-attention layer, mean-pool, linear head: (B, F) -> (B,)."""
-
-    def __init__(self, n_features: int = 3, d: int = 8) -> None:
-        super().__init__()
-        self.embed = nn.Linear(1, d)
-        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
-        self.head = nn.Linear(d, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = self.embed(x.unsqueeze(-1))  # (B, F, d)
-        h, _ = self.attn(t, t, t, need_weights=False)
-        return self.head(h.mean(1)).squeeze(-1)
-
-
-def _saved_model(tmp: Path) -> tuple[Path, nn.Module]:
-    torch.manual_seed(0)
-    model = _TinyRegressor().eval()
-    path = tmp / "model.pt"
-    torch.save(model, path)
-    return path, model
-
-
-def _heldout(model: nn.Module, n: int = 48) -> tuple[np.ndarray, np.ndarray]:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, 3, generator=g)
-    with torch.no_grad():
-        y = model(x) + 0.1 * torch.randn(n, generator=g)
-    return x.numpy(), y.numpy()
-
-
-def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    rc = main(args)
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 @pytest.mark.parametrize("args", [[], ["calibrate"], ["report"]])
@@ -71,11 +35,11 @@ def test_console_entry_point_runs() -> None:
 
 
 def test_calibrate_npz_and_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    model_path, model = _saved_model(tmp_path)
-    x, y = _heldout(model)
+    model_path, model = saved_regressor(tmp_path)
+    x, y = heldout(model)
     np.savez(tmp_path / "heldout.npz", x=x, y=y)
     out_dir = tmp_path / "cal"
-    rc, out, err = _run(
+    rc, out, err = run(
         ["calibrate", str(model_path), str(tmp_path / "heldout.npz"), "--search", "grid",
          "--n-passes", "4", "--out", str(out_dir)],
         capsys,
@@ -96,7 +60,7 @@ def test_calibrate_npz_and_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str
     header = ",".join([f"x{i}" for i in range(x.shape[1])] + ["target"])
     np.savetxt(tmp_path / "heldout.csv", np.column_stack([x, y]), delimiter=",",
                header=header, comments="")
-    rc, out, err = _run(
+    rc, out, err = run(
         ["calibrate", str(model_path), str(tmp_path / "heldout.csv"), "--target", "target",
          "--n-passes", "4", "--out", str(tmp_path / "cal2")],
         capsys,
@@ -104,18 +68,32 @@ def test_calibrate_npz_and_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert rc == 0, err
 
 
-def test_calibrate_hf_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+_NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+
+
+def _tiny_bert_folder(tmp: Path, layers: int = 1, **dropout: float) -> Path:
+    """A 16-wide BERT regressor (one output) of seed 0, saved as ``tmp/bert``."""
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                     intermediate_size=32, num_labels=1, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0)
-    BertForSequenceClassification(cfg).eval().save_pretrained(tmp_path / "bert")
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=layers,
+                     num_attention_heads=2, intermediate_size=32, num_labels=1, **dropout)
+    BertForSequenceClassification(cfg).eval().save_pretrained(tmp / "bert")
+    return tmp / "bert"
+
+
+def _token_ids_npz(tmp: Path) -> Path:
+    """32 sequences of 8 token ids and a target each, as ``tmp/ids.npz``."""
     ids = torch.randint(1, 50, (32, 8), generator=torch.Generator().manual_seed(0))
-    np.savez(tmp_path / "ids.npz", input_ids=ids.numpy(),
+    np.savez(tmp / "ids.npz", input_ids=ids.numpy(),
              y=np.random.default_rng(0).normal(size=(32, 1)).astype(np.float32))
-    rc, out, err = _run(
+    return tmp / "ids.npz"
+
+
+def test_calibrate_hf_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _tiny_bert_folder(tmp_path, layers=1, **_NO_DROPOUT)
+    _token_ids_npz(tmp_path)
+    rc, out, err = run(
         ["calibrate", str(tmp_path / "bert"), str(tmp_path / "ids.npz"), "--output-key",
          "logits", "--search", "grid", "--n-passes", "3", "--out", str(tmp_path / "c")],
         capsys,
@@ -127,17 +105,9 @@ def test_calibrate_hf_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_calibrate_per_layer_writes_the_map(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from transformers import BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=32, num_labels=1, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0)
-    BertForSequenceClassification(cfg).eval().save_pretrained(tmp_path / "bert")
-    ids = torch.randint(1, 50, (32, 8), generator=torch.Generator().manual_seed(0))
-    np.savez(tmp_path / "ids.npz", input_ids=ids.numpy(),
-             y=np.random.default_rng(0).normal(size=(32, 1)).astype(np.float32))
-    rc, out, err = _run(
+    _tiny_bert_folder(tmp_path, layers=2, **_NO_DROPOUT)
+    _token_ids_npz(tmp_path)
+    rc, out, err = run(
         ["calibrate", str(tmp_path / "bert"), str(tmp_path / "ids.npz"), "--output-key",
          "logits", "--criterion", "crps", "--per-layer", "geometric", "--n-passes", "3",
          "--out", str(tmp_path / "c")],
@@ -152,7 +122,7 @@ def test_calibrate_per_layer_writes_the_map(
     assert res["summary"]["nu per layer"].startswith(f"{sites[0]}=")
     assert "nu per layer: " in out
     # a criterion that cannot rank shapes is refused with the reason, exit code 2
-    rc, out, err = _run(
+    rc, out, err = run(
         ["calibrate", str(tmp_path / "bert"), str(tmp_path / "ids.npz"), "--output-key",
          "logits", "--criterion", "scale", "--per-layer", "geometric", "--out",
          str(tmp_path / "c2")],
@@ -178,8 +148,8 @@ def test_calibrate_per_layer_writes_the_map(
 def test_bad_input_gives_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, message: str
 ) -> None:
-    model_path, model = _saved_model(tmp_path)
-    x, y = _heldout(model, 8)
+    model_path, model = saved_regressor(tmp_path)
+    x, y = heldout(model, 8)
     csv = tmp_path / "d.csv"
     np.savetxt(csv, np.column_stack([x, y]), delimiter=",", header="a,b,c,t", comments="")
     args = ["calibrate", str(model_path), str(csv), "--target", "t", "--out", str(tmp_path / "o")]
@@ -207,7 +177,7 @@ def test_bad_input_gives_one_line_and_exit_2(
     elif case == "one-row":
         np.savetxt(csv, np.column_stack([x, y])[:1], delimiter=",", header="a,b,c,t",
                    comments="")
-    rc, _, err = _run(args, capsys)
+    rc, _, err = run(args, capsys)
     assert rc == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("attnuq: error: "), err
@@ -216,9 +186,9 @@ def test_bad_input_gives_one_line_and_exit_2(
 
 def test_report_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "results.json").write_text(json.dumps({"title": "x", "summary": {"a": 1}}))
-    rc, _, _ = _run(["report", str(tmp_path / "results.json")], capsys)
+    rc, _, _ = run(["report", str(tmp_path / "results.json")], capsys)
     assert rc == 0 and (tmp_path / "report.html").is_file()
-    rc, _, err = _run(["report", str(tmp_path / "missing.json")], capsys)
+    rc, _, err = run(["report", str(tmp_path / "missing.json")], capsys)
     assert rc == 2 and "results file not found" in err
 
 
@@ -229,7 +199,7 @@ def test_report_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 def test_bad_device_gives_one_line_and_exit_2(
     device: str, message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    rc, _, err = _run(
+    rc, _, err = run(
         ["calibrate", "m.pt", "d.npz", "--device", device, "--out", str(tmp_path / "c")], capsys
     )
     assert rc == 2
@@ -253,13 +223,13 @@ class _FourFeatures(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(4, 4)
-        self.body = _TinyRegressor(4)
+        self.body = TinyRegressor(4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(self.inp(x))
 
 
-class _AttentionIgnored(_TinyRegressor):
+class _AttentionIgnored(TinyRegressor):
     """Runs its attention but returns a function of the embeddings only: calibrate's
     documented RuntimeError (the output does not change under stochastic attention)."""
 
@@ -269,23 +239,6 @@ class _AttentionIgnored(_TinyRegressor):
         return self.head(t.mean(1)).squeeze(-1)
 
 
-def _tiny_bert_folder(tmp: Path) -> Path:
-    from transformers import BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                     intermediate_size=32, num_labels=1)
-    BertForSequenceClassification(cfg).eval().save_pretrained(tmp / "bert")
-    return tmp / "bert"
-
-
-def _assert_one_line_exit_2(rc: int, err: str, message: str) -> None:
-    assert rc == 2, err
-    assert "Traceback" not in err, err
-    # progress lines may precede it; the error itself is one line, the last one
-    lines = [ln for ln in err.strip().splitlines() if ln.startswith("attnuq: error: ")]
-    assert len(lines) == 1 and err.strip().splitlines()[-1] == lines[0], err
-    assert message in lines[0], lines[0]
 
 
 @pytest.mark.parametrize(
@@ -305,7 +258,7 @@ def test_calibrate_failures_are_one_line_and_exit_2(
     """Issue #23 item 4: each of these gave a traceback and exit 1 before."""
     torch.manual_seed(0)
     model: nn.Module = {"wrong-feature-count": _FourFeatures,
-                        "attention-ignored": _AttentionIgnored}.get(case, _TinyRegressor)()
+                        "attention-ignored": _AttentionIgnored}.get(case, TinyRegressor)()
     model_path = tmp_path / "model.pt"
     torch.save(model.eval(), model_path)
     g = torch.Generator().manual_seed(1)
@@ -325,9 +278,9 @@ def test_calibrate_failures_are_one_line_and_exit_2(
     if case == "torn-npz":
         data.write_bytes(data.read_bytes()[:100])
     key = ["--output-key", "logits"] if case.startswith("hf-") else []  # tensor outputs: none
-    rc, _, err = _run(["calibrate", str(model_path), str(data), "--search", "grid",
+    rc, _, err = run(["calibrate", str(model_path), str(data), "--search", "grid",
                        "--n-passes", "2", *key, "--out", str(tmp_path / "o")], capsys)
-    _assert_one_line_exit_2(rc, err, message)
+    assert_one_line_exit_2(rc, err, message)
 
 
 def test_out_naming_a_file_fails_before_any_work(
@@ -340,14 +293,14 @@ def test_out_naming_a_file_fails_before_any_work(
         raise AssertionError("work started although --out is a file")
 
     monkeypatch.setattr(attnuq, "calibrate", no_work)
-    model_path, model = _saved_model(tmp_path)
-    x, y = _heldout(model, 8)
+    model_path, model = saved_regressor(tmp_path)
+    x, y = heldout(model, 8)
     np.savez(tmp_path / "d.npz", x=x, y=y)
     taken = tmp_path / "taken.txt"
     taken.write_text("not a folder")
     args = ["calibrate", str(model_path), str(tmp_path / "d.npz")]
-    rc, _, err = _run([*args, "--out", str(taken)], capsys)
-    _assert_one_line_exit_2(rc, err, "is not a folder")
+    rc, _, err = run([*args, "--out", str(taken)], capsys)
+    assert_one_line_exit_2(rc, err, "is not a folder")
     assert taken.read_text() == "not a folder"
 
 
@@ -355,11 +308,11 @@ def test_report_out_naming_a_folder_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "results.json").write_text(json.dumps({"title": "x"}))
-    rc, _, err = _run(["report", str(tmp_path / "results.json"), "--out", str(tmp_path)], capsys)
-    _assert_one_line_exit_2(rc, err, "is a folder")
+    rc, _, err = run(["report", str(tmp_path / "results.json"), "--out", str(tmp_path)], capsys)
+    assert_one_line_exit_2(rc, err, "is a folder")
     (tmp_path / "torn.json").write_text("")
-    rc, _, err = _run(["report", str(tmp_path / "torn.json")], capsys)
-    _assert_one_line_exit_2(rc, err, "torn.json is not valid JSON")
+    rc, _, err = run(["report", str(tmp_path / "torn.json")], capsys)
+    assert_one_line_exit_2(rc, err, "torn.json is not valid JSON")
 
 
 
@@ -372,7 +325,7 @@ def test_harness_commands_without_the_harness_say_how_to_install_it(
     import attnuq.cli
 
     monkeypatch.setattr(attnuq.cli, "plugin_commands", lambda: {})
-    rc, out, err = _run([command, "uci", "--out", "x"], capsys)
+    rc, out, err = run([command, "uci", "--out", "x"], capsys)
     assert rc == 2 and out == "", (out, err)
     assert err.count("\n") == 1 and err.startswith(f"attnuq: error: 'attnuq {command}' needs")
     assert "pip install attnuq-bench" in err
@@ -410,7 +363,7 @@ def test_plugin_commands_are_found_and_only_the_one_asked_for_is_loaded(
 
     echo, other = _EntryPoint(_EchoCommand()), _EntryPoint(None)
     monkeypatch.setattr(attnuq.cli, "plugin_commands", lambda: {"echo": echo, "other": other})
-    rc, out, _ = _run(["echo", "hello"], capsys)
+    rc, out, _ = run(["echo", "hello"], capsys)
     assert (rc, out) == (3, "hello\n")
     assert (echo.loads, other.loads) == (1, 0) and _EchoCommand.seen[-1] == ["hello"]
     with pytest.raises(SystemExit):

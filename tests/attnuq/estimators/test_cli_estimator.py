@@ -9,39 +9,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
+from tests._cli import TinyRegressor, heldout, saved_regressor
 
 from attnuq.cli import main
 from attnuq.estimators._regressor import SARegressor
 
 
-class _Tiny(nn.Module):
-    """(B, 3) -> (B,): features as tokens, one attention layer, mean pooling, a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(1, 8)
-        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = self.embed(x.unsqueeze(-1))
-        h, _ = self.attn(t, t, t, need_weights=False)
-        return self.head(h.mean(1)).squeeze(-1)
-
-
 @pytest.fixture
 def files(tmp_path: Path) -> dict[str, Path]:
-    torch.manual_seed(0)
-    model = _Tiny().eval()
-    torch.save(model, tmp_path / "model.pt")
+    model_path, model = saved_regressor(tmp_path)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(80, 3, generator=g)
-    with torch.no_grad():
-        y = model(x) + 0.2 * torch.randn(80, generator=g)
-    np.savez(tmp_path / "heldout.npz", x=x.numpy(), y=y.numpy())
+    x, y = heldout(model, 80, noise=0.2, generator=g)
+    np.savez(tmp_path / "heldout.npz", x=x, y=y)
     np.savez(tmp_path / "new.npz", x=torch.randn(10, 3, generator=g).numpy())
-    return {"model": tmp_path / "model.pt", "data": tmp_path / "heldout.npz",
+    return {"model": model_path, "data": tmp_path / "heldout.npz",
             "new": tmp_path / "new.npz", "out": tmp_path / "cal", "tmp": tmp_path}
 
 
@@ -124,7 +105,7 @@ def test_predict_bad_input_one_line_exit_2(files: dict[str, Path], case: str, me
     elif case == "other-model":
         torch.manual_seed(99)
         model = files["tmp"] / "other.pt"
-        torch.save(_Tiny().eval(), model)
+        torch.save(TinyRegressor().eval(), model)
     elif case == "bad-suffix":
         out = files["tmp"] / "p.txt"
     rc = main(["predict", str(model), str(fitted), str(files["new"]), "--level", level,
