@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
+from tests.attnuq_bench.suites._era5_field import tiny_era5_nc
 
 from attnuq_bench.suites.era5 import ALL_METHODS
 
@@ -21,19 +21,7 @@ INTERRUPT = "attnuq_bench.suites._runner.RunStore.save"
 
 
 def _nc(path: Path, days: int = 11) -> Path:
-    import xarray as xr
-
-    if not path.is_file():
-        n = 24 * days
-        t = np.arange("2019-03-01", n, dtype="datetime64[h]").astype("datetime64[ns]")
-        lat, lon = np.linspace(58, 50, 6), np.linspace(-10, 2, 8)
-        hour = np.arange(n) % 24
-        v = (5 + 3 * np.sin(2 * np.pi * hour / 24)[:, None, None] + 0.5 * lat[None, :, None] / 58
-             + 0.3 * np.random.default_rng(0).normal(size=(n, 6, 8)))
-        xr.Dataset({"t2m": (("time", "latitude", "longitude"), v)},
-                   coords={"time": t, "latitude": lat, "longitude": lon}).to_netcdf(
-            path, engine="scipy")
-    return path
+    return path if path.is_file() else tiny_era5_nc(path, days)
 
 
 def argv(tmp: Path) -> list[str]:

@@ -14,6 +14,8 @@ pytest.importorskip("scipy")
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
+from tests.attnuq_bench.suites._era5_field import tiny_era5_nc  # noqa: E402
+
 from attnuq.predictive import GaussianPredictive, Predictive  # noqa: E402
 from attnuq_bench.suites.era5 import field_scores  # noqa: E402
 
@@ -51,28 +53,12 @@ def test_field_scores_match_metrics() -> None:
         field_scores(gp, yy, lat=torch.tensor([10.0, 20.0]), clim=clim, leads=(6,))
 
 
-def _tiny_nc(path: Path, days: int = 10) -> Path:
-    n = 24 * days
-    t = np.arange("2019-03-01", n, dtype="datetime64[h]").astype("datetime64[ns]")
-    lat, lon = np.linspace(58, 50, 6), np.linspace(-10, 2, 8)
-    rng = np.random.default_rng(0)
-    hour = np.arange(n) % 24
-    # degC-like magnitudes: a 1-epoch tiny model's SA spread is far below float32's resolution
-    # at ~280 K (ulp 3e-5), which would leave some elements with exactly zero spread
-    v = (5 + 3 * np.sin(2 * np.pi * hour / 24)[:, None, None]
-         + 0.5 * lat[None, :, None] / 58 + 0.3 * rng.normal(size=(n, 6, 8)))
-    xr.Dataset({"t2m": (("time", "latitude", "longitude"), v)},
-               coords={"time": t, "latitude": lat, "longitude": lon}).to_netcdf(
-        path, engine="scipy")
-    return path
-
-
 def test_bench_era5_end_to_end(tmp_path: Path) -> None:
     from attnuq import metrics
     from attnuq.cli import main
     from attnuq_bench.data.era5 import day_blocks, load_field, make_examples
 
-    nc = _tiny_nc(tmp_path / "tiny.nc")
+    nc = tiny_era5_nc(tmp_path / "tiny.nc", days=10)
     out = tmp_path / "res"
     argv = ["bench", "era5", "--file", str(nc), "--out", str(out), "--split", "4,2,2,-1",
             "--patch", "2", "--hidden", "8", "--layers", "1", "--heads", "2", "--mlp", "8",
@@ -115,7 +101,7 @@ def test_bench_era5_member_jobs_match_serial_training(tmp_path: Path) -> None:
     """Members trained in 2 spawned workers are bit-identical to the serial ones (1 thread)."""
     from attnuq.cli import main
 
-    nc = _tiny_nc(tmp_path / "tiny.nc", days=10)
+    nc = tiny_era5_nc(tmp_path / "tiny.nc", days=10)
     serial, par = tmp_path / "serial", tmp_path / "par"
     assert main([*_tiny_argv(nc, serial), "--methods", "ensemble,persistence"]) == 0
     assert main([*_tiny_argv(nc, par), "--methods", "ensemble", "--member-jobs", "2"]) == 0

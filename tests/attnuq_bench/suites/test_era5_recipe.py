@@ -17,6 +17,8 @@ pytest.importorskip("scipy")
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
+from tests.attnuq_bench.suites._era5_field import tiny_era5_nc  # noqa: E402
+
 from attnuq import metrics  # noqa: E402
 from attnuq_bench.data.era5 import (  # noqa: E402
     day_blocks,
@@ -27,17 +29,8 @@ from attnuq_bench.data.era5 import (  # noqa: E402
 from attnuq_bench.suites._era5_recipe import Inputs, naive_weights, select_blend  # noqa: E402
 
 
-def _nc(path: Path, days: int = 13) -> Path:
-    n = 24 * days
-    t = np.arange("2019-03-01", n, dtype="datetime64[h]").astype("datetime64[ns]")
-    lat, lon = np.linspace(58, 50, 6), np.linspace(-10, 2, 8)
-    hour = np.arange(n) % 24
-    v = (5 + 3 * np.sin(2 * np.pi * hour / 24)[:, None, None] + 0.5 * lat[None, :, None] / 58
-         + 0.3 * np.random.default_rng(0).normal(size=(n, 6, 8)))
-    xr.Dataset({"t2m": (("time", "latitude", "longitude"), v)},
-               coords={"time": t, "latitude": lat, "longitude": lon}).to_netcdf(
-        path, engine="scipy")
-    return path
+def _nc(path: Path) -> Path:
+    return tiny_era5_nc(path, days=13)
 
 
 def _setup(tmp_path: Path) -> tuple:
