@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.attnuq_bench.suites._era5_field import tiny_era5_nc
+from tests.attnuq_bench.suites._synthetic import tiny_era5_nc
 
 from attnuq_bench.suites.era5 import ALL_METHODS
 

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
+from tests.attnuq_bench.suites._synthetic import tiny_ett_csv
 
-from attnuq_bench.data.ett import ETT_CHANNELS
 from attnuq_bench.suites.ett import ALL_METHODS
 
 SUITE = "ett"
@@ -22,13 +20,7 @@ INTERRUPT = "attnuq_bench.suites._runner.RunStore.save"
 
 
 def _csv(path: Path, n: int = 520) -> Path:
-    if not path.is_file():
-        rng = np.random.default_rng(0)
-        df = pd.DataFrame({"date": pd.date_range("2021-01-01", periods=n, freq="h")})
-        for i, c in enumerate(ETT_CHANNELS):
-            df[c] = np.sin(2 * np.pi * np.arange(n) / 24 + i) + 0.3 * rng.normal(size=n)
-        df.to_csv(path, index=False)
-    return path
+    return path if path.is_file() else tiny_ett_csv(path, n)
 
 
 def argv(tmp: Path) -> list[str]:

@@ -14,7 +14,7 @@ pytest.importorskip("scipy")
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from tests.attnuq_bench.suites._era5_field import tiny_era5_nc  # noqa: E402
+from tests.attnuq_bench.suites._synthetic import tiny_era5_nc  # noqa: E402
 
 from attnuq.predictive import GaussianPredictive, Predictive  # noqa: E402
 from attnuq_bench.suites.era5 import field_scores  # noqa: E402

@@ -17,7 +17,7 @@ pytest.importorskip("scipy")
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from tests.attnuq_bench.suites._era5_field import tiny_era5_nc  # noqa: E402
+from tests.attnuq_bench.suites._synthetic import tiny_era5_nc  # noqa: E402
 
 from attnuq import metrics  # noqa: E402
 from attnuq_bench.data.era5 import (  # noqa: E402

@@ -6,15 +6,15 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
+from tests.attnuq_bench.suites._synthetic import tiny_ett_csv
+
 from attnuq.predictive import GaussianPredictive, Predictive
-from attnuq_bench.data.ett import ETT_CHANNELS
 from attnuq_bench.methods import ResidualQuantiles
 from attnuq_bench.suites._scoring import StreamScores
 
@@ -103,21 +103,12 @@ def test_committed_results_are_run_records() -> None:
         assert rec["run_info"]["command"] == credited.get(m, p["run"]["command"]), m
 
 
-def _tiny_csv(path: Path, n: int = 520) -> Path:
-    rng = np.random.default_rng(0)
-    df = pd.DataFrame({"date": pd.date_range("2021-01-01", periods=n, freq="h")})
-    for i, c in enumerate(ETT_CHANNELS):
-        df[c] = np.sin(2 * np.pi * np.arange(n) / 24 + i) + 0.3 * rng.normal(size=n)
-    df.to_csv(path, index=False)
-    return path
-
-
 def test_bench_ett_end_to_end(tmp_path: Path) -> None:
     from attnuq.cli import main
     from attnuq_bench.data.ett import load_ett, seasonal_naive
     from attnuq_bench.models.patchtst import load_patchtst
 
-    csv = _tiny_csv(tmp_path / "tiny.csv")
+    csv = tiny_ett_csv(tmp_path / "tiny.csv")
     out = tmp_path / "res"
     argv = ["bench", "ett", "--file", str(csv), "--out", str(out), "--context", "48",
             "--horizon", "12", "--d-model", "8", "--layers", "1", "--heads", "2", "--ffn", "8",
@@ -194,7 +185,7 @@ def test_bench_ett_member_jobs_match_serial_and_rerun(tmp_path: Path) -> None:
     """Members from 2 spawned workers equal the serial ones bit for bit; --rerun with --merge."""
     from attnuq.cli import main
 
-    csv = _tiny_csv(tmp_path / "tiny.csv")
+    csv = tiny_ett_csv(tmp_path / "tiny.csv")
     serial, par = tmp_path / "serial", tmp_path / "par"
     assert main([*_tiny_ett_argv(csv, serial), "--methods", "ensemble,seasonal-naive",
                  "--member-epochs", "1"]) == 0
@@ -241,7 +232,7 @@ def test_bench_ett_torn_results_and_another_budget(tmp_path: Path) -> None:
     """
     from attnuq.cli import main
 
-    csv = _tiny_csv(tmp_path / "tiny.csv")
+    csv = tiny_ett_csv(tmp_path / "tiny.csv")
     out = tmp_path / "res"
     argv = [*_tiny_ett_argv(csv, out), "--methods", "seasonal-naive"]
     assert main(argv) == 0

@@ -1,5 +1,5 @@
-"""A tiny synthetic ERA5-like field for the era5 suite's tests: hourly 2 m temperature on a
-6 x 8 grid from 2019-03-01, written as NetCDF (scipy engine)."""
+"""Tiny synthetic data files for the suites' tests: an ERA5-like NetCDF field and an ETT-like
+CSV."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import numpy as np
 
 
 def tiny_era5_nc(path: Path, days: int) -> Path:
-    """``days`` days of ``t2m``: a daily cycle, a latitude gradient and seeded noise."""
+    """``days`` days of hourly 2 m temperature ``t2m`` on a 6 x 8 grid from 2019-03-01 (a daily
+    cycle, a latitude gradient and seeded noise), as NetCDF (scipy engine)."""
     import xarray as xr
 
     n = 24 * days
@@ -23,4 +24,18 @@ def tiny_era5_nc(path: Path, days: int) -> Path:
     xr.Dataset({"t2m": (("time", "latitude", "longitude"), v)},
                coords={"time": t, "latitude": lat, "longitude": lon}).to_netcdf(
         path, engine="scipy")
+    return path
+
+
+def tiny_ett_csv(path: Path, n: int = 520) -> Path:
+    """``n`` hourly rows from 2021-01-01 of the ETT channels: daily sines and seeded noise."""
+    import pandas as pd
+
+    from attnuq_bench.data.ett import ETT_CHANNELS
+
+    rng = np.random.default_rng(0)
+    df = pd.DataFrame({"date": pd.date_range("2021-01-01", periods=n, freq="h")})
+    for i, c in enumerate(ETT_CHANNELS):
+        df[c] = np.sin(2 * np.pi * np.arange(n) / 24 + i) + 0.3 * rng.normal(size=n)
+    df.to_csv(path, index=False)
     return path
