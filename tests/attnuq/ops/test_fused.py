@@ -408,34 +408,12 @@ def test_float32_exhaustive_padding_and_causal(fused_on, lk):
     """Every key-padding pattern of Lk keys with causal queries (Lq 1-4), float32: padded and
     future keys never drawn, empty rows flagged (zero output / the error), each output row a
     mean of one-hot value rows."""
-    from attnuq.ops import sampled_attention
-    from attnuq.ops.sampled import _sample_indices
+    from tests.attnuq.ops.test_sampled import check_padding_and_causal
 
     pats = torch.tensor(list(itertools.product([False, True], repeat=lk)))
-    nb = pats.shape[0]
     for lq in range(1, 5):
-        q, k, _ = _qkv32(nb, 2, 2, lq, lk, 3, seed=lk * 10 + lq)
-        v = torch.eye(lk).expand(nb, 2, lk, lk)
-        pad = pats.view(nb, 1, 1, lk)
-        allowed = pad & torch.ones(lq, lk, dtype=torch.bool).tril()
-        empty_ref = ~allowed.any(-1).expand(nb, 2, lq)
-        for bs in [None, *range(1, lk + 1)]:
-            idx, empty = _sample_indices(q, k, v, nu=16, attn_mask=pad, is_causal=True,
-                                         block_size=bs, generator=_gen(bs or 0))
-            assert torch.equal(empty, empty_ref)
-            drawn = torch.nn.functional.one_hot(idx, lk).sum(-2) > 0
-            ok = allowed.expand(nb, 2, lq, lk) | empty_ref.unsqueeze(-1)
-            assert not (drawn & ~ok).any(), f"{lq=} {lk=} {bs=}"
-            y = sampled_attention(q, k, v, nu=16, attn_mask=pad, is_causal=True,
-                                  block_size=bs, generator=_gen(1), empty_rows="zero")
-            assert not ((y > 0) & ~allowed.expand_as(y)).any()
-            assert (y[empty_ref] == 0).all()
-            torch.testing.assert_close(y.sum(-1)[~empty_ref],
-                                       torch.ones(int((~empty_ref).sum())))
-            if empty_ref.any():
-                with pytest.raises(ValueError, match="every key masked"):
-                    sampled_attention(q, k, v, nu=2, attn_mask=pad, is_causal=True,
-                                      block_size=bs)
+        q, k, _ = _qkv32(pats.shape[0], 2, 2, lq, lk, 3, seed=lk * 10 + lq)
+        check_padding_and_causal(q, k, pats)
 
 
 def _hf_layout(b, hq, hk, lq, lk, d, seed):

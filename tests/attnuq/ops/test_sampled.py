@@ -231,33 +231,41 @@ def test_moments_variance_is_accurate_for_offset_values_in_float32():
 # ---------------------------------------------------------------------------------------------
 # masks: exhaustive small shapes, causal never draws the future, padded keys never drawn
 # ---------------------------------------------------------------------------------------------
+def check_padding_and_causal(q: torch.Tensor, k: torch.Tensor, pats: torch.Tensor) -> None:
+    """Every key-padding pattern of ``pats`` ``(nb, Lk)`` (one per batch element) with causal
+    queries (``q`` ``(nb, 2, Lq, E)``): padded and future keys never drawn, empty rows flagged
+    (zero output / the error), each output row a mean of one-hot value rows; every block size.
+    """
+    nb, lk = pats.shape
+    lq = q.shape[2]
+    v = torch.eye(lk, dtype=q.dtype).expand(nb, 2, lk, lk)  # output = W / nu
+    pad = pats.view(nb, 1, 1, lk)
+    allowed = pad & torch.ones(lq, lk, dtype=torch.bool).tril()  # causal, top-left
+    empty_ref = ~allowed.any(-1).expand(nb, 2, lq)
+    for bs in [None, *range(1, lk + 1)]:
+        idx, empty = _sample_indices(q, k, v, nu=16, attn_mask=pad, is_causal=True,
+                                     block_size=bs, generator=_gen(bs or 0))
+        assert torch.equal(empty, empty_ref)
+        drawn = F.one_hot(idx, lk).sum(-2) > 0  # (nb, 2, lq, lk)
+        ok = allowed.expand(nb, 2, lq, lk) | empty_ref.unsqueeze(-1)
+        assert not (drawn & ~ok).any(), f"{lq=} {lk=} {bs=}"
+        y = sampled_attention(q, k, v, nu=16, attn_mask=pad, is_causal=True,
+                              block_size=bs, generator=_gen(1), empty_rows="zero")
+        assert not ((y > 0) & ~allowed.expand_as(y)).any()
+        assert (y[empty_ref] == 0).all()
+        torch.testing.assert_close(y.sum(-1)[~empty_ref],
+                                   torch.ones(int((~empty_ref).sum()), dtype=y.dtype))
+        if empty_ref.any():
+            with pytest.raises(ValueError, match="every key masked"):
+                sampled_attention(q, k, v, nu=2, attn_mask=pad, is_causal=True, block_size=bs)
+
+
 @pytest.mark.parametrize("lk", [1, 2, 3, 4])
 def test_exhaustive_causal_and_padding_never_draw_excluded_keys(lk):
     pats = torch.tensor(list(itertools.product([False, True], repeat=lk)))  # (2^Lk, Lk)
-    nb = pats.shape[0]
     for lq in range(1, 5):
-        q, k, _ = _qkv(nb, 2, 2, lq, lk, 3, seed=lk * 10 + lq)
-        v = torch.eye(lk, dtype=torch.float64).expand(nb, 2, lk, lk)  # output = W / nu
-        pad = pats.view(nb, 1, 1, lk)
-        allowed = pad & torch.ones(lq, lk, dtype=torch.bool).tril()  # causal, top-left
-        empty_ref = ~allowed.any(-1).expand(nb, 2, lq)
-        for bs in [None, *range(1, lk + 1)]:
-            idx, empty = _sample_indices(q, k, v, nu=16, attn_mask=pad, is_causal=True,
-                                         block_size=bs, generator=_gen(bs or 0))
-            assert torch.equal(empty, empty_ref)
-            drawn = F.one_hot(idx, lk).sum(-2) > 0  # (nb, 2, lq, lk)
-            ok = allowed.expand(nb, 2, lq, lk) | empty_ref.unsqueeze(-1)
-            assert not (drawn & ~ok).any(), f"{lq=} {lk=} {bs=}"
-            y = sampled_attention(q, k, v, nu=16, attn_mask=pad, is_causal=True,
-                                  block_size=bs, generator=_gen(1), empty_rows="zero")
-            assert not ((y > 0) & ~allowed.expand_as(y)).any()
-            assert (y[empty_ref] == 0).all()
-            torch.testing.assert_close(y.sum(-1)[~empty_ref],
-                                       torch.ones(int((~empty_ref).sum()), dtype=y.dtype))
-            if empty_ref.any():
-                with pytest.raises(ValueError, match="every key masked"):
-                    sampled_attention(q, k, v, nu=2, attn_mask=pad, is_causal=True,
-                                      block_size=bs)
+        q, k, _ = _qkv(pats.shape[0], 2, 2, lq, lk, 3, seed=lk * 10 + lq)
+        check_padding_and_causal(q, k, pats)
 
 
 def test_dense_causal_row_chunks_on_long_sequences():
