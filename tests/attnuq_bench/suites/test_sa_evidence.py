@@ -28,12 +28,12 @@ BACKBONE = {"cache_key": "k", "best_epoch": 3, "best_val_rmse_std_units": 0.25}
 
 def _uci(root: Path, ds: str, split: int, method: str, crps: float, *,
          info: dict[str, Any] | None = None, backbone: dict[str, Any] | None = None,
-         n_val: int = 400) -> None:
+         n_val: int = 400, digest: str | None = "d") -> None:
     d = root / "uci" / "runs" / ds / f"split{split}"
     d.mkdir(parents=True, exist_ok=True)
     rec = {"dataset": ds, "split": split, "method": method, "metrics": {"crps": crps},
            "info": info or {}, "sizes": {"val": n_val}, "backbone": backbone or BACKBONE,
-           "data_digest": "d"}
+           "data_digest": digest}
     # json.dumps writes inf as Infinity, as the suites' records do
     (d / f"{method}.json").write_text(json.dumps(rec))
 
@@ -60,6 +60,8 @@ def _records(root: Path) -> None:
     _uci(root, "a", 2, "sa", 1.3, info=_sa_info(0.05, "sa-floor", 1.0))
     _uci(root, "a", 2, "laplace", 0.5, backbone={**BACKBONE, "best_val_rmse_std_units": 0.3})
     _uci(root, "a", 2, "ensemble", 0.1)  # retrains the backbone: never a comparison
+    _uci(root, "a", 2, "gaussian", 0.2, digest="other")  # other data: not compared
+    _uci(root, "a", 2, "swag", 0.2, digest=None)  # no digest: the backbone decides
     _uci(root, "c", 0, "conformal", 3.0)  # a set without sa: a row with sa missing
     for k in (0, 1):
         _uci(root, "b", k, "sa", 2.0, info=_sa_info(0.3, "conformal", math.inf, edge="lower"))
@@ -103,7 +105,7 @@ def test_units_keep_one_backbone_and_show_missing_records(tmp_path: Path) -> Non
         ("uci", "b split 1"), ("uci", "c split 0"), ("ett", "ETTh1"), ("era5", "t2m +6h"),
         ("era5", "t2m +24h")]
     a2 = units[2]
-    assert a2.crps == {"sa": 1.3} and a2.other_backbone == ["laplace"]
+    assert a2.crps == {"sa": 1.3, "swag": 0.2} and a2.other_backbone == ["gaussian", "laplace"]
     assert a2.beats_conformal is None  # conformal missing: not filled
     assert units[3].diag["beta_units"] == math.inf and units[3].diag["n_val"] == 400
     assert units[5].crps == {"conformal": 3.0} and units[5].diag == {}
@@ -120,7 +122,7 @@ def test_set_rows_average_over_splits_with_ties_and_incomplete_baselines(tmp_pat
     assert a.sa == pytest.approx((1.1, math.sqrt(0.03)))
     # conformal and laplace lack split 2 (missing / other backbone): not compared
     assert a.best is None and a.gap is None and a.sa_best is None
-    assert a.incomplete == {"conformal": 2, "laplace": 2}
+    assert a.incomplete == {"conformal": 2, "laplace": 2, "swag": 1}
     assert a.beats is True  # over the splits both have (0, 1): sa 2.0 against conformal 2.1
     b = rows[("uci", "b")]
     # a three-way tie: conformal first in NO_RETRAIN wins it, sa tied counts as best

@@ -173,8 +173,15 @@ def _diag(info: Mapping[str, Any], n_val: int | None) -> dict[str, Any]:
 
 def _backbone(r: Mapping[str, Any]) -> tuple[Any, ...]:
     b = r.get("backbone") or {}
-    return (b.get("cache_key"), b.get("best_epoch"), b.get("best_val_rmse_std_units"),
-            r.get("data_digest"))
+    return b.get("cache_key"), b.get("best_epoch"), b.get("best_val_rmse_std_units")
+
+
+def _same_fit(r: Mapping[str, Any], sa: Mapping[str, Any]) -> bool:
+    """``r`` scored on ``sa``'s backbone and data: the same backbone fingerprint (cache key,
+    best epoch, validation RMSE: a retrained backbone differs in the last two) and the same
+    data digest where both records have one."""
+    d1, d2 = r.get("data_digest"), sa.get("data_digest")
+    return _backbone(r) == _backbone(sa) and (d1 is None or d2 is None or d1 == d2)
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -209,7 +216,7 @@ def uci_units(runs: Path) -> list[Unit]:
             r = recs.get(m)
             if r is None:
                 continue
-            if sa is not None and _backbone(r) != _backbone(sa):
+            if sa is not None and not _same_fit(r, sa):
                 u.other_backbone.append(m)
                 continue
             c = _num(r["metrics"].get("crps"))
