@@ -197,7 +197,7 @@ def test_bad_inputs_name_the_value(fitted: tuple) -> None:
         est.fit([(x, y)], [(x, y2)])
     with pytest.raises(ValueError, match=r"val_data: the prediction and the targets of batch 0"):
         est.fit([(x, y2)], [(x, y2)])
-    with pytest.raises(ValueError, match="prediction and targets must have the same shape"):
+    with pytest.raises(ValueError, match=r"targets of batch 0 must have dim 0 = B = 20, got"):
         SARegressor(net, nu_range=(1, 8), progress=False).fit([(x, y[:10])], [(x, y)])
     with pytest.raises(TypeError, match="val_data must be an iterable"):
         est.fit(x, [(x, y)])

@@ -221,7 +221,7 @@ class TemperatureScaling(_ClassMethod):
     """``softmax(z / T)`` with ``T`` minimising the validation NLL (:func:`fit_temperature_nll`)."""
 
     implementation = ("attnuq (golden section on log T over the validation NLL); agrees with "
-                      "torch-uncertainty 0.13 TemperatureScaler (tests/methods/"
+                      "torch-uncertainty 0.13 TemperatureScaler (tests/attnuq_bench/methods/"
                       "test_classification_methods.py)")
 
     def __init__(self) -> None:
