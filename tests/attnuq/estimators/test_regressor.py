@@ -207,8 +207,10 @@ def test_bad_inputs_name_the_value(fitted: tuple) -> None:
     for level in (0.0, 1.0, 1.5, -0.1, float("nan")):
         with pytest.raises(ValueError, match="level"):
             pred.interval(level)
-    with pytest.raises(ValueError, match=r"level=0.999 needs .* got n=400"):
-        pred.interval(0.999)
+    # past the largest level n / (n + 1) of this fit (n: 400 calibration scores, or the
+    # Gaussian form's 1000 atoms)
+    with pytest.raises(ValueError, match=rf"needs .* got n={pred.n}"):
+        pred.interval((pred.n + 0.5) / (pred.n + 1))
     with pytest.raises(RuntimeError, match="not fitted"):
         SARegressor(net).predict(x)
     for kw, match in (({"seed": -1}, "seed"), ({"n_samples": 1}, "n_samples"),
@@ -284,7 +286,8 @@ def test_gaussian_form_chosen_on_gaussian_errors_and_exact(monkeypatch: pytest.M
     """Homoscedastic N(0, 1) errors, spread unrelated: the Gaussian form wins the cross-fitted
     CRPS (empirical forms pay for their sampling noise), fit says so, and the predictive is
     N(0, s^2) with s the calibration RMS: CRPS within 1e-4 relative of the closed form (the
-    discretisation by 2000 midpoint quantiles), intervals f +- s z_{(1+L)/2} within 1e-3."""
+    discretisation by 2000 midpoint quantiles), intervals f +- s z_{(1+L)/2} within 5e-3 (the
+    rank ceil((K + 1) L) moves the level by at most 1.5 / K, z by at most 2.4e-3 at L = 0.5)."""
     from attnuq.metrics import crps_normal
 
     _homoscedastic(monkeypatch, 11, "gauss")
@@ -308,7 +311,7 @@ def test_gaussian_form_chosen_on_gaussian_errors_and_exact(monkeypatch: pytest.M
                         torch.full((500,), s, dtype=torch.float64), y, reduction="none")
     assert torch.allclose(pred.crps(y, reduction="none"), exact, rtol=1e-4)
     for level, z in ((0.5, 0.6744897501960817), (0.9, 1.6448536269514722)):
-        assert pred.interval(level)[1][0].item() == pytest.approx(s * z, rel=1e-3)
+        assert pred.interval(level)[1][0].item() == pytest.approx(s * z, rel=5e-3)
     # the file keeps the form: load gives the same predictive
     path = sa.save(tmp_path / "g.json")
     back = SARegressor.load(path, net, progress=False)

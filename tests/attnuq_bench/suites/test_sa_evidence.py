@@ -91,8 +91,9 @@ def test_threshold_and_rule_on_the_diagnostics() -> None:
     assert ev.rule_predicts({"spearman": 0.19, "form": "sa-floor", "n_val": 101}) is False
     assert ev.rule_predicts({"spearman": 0.9, "form": "conformal", "n_val": None}) is False
     assert ev.rule_predicts({"spearman": 0.9, "form": None}) is None
-    with pytest.raises(ValueError, match=r"diag\['form'\].*'gaussian'"):
-        ev.rule_predicts({"spearman": 0.9, "form": "gaussian"})
+    assert ev.rule_predicts({"spearman": 0.9, "form": "gaussian", "n_val": 101}) is False
+    with pytest.raises(ValueError, match=r"diag\['form'\].*'laplace'"):
+        ev.rule_predicts({"spearman": 0.9, "form": "laplace"})
     with pytest.raises(TypeError, match="n_val"):
         ev.spearman_threshold(3.5)  # type: ignore[arg-type]
 

@@ -76,15 +76,16 @@ _Z975 = 1.959963984540054
 RULE_TEXT = (
     "predict that `sa` beats plain split conformal on test (lower CRPS) exactly when, on "
     "validation data, (a) SARegressor's cross-fitted validation CRPS chose a spread-scaled form "
-    "(`form` is `sa-normalised` or `sa-floor`, not `conformal`) and (b) the validation Spearman "
+    "(`form` is `sa-normalised` or `sa-floor`, not `conformal` or `gaussian`, the constant-width "
+    "ones) and (b) the validation Spearman "
     "correlation of SA's spread with the absolute error exceeds max(0.1, 1.96 / sqrt(n_val - 1)), "
     "n_val the number of validation examples where the records give it (UCI: the validation "
     "part's rows; ERA5: its issue times; ETTh1: not recorded, so 0.1)"
 )
 RULE_WHY = (
     "Why these two conditions, fixed before any test score was read: plain conformal is the "
-    "`beta = inf` end of the form SARegressor chooses, so (a) is the estimator's own validation "
-    "verdict; a spread can only help if it ranks the errors, and (b) asks that its rank "
+    "`beta = inf` end of the form SARegressor chooses (the Gaussian residual form is the other "
+    "constant-width one), so (a) is the estimator's own validation verdict; a spread can only help if it ranks the errors, and (b) asks that its rank "
     "correlation be both non-negligible (Cohen's small effect, 0.1) and above what chance gives "
     "on n_val independent examples at the two-sided 5 % level (the null sd of Spearman's rho is "
     "1 / sqrt(n - 1); counting examples, not output elements, is conservative for the "
@@ -113,17 +114,21 @@ def rule_predicts(diag: Mapping[str, Any]) -> bool | None:
     should beat plain conformal), ``False``, or ``None`` when a diagnostic it needs is missing.
 
     ``diag`` holds ``spearman`` (float or ``None``), ``form`` (``"sa-normalised"``,
-    ``"sa-floor"``, ``"conformal"`` or ``None``) and ``n_val`` (int or ``None``).
+    ``"sa-floor"``, ``"conformal"``, ``"gaussian"`` or ``None``) and ``n_val`` (int or
+    ``None``).
     """
     if not isinstance(diag, Mapping):
         raise TypeError(f"diag must be a mapping, got {type(diag).__name__}")
     rho, form = diag.get("spearman"), diag.get("form")
     if rho is None or form is None or not math.isfinite(float(rho)):
         return None
-    if form not in ("sa-normalised", "sa-floor", "conformal"):
-        raise ValueError(f"diag['form'] must be 'sa-normalised', 'sa-floor' or 'conformal', "
-                         f"got {form!r}")
-    return form != "conformal" and float(rho) > spearman_threshold(diag.get("n_val"))
+    if form not in _FORMS:
+        raise ValueError(f"diag['form'] must be one of {_FORMS}, got {form!r}")
+    return form in _FORMS[:2] and float(rho) > spearman_threshold(diag.get("n_val"))
+
+
+#: SARegressor's forms: the two that use SA's spread, then the two of constant width
+_FORMS = ("sa-normalised", "sa-floor", "conformal", "gaussian")
 
 
 # --------------------------------------------------------------------------- records -> units

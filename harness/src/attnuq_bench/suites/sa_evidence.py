@@ -137,7 +137,7 @@ def plot(path: Path, units: Sequence[Unit]) -> Path | None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     colours = {"uci": "tab:blue", "ett": "tab:orange", "era5": "tab:green"}
-    markers = {"sa-normalised": "o", "sa-floor": "s", "conformal": "x"}
+    markers = {"sa-normalised": "o", "sa-floor": "s", "conformal": "x", "gaussian": "+"}
     seen: set[tuple[str, str]] = set()
     for u, rho, gap in pts:
         form = str(u.diag.get("form"))
