@@ -85,7 +85,8 @@ RULE_TEXT = (
 RULE_WHY = (
     "Why these two conditions, fixed before any test score was read: plain conformal is the "
     "`beta = inf` end of the form SARegressor chooses (the Gaussian residual form is the other "
-    "constant-width one), so (a) is the estimator's own validation verdict; a spread can only help if it ranks the errors, and (b) asks that its rank "
+    "constant-width one), so (a) is the estimator's own validation verdict; a spread can only "
+    "help if it ranks the errors, and (b) asks that its rank "
     "correlation be both non-negligible (Cohen's small effect, 0.1) and above what chance gives "
     "on n_val independent examples at the two-sided 5 % level (the null sd of Spearman's rho is "
     "1 / sqrt(n - 1); counting examples, not output elements, is conservative for the "
