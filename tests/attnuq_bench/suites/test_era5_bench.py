@@ -181,6 +181,8 @@ def test_render_only_writes_page_twin_and_summary(tmp_path: Path) -> None:
 
     (tmp_path / "era5").mkdir()
     shutil.copy(RESULTS / "era5" / "era5_results.json", tmp_path / "era5")
+    for suite in ("uci", "ett"):  # the page's section on what the evidence tells a user (#34)
+        (tmp_path / suite).symlink_to(RESULTS / suite)  # reads every regression suite
     (tmp_path / "summary.json").write_text(json.dumps({"uci": {"kept": 1}}))
     assert main(["bench", "era5", "--out", str(tmp_path), "--render-only"]) == 0
     assert (tmp_path / "era5.md").read_text() == (RESULTS / "era5.md").read_text()
