@@ -103,6 +103,7 @@ class BenchCommand:
 
     def add_arguments(self, parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
         from attnuq_bench.suites import REPORTS, SUITES, get_suite
+        from attnuq_bench.suites._options import BenchHelpFormatter
 
         self._argv = ["bench", *argv]  # the command line, for the resume hint
         load_suite = argv[0] if argv else None
@@ -118,7 +119,8 @@ class BenchCommand:
                 p = bench_sub.add_parser(name, help=f"(unavailable: {exc})")
                 p.set_defaults(_unavailable=str(exc))
                 continue
-            p = bench_sub.add_parser(name, help=suite.help, description=suite.help)
+            p = bench_sub.add_parser(name, help=suite.help, description=suite.help,
+                                     formatter_class=BenchHelpFormatter)
             suite.add_arguments(p)
             add_common_options(p)
             p.set_defaults(_run=suite.run)

@@ -22,6 +22,7 @@ from attnuq._io import atomic_savefig, read_json_or_none
 from attnuq.predictive import GaussianPredictive, Predictive
 from attnuq_bench.suites._ablation import ablation_block
 from attnuq_bench.suites._members import cache_text, jobs_text
+from attnuq_bench.suites._options import split_methods
 from attnuq_bench.suites._page import Page, Table, fmt
 from attnuq_bench.suites._sa_evidence import add_section
 from attnuq_bench.suites._scoring import StreamScores, to_cpu
@@ -49,9 +50,10 @@ IMPLEMENTATIONS: dict[str, str] = {
 AnyPred = Predictive | GaussianPredictive
 
 
-def parse_methods(spec: str) -> list[str]:
-    """The rows named in ``--methods``/``--rerun`` (``ValueError`` naming unknown ones)."""
-    ms = [m.strip() for m in spec.split(",") if m.strip()]
+def parse_methods(spec: str | Sequence[str]) -> list[str]:
+    """The rows named in ``--methods``/``--rerun`` (the shared syntax,
+    :func:`attnuq_bench.suites._options.split_methods`; ``ValueError`` naming unknown ones)."""
+    ms = split_methods(spec)
     bad = [m for m in ms if m not in ALL_METHODS]
     if bad or not ms:
         raise ValueError(f"unknown methods {bad} in --methods={spec!r}; known: {list(ALL_METHODS)}")

@@ -58,6 +58,7 @@ from attnuq_bench.suites._era5_recipe import (
 )
 from attnuq_bench.suites._fields import error_maps, field_scores, load_maps, maps_png, point_scores
 from attnuq_bench.suites._implementations import implementation_texts, merge_block
+from attnuq_bench.suites._options import add_methods_argument, split_methods
 from attnuq_bench.suites._page import Page, Table, fmt, update_summary
 from attnuq_bench.suites._runner import Group, RunStore, credits, reuse_key, run_items
 from attnuq_bench.suites._sa_evidence import add_section
@@ -96,12 +97,13 @@ _TITLE = "ERA5 2 m temperature: stochastic attention on a frozen ViT forecaster 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--data-dir", default=None, help="data root (holds era5/<file>)")
+    a("--data-dir", default=None, help="data root (holds era5/<file>) (default: "
+      "$ATTNUQ_DATA_DIR, else ../shared/data)")
     a("--file", default="era5-2mt-2019-03-uk.grib", help="GRIB or NetCDF: (time, lat, lon)")
     a("--variable", default=None, help="variable name (default: the only one)")
     a("--out", default="docs/results", help="results root (writes era5.md, era5/)")
     a("--model-dir", default=None, help="backbone folder (default <out>/era5/backbone)")
-    a("--retrain", action="store_true")
+    a("--retrain", action="store_true", help="train the backbone even if saved")
     a("--split", default="18,5,4,-1",
       help="days in train,val,cal,test (consecutive; -1 = the rest)")
     a("--history", type=int, default=6, help="hours back of the second input field")
@@ -115,25 +117,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay of the backbone")
     a("--center-inputs", action="store_true", help="the ViT sees its inputs less the domain mean "
       "of x(t) (no absolute level; the output is still the base plus the ViT's correction)")
-    for name, v in (("patch", 4), ("hidden", 64), ("layers", 3), ("heads", 4), ("mlp", 128),
-                    ("dropout", 0.1), ("epochs", 40), ("patience", 6), ("batch-size", 16),
-                    ("lr", 1e-3), ("ensemble", 5)):
-        a(f"--{name}", type=type(v), default=v)
+    for name, v, text in (
+            ("patch", 4, "ViT patch size"), ("hidden", 64, "ViT width"),
+            ("layers", 3, "ViT encoder layers"), ("heads", 4, "attention heads per layer"),
+            ("mlp", 128, "ViT feed-forward width"),
+            ("dropout", 0.1, "dropout rate of the backbone"),
+            ("epochs", 40, "training epochs at most (early stopping on val)"),
+            ("patience", 6, "early-stopping patience in epochs"),
+            ("batch-size", 16, "training batch size"), ("lr", 1e-3, "learning rate"),
+            ("ensemble", 5, "deep-ensemble size")):
+        a(f"--{name}", type=type(v), default=v, help=text)
     a("--member-jobs", type=int, default=1, help="train the ensemble members in this many "
       "worker processes (one thread each; same weights as 1 = one after the other)")
-    a("--n-samples", type=int, default=30)
-    a("--n-passes", type=int, default=10)
+    a("--n-samples", type=int, default=30, help="Monte Carlo passes per method")
+    a("--n-passes", type=int, default=10, help="passes per nu in calibration")
     a("--nu-max", type=int, default=1024, help="upper end of SA's nu search")
-    a("--methods", default=",".join(ALL_METHODS),
-      help=f"comma-separated subset of {','.join(ALL_METHODS)}")
+    add_methods_argument(p, default=ALL_METHODS,
+                         help=f"methods to score (default: {', '.join(ALL_METHODS)})")
     a("--seed", type=int, default=0, help="seed of the backbone; ensemble member k uses seed + k")
     a("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or auto (default: cpu)")
-    a("--threads", type=int, default=1)
-    a("--no-progress", action="store_true")
+    a("--threads", type=int, default=1, help="torch intra-op threads")
+    a("--no-progress", action="store_true", help="hide progress bars")
     a("--resume", action="store_true", help="keep the methods already scored in "
       "<out>/era5/runs under the same config (and their maps); run only the rest")
-    a("--rerun", default="", metavar="METHODS", help="methods to score again despite --resume")
-    a("--note", action="append", default=None, metavar="TEXT", help="a note for the page")
+    add_methods_argument(p, "--rerun", default=(),
+                         help="methods to score again despite --resume (default: none)")
+    a("--note", action="append", default=None, metavar="TEXT",
+      help="a note for the page; repeatable (default: none)")
     a("--render-only", action="store_true", help="the page again from era5/era5_results.json")
 
 
@@ -151,8 +161,7 @@ _NEW_DEFAULTS = {"day_ago": False, "loo_clim": False, "base": "persistence", "we
 
 def _check(args: argparse.Namespace) -> tuple[list[str], list[str], tuple[int, ...], list[int]]:
     """Validated ``(methods, rerun, leads, split)`` of the command line."""
-    methods, rerun = ([m.strip() for m in (v or "").split(",") if m.strip()]
-                      for v in (args.methods, getattr(args, "rerun", "")))
+    methods, rerun = (split_methods(v) for v in (args.methods, getattr(args, "rerun", None)))
     bad = [m for m in methods + rerun if m not in ALL_METHODS]
     if bad or not methods or any(m not in methods for m in rerun):
         raise ValueError(f"unknown methods {bad} in --methods={args.methods!r} / --rerun="
