@@ -585,5 +585,5 @@ def readme_paragraph(ev: Mapping[str, Any]) -> list[str]:
     base = max(sp["beats"], sp["scored"] - sp["beats"]) if sp["scored"] else 0
     if sp["scored"] and sp["right"] <= base:
         text += (f", no better than always answering the more frequent outcome ({base} of "
-                 f"{sp['scored']}): no rule from these diagnostics tells a user more")
+                 f"{sp['scored']}): this rule tells a user no more than that base rate")
     return [text + "."]
