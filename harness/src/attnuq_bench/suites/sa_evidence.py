@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from attnuq_bench.suites import register
-from attnuq_bench.suites._page import Page, Table, read_twin, twin_path
+from attnuq_bench.suites._page import Page, Table, require_twin, twin_path
 from attnuq_bench.suites._sa_evidence import (
     COLUMNS,
     NO_RETRAIN,
@@ -171,10 +171,7 @@ def render_page(out: Path, table: Path) -> Page:
     """The page ``table`` again from the records under its folder and its twin's provenance
     (``out``: that folder or its ``sa_evidence/``; the regeneration test passes the latter)."""
     root = _root(Path(out), Path(table))
-    twin = read_twin(table)
-    if twin is None:
-        raise ValueError(f"no JSON twin of {str(table)!r} to render from: run "
-                         "`attnuq bench evidence` first")
+    twin = require_twin(table, ": run `attnuq bench evidence` first")
     plotted = (root / PLOT).is_file()
     return build_page(collect(root), twin["provenance"], plot_path=PLOT if plotted else None)
 
