@@ -320,7 +320,9 @@ def render(info: dict[str, Any], rows: list[dict[str, Any]]) -> str:
               "The column *sigma_total lines alone* times the two lines that (a) runs and (b) "
               f"does not (`s0 = prior_std[c_q]` and the root), {INNER} times per timing on "
               "each batch's stored outputs: the cost the ratio (a) / (b) measures, without the "
-              "pass-to-pass noise of the whole forward that its IQR shows."]
+              "pass-to-pass noise of the whole forward that its IQR shows. (a) / (b) is the "
+              "median of the per-repeat ratios, not the ratio of the two median stays/s columns; "
+              "they differ by that noise."]
     main_row = rows[0]
     lines += [
         "",
@@ -354,7 +356,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 1.2 + 1.1 * len(rows)))
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 1.1 * len(rows)))
     names = [("a", "(a) forward (with sigma_total)"), ("b", "(b) pre-#36 forward"),
              ("c", "(c) softmax control")]
     colours = {"a": "tab:blue", "b": "tab:grey", "c": "tab:orange"}
@@ -375,7 +377,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("test stays per second (1 thread)")
     ax.set_title(f"Levy forecaster inference, ratio (a)/(b) = {rows[0]['ratio_ab']:.3f}",
                  fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     atomic_savefig(fig, path, dpi=120)
     plt.close(fig)

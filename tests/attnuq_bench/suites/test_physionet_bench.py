@@ -297,7 +297,7 @@ def test_speed_goal_judged_from_the_benchmark_record(tmp_path: Path) -> None:
         line = _speed_line(build_page(res, speed=rec).markdown())
         assert f"ratio {ratio:.3f} (IQR" in line
         assert f"criterion >= 0.9 -> {verdict});" in line
-        assert "[levy_forecaster.md](../benchmarks/levy_forecaster.md)" in line
+        assert "([levy_forecaster.md](../benchmarks/levy_forecaster.md), 2026-12-03" in line
         assert "In-run, for context only (load-dependent): stays/s of the chosen w" in line
     bench.write_text('{"ratio": 0.95, "rows": [')  # torn
     with pytest.warns(UserWarning, match="ignoring the speed benchmark"):

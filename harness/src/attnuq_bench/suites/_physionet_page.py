@@ -618,15 +618,20 @@ def _speed_goal(page: Page, results: dict[str, Any], speed: dict[str, Any] | Non
         return
     row = speed["rows"][0]
     sp, r = row["stays_per_s"], float(speed["ratio"])
-    link = f"[{Path(str(speed['page'])).name}]({speed['page']})" if speed.get("page") else ""
-    page.add(f"{head}. Measured by `benchmarks/bench_levy_forecaster.py` {link} "
-             f"({speed['date']}; the suite's {speed['shape']['test_stays']} test stays in "
+    link = f"[{Path(str(speed['page'])).name}]({speed['page']}), " if speed.get("page") else ""
+    more = [f"{short_weights(x['weights'])} weights {float(x['ratio_ab']):.3f}"
+            for x in speed["rows"][1:] if "ratio_ab" in x]
+    page.add(f"{head}. Measured by `benchmarks/bench_levy_forecaster.py` ({link}"
+             f"{speed['date']}; the suite's {speed['shape']['test_stays']} test stays in "
              f"batches of {speed['shape']['batch_size']}, 1 CPU thread, thread CPU time, "
              f"{row['repeats']} paired repeats, {short_weights(row['weights'])} weights): "
              f"{sp['a']:.1f} stays/s with sigma_total vs {sp['b']:.1f} for the same forward "
              f"without it (the pre-#36 output), ratio {r:.3f} (IQR {speed['ratio_q25']:.3f}-"
-             f"{speed['ratio_q75']:.3f}; criterion >= {SPEED_CRITERION} -> {verdict(r)}); "
-             f"softmax control {sp['c']:.1f} stays/s."
+             f"{speed['ratio_q75']:.3f}; criterion >= {SPEED_CRITERION} -> {verdict(r)}"
+             + (f"; the ratio with {', '.join(more)}" if more else "")
+             + ")" + (f"; the sigma_total lines alone take {100 * row['lines_fraction_of_b']:.2f}"
+                      " % of the pass without them" if "lines_fraction_of_b" in row else "")
+             + f"; softmax control {sp['c']:.1f} stays/s."
              + (f" In-run, for context only (load-dependent): {in_run}." if in_run else ""))
 
 
