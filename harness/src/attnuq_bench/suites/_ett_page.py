@@ -24,6 +24,7 @@ from attnuq_bench.suites._ablation import ablation_block
 from attnuq_bench.suites._members import cache_text, jobs_text
 from attnuq_bench.suites._options import split_methods
 from attnuq_bench.suites._page import Page, Table, fmt
+from attnuq_bench.suites._sa_evidence import add_section
 from attnuq_bench.suites._scoring import StreamScores, to_cpu
 
 __all__ = ["ALL_METHODS", "DEFAULT_METHODS", "IMPLEMENTATIONS", "chunks", "fan_plot", "fan_rows",
@@ -291,6 +292,7 @@ def render_page(out: Path, table: Path) -> Page:
                      f"{fmt(mse)} ({100 * (mse / fz - 1):+.2f} % against {fmt(fz)}): "
                      f"{'met' if ok else 'not met'}.")
         page.add("")
+        add_section(page, Path(out).parent, "ett")  # issue #34: what the evidence tells a user
         page.implementations(p["implementations"], trailing_blank=False)
     notes = c.get("note") or []
     if notes:

@@ -61,6 +61,7 @@ from attnuq_bench.suites._implementations import implementation_texts, merge_blo
 from attnuq_bench.suites._options import add_methods_argument, split_methods
 from attnuq_bench.suites._page import Page, Table, fmt, update_summary
 from attnuq_bench.suites._runner import Group, RunStore, credits, reuse_key, run_items
+from attnuq_bench.suites._sa_evidence import add_section
 from attnuq_bench.suites._scoring import to_cpu
 from attnuq_bench.training import predict_batched
 
@@ -397,7 +398,7 @@ def _summary(p: dict[str, Any]) -> dict[str, Any]:
 
 def _write_page(res_dir: Path, payload: dict[str, Any]) -> None:
     """Write ``era5.md`` + twin from ``payload`` (the stored results) and the summary key."""
-    render(payload).write(res_dir.parent / "era5.md")
+    render(payload, root=res_dir.parent).write(res_dir.parent / "era5.md")
     update_summary(res_dir.parent / "summary.json", "era5", _summary(payload))
 
 
@@ -411,11 +412,13 @@ def _stored(res_dir: Path) -> dict[str, Any]:
 
 def render_page(out: Path, table: Path) -> Page:
     """The page ``table`` (``era5.md``) again from ``out/era5_results.json`` alone."""
-    return render(_stored(out))
+    return render(_stored(out), root=Path(out).parent)
 
 
-def render(p: dict[str, Any]) -> Page:
-    """The results page of the stored results ``p`` (pure: no data, no training)."""
+def render(p: dict[str, Any], root: Path | None = None) -> Page:
+    """The results page of the stored results ``p`` (pure: no data, no training); with
+    ``root`` (the folder holding ``era5/``, e.g. ``docs/results``) also the section on what the
+    regression evidence tells a user (issue #34, from the records under ``root``)."""
     r, c, d, b = p["run"], p["config"], p["data"], p["backbone"]
     tr, res, leads = b["train"], p["results"], _parse_ints(c["leads"], "leads")
     page = Page("era5", _TITLE, state={"results": "era5/era5_results.json"})
@@ -509,6 +512,8 @@ def render(p: dict[str, Any]) -> Page:
         page.add("Issue #20's ERA5 goal, native W1(PIT, U) of `sa` at most 0.05 at every lead: "
                  + "; ".join(f"{k} {fmt(v)} ({'met' if v <= 0.05 else 'not met'})"
                              for k, v in sa_w1.items()) + ".", "")
+    if root is not None:  # issue #34: what the evidence tells a user
+        add_section(page, root, "era5")
     if scored:
         page.implementations(p["implementations"])
     if c.get("note"):
