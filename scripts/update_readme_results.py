@@ -8,6 +8,10 @@ scraped; a page without a twin is listed as such. ``--check`` exits 1 when the
 README block is stale (the tests run it that way). From ``docs/results/summary.json`` (issue
 #19's machine-readable summary, each suite's key written by that suite) each suite gets one line
 more: its frozen backbone's accuracy beside the reference it is held to.
+
+The block between ``<!-- sa-rule:start -->`` and ``<!-- sa-rule:end -->`` is the paragraph on
+what the regression evidence tells a user of ``sa`` (issue #34): the lines stored in
+``docs/results/sa_evidence.json`` (``state.readme``, written by ``attnuq bench evidence``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 RESULTS = ROOT / "docs" / "results"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+SA_START, SA_END = "<!-- sa-rule:start -->", "<!-- sa-rule:end -->"
 
 #: the suites whose headline the README shows, in README order
 SUITES = ("uci", "ett", "era5", "physionet", "calibration")
@@ -67,11 +72,24 @@ def summarise(suite: str) -> list[str]:
     return [*out, *(twin.get("headline_table") or []), *(["", extra] if extra else []), ""]
 
 
-def render(text: str) -> str:
+def sa_rule_lines(results: Path = RESULTS) -> list[str]:
+    """The README paragraph of ``results/sa_evidence.json`` (its ``state.readme`` lines), or a
+    line saying the page is not written yet."""
+    twin_file = results / "sa_evidence.json"
+    if not twin_file.is_file():
+        return ["No SA evidence page yet (`attnuq bench evidence --out docs/results`)."]
+    lines = (json.loads(twin_file.read_text()).get("state") or {}).get("readme")
+    if not isinstance(lines, list) or not all(isinstance(x, str) for x in lines):
+        raise SystemExit(f"{twin_file}: state.readme must be a list of strings")
+    return lines
+
+
+def render(text: str, results: Path = RESULTS) -> str:
     body: list[str] = []
     for suite in SUITES:
         body += summarise(suite)
-    return replace_block(text, START, END, "\n".join(body), README)
+    text = replace_block(text, START, END, "\n".join(body), README)
+    return replace_block(text, SA_START, SA_END, "\n".join(sa_rule_lines(results)), README)
 
 
 def main() -> int:

@@ -242,7 +242,9 @@ def calibration_curve(
     ax.set_xscale("log")
     ax.set_xlabel("nu")
     ax.set_ylabel("objective")
-    ax.set_title(f"calibration ({report.search}, {report.forward_passes} passes)")
+    # the count of dots, as the search's progress bar counts them (one step per evaluation)
+    ax.set_title(f"calibration ({report.search}: {len(evs)} evaluations of nu, "
+                 f"{report.forward_passes} passes)")
     if show_surrogate and report.surrogate is not None:
         ax2 = ax.twinx()
         lo, hi = report.nu_range

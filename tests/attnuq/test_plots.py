@@ -50,6 +50,41 @@ def test_calibration_curve_from_report(tmp_path: Path) -> None:
         _save(rep.plot(), tmp_path / f"cal_{search}.png")
 
 
+@pytest.mark.parametrize(("max_evals", "stopped_early"), [(1, False), (6, True)])
+def test_calibration_curve_counts_what_the_progress_bar_counted(
+    monkeypatch: pytest.MonkeyPatch, max_evals: int, stopped_early: bool
+) -> None:
+    """Issue #32 (the demo report): the search's progress bar ends at the number of
+    evaluations, which is the number of dots of the plot and the count in its title, whether
+    the budget runs out or the stopping rule ends the search before it (the bar's total
+    shrinks to the evaluations made)."""
+    import io
+
+    from tqdm import tqdm
+
+    from attnuq.calibration import search as search_mod
+
+    bars: list[object] = []
+
+    def recording_bar(progress: bool | None, desc: str, total: int) -> object:
+        bar = tqdm(total=total, desc=desc, file=io.StringIO())  # enabled: it counts
+        bars.append(bar)
+        return bar
+
+    monkeypatch.setattr(search_mod, "_bar", recording_bar)
+    model, v, y = make_uniform_problem(n=64)
+    rep = calibrate(model, [(v, y)], criterion="scale", search="bo", nu_range=(2, 128),
+                    max_evals=max_evals, nu_tol=0.25, progress=False)
+    n = len(rep.evaluations)
+    assert (n < max_evals) == stopped_early
+    assert len(bars) == 1
+    assert bars[0].n == bars[0].total == n  # type: ignore[attr-defined]
+    ax = rep.plot()
+    assert len(ax.lines[0].get_xdata()) == n  # one dot per evaluation
+    assert f"{n} evaluations of nu" in ax.get_title()
+    plt.close(ax.figure)
+
+
 def test_fan_chart_and_spread_map(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(1)
     seq = Predictive(samples=torch.randn(50, 2, 24, 3, generator=g).cumsum(2),

@@ -136,3 +136,54 @@ def test_sigint_during_bench_is_one_line_and_exit_130(tmp_path: Path) -> None:
     assert lines[0].startswith("attnuq: interrupted: uci runs stopped at the setup of "
                                "concrete/split0 (0 item(s) saved by this run); resume with: "
                                "attnuq bench uci --datasets concrete"), lines[0]
+
+
+def _suite_parser(suite: str) -> argparse.ArgumentParser:
+    """The parser of ``attnuq bench <suite>`` as the command line builds it."""
+    from attnuq.cli import build_parser
+
+    def sub(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return action.choices[name]
+
+    return sub(sub(build_parser(["bench", suite]), "bench"), suite)
+
+
+@pytest.mark.parametrize("suite", sorted(SUITES))
+def test_every_option_has_help_and_a_shown_default(suite: str) -> None:
+    """Issue #32: each option of ``attnuq bench <suite> --help`` says what it does and its
+    default (appended by the formatter, or written in the help where it is not a value)."""
+    from attnuq_bench.suites._options import BenchHelpFormatter
+
+    parser = _suite_parser(suite)
+    assert parser.formatter_class is BenchHelpFormatter
+    fmt = parser._get_formatter()
+    missing = []
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        shown = fmt._expand_help(action)
+        if not (action.help or "").strip() or "default" not in shown:
+            missing.append(f"{action.option_strings[0]}: {shown!r}")
+    assert not missing, missing
+    text = " ".join(parser.format_help().split())
+    assert "(default: None)" not in text
+
+
+@pytest.mark.parametrize("suite", sorted(s for s in SUITES
+                                         if "--methods" in _suite_parser(s)._option_string_actions))
+def test_methods_take_one_syntax_in_every_suite(suite: str) -> None:
+    """``--methods a b``, ``--methods a,b`` and ``--methods a, b`` name the same methods in
+    every suite that has the option, through the one shared action."""
+    from attnuq_bench.suites._options import _MethodsAction
+
+    parser = _suite_parser(suite)
+    actions = [parser._option_string_actions[f] for f in ("--methods", "--rerun")
+               if f in parser._option_string_actions]
+    assert all(isinstance(a, _MethodsAction) for a in actions)
+    forms = (["--methods", "sa", "conformal"], ["--methods", "sa,conformal"],
+             ["--methods", "sa,", "conformal"])
+    assert {tuple(parser.parse_args(f).methods) for f in forms} == {("sa", "conformal")}
+    if "--rerun" in parser._option_string_actions:
+        assert parser.parse_args(["--rerun", "sa", "conformal"]).rerun == ["sa", "conformal"]
+        assert parser.parse_args([]).rerun == []

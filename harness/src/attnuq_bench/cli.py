@@ -7,7 +7,8 @@ The library's command line finds them through the entry-point group ``attnuq.com
   predict, compare with MC dropout and write a report folder (``report.html``, PNGs,
   ``results.json``).
 * ``attnuq bench <suite>``: a benchmark suite (``uci``, ``ett``, ``era5``, ``physionet``,
-  ``calibration``); only the suite asked for is imported.
+  ``calibration``, ...) or a report over their stored results (``evidence``); only the one
+  asked for is imported.
 
 Examples
 --------
@@ -101,13 +102,14 @@ class BenchCommand:
     distributed = True
 
     def add_arguments(self, parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
-        from attnuq_bench.suites import SUITES, get_suite
+        from attnuq_bench.suites import REPORTS, SUITES, get_suite
+        from attnuq_bench.suites._options import BenchHelpFormatter
 
         self._argv = ["bench", *argv]  # the command line, for the resume hint
         load_suite = argv[0] if argv else None
         bench_sub = parser.add_subparsers(dest="suite", metavar="SUITE")
         bench_sub.required = True
-        for name in SUITES:
+        for name in (*SUITES, *REPORTS):
             if name != load_suite:  # suites import their extras lazily: only the one asked for
                 bench_sub.add_parser(name, help=f"see: attnuq bench {name} --help")
                 continue
@@ -117,7 +119,8 @@ class BenchCommand:
                 p = bench_sub.add_parser(name, help=f"(unavailable: {exc})")
                 p.set_defaults(_unavailable=str(exc))
                 continue
-            p = bench_sub.add_parser(name, help=suite.help, description=suite.help)
+            p = bench_sub.add_parser(name, help=suite.help, description=suite.help,
+                                     formatter_class=BenchHelpFormatter)
             suite.add_arguments(p)
             add_common_options(p)
             p.set_defaults(_run=suite.run)

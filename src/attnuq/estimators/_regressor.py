@@ -22,10 +22,14 @@ What :meth:`SARegressor.fit` does (every choice on validation data, fixed in adv
    .. math:: r = \frac{|y - f|}{\sqrt{\sigma^2 + \beta^2}}
 
    of one half of the validation examples (even / odd index) define the predictive of the other
-   half (below), whose mean CRPS is measured; both directions are averaged. The ``beta`` of the
-   lowest CRPS is kept (ties: the first in grid order). ``floor=False`` keeps ``beta = 0``.
+   half (below), whose mean CRPS is measured; both directions are averaged. With
+   ``gaussian=True`` (default) one more candidate is scored the same way: the Gaussian residual
+   model ``N(f, s^2)``, ``s`` the RMS of ``y - f`` of the other half (constant width, Gaussian
+   shape). The candidate of the lowest CRPS is kept (ties: the first in grid order, the
+   Gaussian last). ``floor=False`` keeps ``beta = 0``.
 4. The calibration: the scores of ``cal_data`` at that ``beta``, sorted (at most
-   :data:`MAX_SCORES` order statistics kept).
+   :data:`MAX_SCORES` order statistics kept); for the Gaussian form, ``s`` is the RMS of
+   ``y - f`` on ``cal_data``.
 
 The predictive (:class:`SAPredictive`) of an element with centre ``f`` and spread
 ``w = sqrt(sigma^2 + beta^2)`` (``w = 1`` for ``beta = inf``) is ``f + w T`` with ``T``
@@ -41,10 +45,17 @@ calibration scores). ``quantile(q)`` is the same construction (``L = |2q - 1|``,
 ``q - 1/2``); ``std`` and ``crps`` are those of ``f + w T`` with ``|T|`` the empirical
 distribution of the scores.
 
+The Gaussian form (``form == "gaussian"``, chosen only when the cross-fitted validation CRPS
+prefers it) is the same object with ``w = 1`` and, as its "scores", ``s`` times the
+:data:`GAUSS_ATOMS` midpoint quantiles of ``|Z|``, ``Z ~ N(0, 1)`` (``T`` is ``N(0, 1)``
+discretised): its intervals are Gaussian, ``f +- s z``, **without** the finite-sample
+split-conformal guarantee. ``gaussian=False`` keeps every form split-conformal.
+
 NOTE(paper): the conformal step, the floor and the choice of the form by cross-fitted CRPS are
-ours (#20, #32, #34); the paper reports raw SA draws with ``nu`` by ``L_SA``. A Gaussian
-residual model is not among the forms: its intervals are not finite-sample calibrated at every
-level; the plain-conformal form (``beta = inf``) is the constant-width alternative.
+ours (#20, #32, #34); the paper reports raw SA draws with ``nu`` by ``L_SA``. The Gaussian
+residual form (#34) is a candidate because on small validation parts its smooth shape can beat
+the empirical one in CRPS; its intervals are not finite-sample calibrated, so it is taken only
+when the validation CRPS prefers it, and ``gaussian=False`` excludes it.
 """
 
 from __future__ import annotations
@@ -71,7 +82,7 @@ from attnuq.estimators._common import (
 )
 from attnuq.predictive import Predictive, check_level, check_probability
 
-__all__ = ["MAX_SCORES", "SAPredictive", "SARegressor"]
+__all__ = ["GAUSS_ATOMS", "MAX_SCORES", "SAPredictive", "SARegressor"]
 
 #: most calibration order statistics an estimator keeps (and writes to its JSON); with more
 #: scores, the ``ceil(j n / MAX_SCORES)``-th smallest (``j = 1 .. MAX_SCORES``) are kept and a
@@ -80,6 +91,17 @@ MAX_SCORES = 1 << 14
 
 #: raw validation coverage levels reported in the diagnostics
 RAW_LEVELS = (0.5, 0.9, 0.95)
+
+#: atoms of the Gaussian form: ``|T|`` takes the values ``sqrt(2) erfinv((j - 1/2) / K)``,
+#: ``j = 1 .. K``, the midpoint quantiles of ``|Z|``; the symmetrised atoms are the ``2K``
+#: midpoint quantiles of ``N(0, 1)`` (CRPS within ``1e-4`` relative of the exact Gaussian one)
+GAUSS_ATOMS = 1000
+
+
+def _gauss_abs_quantiles(k: int = GAUSS_ATOMS) -> torch.Tensor:
+    """``(k,)`` ascending midpoint quantiles of ``|Z|``, ``Z ~ N(0, 1)`` (float64)."""
+    j = torch.arange(1, k + 1, dtype=torch.float64)
+    return math.sqrt(2.0) * torch.erfinv((j - 0.5) / k)
 
 
 def _form_name(beta_units: float) -> str:
@@ -159,7 +181,8 @@ class SAPredictive:
     frozen
         ``(B, ...)`` the frozen model's output.
     form
-        ``"sa-normalised"``, ``"sa-floor"`` or ``"conformal"``.
+        ``"sa-normalised"``, ``"sa-floor"``, ``"conformal"`` or ``"gaussian"`` (module
+        docstring).
 
     Examples
     --------
@@ -370,6 +393,10 @@ class SARegressor:
     floor
         ``True`` (default): choose ``beta`` (and so the form: SA-normalised, SA with a floor,
         plain conformal) by the cross-fitted validation CRPS; ``False``: ``beta = 0``.
+    gaussian
+        ``True`` (default, with ``floor=True``): the Gaussian residual model ``N(f, s^2)``
+        (constant ``s``) is one more candidate of that choice; its intervals are not
+        split-conformal. ``False``: every form is split-conformal.
     nu_range
         The search range of ``nu``.
     n_samples
@@ -394,8 +421,9 @@ class SARegressor:
         After :meth:`fit` (and in the JSON): ``nu`` (and ``nu_map``), ``nu_at_edge``
         (``None``, ``"lower"`` or ``"upper"``) with SA's ``edge_spread`` and
         ``edge_target_scale``, ``criterion_resolved``, ``spearman_spread_abs_error`` (on
-        ``val_data``), ``floor_beta`` (absolute; ``inf`` = plain conformal), ``floor_beta_units``,
-        ``form``, ``val_crps_by_beta``, ``raw_val_coverage`` at 50/90/95 %, ``n_val`` /
+        ``val_data``), ``floor_beta`` (absolute; ``inf`` = constant width: plain conformal or
+        the Gaussian form), ``floor_beta_units``, ``form``, ``val_crps_by_beta`` (the key
+        ``"gaussian"`` for the Gaussian form), ``raw_val_coverage`` at 50/90/95 %, ``n_val`` /
         ``n_cal`` (elements), ``forward_passes`` and ``fit_seconds``, and ``warnings``.
 
     Examples
@@ -439,6 +467,7 @@ class SARegressor:
         criterion: str = "auto",
         recentre: bool = True,
         floor: bool = True,
+        gaussian: bool = True,
         nu_range: tuple[int, int] = (1, 1024),
         n_samples: int = 6,
         seed: int = 0,
@@ -457,11 +486,12 @@ class SARegressor:
             check_positive_int(nu, "nu")
         self.nu = nu
         self.criterion = get_criterion(criterion).name
-        for name, v in (("recentre", recentre), ("floor", floor)):
+        for name, v in (("recentre", recentre), ("floor", floor), ("gaussian", gaussian)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {name}={v!r}")
         self.recentre = recentre
         self.floor = floor
+        self.gaussian = gaussian
         self.nu_range = check_nu_range(nu_range)
         self.n_samples = check_positive_int(n_samples, "n_samples")
         if self.n_samples < 2:
@@ -576,33 +606,47 @@ class SARegressor:
             raise ValueError("val_data: the frozen model fits every validation target exactly "
                              "(residual scale 0); nothing to calibrate")
         grid = FLOOR_GRID if self.floor else (0.0,)
-        crps = {float(b): self._crossfit_crps(val_part, float(b) * scale) for b in grid}
+        crps: dict[float | str, float] = {
+            float(b): self._crossfit_crps(val_part, float(b) * scale) for b in grid}
+        if self.floor and self.gaussian:
+            crps["gaussian"] = self._crossfit_gaussian(val_part)
         finite = {b: c for b, c in crps.items() if math.isfinite(c)}
         if not finite:
             raise ValueError(
                 "every form has an infinite validation CRPS: SA's spread is 0 where the "
                 "frozen output misses the target; use floor=True"
             )
-        units = min(finite, key=lambda b: (finite[b], list(crps).index(b)))
+        chosen = min(finite, key=lambda b: (finite[b], list(crps).index(b)))
+        n_cal = int(cal_part.y.numel())
+        if chosen == "gaussian":  # N(f, s^2), s from cal: unit spread, s |Z| as the scores
+            units, form = math.inf, "gaussian"
+            s_cal = float((cal_part.y - cal_part.centre).pow(2).mean().sqrt())
+            values = s_cal * _gauss_abs_quantiles()
+            ranks = torch.arange(1, values.numel() + 1, dtype=torch.int64)
+        else:
+            units = float(chosen)
+            form = _form_name(units)
+            cal_scores = _scores(cal_part.centre, cal_part.sigma, cal_part.y, units * scale)
+            if bool(torch.isinf(cal_scores).any()):
+                raise ValueError(
+                    f"cal_data: {int(torch.isinf(cal_scores).sum())} calibration target(s) "
+                    "lie off the centre where SA's spread is 0 (beta = 0): no finite "
+                    "conformal factor"
+                )
+            values, ranks = _table(cal_scores)
         beta = units * scale
-        cal_scores = _scores(cal_part.centre, cal_part.sigma, cal_part.y, beta)
-        if bool(torch.isinf(cal_scores).any()):
-            raise ValueError(
-                f"cal_data: {int(torch.isinf(cal_scores).sum())} calibration target(s) lie off "
-                "the centre where SA's spread is 0 (beta = 0): no finite conformal factor"
-            )
-        values, ranks = _table(cal_scores)
         self._fitted = {
-            "nu": nu_spec, "beta": beta, "beta_units": units, "form": _form_name(units),
-            "residual_scale": scale, "n_cal": int(cal_scores.numel()),
+            "nu": nu_spec, "beta": beta, "beta_units": units, "form": form,
+            "residual_scale": scale, "n_cal": int(ranks[-1]),
             "scores": values, "ranks": ranks,
             "criterion_resolved": diag["criterion_resolved"],
         }
         diag.update(
-            floor_beta=beta, floor_beta_units=units, form=_form_name(units),
+            floor_beta=beta, floor_beta_units=units, form=form,
             val_residual_scale=scale,
-            val_crps_by_beta={_key(b): c for b, c in crps.items()},
-            n_val=int(val_part.y.numel()), n_cal=int(cal_scores.numel()),
+            val_crps_by_beta={b if isinstance(b, str) else _key(b): c
+                              for b, c in crps.items()},
+            n_val=int(val_part.y.numel()), n_cal=n_cal,
             forward_passes=int(passes), fit_seconds=time.perf_counter() - t0,
         )
         self.diagnostics = diag
@@ -611,14 +655,16 @@ class SARegressor:
 
             warn_and_record(diag, "SARegressor.fit: " + edge_message(edge, self.criterion))
         if math.isinf(units) and self.floor:
-            sa_best = min((c for b, c in finite.items() if not math.isinf(b)), default=math.nan)
+            sa_best = min((c for b, c in finite.items()
+                           if not isinstance(b, str) and not math.isinf(b)), default=math.nan)
+            what = ("plain split conformal (beta = inf" if form == "conformal" else
+                    "the Gaussian residual model (N(f, s^2), not split-conformal")
             warn_and_record(
                 diag,
-                f"SARegressor.fit: the validation scores chose plain split conformal (beta = "
-                f"inf, constant width): cross-fitted validation CRPS {crps[math.inf]:.4g} "
-                f"against {sa_best:.4g} for the best SA-normalised form; SA's spread added "
-                f"nothing here (validation Spearman(spread, |error|) = "
-                f"{diag['spearman_spread_abs_error']:.3f})",
+                f"SARegressor.fit: the validation scores chose {what}, constant width): "
+                f"cross-fitted validation CRPS {crps[chosen]:.4g} against {sa_best:.4g} for "
+                f"the best SA-normalised form; SA's spread added nothing here (validation "
+                f"Spearman(spread, |error|) = {diag['spearman_spread_abs_error']:.3f})",
             )
         return self
 
@@ -680,6 +726,27 @@ class SARegressor:
     def _predict_kwargs(self) -> dict[str, Any]:
         keys = ("batch_replicas", "max_rows", "distributed", "chunk_examples")
         return {k: self.calibrate_kwargs[k] for k in keys if k in self.calibrate_kwargs}
+
+    @staticmethod
+    def _crossfit_gaussian(part: _Part) -> float:
+        """Mean CRPS over the validation elements of the Gaussian form, each half (even / odd
+        example index) predicted as ``N(f, s^2)`` with ``s`` the RMS of ``y - f`` of the other
+        half (discretised by :data:`GAUSS_ATOMS`, as predicted); ``inf`` if ``s = 0``."""
+        n = part.y.shape[0]
+        idx = torch.arange(n)
+        folds = [idx[idx % 2 == 0], idx[idx % 2 == 1]]
+        if min(len(f) for f in folds) == 0:
+            raise ValueError(f"val_data needs at least 2 examples for the form's choice, got {n}")
+        atoms = _sym_atoms(_gauss_abs_quantiles())
+        total, count = 0.0, 0
+        for a, b in ((folds[0], folds[1]), (folds[1], folds[0])):
+            s = float((part.y[a] - part.centre[a]).pow(2).mean().sqrt())
+            if not s > 0:
+                return math.inf
+            c = s * _crps_atoms(atoms, (part.y[b] - part.centre[b]) / s)
+            total += float(c.sum())
+            count += c.numel()
+        return total / count
 
     @staticmethod
     def _crossfit_crps(part: _Part, beta: float) -> float:
@@ -745,6 +812,7 @@ class SARegressor:
             "settings": {
                 "nu": self.nu if not isinstance(self.nu, Mapping) else dict(self.nu),
                 "criterion": self.criterion, "recentre": self.recentre, "floor": self.floor,
+                "gaussian": self.gaussian,
                 "nu_range": list(self.nu_range), "n_samples": self.n_samples,
                 "seed": self.seed, "calibrate_kwargs": _jsonable(self.calibrate_kwargs),
             },
@@ -786,6 +854,7 @@ class SARegressor:
             kwargs = dict(st.get("calibrate_kwargs") or {})
             est = cls(model, output_fn, nu=st["nu"], criterion=st["criterion"],
                       recentre=st["recentre"], floor=st["floor"],
+                      gaussian=bool(st.get("gaussian", False)),
                       nu_range=tuple(st["nu_range"]), n_samples=st["n_samples"],
                       seed=st["seed"], progress=progress, **kwargs)
             nu = ft["nu"]

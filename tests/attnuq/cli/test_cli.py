@@ -170,6 +170,9 @@ def test_calibrate_per_layer_writes_the_map(
         ("nan-target", "NaN target"),
         ("bad-suffix", "must end in .npz or .csv"),
         ("not-a-module", "not an nn.Module"),
+        ("empty-csv", "has a header row but no data rows"),
+        ("empty-npz", "holds no rows"),
+        ("one-row", "need at least 2 rows each"),
     ],
 )
 def test_bad_input_gives_one_line_and_exit_2(
@@ -196,6 +199,14 @@ def test_bad_input_gives_one_line_and_exit_2(
         args[2] = str(bad)
     elif case == "not-a-module":
         torch.save({"weights": torch.zeros(2)}, model_path)
+    elif case == "empty-csv":
+        csv.write_text("a,b,c,t\n")
+    elif case == "empty-npz":
+        np.savez(tmp_path / "e.npz", x=np.zeros((0, 3), np.float32), y=np.zeros(0, np.float32))
+        args[2] = str(tmp_path / "e.npz")
+    elif case == "one-row":
+        np.savetxt(csv, np.column_stack([x, y])[:1], delimiter=",", header="a,b,c,t",
+                   comments="")
     rc, _, err = _run(args, capsys)
     assert rc == 2
     lines = err.strip().splitlines()

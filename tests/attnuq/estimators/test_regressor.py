@@ -83,12 +83,13 @@ def test_predict_shapes_and_diagnostics(fitted: tuple) -> None:
                 "floor_beta", "form", "raw_val_coverage", "val_crps_by_beta", "forward_passes"):
         assert key in d, key
     assert d["criterion_resolved"] == "paper-debiased"  # a scalar output
-    assert d["form"] in ("sa-normalised", "sa-floor", "conformal")
+    assert d["form"] in ("sa-normalised", "sa-floor", "conformal", "gaussian")
     assert set(d["raw_val_coverage"]) == {"0.5", "0.9", "0.95"}
     # the chosen beta has the lowest cross-fitted CRPS of the grid
     crps = d["val_crps_by_beta"]
-    assert crps[repr(d["floor_beta_units"]) if math.isfinite(d["floor_beta_units"])
-                else "inf"] == min(crps.values())
+    key = ("gaussian" if d["form"] == "gaussian" else repr(d["floor_beta_units"])
+           if math.isfinite(d["floor_beta_units"]) else "inf")
+    assert crps[key] == min(crps.values()) and "gaussian" in crps
 
 
 def test_coverage_at_any_level() -> None:
@@ -106,7 +107,8 @@ def test_coverage_at_any_level() -> None:
     n_cal, m = 400, 2000
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EstimatorWarning)
-        sa = SARegressor(net, nu=4, progress=False).fit(
+        # gaussian=False: every form split-conformal (the Gaussian one has no such guarantee)
+        sa = SARegressor(net, nu=4, gaussian=False, progress=False).fit(
             _batches(*_data(net, 200, g)), _batches(*_data(net, n_cal, g)))
     x, y = _data(net, m, g)
     pred = sa.predict(x)
@@ -205,8 +207,10 @@ def test_bad_inputs_name_the_value(fitted: tuple) -> None:
     for level in (0.0, 1.0, 1.5, -0.1, float("nan")):
         with pytest.raises(ValueError, match="level"):
             pred.interval(level)
-    with pytest.raises(ValueError, match=r"level=0.999 needs .* got n=400"):
-        pred.interval(0.999)
+    # past the largest level n / (n + 1) of this fit (n: 400 calibration scores, or the
+    # Gaussian form's 1000 atoms)
+    with pytest.raises(ValueError, match=rf"needs .* got n={pred.n}"):
+        pred.interval((pred.n + 0.5) / (pred.n + 1))
     with pytest.raises(RuntimeError, match="not fitted"):
         SARegressor(net).predict(x)
     for kw, match in (({"seed": -1}, "seed"), ({"n_samples": 1}, "n_samples"),
@@ -251,10 +255,102 @@ def test_plain_conformal_chosen_and_warned(monkeypatch: pytest.MonkeyPatch) -> N
     net = Net().eval()
     x = torch.randn(4, 5, 4)
     with pytest.warns(EstimatorWarning, match="plain split conformal"):
-        sa = SARegressor(net, nu=2, progress=False).fit([(x, torch.zeros(4))],
-                                                        [(x, torch.zeros(4))])
+        sa = SARegressor(net, nu=2, gaussian=False, progress=False).fit(
+            [(x, torch.zeros(4))], [(x, torch.zeros(4))])
     assert sa.diagnostics["form"] == "conformal" and math.isinf(sa.diagnostics["floor_beta"])
     assert abs(sa.diagnostics["spearman_spread_abs_error"]) < 0.1
+    assert "gaussian" not in sa.diagnostics["val_crps_by_beta"]
+
+
+def _homoscedastic(monkeypatch: pytest.MonkeyPatch, seed: int, noise: str) -> None:
+    """Replace the parts by 3000 elements: a spread unrelated to the errors (log-normal) and
+    homoscedastic errors, standard Gaussian or Student-t with 2.5 degrees of freedom (its RMS
+    is dominated by rare large errors, so a Gaussian of that RMS is far too wide)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def fake_part(self: SARegressor, pairs: list, nu: object, name: str) -> _Part:
+        n = 3000
+        sigma = torch.exp(2.0 * torch.randn(n, 1, generator=g, dtype=torch.float64))
+        z = torch.randn(n, 1, generator=g, dtype=torch.float64)
+        if noise == "t":
+            chi2 = 2.0 * torch._standard_gamma(torch.full((n, 1), 1.25, dtype=torch.float64),
+                                               generator=g)
+            z = z / torch.sqrt(chi2 / 2.5)
+        return _Part(torch.zeros(n, 1, dtype=torch.float64), sigma, z, {"0.9": 0.0})
+
+    monkeypatch.setattr(SARegressor, "_part", fake_part)
+
+
+def test_gaussian_form_chosen_on_gaussian_errors_and_exact(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    """Homoscedastic N(0, 1) errors, spread unrelated: the Gaussian form wins the cross-fitted
+    CRPS (empirical forms pay for their sampling noise), fit says so, and the predictive is
+    N(0, s^2) with s the calibration RMS: CRPS within 1e-4 relative of the closed form (the
+    discretisation by 2000 midpoint quantiles), intervals f +- s z_{(1+L)/2} within 5e-3 (the
+    rank ceil((K + 1) L) moves the level by at most 1.5 / K, z by at most 2.4e-3 at L = 0.5)."""
+    from attnuq.metrics import crps_normal
+
+    _homoscedastic(monkeypatch, 11, "gauss")
+    net = Net().eval()
+    x = torch.randn(4, 5, 4)
+    with pytest.warns(EstimatorWarning, match="Gaussian residual model"):
+        sa = SARegressor(net, nu=2, progress=False).fit([(x, torch.zeros(4))],
+                                                        [(x, torch.zeros(4))])
+    d = sa.diagnostics
+    assert d["form"] == "gaussian" and math.isinf(d["floor_beta"]) and d["n_cal"] == 3000
+    crps = d["val_crps_by_beta"]
+    assert crps["gaussian"] == min(crps.values())
+    fit = sa._fitted
+    assert fit is not None
+    s = float(fit["scores"][-1] / attnuq.estimators._regressor._gauss_abs_quantiles()[-1])
+    pred = SAPredictive(mean=torch.zeros(500), spread=torch.ones(500, dtype=torch.float64),
+                        scores=fit["scores"], ranks=fit["ranks"], n=fit["n_cal"],
+                        samples=torch.zeros(2, 500), frozen=torch.zeros(500), form="gaussian")
+    y = torch.linspace(-4, 4, 500, dtype=torch.float64)
+    exact = crps_normal(torch.zeros(500, dtype=torch.float64),
+                        torch.full((500,), s, dtype=torch.float64), y, reduction="none")
+    assert torch.allclose(pred.crps(y, reduction="none"), exact, rtol=1e-4)
+    for level, z in ((0.5, 0.6744897501960817), (0.9, 1.6448536269514722)):
+        assert pred.interval(level)[1][0].item() == pytest.approx(s * z, rel=5e-3)
+    # the file keeps the form: load gives the same predictive
+    path = sa.save(tmp_path / "g.json")
+    back = SARegressor.load(path, net, progress=False)
+    assert back._fitted is not None and back._fitted["form"] == "gaussian"
+    assert torch.equal(back._fitted["scores"], fit["scores"]) and back.gaussian
+
+
+def test_empirical_form_beats_gaussian_on_heavy_tails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Student-t (2.5 df) errors: the Gaussian of their RMS is too wide, the empirical
+    (conformal) form wins the cross-fitted CRPS."""
+    _homoscedastic(monkeypatch, 12, "t")
+    net = Net().eval()
+    x = torch.randn(4, 5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EstimatorWarning)
+        sa = SARegressor(net, nu=2, progress=False).fit([(x, torch.zeros(4))],
+                                                        [(x, torch.zeros(4))])
+    crps = sa.diagnostics["val_crps_by_beta"]
+    assert sa.diagnostics["form"] == "conformal" and crps["inf"] < crps["gaussian"]
+
+
+def test_crossfit_gaussian_is_the_closed_form_of_the_halves() -> None:
+    from attnuq.metrics import crps_normal
+
+    g = torch.Generator().manual_seed(13)
+    y = 2.0 * torch.randn(301, 2, generator=g, dtype=torch.float64)
+    part = _Part(torch.zeros(301, 2, dtype=torch.float64), torch.ones(301, 2,
+                 dtype=torch.float64), y, {})
+    got = SARegressor._crossfit_gaussian(part)
+    ev, od = y[0::2], y[1::2]
+    want = 0.0
+    for a, b in ((ev, od), (od, ev)):
+        s = float(a.pow(2).mean().sqrt())
+        want += float(crps_normal(torch.zeros_like(b), torch.full_like(b, s), b,
+                                  reduction="none").sum())
+    assert got == pytest.approx(want / y.numel(), rel=1e-4)
+    zero = _Part(torch.zeros(4, 1, dtype=torch.float64), torch.ones(4, 1, dtype=torch.float64),
+                 torch.zeros(4, 1, dtype=torch.float64), {})
+    assert math.isinf(SARegressor._crossfit_gaussian(zero))
 
 
 def test_sa_normalised_chosen_when_spread_is_the_error_scale(monkeypatch: pytest.MonkeyPatch

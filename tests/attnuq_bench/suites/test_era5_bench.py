@@ -181,6 +181,8 @@ def test_render_only_writes_page_twin_and_summary(tmp_path: Path) -> None:
 
     (tmp_path / "era5").mkdir()
     shutil.copy(RESULTS / "era5" / "era5_results.json", tmp_path / "era5")
+    for suite in ("uci", "ett"):  # the page's section on what the evidence tells a user (#34)
+        (tmp_path / suite).symlink_to(RESULTS / suite)  # reads every regression suite
     (tmp_path / "summary.json").write_text(json.dumps({"uci": {"kept": 1}}))
     assert main(["bench", "era5", "--out", str(tmp_path), "--render-only"]) == 0
     assert (tmp_path / "era5.md").read_text() == (RESULTS / "era5.md").read_text()
@@ -208,11 +210,13 @@ def test_render_only_writes_page_twin_and_summary(tmp_path: Path) -> None:
 def test_committed_run_records_hold_the_committed_results() -> None:
     """docs/results/era5/runs is what --resume keeps: each
     record is its method's stored result under the committed config's reuse key, with its maps."""
+    from attnuq._io import decode_nonfinite
     from attnuq_bench.suites import era5
     from attnuq_bench.suites._fields import load_maps
     from attnuq_bench.suites._runner import RunStore, reuse_key
 
-    p = json.loads((RESULTS / "era5" / "era5_results.json").read_text())
+    # the results file spells a non-finite number as the run record does once read back
+    p = decode_nonfinite(json.loads((RESULTS / "era5" / "era5_results.json").read_text()))
     store = RunStore(RESULTS / "era5" / "runs", suite="era5")
     key = reuse_key(p["config"], free=era5._RESUME_FREE)
     scored = [m for m in era5.ALL_METHODS if m in p["results"]]

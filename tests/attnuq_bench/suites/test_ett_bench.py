@@ -275,6 +275,8 @@ def test_render_only_rewrites_page_twin_and_summary_key(tmp_path: Path) -> None:
     res = Path(__file__).resolve().parents[3] / "docs" / "results"
     (tmp_path / "ett").mkdir()
     shutil.copy(res / "ett" / "ett_results.json", tmp_path / "ett")
+    for suite in ("uci", "era5"):  # the page's section on what the evidence tells a user (#34)
+        (tmp_path / suite).symlink_to(res / suite)  # reads every regression suite
     (tmp_path / "summary.json").write_text(json.dumps({"uci": {"kept": 1}, "ett": {"old": 1}}))
     assert main(["bench", "ett", "--out", str(tmp_path), "--render-only"]) == 0
     assert (tmp_path / "ett.md").read_text() == (res / "ett.md").read_text()

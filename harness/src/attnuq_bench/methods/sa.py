@@ -309,8 +309,9 @@ class RecommendedSA(Method):
 
     ``fit`` runs ``SARegressor(model, nu_range=..., n_samples=..., seed=...).fit(task.val,
     task.cal)``: ``nu`` by the ``"auto"`` criterion on ``val``, the draws recentred on the
-    frozen output, the form (SA-normalised, SA with a floor, or plain split conformal) by the
-    2-fold cross-fitted validation CRPS, the conformal scores on ``cal``. Every choice is made on
+    frozen output, the form (SA-normalised, SA with a floor, plain split conformal, or the
+    Gaussian residual model) by the 2-fold cross-fitted validation CRPS, the conformal scores
+    (or the Gaussian's scale) on ``cal``. Every choice is made on
     ``val`` / ``cal``, never on test data. ``predict`` returns the estimator's
     :class:`attnuq.SAPredictive` (intervals calibrated at every level).
 
@@ -330,8 +331,9 @@ class RecommendedSA(Method):
     implementation = (
         "attnuq.SARegressor (the recommended recipe): nu by the 'auto' criterion (debiased "
         "L_SA below 28 output elements, the paper's L_SA above), draws recentred on the frozen "
-        "output, the form (SA-normalised, SA with a floor, plain split conformal) by the "
-        "cross-fitted validation CRPS, conformal scores on cal (intervals at any level)"
+        "output, the form (SA-normalised, SA with a floor, plain split conformal, or the Gaussian "
+        "residual model) by the cross-fitted validation CRPS, conformal scores (or the Gaussian's "
+        "scale) on cal (intervals at any level)"
     )
 
     def __init__(self, n_samples: int = 8, seed: int = 0, progress: bool = True,

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SUITES", "Suite", "get_suite", "register"]
+__all__ = ["REPORTS", "SUITES", "Suite", "get_suite", "register"]
 
 #: suite name -> module that registers it
 SUITES: dict[str, str] = {
@@ -46,6 +46,13 @@ SUITES: dict[str, str] = {
     "calibration": "attnuq_bench.suites.nu_search",
     "mortality": "attnuq_bench.suites.mortality",
     "digits": "attnuq_bench.suites.digits",
+}
+
+#: report name -> module that registers it: commands of ``attnuq bench`` that read the suites'
+#: stored results and train nothing (no runs to interrupt or resume, so outside the suites'
+#: contract); registered and called like a suite
+REPORTS: dict[str, str] = {
+    "evidence": "attnuq_bench.suites.sa_evidence",
 }
 
 
@@ -74,11 +81,13 @@ def register(
 
 
 def get_suite(name: str) -> Suite:
-    """Import and return the suite ``name``; raise ``ValueError`` naming the known suites."""
-    if name not in SUITES:
-        raise ValueError(f"unknown benchmark suite {name=}; known: {sorted(SUITES)}")
+    """Import and return the suite (or report) ``name``; raise ``ValueError`` naming the known
+    ones."""
+    modules = {**SUITES, **REPORTS}
+    if name not in modules:
+        raise ValueError(f"unknown benchmark suite {name=}; known: {sorted(modules)}")
     if name not in _REGISTRY:
-        importlib.import_module(SUITES[name])
+        importlib.import_module(modules[name])
     if name not in _REGISTRY:
-        raise RuntimeError(f"module {SUITES[name]} did not register suite {name!r}")
+        raise RuntimeError(f"module {modules[name]} did not register suite {name!r}")
     return _REGISTRY[name]

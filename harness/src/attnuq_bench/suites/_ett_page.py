@@ -22,7 +22,9 @@ from attnuq._io import atomic_savefig, read_json_or_none
 from attnuq.predictive import GaussianPredictive, Predictive
 from attnuq_bench.suites._ablation import ablation_block
 from attnuq_bench.suites._members import cache_text, jobs_text
+from attnuq_bench.suites._options import split_methods
 from attnuq_bench.suites._page import Page, Table, fmt
+from attnuq_bench.suites._sa_evidence import add_section
 from attnuq_bench.suites._scoring import StreamScores, to_cpu
 
 __all__ = ["ALL_METHODS", "DEFAULT_METHODS", "IMPLEMENTATIONS", "chunks", "fan_plot", "fan_rows",
@@ -48,9 +50,10 @@ IMPLEMENTATIONS: dict[str, str] = {
 AnyPred = Predictive | GaussianPredictive
 
 
-def parse_methods(spec: str) -> list[str]:
-    """The rows named in ``--methods``/``--rerun`` (``ValueError`` naming unknown ones)."""
-    ms = [m.strip() for m in spec.split(",") if m.strip()]
+def parse_methods(spec: str | Sequence[str]) -> list[str]:
+    """The rows named in ``--methods``/``--rerun`` (the shared syntax,
+    :func:`attnuq_bench.suites._options.split_methods`; ``ValueError`` naming unknown ones)."""
+    ms = split_methods(spec)
     bad = [m for m in ms if m not in ALL_METHODS]
     if bad or not ms:
         raise ValueError(f"unknown methods {bad} in --methods={spec!r}; known: {list(ALL_METHODS)}")
@@ -289,6 +292,7 @@ def render_page(out: Path, table: Path) -> Page:
                      f"{fmt(mse)} ({100 * (mse / fz - 1):+.2f} % against {fmt(fz)}): "
                      f"{'met' if ok else 'not met'}.")
         page.add("")
+        add_section(page, Path(out).parent, "ett")  # issue #34: what the evidence tells a user
         page.implementations(p["implementations"], trailing_blank=False)
     notes = c.get("note") or []
     if notes:

@@ -4,14 +4,19 @@
 a suite defines and that is below its least meaningful value (``--n-samples 1``: no spread;
 ``--threads -3``; ``--splits 0``; a seed outside ``[0, 2**63)``) ends the command with one line
 naming the option and its value, exit status 2, instead of training backbones whose every run
-then fails, or a table of zero runs.
+then fails, or a table of zero runs. :func:`add_methods_argument` gives ``--methods`` (and
+``--rerun``) one syntax in every suite (names as several arguments or comma-separated), and
+:class:`BenchHelpFormatter` shows every option's default in ``--help``.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["AT_LEAST", "check_options"]
+__all__ = ["AT_LEAST", "BenchHelpFormatter", "add_methods_argument", "check_options",
+           "split_methods"]
 
 #: option (argparse dest) -> least value, with the reason for the ones that are not 1
 AT_LEAST: dict[str, int] = {
@@ -63,3 +68,95 @@ def check_options(args: argparse.Namespace) -> None:
         if isinstance(v, int) and not isinstance(v, bool) and not 0 <= v < 2**63:
             raise ValueError(f"{_flag(dest)} must be an int with 0 <= seed < 2**63, got "
                              f"{_flag(dest)} {v}")
+
+
+def split_methods(values: str | Sequence[str] | None) -> list[str]:
+    """The method names of ``--methods`` / ``--rerun``: words given as several arguments, or
+    separated by commas, or both (``sa conformal``, ``sa,conformal``, ``sa, conformal``), in
+    the order given, each once.
+
+    Examples
+    --------
+    >>> split_methods(["sa,conformal", "mc-dropout", "sa"])
+    ['sa', 'conformal', 'mc-dropout']
+    >>> split_methods("sa, conformal")
+    ['sa', 'conformal']
+    >>> split_methods(None)
+    []
+    """
+    if values is None:
+        return []
+    words = [values] if isinstance(values, str) else list(values)
+    out: list[str] = []
+    for word in words:
+        for name in str(word).split(","):
+            name = name.strip()
+            if name and name not in out:
+                out.append(name)
+    return out
+
+
+class _MethodsAction(argparse.Action):
+    """Stores :func:`split_methods` of the words given (one shared syntax in every suite)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        names = split_methods(values)
+        if not names:
+            parser.error(f"{option_string} needs at least one method name, got {values!r}")
+        setattr(namespace, self.dest, names)
+
+
+def add_methods_argument(parser: argparse.ArgumentParser, flag: str = "--methods", *,
+                         default: Sequence[str] | None, help: str) -> None:
+    """Add ``flag`` (``--methods`` or ``--rerun``) with the syntax every suite shares: method
+    names as several arguments or comma-separated (:func:`split_methods`); the value is a
+    list of names (``default`` when the option is absent). ``help`` says what the names
+    select and the default; the syntax is appended.
+
+    Examples
+    --------
+    >>> p = argparse.ArgumentParser()
+    >>> add_methods_argument(p, default=["sa"], help="methods to run (default: sa)")
+    >>> p.parse_args(["--methods", "sa,conformal", "gaussian"]).methods
+    ['sa', 'conformal', 'gaussian']
+    >>> p.parse_args([]).methods
+    ['sa']
+    """
+    parser.add_argument(
+        flag, nargs="+", action=_MethodsAction, metavar="METHOD",
+        default=None if default is None else list(default),
+        help=f"{help}; names separated by spaces or commas",
+    )
+
+
+class BenchHelpFormatter(argparse.HelpFormatter):
+    """The help of ``attnuq bench <suite>``: each option's default is shown, appended as
+    ``(default: VALUE)`` unless its help already says it (``off`` for a flag).
+
+    Examples
+    --------
+    >>> p = argparse.ArgumentParser(formatter_class=BenchHelpFormatter)
+    >>> _ = p.add_argument("--epochs", type=int, default=30, help="training epochs")
+    >>> _ = p.add_argument("--retrain", action="store_true", help="train again")
+    >>> "training epochs (default: 30)" in " ".join(p.format_help().split())
+    True
+    >>> "train again (default: off)" in " ".join(p.format_help().split())
+    True
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text
+                or action.default is argparse.SUPPRESS or action.default is None):
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            shown = "off"
+        elif isinstance(action, argparse._StoreFalseAction):
+            shown = "on"
+        elif isinstance(action.default, (list, tuple)):
+            shown = " ".join(str(v) for v in action.default)
+        else:
+            shown = str(action.default)
+        shown = shown.replace("%", "%%")  # argparse expands %-formats in help
+        return f"{text} (default: {shown})" if text else f"(default: {shown})"

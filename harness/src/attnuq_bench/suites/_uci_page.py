@@ -18,6 +18,7 @@ from typing import Any
 
 from attnuq_bench.suites._ablation import ablation_block, is_sa, point_flag
 from attnuq_bench.suites._page import Page, Table, error_lines, fmt, gap_lines, runs_lines
+from attnuq_bench.suites._sa_evidence import add_section
 from attnuq_bench.suites._scoring import mean_std
 
 __all__ = ["GOALS_20", "REFERENCE_RMSE", "build_page", "goal_lines", "summary"]
@@ -308,6 +309,7 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
     if goals:
         page.add("The best SA row above is the best of every SA variant on test data; issue "
                  "#20's goals are counted for the recommended row alone:", *goals, "")
+    add_section(page, Path(out).parent, "uci")  # issue #34: what the evidence tells a user
     cov = _coverage_lines(rows, datasets, order, errors, out)
     page.section(cov[0][3:])
     page.add(*cov[2:], *_TEXT)

@@ -51,6 +51,7 @@ from attnuq_bench.suites._classify import (
     set_scores_of,
     uncertainty_of,
 )
+from attnuq_bench.suites._options import add_methods_argument
 from attnuq_bench.suites._page import (
     Page,
     Table,
@@ -82,23 +83,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="docs/results/digits", help="results folder")
     p.add_argument("--md", default=None, help="markdown page (default <out>.md)")
     p.add_argument("--cache-dir", default=None, help="backbone cache (default <out>/_models)")
-    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS))
+    add_methods_argument(p, default=DEFAULT_METHODS,
+                         help=f"methods to run (default: {', '.join(DEFAULT_METHODS)})")
     p.add_argument("--seeds", type=int, default=5, help="model seeds --seed .. --seed + N - 1")
-    p.add_argument("--split-seed", type=int, default=0)
-    p.add_argument("--max-images", type=int, default=None, help="subsample (quick runs)")
-    p.add_argument("--embed-dim", type=int, default=48)
-    p.add_argument("--depth", type=int, default=3)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-epochs", type=int, default=100)
-    p.add_argument("--patience", type=int, default=10)
-    p.add_argument("--ensemble", type=int, default=5)
-    p.add_argument("--mc-samples", type=int, default=50)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--render-only", action="store_true")
+    p.add_argument("--split-seed", type=int, default=0,
+                   help="seed of the train/val/cal/test split of the images")
+    p.add_argument("--max-images", type=int, default=None,
+                   help="subsample (quick runs; default: every image)")
+    p.add_argument("--embed-dim", type=int, default=48, help="ViT width")
+    p.add_argument("--depth", type=int, default=3, help="ViT blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention heads per block")
+    p.add_argument("--dropout", type=float, default=0.1, help="ViT dropout rate")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    p.add_argument("--batch-size", type=int, default=64, help="training batch size")
+    p.add_argument("--max-epochs", type=int, default=100,
+                   help="training epochs at most (early stopping on val)")
+    p.add_argument("--patience", type=int, default=10, help="early-stopping patience in epochs")
+    p.add_argument("--ensemble", type=int, default=5, help="deep-ensemble members")
+    p.add_argument("--mc-samples", type=int, default=50, help="MC-dropout passes")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--render-only", action="store_true",
+                   help="only rewrite the page, its twin, figures and summary key from <out>")
 
 
 # ----------------------------------------------------------------------------- data

@@ -58,8 +58,10 @@ from attnuq_bench.suites._era5_recipe import (
 )
 from attnuq_bench.suites._fields import error_maps, field_scores, load_maps, maps_png, point_scores
 from attnuq_bench.suites._implementations import implementation_texts, merge_block
+from attnuq_bench.suites._options import add_methods_argument, split_methods
 from attnuq_bench.suites._page import Page, Table, fmt, update_summary
 from attnuq_bench.suites._runner import Group, RunStore, credits, reuse_key, run_items
+from attnuq_bench.suites._sa_evidence import add_section
 from attnuq_bench.suites._scoring import to_cpu
 from attnuq_bench.training import predict_batched
 
@@ -95,12 +97,13 @@ _TITLE = "ERA5 2 m temperature: stochastic attention on a frozen ViT forecaster 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--data-dir", default=None, help="data root (holds era5/<file>)")
+    a("--data-dir", default=None, help="data root (holds era5/<file>) (default: "
+      "$ATTNUQ_DATA_DIR, else ../shared/data)")
     a("--file", default="era5-2mt-2019-03-uk.grib", help="GRIB or NetCDF: (time, lat, lon)")
     a("--variable", default=None, help="variable name (default: the only one)")
     a("--out", default="docs/results", help="results root (writes era5.md, era5/)")
     a("--model-dir", default=None, help="backbone folder (default <out>/era5/backbone)")
-    a("--retrain", action="store_true")
+    a("--retrain", action="store_true", help="train the backbone even if saved")
     a("--split", default="18,5,4,-1",
       help="days in train,val,cal,test (consecutive; -1 = the rest)")
     a("--history", type=int, default=6, help="hours back of the second input field")
@@ -114,25 +117,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay of the backbone")
     a("--center-inputs", action="store_true", help="the ViT sees its inputs less the domain mean "
       "of x(t) (no absolute level; the output is still the base plus the ViT's correction)")
-    for name, v in (("patch", 4), ("hidden", 64), ("layers", 3), ("heads", 4), ("mlp", 128),
-                    ("dropout", 0.1), ("epochs", 40), ("patience", 6), ("batch-size", 16),
-                    ("lr", 1e-3), ("ensemble", 5)):
-        a(f"--{name}", type=type(v), default=v)
+    for name, v, text in (
+            ("patch", 4, "ViT patch size"), ("hidden", 64, "ViT width"),
+            ("layers", 3, "ViT encoder layers"), ("heads", 4, "attention heads per layer"),
+            ("mlp", 128, "ViT feed-forward width"),
+            ("dropout", 0.1, "dropout rate of the backbone"),
+            ("epochs", 40, "training epochs at most (early stopping on val)"),
+            ("patience", 6, "early-stopping patience in epochs"),
+            ("batch-size", 16, "training batch size"), ("lr", 1e-3, "learning rate"),
+            ("ensemble", 5, "deep-ensemble size")):
+        a(f"--{name}", type=type(v), default=v, help=text)
     a("--member-jobs", type=int, default=1, help="train the ensemble members in this many "
       "worker processes (one thread each; same weights as 1 = one after the other)")
-    a("--n-samples", type=int, default=30)
-    a("--n-passes", type=int, default=10)
+    a("--n-samples", type=int, default=30, help="Monte Carlo passes per method")
+    a("--n-passes", type=int, default=10, help="passes per nu in calibration")
     a("--nu-max", type=int, default=1024, help="upper end of SA's nu search")
-    a("--methods", default=",".join(ALL_METHODS),
-      help=f"comma-separated subset of {','.join(ALL_METHODS)}")
+    add_methods_argument(p, default=ALL_METHODS,
+                         help=f"methods to score (default: {', '.join(ALL_METHODS)})")
     a("--seed", type=int, default=0, help="seed of the backbone; ensemble member k uses seed + k")
     a("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or auto (default: cpu)")
-    a("--threads", type=int, default=1)
-    a("--no-progress", action="store_true")
+    a("--threads", type=int, default=1, help="torch intra-op threads")
+    a("--no-progress", action="store_true", help="hide progress bars")
     a("--resume", action="store_true", help="keep the methods already scored in "
       "<out>/era5/runs under the same config (and their maps); run only the rest")
-    a("--rerun", default="", metavar="METHODS", help="methods to score again despite --resume")
-    a("--note", action="append", default=None, metavar="TEXT", help="a note for the page")
+    add_methods_argument(p, "--rerun", default=(),
+                         help="methods to score again despite --resume (default: none)")
+    a("--note", action="append", default=None, metavar="TEXT",
+      help="a note for the page; repeatable (default: none)")
     a("--render-only", action="store_true", help="the page again from era5/era5_results.json")
 
 
@@ -150,8 +161,7 @@ _NEW_DEFAULTS = {"day_ago": False, "loo_clim": False, "base": "persistence", "we
 
 def _check(args: argparse.Namespace) -> tuple[list[str], list[str], tuple[int, ...], list[int]]:
     """Validated ``(methods, rerun, leads, split)`` of the command line."""
-    methods, rerun = ([m.strip() for m in (v or "").split(",") if m.strip()]
-                      for v in (args.methods, getattr(args, "rerun", "")))
+    methods, rerun = (split_methods(v) for v in (args.methods, getattr(args, "rerun", None)))
     bad = [m for m in methods + rerun if m not in ALL_METHODS]
     if bad or not methods or any(m not in methods for m in rerun):
         raise ValueError(f"unknown methods {bad} in --methods={args.methods!r} / --rerun="
@@ -388,7 +398,7 @@ def _summary(p: dict[str, Any]) -> dict[str, Any]:
 
 def _write_page(res_dir: Path, payload: dict[str, Any]) -> None:
     """Write ``era5.md`` + twin from ``payload`` (the stored results) and the summary key."""
-    render(payload).write(res_dir.parent / "era5.md")
+    render(payload, root=res_dir.parent).write(res_dir.parent / "era5.md")
     update_summary(res_dir.parent / "summary.json", "era5", _summary(payload))
 
 
@@ -402,11 +412,13 @@ def _stored(res_dir: Path) -> dict[str, Any]:
 
 def render_page(out: Path, table: Path) -> Page:
     """The page ``table`` (``era5.md``) again from ``out/era5_results.json`` alone."""
-    return render(_stored(out))
+    return render(_stored(out), root=Path(out).parent)
 
 
-def render(p: dict[str, Any]) -> Page:
-    """The results page of the stored results ``p`` (pure: no data, no training)."""
+def render(p: dict[str, Any], root: Path | None = None) -> Page:
+    """The results page of the stored results ``p`` (pure: no data, no training); with
+    ``root`` (the folder holding ``era5/``, e.g. ``docs/results``) also the section on what the
+    regression evidence tells a user (issue #34, from the records under ``root``)."""
     r, c, d, b = p["run"], p["config"], p["data"], p["backbone"]
     tr, res, leads = b["train"], p["results"], _parse_ints(c["leads"], "leads")
     page = Page("era5", _TITLE, state={"results": "era5/era5_results.json"})
@@ -500,6 +512,8 @@ def render(p: dict[str, Any]) -> Page:
         page.add("Issue #20's ERA5 goal, native W1(PIT, U) of `sa` at most 0.05 at every lead: "
                  + "; ".join(f"{k} {fmt(v)} ({'met' if v <= 0.05 else 'not met'})"
                              for k, v in sa_w1.items()) + ".", "")
+    if root is not None:  # issue #34: what the evidence tells a user
+        add_section(page, root, "era5")
     if scored:
         page.implementations(p["implementations"])
     if c.get("note"):

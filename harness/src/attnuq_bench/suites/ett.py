@@ -53,6 +53,7 @@ from attnuq_bench.suites._ett_page import (
     scored,
     summary,
 )
+from attnuq_bench.suites._options import add_methods_argument
 
 __all__ = ["ALL_METHODS", "add_arguments", "render_page", "run", "summary"]
 
@@ -73,21 +74,33 @@ AnyPred = Predictive | GaussianPredictive
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``attnuq bench ett`` (data, backbone recipe, method budgets, resume)."""
-    p.add_argument("--data-dir", default=None, help="data root (holds ett/ETTh1.csv)")
+    p.add_argument("--data-dir", default=None,
+                   help="data root (holds ett/ETTh1.csv) (default: $ATTNUQ_DATA_DIR, else "
+                        "../shared/data)")
     p.add_argument("--file", default="ETTh1.csv", help="ETT-layout CSV (name under ett/ or path)")
     p.add_argument("--out", default="docs/results", help="results root (writes ett.md, ett/)")
     p.add_argument("--model-dir", default=None,
                    help="folder for the save_pretrained backbone (default <out>/ett/backbone; "
                         "reused when it exists and --retrain is not given)")
     p.add_argument("--retrain", action="store_true", help="train the backbone even if saved")
-    for flag, default in (("context", 336), ("horizon", 96), ("d-model", 32), ("layers", 2),
-                          ("heads", 2), ("ffn", 64), ("patch", 16), ("stride", 8)):
-        p.add_argument(f"--{flag}", type=int, default=default)
-    typed: tuple[tuple[str, type, Any], ...] = (
-        ("dropout", float, 0.1), ("epochs", int, 8), ("patience", int, 2), ("batch-size", int, 64),
-        ("lr", float, 1e-3), ("max-steps-per-epoch", int, None))
-    for flag, kind, default in typed:
-        p.add_argument(f"--{flag}", type=kind, default=default)
+    typed: tuple[tuple[str, type, Any, str], ...] = (
+        ("context", int, 336, "input window in hours (PatchTST context length)"),
+        ("horizon", int, 96, "forecast horizon in hours"),
+        ("d-model", int, 32, "PatchTST model width"),
+        ("layers", int, 2, "PatchTST encoder layers"),
+        ("heads", int, 2, "attention heads per layer"),
+        ("ffn", int, 64, "feed-forward width"),
+        ("patch", int, 16, "patch length in hours"),
+        ("stride", int, 8, "stride between patches in hours"),
+        ("dropout", float, 0.1, "dropout rate of the backbone"),
+        ("epochs", int, 8, "training epochs at most (early stopping on val)"),
+        ("patience", int, 2, "early-stopping patience in epochs"),
+        ("batch-size", int, 64, "training batch size"),
+        ("lr", float, 1e-3, "learning rate of the backbone"),
+        ("max-steps-per-epoch", int, None,
+         "cap on optimiser steps per epoch (default: none, every training window)"))
+    for flag, kind, default, text in typed:
+        p.add_argument(f"--{flag}", type=kind, default=default, help=text)
     p.add_argument("--optimizer", choices=("adamw", "adam"), default="adamw",
                    help="backbone optimiser (no weight decay)")
     p.add_argument("--schedule", choices=("constant", "type3"), default="constant",
@@ -99,7 +112,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--member-jobs", type=int, default=1,
                    help="train the ensemble members in this many worker processes (spawn, one "
                         "thread each; same recipe, seeds and weights as 1 = one after the other)")
-    p.add_argument("--swag-epochs", type=int, default=2)
+    p.add_argument("--swag-epochs", type=int, default=2,
+                   help="SWAG epochs after the backbone's training")
     p.add_argument("--swag-snapshots", type=int, default=4, help="SWAG snapshots per epoch")
     p.add_argument("--n-samples", type=int, default=20, help="Monte Carlo passes per method")
     p.add_argument("--n-passes", type=int, default=10, help="passes per nu in calibration")
@@ -109,28 +123,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-stride", type=int, default=2,
                    help="stride over val/cal windows (calibration cost)")
     p.add_argument("--chunk", type=int, default=128, help="test windows per prediction call")
-    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help=f"comma-separated subset of {','.join(ALL_METHODS)}")
+    add_methods_argument(p, default=DEFAULT_METHODS,
+                         help=f"methods to score (default: {', '.join(DEFAULT_METHODS)})")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the backbone and the methods; ensemble member k uses seed + k")
     p.add_argument("--device", default="cpu",
                    help="torch device: cpu, cuda, cuda:N or auto (default: cpu)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("--note", action="append", default=None, metavar="TEXT",
                    help="provenance note printed in the markdown (e.g. how the backbone was "
-                        "trained in an earlier invocation); repeatable")
+                        "trained in an earlier invocation); repeatable (default: none)")
     p.add_argument("--merge", action="append", default=None, metavar="JSON",
                    help="also take the methods scored in another ett_results.json written with "
-                        "the same config (parallel runs); repeatable")
+                        "the same config (parallel runs); repeatable (default: none)")
     p.add_argument("--resume", action="store_true",
                    help="keep the methods already scored in <out>/ett/runs (same config apart "
                         "from --methods/--resume) and run only the missing ones")
     p.add_argument("--render-only", action="store_true",
                    help="only write ett.md and its JSON twin again from <out>/ett/ett_results.json")
-    p.add_argument("--rerun", default="", metavar="METHODS",
-                   help="comma-separated methods to score again even when --resume/--merge "
-                        "supply them")
+    add_methods_argument(p, "--rerun", default=(),
+                         help="methods to score again even when --resume/--merge supply them "
+                              "(default: none)")
 
 
 @dataclasses.dataclass
@@ -278,7 +292,7 @@ def run(args: argparse.Namespace) -> Path:
     member_jobs = check_member_jobs(getattr(args, "member_jobs", 1))
     progress = not args.no_progress
     methods = parse_methods(args.methods)
-    rerun = parse_methods(args.rerun) if getattr(args, "rerun", "") else []
+    rerun = parse_methods(args.rerun) if getattr(args, "rerun", None) else []
     if any(m not in methods for m in rerun):
         raise ValueError(f"--rerun={args.rerun!r} names methods missing from "
                          f"--methods={args.methods!r}")

@@ -56,6 +56,7 @@ from attnuq_bench.suites._classify import (
     save_predictions,
     set_scores_of,
 )
+from attnuq_bench.suites._options import add_methods_argument
 from attnuq_bench.suites._page import (
     Page,
     Table,
@@ -105,34 +106,40 @@ FIT_GOAL_SECONDS = 120.0
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=None,
                    help="folder with set-*.tar.gz (or the stay files) and Outcomes-*.txt, or a "
-                   "data root holding physionet2012/")
+                   "data root holding physionet2012/ (default: $ATTNUQ_DATA_DIR, else "
+                   "../shared/data)")
     p.add_argument("--cache-dir", default=None,
                    help="backbone and parsed-data cache (default <out>/_models)")
     p.add_argument("--out", default="docs/results/mortality", help="results folder")
     p.add_argument("--md", default=None, help="markdown page (default <out>.md)")
-    p.add_argument("--backbones", nargs="+", default=list(BACKBONES), choices=list(BACKBONES))
-    p.add_argument("--methods", nargs="+", default=None,
-                   help="methods to run (default: every method of each backbone)")
+    p.add_argument("--backbones", nargs="+", default=list(BACKBONES), choices=list(BACKBONES),
+                   help="backbones to train and score")
+    add_methods_argument(p, default=None,
+                         help="methods to run (default: every method of each backbone)")
     p.add_argument("--seeds", type=int, default=3, help="model seeds --seed .. --seed + N - 1")
-    p.add_argument("--split-seed", type=int, default=0)
+    p.add_argument("--split-seed", type=int, default=0,
+                   help="seed of the train/val/test split of the stays")
     p.add_argument("--cal-fraction", type=float, default=0.15,
                    help="part of the training stays kept for calibration (default 0.15)")
-    p.add_argument("--max-stays", type=int, default=None, help="subsample the set (quick runs)")
+    p.add_argument("--max-stays", type=int, default=None,
+                   help="subsample the set (quick runs; default: every stay)")
     p.add_argument("--window", type=int, default=4, help="hours per transformer token")
     p.add_argument("--d", type=int, default=32, help="transformer width")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--dropout", type=float, default=0.3)
-    p.add_argument("--levy-d", type=int, default=32)
-    p.add_argument("--levy-heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--levy-lr", type=float, default=3e-3)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-epochs", type=int, default=40)
-    p.add_argument("--patience", type=int, default=6)
+    p.add_argument("--layers", type=int, default=2, help="transformer encoder layers")
+    p.add_argument("--dropout", type=float, default=0.3, help="transformer dropout rate")
+    p.add_argument("--levy-d", type=int, default=32, help="Levy-attention model width")
+    p.add_argument("--levy-heads", type=int, default=4, help="Levy-attention heads")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of the transformer")
+    p.add_argument("--levy-lr", type=float, default=3e-3,
+                   help="learning rate of the Levy-attention model")
+    p.add_argument("--batch-size", type=int, default=64, help="training batch size")
+    p.add_argument("--max-epochs", type=int, default=40,
+                   help="training epochs at most (early stopping on val)")
+    p.add_argument("--patience", type=int, default=6, help="early-stopping patience in epochs")
     p.add_argument("--ensemble", type=int, default=5, help="deep-ensemble members")
     p.add_argument("--mc-samples", type=int, default=50, help="MC-dropout passes")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("--render-only", action="store_true",
                    help="only rewrite the page, its twin, figures and summary key from <out>")
 

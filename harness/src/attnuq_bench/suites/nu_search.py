@@ -60,8 +60,10 @@ Data = list[tuple[Any, torch.Tensor]]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    p.add_argument("--criteria", nargs="+", default=list(CRITERIA), choices=CRITERIA)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS,
+                   help="benchmark models to calibrate")
+    p.add_argument("--criteria", nargs="+", default=list(CRITERIA), choices=CRITERIA,
+                   help="calibration criteria to compare")
     p.add_argument(
         "--seeds", type=int, default=3,
         help="number of calibration seeds: SEED..SEED+N-1 (default 3)",
@@ -70,7 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nu-max", type=int, default=1024, help="nu_range = (1, NU_MAX)")
     p.add_argument("--grid-size", type=int, default=21, help="log-spaced grid points")
     p.add_argument("--max-evals", type=int, default=6, help="BO evaluation budget")
-    p.add_argument("--data-dir", default=None, help="data folder for UCI concrete")
+    p.add_argument("--data-dir", default=None,
+                   help="data folder for UCI concrete (default: $ATTNUQ_DATA_DIR, else "
+                        "../shared/data)")
     p.add_argument("--out", default="docs/results/calibration", help="results folder")
     p.add_argument("--table", default=None, help="markdown table (default: <out>.md)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")

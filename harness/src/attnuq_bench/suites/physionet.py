@@ -122,21 +122,26 @@ def parse_weights(text: str) -> tuple[float, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=None, help="data root (holding physionet2012/) or the "
-                   "PhysioNet folder/archive itself")
+                   "PhysioNet folder/archive itself (default: $ATTNUQ_DATA_DIR, else "
+                   "../shared/data)")
     p.add_argument("--cache-dir", default=None, help="parsed-array cache (default ~/.cache/attnuq)")
     p.add_argument("--out", default="docs/results/physionet", help="folder for JSON and PNG")
     p.add_argument("--md", default=None, help="markdown table (default <out>/../physionet.md)")
     p.add_argument("--seeds", type=int, default=3,
                    help="number of model seeds: --seed .. --seed + seeds - 1")
-    p.add_argument("--split-seed", type=int, default=0)
-    p.add_argument("--max-stays", type=int, default=None, help="subsample each split (quick runs)")
-    p.add_argument("--d", type=int, default=32)
-    p.add_argument("--encoder-layers", type=int, default=0)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-epochs", type=int, default=10)
-    p.add_argument("--patience", type=int, default=2)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--split-seed", type=int, default=0,
+                   help="seed of the train/val/test split of the stays")
+    p.add_argument("--max-stays", type=int, default=None,
+                   help="subsample each split (quick runs; default: every stay)")
+    p.add_argument("--d", type=int, default=32, help="model width of both forecasters")
+    p.add_argument("--encoder-layers", type=int, default=0,
+                   help="pre-norm transformer layers over the observations (0: none)")
+    p.add_argument("--dropout", type=float, default=0.1, help="dropout rate")
+    p.add_argument("--batch-size", type=int, default=32, help="training batch size (stays)")
+    p.add_argument("--max-epochs", type=int, default=10,
+                   help="training epochs at most (early stopping on val)")
+    p.add_argument("--patience", type=int, default=2, help="early-stopping patience in epochs")
+    p.add_argument("--lr", type=float, default=2e-3, help="learning rate")
     p.add_argument("--nll-weight", type=float, default=0.0, help="Levy loss: MSE + w * NLL")
     p.add_argument("--uq-weights", default=",".join(f"{w:g}" for w in UQ_WEIGHTS),
                    help="grid of w for the Levy loss MSE + w * score of N(mu, (T sigma)^2), "
@@ -150,22 +155,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "all); the others train the chosen w only")
     p.add_argument("--max-train-queries", type=int, default=64,
                    help="forecast points per stay per training batch (random subset)")
-    p.add_argument("--max-train-seconds", type=float, default=None, help="cap per model")
-    p.add_argument("--ensemble-members", type=int, default=5)
-    p.add_argument("--mc-passes", type=int, default=20)
-    p.add_argument("--sampler-draws", type=int, default=50)
-    p.add_argument("--gp-train-stays", type=int, default=200)
-    p.add_argument("--gp-iters", type=int, default=30)
+    p.add_argument("--max-train-seconds", type=float, default=None,
+                   help="training time cap per model in seconds (default: none)")
+    p.add_argument("--ensemble-members", type=int, default=5,
+                   help="members of the softmax deep ensemble")
+    p.add_argument("--mc-passes", type=int, default=20, help="MC-dropout passes")
+    p.add_argument("--sampler-draws", type=int, default=50,
+                   help="draws of the explicit Poisson sampler")
+    p.add_argument("--gp-train-stays", type=int, default=200,
+                   help="training stays that fit the GP baseline's hyperparameters")
+    p.add_argument("--gp-iters", type=int, default=30,
+                   help="optimiser iterations of the GP hyperparameters")
     p.add_argument("--plots", type=int, default=3, help="number of test stays to plot")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--sub-stays", type=int, default=None,
                    help="MC dropout, sampler and sparsity sweep on this many random val and test "
-                   "stays (compute limit; the Levy model is scored on the same subset too)")
+                   "stays (compute limit; the Levy model is scored on the same subset too; "
+                   "default: every stay)")
     p.add_argument("--only-seed", type=int, default=None,
                    help="run model seed S's block, write <out>/seed_<S>.json and stop "
-                   "(parallel runs)")
+                   "(parallel runs; default: every seed)")
     p.add_argument("--train-only", default=None,
-                   help="comma list kind:seed (e.g. softmax:3) to train and checkpoint, then stop")
+                   help="comma list kind:seed (e.g. softmax:3) to train and checkpoint, then stop "
+                   "(default: none)")
     p.add_argument("--only-gp", action="store_true",
                    help="run the GP baseline only, write <out>/gp.json and stop")
     p.add_argument("--reuse", action="store_true",

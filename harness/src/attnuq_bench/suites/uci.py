@@ -53,6 +53,7 @@ from attnuq.distributed import is_writer
 from attnuq_bench.suites import register
 from attnuq_bench.suites._digests import split_digest
 from attnuq_bench.suites._members import cached_state
+from attnuq_bench.suites._options import add_methods_argument
 from attnuq_bench.suites._page import Page, pit_figure, read_twin, twin_path, update_summary
 from attnuq_bench.suites._runner import Group, RunStore, run_items
 from attnuq_bench.suites._scoring import sample_scores, to_cpu
@@ -106,10 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="UCI set folder names (default: the six in the data dir)")
     p.add_argument("--splits", type=int, default=5, help="number of splits, 0..N-1 (default 5)")
     p.add_argument("--first-split", type=int, default=0, help="first split index (default 0)")
-    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), metavar="METHOD",
-                   help=f"methods (default: all): {', '.join(DEFAULT_METHODS)}")
+    add_methods_argument(p, default=DEFAULT_METHODS,
+                         help=f"methods (default: all): {', '.join(DEFAULT_METHODS)}")
     p.add_argument("--data-dir", default=None,
-                   help="folder holding <name>/ or uci/<name>/ ('bundled' for the package copy)")
+                   help="folder holding <name>/ or uci/<name>/ ('bundled' for the package copy) "
+                        "(default: $ATTNUQ_DATA_DIR, else ../shared/data)")
     p.add_argument("--out", default="docs/results/uci", help="results folder (JSON, PNG)")
     p.add_argument("--table", default=None, help="markdown table path (default: <out>.md)")
     p.add_argument("--cache-dir", default=None,
@@ -121,7 +123,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="training batch size, or 'auto' (default): 32 for a fit part of <= 2,000 "
                         "rows, 128 for <= 20,000, else 256")
     p.add_argument("--n-samples", type=int, default=100, help="Monte Carlo samples per input")
-    p.add_argument("--swag-epochs", type=int, default=10)
+    p.add_argument("--swag-epochs", type=int, default=10,
+                   help="SWAG epochs after the backbone's training")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("--aggregate-only", action="store_true",
