@@ -307,7 +307,12 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not label or label in ("pre", "post") or "." in label:
             ap.error(f"--variant must be LABEL=TEXT (LABEL not pre/post, no dot), got {v!r}")
         variants[label] = text
-    res = compare(args.base, args.docs, args.runs, args.tolerance, variants)
+    try:
+        res = compare(args.base, args.docs, args.runs, args.tolerance, variants)
+    except subprocess.CalledProcessError as exc:
+        ap.error(f"--base {args.base!r}: git show failed: {exc.stderr.strip()}")
+    except (OSError, KeyError, ValueError) as exc:
+        ap.error(f"cannot read a page's JSON: {type(exc).__name__}: {exc}")
     res["notes"] = list(args.note)
     res["pre_revision"] = args.pre_revision
     res["command"] = "python benchmarks/compare_pages.py " + " ".join(
