@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -39,6 +40,10 @@ from attnuq._runtime import run_info
 from attnuq.montecarlo import CPU_MAX_ACTIVATION, predict, unit_replicas, widest_output
 
 S, NU = 32, 8
+_DEFAULTS = inspect.signature(predict).parameters
+CHUNK_EXAMPLES = int(_DEFAULTS["chunk_examples"].default)
+CHUNK_PASSES = int(_DEFAULTS["chunk_passes"].default)
+MAX_ROWS = int(_DEFAULTS["max_rows"].default)
 
 
 class _Encoder(nn.Module):
@@ -88,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="docs/benchmarks/predict.json")
     p.add_argument("--clock", choices=("thread", "wall"), default=None,
                    help="default: thread CPU time with --threads 1, else wall")
+    p.add_argument("--chunk-passes", type=int, default=None,
+                   help=f"passes per unit of predict (default: predict's, {CHUNK_PASSES})")
     args = p.parse_args(argv)
+    if args.chunk_passes is not None and args.chunk_passes < 1:
+        p.error(f"--chunk-passes must be >= 1, got {args.chunk_passes}")
+    cp = CHUNK_PASSES if args.chunk_passes is None else args.chunk_passes
     torch.set_num_threads(args.threads)
     global CLOCK
     CLOCK = args.clock or ("thread" if args.threads == 1 else "wall")
@@ -97,17 +107,20 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for name, model, x in _models():
         def batched() -> Any:
-            return predict(model, x, nu=NU, n_samples=S, progress=False)  # noqa: B023
+            return predict(model, x, nu=NU, n_samples=S, chunk_passes=cp,  # noqa: B023
+                           progress=False)
 
         def looped() -> Any:
-            return predict(model, x, nu=NU, n_samples=S, batch_replicas=1, progress=False)  # noqa: B023
+            return predict(model, x, nu=NU, n_samples=S, batch_replicas=1,  # noqa: B023
+                           chunk_passes=cp, progress=False)
 
         a, b = batched(), looped()  # warm-up, and both give (S, B, ...)
         assert a.samples.shape == b.samples.shape == (S, *a.frozen.shape)  # type: ignore[union-attr]
-        # predict's units: chunks of 16 examples by 16 passes, batched inside (first unit)
-        chunk = x[:16]
+        # predict's units: chunks of CHUNK_EXAMPLES examples by cp passes, batched inside
+        # (first unit)
+        chunk = x[:CHUNK_EXAMPLES]
         _, widest = widest_output(model, chunk)
-        reps = unit_replicas(int(chunk.shape[0]), min(S, 16), None, 8192, CPU_MAX_ACTIVATION,
+        reps = unit_replicas(int(chunk.shape[0]), min(S, cp), None, MAX_ROWS, CPU_MAX_ACTIVATION,
                              widest)
         tb, tl = [], []
         for i in range(args.repeats):  # pairs, in alternating order
@@ -121,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         sp = statistics.median(pair)
         q = statistics.quantiles(pair, n=4, method="inclusive")
         rows.append({"model": name, "batched_s": mb, "looped_s": ml, "speedup": sp,
-                     "speedup_iqr": [q[0], q[2]], "replicas_per_call": reps,
+                     "speedup_iqr": [q[0], q[2]], "replicas_per_call": reps, "chunk_passes": cp,
                      "widest_output": widest, "batched_all": tb, "looped_all": tl})
         print(f"{name}: batched {mb * 1e3:.1f} ms ({reps} replicas per call), looped "
               f"{ml * 1e3:.1f} ms, speed-up {sp:.2f}x (IQR {q[0]:.2f}-{q[2]:.2f})")
@@ -137,10 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         "alternates from pair to pair); speed-up = median over the pairs of looped / batched "
         "time (the pair's two calls run back to back, so a drift of the machine's speed "
         "cancels out), with the IQR of the per-pair speed-ups; times are medians, for scale. "
-        "batched = `predict`'s default batching (the batch replicated up to S times per call, "
-        "within `max_rows` rows and, on the CPU, `max_activation` = "
-        f"{CPU_MAX_ACTIVATION} elements of the widest module output, measured in the frozen "
-        "pass: the replicas per call below), looped = S calls (`batch_replicas=1`).",
+        "batched = `predict`'s default batching (the work cut into units of "
+        f"{CHUNK_EXAMPLES} examples by {cp} passes; inside a unit its examples replicated up "
+        "to the unit's passes per call, within `max_rows` rows and, on the CPU, "
+        f"`max_activation` = {CPU_MAX_ACTIVATION} elements of the widest module output, "
+        "measured in the frozen pass: the replicas per call of the first unit below), looped "
+        "= S calls (`batch_replicas=1`).",
         f"* clock: {clock_text}; "
         f"1-min load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
         f"(on {os.cpu_count()} cores shared with other jobs).",

@@ -256,3 +256,52 @@ def test_parse_weights() -> None:
         parse_weights("0,-0.5")
     with pytest.raises(ValueError, match="at least one"):
         parse_weights("")
+
+
+def _speed_rec(ratio: float) -> dict[str, object]:
+    """A record as ``benchmarks/bench_levy_forecaster.py`` writes it (the fields the page reads)."""
+    return {"date": "2026-12-03 05:10 UTC", "ratio": ratio, "ratio_q25": ratio - 0.01,
+            "ratio_q75": ratio + 0.01, "shape": {"test_stays": 799, "batch_size": 64},
+            "rows": [{"weights": "Levy: random (torch.manual_seed(0)); control: random",
+                      "repeats": 21, "stays_per_s": {"a": 1000.0 * ratio, "b": 1000.0,
+                                                     "c": 450.0}}]}
+
+
+def _speed_line(markdown: str) -> str:
+    (line,) = [ln for ln in markdown.splitlines()
+               if ln.startswith("* one pass at no extra cost")]
+    return line
+
+
+def test_speed_goal_judged_from_the_benchmark_record(tmp_path: Path) -> None:
+    """Issue #36's speed goal: judged by the inference benchmark's ratio when its JSON is beside
+    the page (>= 0.9 met, below not), from the in-run timings (said so) when it is absent; a
+    torn record is ignored with a warning."""
+    from attnuq._io import read_json
+    from attnuq_bench.suites._physionet_page import build_page
+    from attnuq_bench.suites.physionet import speed_record
+
+    res = read_json(Path(__file__).resolve().parents[3] / "docs" / "results" / "physionet"
+                    / "physionet.json")
+    md = tmp_path / "docs" / "results" / "physionet.md"
+    md.parent.mkdir(parents=True)
+    assert speed_record(md) is None  # absent: the in-run timings judge, and the page says so
+    line = _speed_line(build_page(res, speed=None).markdown())
+    assert "no inference benchmark record" in line and "judged from the in-run timings" in line
+    bench = tmp_path / "docs" / "benchmarks" / "levy_forecaster.json"
+    bench.parent.mkdir()
+    for ratio, verdict in ((0.95, "met"), (0.9, "met"), (0.899, "NOT met")):
+        bench.write_text(json.dumps(_speed_rec(ratio)))
+        rec = speed_record(md)
+        assert rec is not None and rec["page"] == "../benchmarks/levy_forecaster.md"
+        line = _speed_line(build_page(res, speed=rec).markdown())
+        assert f"ratio {ratio:.3f} (IQR" in line
+        assert f"criterion >= 0.9 -> {verdict});" in line
+        assert "([levy_forecaster.md](../benchmarks/levy_forecaster.md), 2026-12-03" in line
+        assert "In-run, for context only (load-dependent): stays/s of the chosen w" in line
+    bench.write_text('{"ratio": 0.95, "rows": [')  # torn
+    with pytest.warns(UserWarning, match="ignoring the speed benchmark"):
+        assert speed_record(md) is None
+    bench.write_text(json.dumps({**_speed_rec(0.95), "ratio": "NaN"}))  # no number to judge by
+    with pytest.warns(UserWarning, match="non-finite or missing"):
+        assert speed_record(md) is None

@@ -181,6 +181,51 @@ def goal_lines(per_ds: dict[str, dict[str, dict[str, tuple[float, float]]]]) -> 
     return lines
 
 
+def backbone_lines(rows: list[dict[str, Any]], ds: str, order: Sequence[str] = ()
+                   ) -> list[str]:
+    """Which rows of ``ds`` were scored on the same trained backbone: a backbone is named by
+    its cache key and its best validation RMSE (two trainings under one cache key, e.g. by
+    training loops of different versions, differ in the second). Nothing when every row shares
+    one per split; otherwise one line per group, so that rows are compared within a group.
+
+    Examples
+    --------
+    >>> def rec(m, k, v):
+    ...     return {"dataset": "d", "split": k, "method": m,
+    ...             "backbone": {"cache_key": "c", "best_val_rmse_std_units": v}}
+    >>> backbone_lines([rec("sa", 0, 0.2), rec("gaussian", 0, 0.2)], "d")
+    []
+    >>> for line in backbone_lines([rec("sa", 0, 0.2), rec("sa-paper", 0, 0.3)], "d"):
+    ...     print(line)
+    * backbones: 2 trainings of one recipe (one cache key, other weights); compare within a group:
+      * sa: split 0 val RMSE 0.2000
+      * sa-paper: split 0 val RMSE 0.3000
+    """
+    def ident(r: dict[str, Any]) -> tuple[Any, Any]:
+        b = r.get("backbone") or {}
+        return b.get("cache_key"), b.get("best_val_rmse_std_units")
+
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for m in _order({r["method"] for r in _of(rows, ds)}, order):
+        recs = sorted(_of(rows, ds, m), key=lambda r: int(r["split"]))
+        key = tuple((int(r["split"]), *ident(r)) for r in recs)
+        groups.setdefault(key, []).append(m)
+    splits: dict[int, set[tuple[Any, Any]]] = {}
+    for key in groups:
+        for k, *idn in key:
+            splits.setdefault(k, set()).add(tuple(idn))
+    if all(len(v) <= 1 for v in splits.values()):
+        return []
+    n = max(len(v) for v in splits.values())
+    lines = [f"* backbones: {n} trainings of one recipe (one cache key, other weights); compare "
+             "within a group:"]
+    for key, ms in groups.items():
+        val = ", ".join(f"split {k} val RMSE {v:.4f}" if isinstance(v, (int, float))
+                        else f"split {k} val RMSE n/a" for k, _, v in key)
+        lines.append(f"  * {', '.join(ms)}: {val}")
+    return lines
+
+
 def _frozen_rmse(stats: dict[str, dict[str, tuple[float, float]]]) -> float | None:
     """The shared frozen backbone's mean RMSE (a row whose point is the backbone's), if any."""
     m = next((m for m in _FROZEN if m in stats), None)
@@ -328,7 +373,7 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
             t.add(*cells, f"{st['fit_s'][0]:.1f}", f"{st['fwd'][0]:.0f}",
                   values={k: list(v) for k, v in st.items()})
         page.table(t)
-        page.add("", *verdicts[ds][0])
+        page.add("", *verdicts[ds][0], *backbone_lines(rows, ds, order))
         if ablation_block(page, _ablation_rows(stats), point="RMSE", frozen=_frozen_rmse(stats),
                           title=f"**Ablations on {ds}** (SA variants against their reference "
                           "rows, means over splits):", flag=False,  # the flag: in the verdict

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,8 @@ from attnuq_bench.suites._physionet_page import (
     summarise,
 )
 
-__all__ = ["UQ_WEIGHTS", "add_arguments", "parse_weights", "render_page", "run"]
+__all__ = ["SPEED_BENCHMARK", "UQ_WEIGHTS", "add_arguments", "parse_weights", "render_page", "run",
+           "speed_record"]
 
 #: the grid of the Levy loss weight w, fixed before any run (0: the MSE-only recipe)
 UQ_WEIGHTS = (0.0, 0.1, 1.0)
@@ -593,9 +595,49 @@ def _write_json(out: Path, results: dict[str, Any], per_seed: list[dict[str, Any
     return full
 
 
+#: the inference benchmark that judges issue #36's speed goal, relative to the docs folder
+#: (the page's folder's parent: ``docs/results/physionet.md`` -> ``docs/benchmarks/...``)
+SPEED_BENCHMARK = Path("benchmarks") / "levy_forecaster.json"
+
+
+def speed_record(md: Path) -> dict[str, Any] | None:
+    """The record of ``benchmarks/bench_levy_forecaster.py`` beside the page ``md``
+    (:data:`SPEED_BENCHMARK`), with ``"page"``: its markdown page relative to ``md``; ``None``
+    when there is none (the page then judges the speed goal from the in-run timings), or, with
+    a warning, when it is unreadable or lacks the fields the page reads.
+
+    >>> import tempfile
+    >>> speed_record(Path(tempfile.mkdtemp()) / "results" / "physionet.md") is None
+    True
+    """
+    import warnings
+
+    path = Path(md).parent.parent / SPEED_BENCHMARK
+    if not path.is_file():
+        return None
+    try:
+        rec = read_json(path)
+        row = rec["rows"][0]
+        ok = (all(math.isfinite(float(rec[k])) for k in ("ratio", "ratio_q25", "ratio_q75"))
+              and all(math.isfinite(float(row["stays_per_s"][k])) for k in "abc")
+              and isinstance(rec["date"], str) and int(rec["shape"]["test_stays"]) > 0
+              and int(row["repeats"]) > 0)
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        ok, why = False, f"{type(exc).__name__}: {exc}"
+    else:
+        why = "non-finite or missing numbers"
+    if not ok:
+        warnings.warn(f"ignoring the speed benchmark {path} ({why}); the page judges the speed "
+                      "goal from the in-run timings", UserWarning, stacklevel=2)
+        return None
+    page = path.with_suffix(".md")
+    return {**rec, "page": Path(os.path.relpath(page, Path(md).parent)).as_posix()}
+
+
 def _write_page(out: Path, md: Path, results: dict[str, Any]) -> None:
     """The page and its twin from ``results``; the ``physionet`` key of ``summary.json``."""
-    build_page(results, out_name=Path(os.path.relpath(out, md.parent)).as_posix()).write(md)
+    build_page(results, out_name=Path(os.path.relpath(out, md.parent)).as_posix(),
+               speed=speed_record(md)).write(md)
     summ = summarise(results["per_seed"])
     if "levy" in summ and "softmax" in summ:
         name = Path(str(results["data"].get("source") or "physionet")).name.split(".")[0]
@@ -614,9 +656,11 @@ def _write_page(out: Path, md: Path, results: dict[str, Any]) -> None:
 
 
 def render_page(out: Path, table: Path) -> Page:
-    """The page of the stored ``<out>/physionet.json`` (no training, no writes)."""
+    """The page of the stored ``<out>/physionet.json`` and the speed benchmark beside the page
+    ``table`` (:func:`speed_record`; no training, no writes)."""
     return build_page(read_json(Path(out) / "physionet.json"),
-                      out_name=Path(os.path.relpath(out, Path(table).parent)).as_posix())
+                      out_name=Path(os.path.relpath(out, Path(table).parent)).as_posix(),
+                      speed=speed_record(Path(table)))
 
 
 register("physionet", help="Levy-attention forecaster on PhysioNet 2012 (t-PatchGNN protocol)",
