@@ -385,21 +385,10 @@ def run_items(
                 bar.update(len(todo))
                 continue
             for m in todo:
-                name = where = "/".join((*g.parts, m))
-                bar.set_postfix_str(name)
-                t0 = time.perf_counter()
-                try:
-                    rec = run_one(ctx, g, m)
-                except Exception as exc:  # recorded, shown on the page, retried next run
-                    store.fail(exc, g.parts, m)
-                    print(f"[{store.suite}] {name} failed: {type(exc).__name__}: {exc}")
-                    summary.failed.append(name)
-                    bar.update(1)
-                    continue
-                rec["wall_seconds"] = time.perf_counter() - t0
-                store.save(rec, g.parts, m, reuse=g.reuse_for(m), data=g.data)
-                summary.done += 1
-                if on_saved is not None:
+                where = "/".join((*g.parts, m))
+                bar.set_postfix_str(where)
+                rec = _run_one_item(store, ctx, g, m, run_one, summary)
+                if rec is not None and on_saved is not None:
                     on_saved(g, m, rec)
                 bar.update(1)
     except KeyboardInterrupt as exc:
