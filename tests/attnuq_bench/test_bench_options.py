@@ -108,6 +108,14 @@ def test_interrupted_items_say_where_and_how_to_resume(
                    f"resume with: attnuq bench ett --out {tmp_path} --resume"]
 
 
+def _shell_sigint() -> None:
+    """In the child before exec: SIGINT as an interactive shell leaves it (default action,
+    unblocked). A pytest-xdist worker can carry an ignored or blocked SIGINT, which exec
+    passes on: the child would then never see the signal the test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_sigint_during_bench_is_one_line_and_exit_130(tmp_path: Path) -> None:
     """A real SIGINT to ``attnuq bench uci`` while it trains its backbone."""
     out = tmp_path / "uci"
@@ -117,7 +125,8 @@ def test_sigint_during_bench_is_one_line_and_exit_130(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([*src, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "attnuq.cli", *argv], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_shell_sigint)
     try:
         deadline = time.monotonic() + 240
         while not list(out.glob("_models/concrete/split0/*/spec.json")):  # training started
@@ -126,7 +135,14 @@ def test_sigint_during_bench_is_one_line_and_exit_130(tmp_path: Path) -> None:
             time.sleep(0.2)
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"no end 120 s after SIGINT: child exited={proc.poll() is not None} (an open "
+                f"pipe held by a grandchild if True); this process: SIGINT handler "
+                f"{signal.getsignal(signal.SIGINT)!r}, blocked "
+                f"{sorted(signal.pthread_sigmask(signal.SIG_BLOCK, set()))}") from None
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -34,7 +34,7 @@ def test_demo_writes_report_and_reuses_model(
     assert res["calibration"]["nu"] == res["summary"]["chosen nu (sa: auto criterion, BO)"]
     assert res["summary"]["criterion used by auto"] == "paper-debiased"  # a scalar target
     assert res["methods"]["SA"]["recentre"] == "mean"
-    assert res["methods"]["SA"]["form"] in ("sa-normalised", "sa-floor", "conformal")
+    assert res["methods"]["SA"]["form"] in ("sa-normalised", "sa-floor", "conformal", "gaussian")
     captions = [f["caption"] for f in res["figures"]]
     assert any("In this run" in c for c in captions) and any("The search tried" in c
                                                               for c in captions)

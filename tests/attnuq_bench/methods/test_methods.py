@@ -300,7 +300,7 @@ def test_sa_recommended_configuration(task: Task) -> None:
     info = sa.info()
     assert info["criterion_resolved"] == "paper-debiased" and info["recentre"] == "mean"
     assert sa.estimator.report.criterion == "auto" and sa.estimator.n_samples == 8
-    assert info["form"] in ("sa-normalised", "sa-floor", "conformal")
+    assert info["form"] in ("sa-normalised", "sa-floor", "conformal", "gaussian")
     assert 0 <= info["floor_beta_units"]
     x = _data(5, 7)[0]
     g = sa.predict(x)
