@@ -575,15 +575,17 @@ def readme_paragraph(ev: Mapping[str, Any]) -> list[str]:
         text += "; it is further behind on " + ", ".join(
             f"{r.suite} {r.dataset} ({100 * r.gap:+.1f} % against {r.best})" for r in worst
             if r.gap is not None)
-    text += (". A rule on validation data alone predicts whether it beats plain split "
-             "conformal: SARegressor's diagnostics `form` is not `conformal` and "
-             "`spearman_spread_abs_error` exceeds max(0.1, 1.96 / sqrt(n_val - 1)). ")
+    text += (". A rule on validation data alone, fixed in advance, predicts whether it beats "
+             "plain split conformal: SARegressor's diagnostic `form` is spread-scaled "
+             "(`sa-normalised` or `sa-floor`) and `spearman_spread_abs_error` exceeds "
+             "max(0.1, 1.96 / sqrt(n_val - 1)). ")
     if not sp["scored"]:
         return [text + "Its record: nothing to score yet (records missing)."]
+    bases = {k: max(t["beats"], t["scored"] - t["beats"]) for k, t in (("set", s), ("fit", sp))}
     text += (f"That rule was right on {s['right']} of {s['scored']} (suite, set) pairs and "
-             f"{sp['right']} of {sp['scored']} (suite, set, split) fits")
-    base = max(sp["beats"], sp["scored"] - sp["beats"]) if sp["scored"] else 0
-    if sp["scored"] and sp["right"] <= base:
-        text += (f", no better than always answering the more frequent outcome ({base} of "
-                 f"{sp['scored']}): this rule tells a user no more than that base rate")
+             f"{sp['right']} of {sp['scored']} (suite, set, split) fits; always answering the "
+             f"more frequent outcome is right on {bases['set']} and {bases['fit']}")
+    if s["right"] <= bases["set"] or sp["right"] <= bases["fit"]:
+        text += (": on this evidence the rule does not tell a user reliably more than that "
+                 "base rate, so compare `sa` with plain conformal on your own validation data")
     return [text + "."]
