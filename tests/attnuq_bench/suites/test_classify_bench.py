@@ -30,7 +30,13 @@ def test_read_outcomes_names_the_file_and_line_of_a_bad_label(tmp_path: Path) ->
 def test_mortality_parts_and_views_of_synthetic_stays(tmp_path: Path) -> None:
     import importlib.util
 
-    from attnuq_bench.suites._mortality_data import grid_inputs, irregular_inputs, load_mortality
+    from attnuq_bench.suites._mortality_data import (
+        N_GRID_FEATURES,
+        grid_inputs,
+        irregular_inputs,
+        load_mortality,
+        n_obs_features,
+    )
 
     spec = importlib.util.spec_from_file_location(
         "_cm", Path(__file__).with_name("_contract_mortality.py"))
@@ -46,11 +52,21 @@ def test_mortality_parts_and_views_of_synthetic_stays(tmp_path: Path) -> None:
     assert d.labels.tolist() == [i % 2 for i in range(50)]
     g = grid_inputs(d, d.parts["test"], 4)
     C = d.ds.n_channels
-    assert g.shape == (10, 13, 6 * C)
+    assert g.shape == (10, 13, N_GRID_FEATURES * C)
     # the 48 h summary token's carried-forward value equals the last window's
     torch.testing.assert_close(g[:, 0, :C], g[:, -1, :C])
+    # the last four blocks are |carried forward|, |mean|, |min|, |max|
+    torch.testing.assert_close(g[..., 6 * C:], g[..., :4 * C].abs())
+    assert (g[..., :4 * C] < 0).any()  # standardised values of both signs: the check can fail
     x = irregular_inputs(d, d.parts["test"])
-    assert x.features.shape[:2] == x.mask.shape and x.features.shape[2] == 4
+    assert x.features.shape[:2] == x.mask.shape
+    assert x.features.shape[2] == n_obs_features(C) == 2 * C + 3
+    # each observation's z and |z| sit in its own channel's slots, zero elsewhere
+    f, ch = x.features[x.mask], x.channels[x.mask]
+    rows = torch.arange(len(ch))
+    z = f[rows, ch]
+    torch.testing.assert_close(f[rows, C + ch], z.abs())
+    assert int((f[:, :2 * C] != 0).sum(1).max()) <= 2
     n_obs = np.diff(d.ds.offsets)[d.parts["test"]]
     assert x.mask.sum(1).tolist() == n_obs.tolist()
 

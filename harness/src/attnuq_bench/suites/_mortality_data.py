@@ -11,7 +11,8 @@
   them to their 0.5 % / 99.5 % quantiles (the clip is kept and applied to every part);
 * two views of a stay (:func:`grid_inputs`, :func:`irregular_inputs`): tokens of time
   windows for the softmax transformer (per window and channel: value carried forward, window
-  mean / min / max, count, time since the last observation; ``(48 / window, 6 C)``) and the
+  mean / min / max, count, time since the last observation, and the absolute values of the
+  first four; ``(48 / window, 10 C)``) and the
   irregular observations for the Levy classifier (times, channels, per-observation features,
   mask; ``(N,)`` each).
 """
@@ -28,13 +29,39 @@ import torch
 
 from attnuq.data import DataFormatError
 
-__all__ = ["IrregularInputs", "MortalityData", "grid_inputs", "irregular_inputs",
-           "load_mortality", "read_outcomes"]
+__all__ = [
+    "N_GRID_FEATURES",
+    "N_OBS_FEATURES",
+    "IrregularInputs",
+    "MortalityData",
+    "grid_inputs",
+    "irregular_inputs",
+    "load_mortality",
+    "n_obs_features",
+    "read_outcomes",
+]
 
 N_HOURS = 48
-#: per-observation features of the Levy classifier: standardised value, time / 48, "last
-#: observation of its channel" flag, log(1 + number of observations of its channel) / 5
-N_OBS_FEATURES = 4
+#: per-observation features of the Levy classifier besides the value slots
+#: (:func:`n_obs_features`): time / 48, "last observation of its channel" flag,
+#: log(1 + number of observations of its channel) / 5
+N_OBS_FEATURES = 3
+#: features per channel of a :func:`grid_inputs` token
+N_GRID_FEATURES = 10
+
+
+def n_obs_features(n_channels: int) -> int:
+    """Features per observation of :func:`irregular_inputs` for ``n_channels`` channels.
+
+    The standardised value ``z`` and ``|z|`` sit in slots of their channel (``2 C`` columns,
+    zero elsewhere), then the :data:`N_OBS_FEATURES` shared ones. In slots, the Levy value
+    embedding (linear in the features) weighs each channel's value with its own sign and
+    size, and ``|z|`` lets it score values far from typical on either side.
+
+    >>> n_obs_features(41)
+    85
+    """
+    return 2 * n_channels + N_OBS_FEATURES
 
 
 def read_outcomes(path: str | Path, column: str = "In-hospital_death") -> dict[int, int]:
@@ -172,15 +199,17 @@ def _stay(data: MortalityData, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 def grid_inputs(data: MortalityData, idx: np.ndarray, window: int = 4, *,
                 summary: bool = True) -> torch.Tensor:
-    """Tokens of ``window``-hour windows ``(B, 48 / window, 6 C)`` float32; with ``summary``
+    """Tokens of ``window``-hour windows ``(B, 48 / window, 10 C)`` float32; with ``summary``
     a first token of the whole 48 h (the same features over one window) is prepended:
-    ``(B, 1 + 48 / window, 6 C)``.
+    ``(B, 1 + 48 / window, 10 C)``.
 
     Per window (observations with ``t`` in ``(w0, w0 + window]``, time 0 in the first) and
     channel: the last standardised value carried forward (0, the training mean, before the
     first observation), the mean, minimum and maximum of the window's values (carried-forward
-    value when it has none), ``log(1 + count)`` of its observations, and hours since the last
-    observation / 48 (1 before the first).
+    value when it has none), ``log(1 + count)`` of its observations, hours since the last
+    observation / 48 (1 before the first), then the absolute values of the first four: many
+    vital signs and labs are dangerous both far above and far below their typical value, and
+    ``|z|`` gives the token embedding (linear) that U-shape directly.
     """
     if window < 1 or N_HOURS % window:
         raise ValueError(f"window must divide {N_HOURS}, got {window=}")
@@ -189,7 +218,7 @@ def grid_inputs(data: MortalityData, idx: np.ndarray, window: int = 4, *,
                           grid_inputs(data, idx, window, summary=False)], dim=1)
     C = data.ds.n_channels
     T = N_HOURS // window
-    out = np.zeros((len(idx), T, 6 * C), dtype=np.float32)
+    out = np.zeros((len(idx), T, N_GRID_FEATURES * C), dtype=np.float32)
     for b, n in enumerate(idx):
         t, c, z = _stay(data, int(n))
         w = np.clip(np.ceil(t / window).astype(np.int64) - 1, 0, T - 1)
@@ -214,7 +243,8 @@ def grid_inputs(data: MortalityData, idx: np.ndarray, window: int = 4, *,
             out[b, k, 2 * C:3 * C] = np.where(seen, mn, last)
             out[b, k, 3 * C:4 * C] = np.where(seen, mx, last)
             out[b, k, 4 * C:5 * C] = np.log1p(cnt)
-            out[b, k, 5 * C:] = np.where(np.isnan(t_last), 1.0, (end - t_last) / N_HOURS)
+            out[b, k, 5 * C:6 * C] = np.where(np.isnan(t_last), 1.0, (end - t_last) / N_HOURS)
+    out[..., 6 * C:] = np.abs(out[..., :4 * C])
     return torch.from_numpy(out)
 
 
@@ -223,7 +253,7 @@ class IrregularInputs:
     """Padded irregular observations of ``B`` stays, ``N`` the longest stay's count.
 
     ``times`` ``(B, N)`` hours, ``channels`` ``(B, N)`` int64, ``features`` ``(B, N, F)``
-    (:data:`N_OBS_FEATURES`), ``mask`` ``(B, N)`` bool."""
+    (``F =`` :func:`n_obs_features` ``(C)``), ``mask`` ``(B, N)`` bool."""
 
     times: torch.Tensor
     channels: torch.Tensor
@@ -245,21 +275,25 @@ def irregular_inputs(data: MortalityData, idx: np.ndarray) -> IrregularInputs:
     B = len(rows)
     times = torch.zeros(B, N)
     chans = torch.zeros(B, N, dtype=torch.long)
-    feats = torch.zeros(B, N, N_OBS_FEATURES)
+    C = data.ds.n_channels
+    feats = torch.zeros(B, N, n_obs_features(C))
     mask = torch.zeros(B, N, dtype=torch.bool)
     for b, (t, c, z) in enumerate(rows):
         k = t.size
         if not k:
             continue
-        counts = np.bincount(c, minlength=data.ds.n_channels)
+        counts = np.bincount(c, minlength=C)
         last = np.zeros(k, dtype=bool)
         seen: set[int] = set()
         for i in range(k - 1, -1, -1):  # time-sorted: the last one per channel
             if int(c[i]) not in seen:
                 last[i] = True
                 seen.add(int(c[i]))
-        f = np.stack([z, t / N_HOURS, last.astype(float),
-                      np.log1p(counts[c]) / 5.0], axis=1)
+        slots = np.zeros((k, 2 * C))
+        slots[np.arange(k), c] = z
+        slots[np.arange(k), C + c] = np.abs(z)
+        f = np.concatenate([slots, np.stack([t / N_HOURS, last.astype(float),
+                                             np.log1p(counts[c]) / 5.0], axis=1)], axis=1)
         times[b, :k] = torch.as_tensor(t, dtype=torch.float32)
         chans[b, :k] = torch.as_tensor(c)
         feats[b, :k] = torch.as_tensor(f, dtype=torch.float32)

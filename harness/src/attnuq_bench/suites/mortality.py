@@ -12,8 +12,9 @@ Backbones (:mod:`attnuq_bench.models.classifiers`), ``--seeds`` model seeds each
 
 * ``transformer``: a softmax-attention transformer over tokens of ``--window``-hour windows of
   the irregular series, after one token of the whole 48 h (per channel: value carried
-  forward, window mean / min / max, count, time since the last observation), trained on the
-  binary cross-entropy; frozen, then every post-hoc method;
+  forward, window mean / min / max, count, time since the last observation, and the absolute
+  values of the first four), read out at that first token's output, trained on the binary
+  cross-entropy; frozen, then every post-hoc method;
 * ``levy``: :class:`~attnuq_bench.models.classifiers.LevyClassifier`, Levy attention over the
   irregular observations pooled by one query per channel; the logit's one-pass mean and sigma
   give ``sigmoid(mu / sqrt(1 + pi sigma^2 / 8))`` (the method ``levy``), also its training
@@ -82,8 +83,9 @@ DEFAULT_METHODS: dict[str, list[str]] = {
     "levy": ["softmax", "temperature", "levy"],
 }
 #: bump when a backbone recipe changes in a way the options do not show
-_RECIPE = "mortality v1: Adam(W), BCE (transformer) / BCE of the probit probability (levy), " \
-          "early stopping on validation AUROC"
+_RECIPE = "mortality v2: Adam(W), BCE (transformer) / BCE of the probit probability (levy), " \
+          "early stopping on validation AUROC; transformer: |z| token features, read out at " \
+          "the 48 h summary token; levy: values in channel slots with |z|"
 #: published test AUROCs on PhysioNet 2012 mortality (the page states their protocols)
 REFERENCES = [
     ("mTAN (mTAND-Full)", "0.858 ± 0.004", "set-a (4,000 stays), 80/20 split, 20 % of train for "
@@ -222,14 +224,16 @@ def _forward(backbone: str) -> Any:
 def _make_model(backbone: str, data: _Data, args: argparse.Namespace, seed: int
                 ) -> torch.nn.Module:
     from attnuq_bench.models.classifiers import GridTransformerClassifier, LevyClassifier
-    from attnuq_bench.suites._mortality_data import N_OBS_FEATURES
+    from attnuq_bench.suites._mortality_data import N_GRID_FEATURES, n_obs_features
 
     torch.manual_seed(seed)
     C = data.d.ds.n_channels
     if backbone == "transformer":
-        return GridTransformerClassifier(6 * C, 1 + 48 // args.window, d=args.d, layers=args.layers,
-                                         heads=4, dropout=args.dropout)
-    return LevyClassifier(C, N_OBS_FEATURES, d_model=args.levy_d, num_heads=args.levy_heads)
+        return GridTransformerClassifier(N_GRID_FEATURES * C, 1 + 48 // args.window, d=args.d,
+                                         layers=args.layers, heads=4, dropout=args.dropout,
+                                         pool="first")
+    return LevyClassifier(C, n_obs_features(C), d_model=args.levy_d,
+                          num_heads=args.levy_heads)
 
 
 def _probs1(backbone: str, model: torch.nn.Module, x: Any) -> torch.Tensor:
