@@ -147,3 +147,32 @@ def test_digits_shifts_are_fixed_and_ood_is_not_digits() -> None:
     n = len(x)
     torch.testing.assert_close(a["ood"][0][:n].reshape(n, -1).sort(1).values,
                                x.reshape(n, -1).sort(1).values)
+
+
+def test_one_score_agrees_with_class_scores() -> None:
+    from attnuq_bench.suites._classify import class_scores, one_score
+
+    rng = np.random.default_rng(3)
+    for C in (2, 4):
+        p = rng.dirichlet(np.ones(C), size=60)
+        y = rng.integers(0, C, 60)
+        full = class_scores(p, y)
+        for key in ("nll", "brier", "ece", "aurc", "auroc_error"):
+            assert one_score(p, y, key) == pytest.approx(full[key], rel=1e-12, abs=1e-15), key
+    with pytest.raises(ValueError, match="key must be"):
+        one_score(p, y, "auroc")
+
+
+def test_paired_bootstrap_se_of_identical_methods_is_zero_and_shrinks_with_n() -> None:
+    from attnuq_bench.suites._classify import paired_bootstrap_se
+
+    rng = np.random.default_rng(5)
+    a = rng.normal(size=1600)
+    assert paired_bootstrap_se([(1600, lambda i: float(a[i].mean() - a[i].mean()))]) == 0.0
+    # a mean of n unit normals has SE 1/sqrt(n): quadrupling n halves it (200 replicates give
+    # the SE to ~5 %, so the ratio's band of +-25 % is > 3 sigma on each side)
+    se_small = paired_bootstrap_se([(400, lambda i: float(a[:400][i].mean()))])
+    se_large = paired_bootstrap_se([(1600, lambda i: float(a[i].mean()))])
+    assert 1.5 < se_small / se_large < 2.5
+    with pytest.raises(ValueError, match="diffs"):
+        paired_bootstrap_se([])

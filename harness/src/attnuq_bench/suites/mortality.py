@@ -441,6 +441,36 @@ def _agg(rows: list[dict[str, Any]], key: str, sub: str = "scores") -> list[floa
     return mean_std_n([r[sub][key] for r in rows])
 
 
+def _noise(by: dict[str, list[dict[str, Any]]], a: str, b: str, key: str) -> str:
+    """``"; difference d, paired bootstrap SE s ...: within / beyond noise"`` of method ``a``
+    against ``b`` on ``key`` (a score of :func:`one_score`, or ``size_90`` / ``size_95``),
+    over the seeds both have."""
+    from attnuq_bench.suites._classify import one_score, paired_bootstrap_se, set_sizes_of
+
+    rb = {r["seed"]: r for r in by.get(b, [])}
+    pairs = [(r["_pred"], rb[r["seed"]]["_pred"]) for r in by.get(a, []) if r["seed"] in rb]
+    if not pairs:
+        return ""
+    diffs: list[tuple[int, Any]] = []
+    for pa, pb in pairs:
+        y = pa["test_y"]
+        if key.startswith("size_"):
+            alpha = 1 - int(key.split("_")[1]) / 100
+            sa, sb = (set_sizes_of(p["cal_probs"], p["cal_y"], p["test_probs"], alpha)
+                      for p in (pa, pb))
+            diffs.append((len(y), lambda i, sa=sa, sb=sb: float(sa[i].mean() - sb[i].mean())))
+        else:
+            qa, qb = pa["test_probs"], pb["test_probs"]
+            diffs.append((len(y), lambda i, qa=qa, qb=qb, y=y: one_score(qa[i], y[i], key)
+                          - one_score(qb[i], y[i], key)))
+    d = float(np.mean([f(np.arange(n)) for n, f in diffs]))
+    se = paired_bootstrap_se(diffs)
+    verdict = "within noise (|difference| < 2 SE)" if abs(d) < 2 * se else "beyond noise"
+    n_test = len(pairs[0][0]["test_y"])
+    return (f"; difference {d:+.4f}, paired bootstrap SE {se:.2g} over the {n_test} test "
+            f"stays: {verdict}")
+
+
 def _goal_lines(bb: str, by: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The issue's goals on this backbone, each met / not met with the numbers."""
     def m(method: str, key: str, sub: str = "scores") -> float | None:
@@ -467,20 +497,23 @@ def _goal_lines(bb: str, by: dict[str, list[dict[str, Any]]]) -> list[str]:
         a, b = m(sa, key), m(t, key)
         ok = a is not None and b is not None and a <= b
         lines.append(f"* {label} {name} no worse than temperature scaling's: "
-                     f"{'**met**' if ok else '**not met**'} ({fmt(a, 4)} vs {fmt(b, 4)})")
+                     f"{'**met**' if ok else '**not met**'} ({fmt(a, 4)} vs {fmt(b, 4)}"
+                     f"{_noise(by, sa, t, key)})")
     for key, name, better in (("aurc", "AURC", "lower"), ("auroc_error", "error-AUROC",
                                                           "higher")):
         a, b = m(sa, key), m(t, key)
         ok = a is not None and b is not None and (a < b if better == "lower" else a > b)
         lines.append(f"* {label} {name} better ({better}) than temperature scaling's: "
-                     f"{'**met**' if ok else '**not met**'} ({fmt(a, 4)} vs {fmt(b, 4)})")
+                     f"{'**met**' if ok else '**not met**'} ({fmt(a, 4)} vs {fmt(b, 4)}"
+                     f"{_noise(by, sa, t, key)})")
     for lv in (90, 95):
         a, b = m(sa, f"size_{lv}", "sets"), m("softmax", f"size_{lv}", "sets")
         ca, cb = m(sa, f"coverage_{lv}", "sets"), m("softmax", f"coverage_{lv}", "sets")
         ok = a is not None and b is not None and a <= b
         lines.append(f"* {label} {lv} % sets (LAC) no larger than the frozen softmax's: "
                      f"{'**met**' if ok else '**not met**'} (size {fmt(a, 4)} vs {fmt(b, 4)}; "
-                     f"coverage {fmt(ca, 3)} vs {fmt(cb, 3)})")
+                     f"coverage {fmt(ca, 3)} vs {fmt(cb, 3)}"
+                     f"{_noise(by, sa, 'softmax', f'size_{lv}')})")
     if bb == "transformer":
         fit_s = [r["cost"]["fit_seconds"] for r in by[sa]]
         fwd = [r["cost"]["fit_forward"] for r in by[sa]]
