@@ -74,6 +74,7 @@ from attnuq_bench.methods.classification import (
     FrozenSoftmax,
     LaplaceClassifier,
     LevyProbit,
+    LevyProbitTemperature,
     MCDropoutClassifier,
     SAClassifierMethod,
     TemperatureScaling,
@@ -120,6 +121,7 @@ register_method("laplace-cls", LaplaceClassifier)
 register_method("conformal-cls", ConformalSets)
 register_method("sa-cls", SAClassifierMethod)
 register_method("levy", LevyProbit)
+register_method("levy-temperature", LevyProbitTemperature)
 
 __all__ = [
     "HSA",
@@ -135,6 +137,7 @@ __all__ = [
     "LaplaceClassifier",
     "LastLayerLaplace",
     "LevyProbit",
+    "LevyProbitTemperature",
     "MCDropout",
     "MCDropoutClassifier",
     "Method",

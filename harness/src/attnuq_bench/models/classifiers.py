@@ -5,7 +5,8 @@ classifier over irregular observations, and a tiny timm ViT for 8x8 images.
   carried-forward values, observed flags and gaps), a linear token embedding plus learned
   positions, ``layers`` pre-norm ``nn.TransformerEncoderLayer`` s (softmax attention through
   ``nn.MultiheadAttention``, which :func:`attnuq.stochastic` patches), mean pooling over the
-  ``T`` tokens, a linear head: logits ``(B, n_logits)`` (one logit = binary).
+  ``T`` tokens (or, ``pool="first"``, the first token's output: a summary token placed first,
+  as the mortality suite does), a linear head: logits ``(B, n_logits)`` (one logit = binary).
 * :class:`LevyClassifier`: :class:`attnuq.nn.LevyAttention` with one query per channel at the
   end of the window (``t = query_time``, ``query_channels = c``) and ``out_features = 1``; the
   logit is the sum over the ``C`` queries,

@@ -18,13 +18,17 @@ Backbones (:mod:`attnuq_bench.models.classifiers`), ``--seeds`` model seeds each
 * ``levy``: :class:`~attnuq_bench.models.classifiers.LevyClassifier`, Levy attention over the
   irregular observations pooled by one query per channel; the logit's one-pass mean and sigma
   give ``sigmoid(mu / sqrt(1 + pi sigma^2 / 8))`` (the method ``levy``), also its training
-  probability.
+  probability; ``levy-temperature`` divides that probit argument by one temperature fitted on
+  the validation NLL (the Levy counterpart of SAClassifier's temperature, and the row the
+  goals compare on this backbone). Each observation's standardised value and its absolute
+  value sit in slots of its channel (:func:`~attnuq_bench.suites._mortality_data.n_obs_features`).
 
 Both train through :func:`attnuq_bench.training.fit` (Adam(W), early stopping on the validation
 AUROC) and are cached under ``--cache-dir`` keyed by their recipe and data. Methods
 (:mod:`attnuq_bench.methods.classification`): ``softmax`` (frozen), ``temperature``,
 ``mc-dropout-cls``, ``ensemble-cls`` (members: the backbones of seeds ``s .. s + 4``),
-``laplace-cls`` (laplace-torch), ``sa-cls`` (:class:`attnuq.SAClassifier`), ``levy``; every
+``laplace-cls`` (laplace-torch), ``sa-cls`` (:class:`attnuq.SAClassifier`), ``levy``,
+``levy-temperature``; every
 method's prediction sets are split conformal on its calibration-part probabilities (LAC; the
 frozen softmax also with APS and RAPS: the ``conformal-cls`` baseline).
 
@@ -80,7 +84,7 @@ BACKBONES = ("transformer", "levy")
 DEFAULT_METHODS: dict[str, list[str]] = {
     "transformer": ["softmax", "temperature", "mc-dropout-cls", "ensemble-cls", "laplace-cls",
                     "sa-cls"],
-    "levy": ["softmax", "temperature", "levy"],
+    "levy": ["softmax", "temperature", "levy", "levy-temperature"],
 }
 #: bump when a backbone recipe changes in a way the options do not show
 _RECIPE = "mortality v2: Adam(W), BCE (transformer) / BCE of the probit probability (levy), " \
@@ -136,6 +140,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of the transformer")
     p.add_argument("--levy-lr", type=float, default=3e-3,
                    help="learning rate of the Levy-attention model")
+    p.add_argument("--levy-weight-decay", type=float, default=0.0,
+                   help="decoupled weight decay of the Levy-attention model (AdamW; 0: Adam)")
     p.add_argument("--batch-size", type=int, default=64, help="training batch size")
     p.add_argument("--max-epochs", type=int, default=40,
                    help="training epochs at most (early stopping on val)")
@@ -161,7 +167,7 @@ def _recipe(args: argparse.Namespace, backbone: str) -> dict[str, Any]:
         return {**common, "backbone": backbone, "window": args.window, "d": args.d,
                 "layers": args.layers, "dropout": args.dropout, "lr": args.lr}
     return {**common, "backbone": backbone, "d": args.levy_d, "heads": args.levy_heads,
-            "lr": args.levy_lr}
+            "lr": args.levy_lr, "weight_decay": args.levy_weight_decay}
 
 
 def _budget(args: argparse.Namespace) -> dict[str, Any]:
@@ -275,9 +281,12 @@ def _train(backbone: str, data: _Data, args: argparse.Namespace, seed: int,
         return -float(metrics.auroc(p.double(), y))
 
     rep = fit(model, epoch_batches, lambda: data.batches(backbone, "val"), loss=loss,
-              metric=neg_auroc, optimizer="adamw" if backbone == "transformer" else "adam",
+              metric=neg_auroc,
+              optimizer="adamw" if backbone == "transformer" or args.levy_weight_decay > 0
+              else "adam",
               lr=args.lr if backbone == "transformer" else args.levy_lr,
-              weight_decay=1e-2 if backbone == "transformer" else 0.0, clip_grad_norm=5.0,
+              weight_decay=1e-2 if backbone == "transformer" else args.levy_weight_decay,
+              clip_grad_norm=5.0,
               max_epochs=args.max_epochs, patience=args.patience, seed=seed, seed_torch=True,
               checkpoint=checkpoint,
               progress=(lambda s: _log(f"{backbone} seed {seed} {s}")) if not args.no_progress
@@ -482,8 +491,10 @@ def _goal_lines(bb: str, by: dict[str, list[dict[str, Any]]]) -> list[str]:
     lines.append(f"* backbone test AUROC >= {GOAL_AUROC}: "
                  f"{'**met**' if auc is not None and auc >= GOAL_AUROC else '**not met**'} "
                  f"({fmt(auc, 3)}, mean over {len(by.get('softmax', []))} seeds)")
-    sa = "sa-cls" if bb == "transformer" else "levy"
-    label = "SA" if bb == "transformer" else "levy (one pass; SA has no softmax attention here)"
+    sa = "sa-cls" if bb == "transformer" else "levy-temperature"
+    label = ("SA" if bb == "transformer" else
+             "levy-temperature (one pass with a validation temperature, as SAClassifier has; "
+             "SA has no softmax attention here)")
     if sa not in by:
         lines.append(f"* {label}: no rows yet (not run or failed), so its goals are **not "
                      f"checked**")
@@ -599,7 +610,7 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
         page.add(f"![reliability]({out.name}/reliability_{bb}.png)", "")
     page.section("Headline")
     for bb, by in heads:
-        sa = "sa-cls" if bb == "transformer" else "levy"
+        sa = "sa-cls" if bb == "transformer" else "levy-temperature"
         if sa in by and "temperature" in by:
             page.headline(
                 f"mortality/{bb}: {sa} NLL {fmt(_agg(by[sa], 'nll')[0], 4)} vs temperature "
