@@ -498,6 +498,10 @@ def test_float32_close_to_float64(backend: str) -> None:
         ({"h": -0.1}, "h must"),
         ({"D": None}, "together"),
         ({"alpha": torch.ones(3)}, "alpha"),
+        # 0-dim Fourier parameters: a shape error naming them, not an IndexError
+        ({"omega": torch.tensor(1.0)}, r"omega, phase must be .*omega.shape=\(\)"),
+        ({"phase": torch.tensor(0.0)}, r"omega, phase must be .*phase.shape=\(\)"),
+        ({"D": torch.tensor(0.1)}, r"omega, phase must be .*D.shape=\(\)"),
     ],
 )
 @pytest.mark.parametrize("entry", ["levy_attention", "sample", "reference"])

@@ -42,6 +42,8 @@ def _fourier(
     """``omega``, ``phase`` as ``(1, K)`` when both are shared 1-D (the time features are then
     computed once for all heads), else ``(H, K)``, and ``D`` as ``(H, Dv, K)``, in ``ref``'s
     dtype; ``None`` where the shapes do not fit."""
+    if omega.dim() not in (1, 2) or phase.dim() not in (1, 2) or D.dim() not in (2, 3):
+        return None
     om, ph, dd = omega.to(ref.dtype), phase.to(ref.dtype), D.to(ref.dtype)
     hw = 1 if (om.dim() == 1 and ph.dim() == 1) else heads
     om = om[None].expand(hw, -1) if om.dim() == 1 else om
