@@ -140,7 +140,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of the transformer")
     p.add_argument("--levy-lr", type=float, default=3e-3,
                    help="learning rate of the Levy-attention model")
-    p.add_argument("--levy-weight-decay", type=float, default=0.0,
+    p.add_argument("--levy-weight-decay", type=float, default=0.05,
                    help="decoupled weight decay of the Levy-attention model (AdamW; 0: Adam)")
     p.add_argument("--batch-size", type=int, default=64, help="training batch size")
     p.add_argument("--max-epochs", type=int, default=40,
