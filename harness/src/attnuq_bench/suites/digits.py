@@ -16,7 +16,9 @@ sets, built from the test images with fixed seeds:
 
 Backbone: :func:`attnuq_bench.models.classifiers.tiny_vit` (patch 2: 16 tokens + a class token),
 trained by :func:`attnuq_bench.training.fit` (AdamW, cross-entropy, early stopping on validation
-NLL), ``--seeds`` model seeds, cached under ``--cache-dir``. Methods as for ``mortality``
+NLL) on training images shifted by up to ``--shift`` pixels each way (a fresh seeded draw per
+image and epoch, zero fill: 8x8 digits are not centred alike), ``--seeds`` model seeds, cached
+under ``--cache-dir``. Methods as for ``mortality``
 (:mod:`attnuq_bench.methods.classification`); prediction sets at 90 % and 95 % are split conformal
 on each method's clean calibration-part probabilities (LAC; the frozen softmax also APS, RAPS)
 and scored on every evaluation set.
@@ -74,7 +76,8 @@ NOISE = (0.1, 0.25, 0.5)
 ANGLES = (15.0, 30.0, 45.0)
 EVAL_SETS = ("clean", *[f"noise-{k}" for k in (1, 2, 3)],
              *[f"rotation-{k}" for k in (1, 2, 3)])
-_RECIPE = "digits v1: tiny timm ViT, AdamW, cross-entropy, early stopping on validation NLL"
+_RECIPE = ("digits v2: tiny timm ViT, AdamW, cross-entropy, early stopping on validation NLL, "
+           "random-shift augmentation")
 FIT_GOAL_SECONDS = 120.0
 SCORES = ("Scores: attnuq.metrics (nll_probs, brier_probs (sum over classes), ece_probs with 15 "
           "equal-width bins of the top-label confidence, aurc and auroc_error of 1 - max p, "
@@ -98,9 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dropout", type=float, default=0.1, help="ViT dropout rate")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     p.add_argument("--batch-size", type=int, default=64, help="training batch size")
-    p.add_argument("--max-epochs", type=int, default=100,
+    p.add_argument("--max-epochs", type=int, default=200,
                    help="training epochs at most (early stopping on val)")
-    p.add_argument("--patience", type=int, default=10, help="early-stopping patience in epochs")
+    p.add_argument("--patience", type=int, default=20, help="early-stopping patience in epochs")
+    p.add_argument("--shift", type=int, default=1,
+                   help="training images shifted by up to this many pixels (0: no augmentation)")
     p.add_argument("--ensemble", type=int, default=5, help="deep-ensemble members")
     p.add_argument("--mc-samples", type=int, default=50, help="MC-dropout passes")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -153,6 +158,27 @@ def digits_data(split_seed: int = 0, max_images: int | None = None) -> dict[str,
     return out
 
 
+def shifted(x: torch.Tensor, shift: int, generator: torch.Generator) -> torch.Tensor:
+    """Images ``(N, 1, H, W)`` each moved by its own ``(dy, dx)``, uniform in
+    ``[-shift, shift]^2`` (drawn from ``generator``), with zeros shifted in; ``shift=0``
+    returns ``x``.
+
+    >>> x = torch.zeros(1, 1, 3, 3); x[0, 0, 1, 1] = 1
+    >>> y = shifted(x, 1, torch.Generator().manual_seed(0))
+    >>> float(y.sum()), y.shape   # the one lit pixel moved at most one step, still inside
+    (1.0, torch.Size([1, 1, 3, 3]))
+    """
+    if shift < 0:
+        raise ValueError(f"shift must be >= 0, got {shift=}")
+    if shift == 0:
+        return x
+    n, _, h, w = x.shape
+    pad = torch.nn.functional.pad(x, (shift,) * 4)
+    off = torch.randint(0, 2 * shift + 1, (n, 2), generator=generator)
+    return torch.stack([pad[i, :, off[i, 0]:off[i, 0] + h, off[i, 1]:off[i, 1] + w]
+                        for i in range(n)])
+
+
 class _Scaled(torch.nn.Module):
     """The backbone with its input scaling inside: ``[0, 1]`` pixels -> ``(x - 0.5) / 0.5``."""
 
@@ -168,7 +194,7 @@ def _recipe(args: argparse.Namespace) -> dict[str, Any]:
     return {"recipe": _RECIPE, "split_seed": args.split_seed, "max_images": args.max_images,
             "embed_dim": args.embed_dim, "depth": args.depth, "heads": args.heads,
             "dropout": args.dropout, "lr": args.lr, "batch_size": args.batch_size,
-            "max_epochs": args.max_epochs, "patience": args.patience}
+            "max_epochs": args.max_epochs, "patience": args.patience, "shift": args.shift}
 
 
 def _budget(args: argparse.Namespace) -> dict[str, Any]:
@@ -202,7 +228,16 @@ def _train(model: torch.nn.Module, data: dict[str, Any], args: argparse.Namespac
             p = torch.cat([torch.softmax(model(x).double(), -1) for x, _ in val])
         return float(metrics.nll_probs(p, torch.cat([y for _, y in val])))
 
-    rep = fit(model, data["train"], data["val"], loss=ce, metric=val_nll, optimizer="adamw",
+    x_tr, y_tr = data["train"]
+
+    def epoch_batches(epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        g = torch.Generator().manual_seed(1000 * seed + epoch)
+        x = shifted(x_tr, args.shift, g)
+        perm = torch.randperm(len(x), generator=g)
+        bs = args.batch_size
+        return [(x[perm[s:s + bs]], y_tr[perm[s:s + bs]]) for s in range(0, len(x), bs)]
+
+    rep = fit(model, epoch_batches, data["val"], loss=ce, metric=val_nll, optimizer="adamw",
               lr=args.lr, weight_decay=0.05, max_epochs=args.max_epochs,
               patience=args.patience, batch_size=args.batch_size, val_batch_size=512,
               seed=seed, seed_torch=True, checkpoint=checkpoint,
@@ -306,8 +341,8 @@ def run(args: argparse.Namespace) -> Path:
 
 def _state_args(args: argparse.Namespace) -> dict[str, Any]:
     keep = ("seeds", "seed", "split_seed", "max_images", "embed_dim", "depth", "heads",
-            "dropout", "lr", "batch_size", "max_epochs", "patience", "ensemble", "mc_samples",
-            "threads")
+            "dropout", "lr", "batch_size", "max_epochs", "patience", "shift", "ensemble",
+            "mc_samples", "threads")
     return {k: getattr(args, k) for k in keep}
 
 
@@ -510,7 +545,8 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
              f"the test images: Gaussian noise sd {list(NOISE)}, rotation {list(ANGLES)} "
              f"degrees; OOD: {sz['ood']} shuffled-pixel and uniform-noise images. Model seeds "
              f"{sorted({r['seed'] for r in rows})}. Backbone: timm VisionTransformer, embed "
-             f"{a.get('embed_dim')}, depth {a.get('depth')}, {a.get('heads')} heads, patch 2; "
+             f"{a.get('embed_dim')}, depth {a.get('depth')}, {a.get('heads')} heads, patch 2, "
+             f"trained on images shifted by up to {a.get('shift', 0)} pixel(s); "
              f"epochs run {sorted({int(b['epochs_run']) for b in bi})}, "
              f"{fmt(mean_std_n([b['seconds'] for b in bi]), 1)} s per backbone.", "")
     for ds in ("clean", "noise-3", "rotation-3"):

@@ -488,9 +488,18 @@ def _goal_lines(bb: str, by: dict[str, list[dict[str, Any]]]) -> list[str]:
 
     lines = []
     auc = m("softmax", "auroc")
+    met = auc is not None and auc >= GOAL_AUROC
+    why = ""
+    if not met and by.get("softmax"):
+        val = float(np.mean([r["backbone_info"]["best_val_auroc"] for r in by["softmax"]]))
+        why = (f"; the same backbones' validation AUROC is {val:.3f} (the epoch was chosen on "
+               f"it, so it is optimistic), {val - (auc or 0.0):+.3f} above their test AUROC")
+        if bb == "levy":
+            why += ("; the model is one Levy-attention layer with a logit linear in its "
+                    "output (what the closed-form sigma of the logit needs)")
     lines.append(f"* backbone test AUROC >= {GOAL_AUROC}: "
-                 f"{'**met**' if auc is not None and auc >= GOAL_AUROC else '**not met**'} "
-                 f"({fmt(auc, 3)}, mean over {len(by.get('softmax', []))} seeds)")
+                 f"{'**met**' if met else '**not met**'} "
+                 f"({fmt(auc, 3)}, mean over {len(by.get('softmax', []))} seeds{why})")
     sa = "sa-cls" if bb == "transformer" else "levy-temperature"
     label = ("SA" if bb == "transformer" else
              "levy-temperature (one pass with a validation temperature, as SAClassifier has; "
