@@ -75,6 +75,8 @@ def run_info(argv: list[str] | None = None) -> dict[str, Any]:
     """Command line, UTC date and machine line, for a results file."""
     args = sys.argv if argv is None else argv
     prog = os.path.basename(args[0]) if args else "attnuq"
+    if prog == "__main__.py":  # ``python -m attnuq.cli ...`` is the ``attnuq`` entry point
+        prog = "attnuq"
     return {
         "command": " ".join([prog, *map(shlex.quote, args[1:])]),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -67,3 +67,6 @@ def test_run_info_has_command_date_machine() -> None:
     assert info["date"].endswith("UTC")
     assert "torch=" in info["machine"] and "cores=" in info["machine"]
     assert machine_line() == info["machine"]
+    # run as ``python -m attnuq.cli``: the command names the entry point, not __main__.py
+    py_m = run_info(["/x/attnuq/__main__.py", "bench", "uci"])
+    assert py_m["command"] == "attnuq bench uci"
