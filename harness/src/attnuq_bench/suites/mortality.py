@@ -501,17 +501,18 @@ def _goal_lines(bb: str, by: dict[str, list[dict[str, Any]]]) -> list[str]:
                  f"{'**met**' if met else '**not met**'} "
                  f"({fmt(auc, 3)}, mean over {len(by.get('softmax', []))} seeds{why})")
     sa = "sa-cls" if bb == "transformer" else "levy-temperature"
-    label = ("SA" if bb == "transformer" else
-             "levy-temperature (one pass with a validation temperature, as SAClassifier has; "
-             "SA has no softmax attention here)")
+    label = "SA" if bb == "transformer" else "levy-temperature"
     if sa not in by:
         lines.append(f"* {label}: no rows yet (not run or failed), so its goals are **not "
                      f"checked**")
         return lines
     common = {r["seed"] for r in by[sa]}
     by = {k: [r for r in rs if r["seed"] in common] for k, rs in by.items()}
-    lines.append(f"* the comparisons below use the seeds {label.split(' ')[0]} has: "
-                 f"{sorted(common)}")
+    if bb != "transformer":
+        lines.append("* SA has no softmax attention to act on here; its place is taken by "
+                     "levy-temperature (the one-pass closed form with one validation "
+                     "temperature, as SAClassifier has)")
+    lines.append(f"* the comparisons below use the seeds {label} has: {sorted(common)}")
     t = "temperature"
     for key, name in (("nll", "NLL"), ("ece", "ECE")):
         a, b = m(sa, key), m(t, key)
