@@ -76,6 +76,7 @@ from attnuq_bench.methods.classification import (
     LevyProbit,
     LevyProbitTemperature,
     MCDropoutClassifier,
+    SAClassifierAfter,
     SAClassifierMethod,
     TemperatureScaling,
 )
@@ -120,6 +121,7 @@ register_method("ensemble-cls", DeepEnsembleClassifier)
 register_method("laplace-cls", LaplaceClassifier)
 register_method("conformal-cls", ConformalSets)
 register_method("sa-cls", SAClassifierMethod)
+register_method("sa-cls-after", SAClassifierAfter)
 register_method("levy", LevyProbit)
 register_method("levy-temperature", LevyProbitTemperature)
 
@@ -145,6 +147,7 @@ __all__ = [
     "PredictiveLike",
     "RecommendedSA",
     "ResidualQuantiles",
+    "SAClassifierAfter",
     "SAClassifierMethod",
     "SWAGCollector",
     "SplitConformal",

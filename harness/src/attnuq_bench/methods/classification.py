@@ -58,7 +58,7 @@ from attnuq_bench.training import as_batches
 
 __all__ = ["ClassPredictive", "ConformalSets", "DeepEnsembleClassifier", "FrozenSoftmax",
            "LaplaceClassifier", "LevyProbit", "LevyProbitTemperature",
-           "MCDropoutClassifier", "SAClassifierMethod",
+           "MCDropoutClassifier", "SAClassifierAfter", "SAClassifierMethod",
            "TemperatureScaling", "collect_logits", "logits_of", "probs_from_logits"]
 
 
@@ -436,6 +436,17 @@ def _logits_output(task: Task) -> Any:
         return output_mean(out)
 
     return output_fn
+
+
+class SAClassifierAfter(SAClassifierMethod):
+    """The temperature-rule ablation of :class:`SAClassifierMethod`: ``temperature="after"``
+    (``nu`` chosen on the validation NLL at ``T = 1``, then ``T`` fitted at that ``nu``)."""
+
+    implementation = ("attnuq.SAClassifier(temperature='after') (ablation: nu by the validation "
+                      "NLL at T = 1, then the temperature)")
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{"temperature": "after", **kwargs})
 
 
 class LevyProbit(_ClassMethod):

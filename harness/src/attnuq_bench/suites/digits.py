@@ -71,7 +71,7 @@ from attnuq_bench.suites._scoring import mean_std_n
 __all__ = ["DEFAULT_METHODS", "EVAL_SETS", "add_arguments", "digits_data", "render_page", "run"]
 
 DEFAULT_METHODS = ["softmax", "temperature", "mc-dropout-cls", "ensemble-cls", "laplace-cls",
-                   "sa-cls"]
+                   "sa-cls", "sa-cls-after"]
 NOISE = (0.1, 0.25, 0.5)
 ANGLES = (15.0, 30.0, 45.0)
 EVAL_SETS = ("clean", *[f"noise-{k}" for k in (1, 2, 3)],

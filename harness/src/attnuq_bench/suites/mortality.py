@@ -27,7 +27,8 @@ Both train through :func:`attnuq_bench.training.fit` (Adam(W), early stopping on
 AUROC) and are cached under ``--cache-dir`` keyed by their recipe and data. Methods
 (:mod:`attnuq_bench.methods.classification`): ``softmax`` (frozen), ``temperature``,
 ``mc-dropout-cls``, ``ensemble-cls`` (members: the backbones of seeds ``s .. s + 4``),
-``laplace-cls`` (laplace-torch), ``sa-cls`` (:class:`attnuq.SAClassifier`), ``levy``,
+``laplace-cls`` (laplace-torch), ``sa-cls`` (:class:`attnuq.SAClassifier`), ``sa-cls-after``
+(its temperature-rule ablation: ``nu`` at ``T = 1``, then ``T``), ``levy``,
 ``levy-temperature``; every
 method's prediction sets are split conformal on its calibration-part probabilities (LAC; the
 frozen softmax also with APS and RAPS: the ``conformal-cls`` baseline).
@@ -83,7 +84,7 @@ BACKBONES = ("transformer", "levy")
 #: laplace-torch and no softmax attention for SA)
 DEFAULT_METHODS: dict[str, list[str]] = {
     "transformer": ["softmax", "temperature", "mc-dropout-cls", "ensemble-cls", "laplace-cls",
-                    "sa-cls"],
+                    "sa-cls", "sa-cls-after"],
     "levy": ["softmax", "temperature", "levy", "levy-temperature"],
 }
 #: bump when a backbone recipe changes in a way the options do not show
