@@ -447,6 +447,15 @@ def _goal_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
     return L
 
 
+def _after_cell(r: dict[str, Any] | None) -> str:
+    """``nu, T, noise-3 NLL`` of a ``sa-cls-after`` record (empty without one)."""
+    if r is None:
+        return ""
+    i = r.get("info", {})
+    return (f"{i.get('nu')}, {fmt(i.get('temperature'), 3)}, "
+            f"{fmt(r['scores']['noise-3']['nll'], 3)}")
+
+
 def _per_seed_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
     """SA seed by seed next to temperature scaling: where the shift and OOD goals are decided.
 
@@ -462,9 +471,11 @@ def _per_seed_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
     rows = [r for r in sorted(by[sa], key=lambda r: r["seed"]) if r["seed"] in ts]
     if not rows:
         return []
+    after = {r["seed"]: r for r in by.get("sa-cls-after", [])}
     tab = Table(["seed", "nu", "T (SA, joint)", "T (temperature)", "val mean MI",
                  "noise-3 NLL SA / temp", "rotation-3 NLL SA / temp",
-                 "OOD AUROC SA MI / SA 1-max p / frozen 1-max p"])
+                 "OOD AUROC SA MI / SA 1-max p / frozen 1-max p",
+                 *(["sa-cls-after: nu, T, noise-3 NLL"] if after else [])])
     for r in rows:
         i, o = r.get("info", {}), ts[r["seed"]]
         edge = f" ({i['nu_at_edge']} edge)" if i.get("nu_at_edge") else ""
@@ -476,7 +487,8 @@ def _per_seed_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
                   for ds in ("noise-3", "rotation-3")],
                 f"{fmt(r['scores']['ood']['auroc_ood'], 3)} / "
                 f"{fmt(r['scores']['ood']['auroc_ood_msp'], 3)} / "
-                f"{fmt(f['scores']['ood']['auroc_ood'], 3) if f else ''}")
+                f"{fmt(f['scores']['ood']['auroc_ood'], 3) if f else ''}",
+                *([_after_cell(after.get(r["seed"]))] if after else []))
     L = ["", "SA seed by seed next to temperature scaling (what decides the shift and OOD "
          "goals above):", "", *tab.lines(), ""]
     n = len(rows)
@@ -494,10 +506,15 @@ def _per_seed_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
             f"{wr['info'].get('nu')}, joint temperature {fmt(t_sa, 3)} against temperature "
             f"scaling's {fmt(t_ts, 3)})")
     if gaps[worst] > 0 and t_sa is not None and t_ts is not None and t_sa < t_ts:
-        line += (": on the clean validation images attention noise and a temperature flatten "
-                 "the probabilities alike, so the joint fit took part of the flattening from "
-                 "the noise; under this shift the noise flattens less than the temperature it "
-                 "replaced")
+        if t_sa < 1:
+            line += (": the joint fit sharpened the logits (T below 1) to offset the attention "
+                     "noise, which the clean validation images reward; under this shift the "
+                     "sharpened logits are over-confident and the noise does not make up for it")
+        else:
+            line += (": on the clean validation images attention noise and a temperature "
+                     "flatten the probabilities alike, so the joint fit took part of the "
+                     "flattening from the noise; under this shift the noise flattens less than "
+                     "the temperature it replaced")
     L.append(line + ".")
     below = [r["seed"] for r in rows
              if r["scores"]["ood"]["auroc_ood"] < r["scores"]["ood"]["auroc_ood_msp"]]
