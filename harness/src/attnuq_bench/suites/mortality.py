@@ -481,6 +481,23 @@ def _noise(by: dict[str, list[dict[str, Any]]], a: str, b: str, key: str) -> str
             f"stays: {verdict}")
 
 
+def _full_sets_note(rows: list[dict[str, Any]]) -> list[str]:
+    """Why APS / RAPS sets hold both classes, when they all do (from the calibration parts)."""
+    full = [sc for sc in ("aps", "raps")
+            if rows and all(r["sets_other"][sc][f"size_{lv}"] >= 2.0 - 1e-9
+                            for r in rows for lv in (90, 95))]
+    if not full:
+        return []
+    err = float(np.mean([np.mean(r["_pred"]["cal_probs"].argmax(1) != r["_pred"]["cal_y"])
+                         for r in rows]))
+    return ["", f"{' and '.join(s.upper() for s in full)} give both classes to every stay: "
+            "they are the deterministic (non-randomised) scores, and with two classes a "
+            "misclassified calibration stay scores 1 (RAPS: at least 1), so once more than "
+            f"alpha of the calibration stays are misclassified (here {err:.3f} on average) the "
+            "threshold reaches that score. LAC, or randomised APS "
+            "(`fit_sets(..., randomized=True)`), does not have this limit."]
+
+
 def _goal_lines(bb: str, by: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The issue's goals on this backbone, each met / not met with the numbers."""
     def m(method: str, key: str, sub: str = "scores") -> float | None:
@@ -614,6 +631,7 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
                 st.add(f"softmax ({score})", *[fmt(_agg(g, f"{w}_{lv}", "s2"), 3)
                                                for lv in (90, 95) for w in ("coverage", "size")])
         page.table(st)
+        page.add(*_full_sets_note(by.get("softmax", [])))
         page.add("", "Goals of issue #33 on this (set, backbone):", "")
         goal = _goal_lines(bb, by)
         page.add(*goal, "")
