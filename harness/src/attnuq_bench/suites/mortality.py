@@ -481,6 +481,30 @@ def _noise(by: dict[str, list[dict[str, Any]]], a: str, b: str, key: str) -> str
             f"stays: {verdict}")
 
 
+def _recipe_line(bb: str, rows: list[dict[str, Any]]) -> str:
+    """The backbone recipe, from the records' reuse keys (every record of a page shares it)."""
+    keys = {json.dumps({k: v for k, v in r.get("reuse", {}).items() if k != "budget"},
+                       sort_keys=True) for r in rows}
+    if len(keys) != 1:
+        return f"Recipe: the records hold {len(keys)} different backbone recipes."
+    c = json.loads(keys.pop())
+    common = (f"batch {c.get('batch_size')}, at most {c.get('max_epochs')} epochs, early "
+              f"stopping on the validation AUROC with patience {c.get('patience')}")
+    if bb == "transformer":
+        return (f"Recipe ({c.get('recipe', '').split(':')[0]}): tokens of {c.get('window')} h "
+                f"windows after the 48 h summary token (per channel: value carried forward, "
+                f"mean, min, max, count, time since the last observation, and the absolute "
+                f"values of the first four), width {c.get('d')}, {c.get('layers')} "
+                f"pre-norm encoder layers, 4 heads, dropout {c.get('dropout')}, read out at the "
+                f"summary token; AdamW lr {c.get('lr')}, weight decay 0.01, BCE; {common}.")
+    wd = c.get("weight_decay", 0.0)
+    return (f"Recipe ({c.get('recipe', '').split(':')[0]}): one Levy-attention layer, width "
+            f"{c.get('d')}, {c.get('heads')} heads, one query per channel at 48 h, values in "
+            f"per-channel slots with their absolute values; "
+            f"{'AdamW' if wd else 'Adam'} lr {c.get('lr')}, weight decay {wd}, BCE of the "
+            f"probit probability; {common}.")
+
+
 def _full_sets_note(rows: list[dict[str, Any]]) -> list[str]:
     """Why APS / RAPS sets hold both classes, when they all do (from the calibration parts)."""
     full = [sc for sc in ("aps", "raps")
@@ -605,6 +629,7 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
         be = rs[0]["backbone_info"]
         page.section(f"Backbone `{bb}` (test set, mean ± std over seeds)")
         bi = [r["backbone_info"] for r in by.get("softmax", rs)]
+        page.add(_recipe_line(bb, by.get("softmax", rs)), "")
         page.add(f"Backbone training: epochs run {sorted({int(b['epochs_run']) for b in bi})}, "
                  f"best validation AUROC {fmt(mean_std_n([b['best_val_auroc'] for b in bi]), 3)},"
                  f" seconds per backbone {fmt(mean_std_n([b['seconds'] for b in bi]), 1)} "
