@@ -195,3 +195,24 @@ def test_digits_shift_moves_each_image_by_its_own_offset_within_the_range() -> N
     assert shifted(x, 0, torch.Generator()) is x
     with pytest.raises(ValueError, match="shift must be"):
         shifted(x, -1, torch.Generator())
+
+
+def test_noise_note_tells_identical_from_beyond_noise() -> None:
+    from attnuq_bench.suites._classify import noise_note
+
+    rng = np.random.default_rng(7)
+    n = 400
+    y = rng.integers(0, 2, n)
+    good = np.where(y[:, None] == np.arange(2), 0.9, 0.1)  # right and confident
+    bad = np.full((n, 2), 0.5)
+    cal = {"cal_probs": good[:100], "cal_y": y[:100]}
+
+    def rec(p: np.ndarray, seed: int = 0) -> dict[str, object]:
+        return {"seed": seed, "_pred": {"test_probs": p, "test_y": y, **cal}}
+
+    by = {"a": [rec(good)], "b": [rec(good)], "c": [rec(bad)]}
+    assert "identical on every resample" in noise_note(by, "a", "b", "nll", "test_probs", "x")
+    far = noise_note(by, "a", "c", "nll", "test_probs", "test rows")
+    assert "beyond noise" in far and "over the 400 test rows" in far
+    assert float(far.split("difference ")[1].split(",")[0]) < -0.5  # NLL 0.105 vs 0.693
+    assert noise_note(by, "a", "missing", "nll", "test_probs", "x") == ""

@@ -17,6 +17,7 @@ fit_sets`), coverage and mean size on each evaluation set.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -224,6 +225,50 @@ def set_sizes_of(cal_probs: np.ndarray, cal_y: np.ndarray, probs: np.ndarray, al
     rule = fit_sets(torch.as_tensor(cal_probs), torch.as_tensor(cal_y), alpha=alpha,
                     score=score)  # type: ignore[arg-type]
     return rule.predict(torch.as_tensor(probs)).sum(-1).numpy().astype(np.float64)
+
+
+def _size_diff(i: np.ndarray, *, sa: np.ndarray, sb: np.ndarray) -> float:
+    return float(sa[i].mean() - sb[i].mean())
+
+
+def _score_diff(i: np.ndarray, *, qa: np.ndarray, qb: np.ndarray, y: np.ndarray, key: str
+                ) -> float:
+    return one_score(qa[i], y[i], key) - one_score(qb[i], y[i], key)
+
+
+def noise_note(by: Mapping[str, Sequence[Mapping[str, Any]]], a: str, b: str, key: str,
+               probs_key: str, unit: str) -> str:
+    """``"; difference d, paired bootstrap SE s over the N <unit>: within / beyond noise"``.
+
+    Method ``a`` against ``b`` (records grouped by method in ``by``, each with its
+    predictions under ``"_pred"``: ``probs_key``, ``test_y``, ``cal_probs``, ``cal_y``), on
+    ``key``: a score of :func:`one_score`, or ``size_90`` / ``size_95`` (the mean size of the
+    LAC sets fitted on each method's calibration part), over the seeds both have; the SE is
+    :func:`paired_bootstrap_se`'s. Empty when the two share no seed.
+    """
+    rb = {r["seed"]: r for r in by.get(b, [])}
+    pairs = [(r["_pred"], rb[r["seed"]]["_pred"]) for r in by.get(a, []) if r["seed"] in rb]
+    if not pairs:
+        return ""
+    diffs: list[tuple[int, Callable[[np.ndarray], float]]] = []
+    for pa, pb in pairs:
+        y = pa["test_y"]
+        if key.startswith("size_"):
+            alpha = 1 - int(key.split("_")[1]) / 100
+            sa, sb = (set_sizes_of(p["cal_probs"], p["cal_y"], p[probs_key], alpha)
+                      for p in (pa, pb))
+            diffs.append((len(y), functools.partial(_size_diff, sa=sa, sb=sb)))
+        else:
+            diffs.append((len(y), functools.partial(_score_diff, qa=pa[probs_key],
+                                                    qb=pb[probs_key], y=y, key=key)))
+    d = float(np.mean([f(np.arange(n)) for n, f in diffs]))
+    se = paired_bootstrap_se(diffs)
+    if d == 0.0 and se == 0.0:
+        verdict = "identical on every resample"
+    else:
+        verdict = "within noise (|difference| < 2 SE)" if abs(d) < 2 * se else "beyond noise"
+    return (f"; difference {d:+.4f}, paired bootstrap SE {se:.2g} over the "
+            f"{len(pairs[0][0]['test_y'])} {unit}: {verdict}")
 
 
 def set_scores_of(cal_probs: np.ndarray, cal_y: np.ndarray,

@@ -408,6 +408,14 @@ def _cmp(a: float | None, b: float | None, lower: bool = True, strict: bool = Fa
     return "**met**" if ok else "**not met**"
 
 
+def _noise(by: dict[str, list[dict[str, Any]]], a: str, b: str, key: str, ds: str) -> str:
+    """:func:`~attnuq_bench.suites._classify.noise_note` of ``a`` against ``b`` on the
+    evaluation set ``ds``."""
+    from attnuq_bench.suites._classify import noise_note
+
+    return noise_note(by, a, b, key, f"{ds}_probs", f"{ds} test images")
+
+
 def _goal_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The issue's goals, met / not met with the numbers (on the seeds SA has)."""
     sa, t, mc = "sa-cls", "temperature", "mc-dropout-cls"
@@ -420,14 +428,15 @@ def _goal_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
     for key, name in (("nll", "NLL"), ("ece", "ECE")):
         a, b = _mean(by, sa, "clean", key), _mean(by, t, "clean", key)
         L.append(f"* clean: SA {name} no worse than temperature scaling's: {_cmp(a, b)} "
-                 f"({fmt(a, 4)} vs {fmt(b, 4)})")
+                 f"({fmt(a, 4)} vs {fmt(b, 4)}{_noise(by, sa, t, key, 'clean')})")
     for ds in ("noise-3", "rotation-3"):
         for key, name in (("nll", "NLL"), ("ece", "ECE")):
             a = _mean(by, sa, ds, key)
             for other in (t, mc):
                 b = _mean(by, other, ds, key)
                 L.append(f"* {ds}: SA {name} better than {other}'s: "
-                         f"{_cmp(a, b, strict=True)} ({fmt(a, 4)} vs {fmt(b, 4)})")
+                         f"{_cmp(a, b, strict=True)} ({fmt(a, 4)} vs {fmt(b, 4)}"
+                         f"{_noise(by, sa, other, key, ds)})")
     a, b = _mean(by, sa, "ood", "auroc_ood"), _mean(by, "softmax", "ood", "auroc_ood")
     L.append(f"* OOD: AUROC of SA's mutual information above the max-softmax baseline's: "
              f"{_cmp(a, b, lower=False, strict=True)} ({fmt(a, 4)} vs {fmt(b, 4)})")
@@ -437,7 +446,7 @@ def _goal_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
         cb = _mean(by, "softmax", "clean", f"coverage_{lv}")
         L.append(f"* clean {lv} % sets (LAC): SA's no larger than the frozen softmax's: "
                  f"{_cmp(a, b)} (size {fmt(a, 4)} vs {fmt(b, 4)}; coverage {fmt(ca, 3)} vs "
-                 f"{fmt(cb, 3)})")
+                 f"{fmt(cb, 3)}{_noise(by, sa, 'softmax', f'size_{lv}', 'clean')})")
     fit_s = [r["cost"]["fit_seconds"] for r in by[sa]]
     fwd = [r["cost"]["fit_forward"] for r in by[sa]]
     L.append(f"* SA fit under {FIT_GOAL_SECONDS:.0f} s: "

@@ -452,33 +452,11 @@ def _agg(rows: list[dict[str, Any]], key: str, sub: str = "scores") -> list[floa
 
 
 def _noise(by: dict[str, list[dict[str, Any]]], a: str, b: str, key: str) -> str:
-    """``"; difference d, paired bootstrap SE s ...: within / beyond noise"`` of method ``a``
-    against ``b`` on ``key`` (a score of :func:`one_score`, or ``size_90`` / ``size_95``),
-    over the seeds both have."""
-    from attnuq_bench.suites._classify import one_score, paired_bootstrap_se, set_sizes_of
+    """:func:`~attnuq_bench.suites._classify.noise_note` of ``a`` against ``b`` on the test
+    stays."""
+    from attnuq_bench.suites._classify import noise_note
 
-    rb = {r["seed"]: r for r in by.get(b, [])}
-    pairs = [(r["_pred"], rb[r["seed"]]["_pred"]) for r in by.get(a, []) if r["seed"] in rb]
-    if not pairs:
-        return ""
-    diffs: list[tuple[int, Any]] = []
-    for pa, pb in pairs:
-        y = pa["test_y"]
-        if key.startswith("size_"):
-            alpha = 1 - int(key.split("_")[1]) / 100
-            sa, sb = (set_sizes_of(p["cal_probs"], p["cal_y"], p["test_probs"], alpha)
-                      for p in (pa, pb))
-            diffs.append((len(y), lambda i, sa=sa, sb=sb: float(sa[i].mean() - sb[i].mean())))
-        else:
-            qa, qb = pa["test_probs"], pb["test_probs"]
-            diffs.append((len(y), lambda i, qa=qa, qb=qb, y=y: one_score(qa[i], y[i], key)
-                          - one_score(qb[i], y[i], key)))
-    d = float(np.mean([f(np.arange(n)) for n, f in diffs]))
-    se = paired_bootstrap_se(diffs)
-    verdict = "within noise (|difference| < 2 SE)" if abs(d) < 2 * se else "beyond noise"
-    n_test = len(pairs[0][0]["test_y"])
-    return (f"; difference {d:+.4f}, paired bootstrap SE {se:.2g} over the {n_test} test "
-            f"stays: {verdict}")
+    return noise_note(by, a, b, key, "test_probs", "test stays")
 
 
 def _recipe_line(bb: str, rows: list[dict[str, Any]]) -> str:
