@@ -147,16 +147,10 @@ def class_scores(probs: np.ndarray, y: np.ndarray, *, keep: float = 0.8) -> dict
 
     p = torch.as_tensor(np.asarray(probs, dtype=np.float64))
     t = torch.as_tensor(np.asarray(y, dtype=np.int64))
-    binary = p.shape[1] == 2
-    pin = p[:, 1] if binary else p  # the binary conventions of the metrics (Brier: (p - y)^2)
-    wrong = (p.argmax(1) != t).double()
-    unc = torch.as_tensor(uncertainty_of(p.numpy()))
-    out = {"nll": float(metrics.nll_probs(pin, t)), "brier": float(metrics.brier_probs(pin, t)),
-           "ece": float(metrics.ece_probs(pin, t)), "accuracy": float(1 - wrong.mean()),
-           "aurc": float(metrics.aurc(unc, wrong)),
-           "auroc_error": (float(metrics.auroc_error(unc, wrong))
-                           if 0 < float(wrong.sum()) < len(wrong) else math.nan)}
-    if binary:
+    out = {k: one_score(probs, y, k) for k in SCORE_KEYS}
+    out["accuracy"] = float(1 - (p.argmax(1) != t).double().mean())
+    if p.shape[1] == 2:
+        unc = torch.as_tensor(uncertainty_of(p.numpy()))
         out["auroc"] = float(metrics.auroc(p[:, 1], t))
         out["auprc"] = float(metrics.auprc(p[:, 1], t))
         k = max(2, math.floor(keep * len(t)))
@@ -167,12 +161,16 @@ def class_scores(probs: np.ndarray, y: np.ndarray, *, keep: float = 0.8) -> dict
     return out
 
 
+#: the scores :func:`one_score` computes alone
+SCORE_KEYS = ("nll", "brier", "ece", "aurc", "auroc_error")
+
+
 def one_score(probs: np.ndarray, y: np.ndarray, key: str) -> float:
     """One of :func:`class_scores`' ``nll``, ``brier``, ``ece``, ``aurc``, ``auroc_error``
     alone (the same definitions, without computing the others: bootstrap replicates)."""
     from attnuq import metrics
 
-    if key not in ("nll", "brier", "ece", "aurc", "auroc_error"):
+    if key not in SCORE_KEYS:
         raise ValueError(f"key must be nll, brier, ece, aurc or auroc_error, got {key=!r}")
     p = torch.as_tensor(np.asarray(probs, dtype=np.float64))
     t = torch.as_tensor(np.asarray(y, dtype=np.int64))
