@@ -216,3 +216,21 @@ def test_noise_note_tells_identical_from_beyond_noise() -> None:
     assert "beyond noise" in far and "over the 400 test rows" in far
     assert float(far.split("difference ")[1].split(",")[0]) < -0.5  # NLL 0.105 vs 0.693
     assert noise_note(by, "a", "missing", "nll", "test_probs", "x") == ""
+
+
+def test_mortality_fit_why_reads_the_fits_validation_diagnostics() -> None:
+    from attnuq_bench.suites.mortality import _fit_why
+
+    def rec(nu: int, sa: float, ts: float, edge: str | None) -> dict[str, object]:
+        return {"info": {"nu": nu, "nu_at_edge": edge, "val_mean_mutual_information": 0.002,
+                         "val": {"sa": {"ece": sa}, "temperature_scaling": {"ece": ts}}}}
+
+    line = _fit_why([rec(1, 0.04, 0.03, "lower"), rec(8, 0.02, 0.01, None)], "ece", "ECE")
+    assert "SA's ECE was 0.0300 against temperature scaling's 0.0200" in line
+    assert "validation already showed no gain" in line and "nu = [1, 8] (1 of 2 at an edge" in line
+    assert "0.0020 nats" in line
+    lower = _fit_why([rec(4, 0.01, 0.03, None)], "ece", "ECE")
+    assert "validation did not foresee the test miss" in lower
+    # records without the fit's diagnostics (the Levy rows) give no reason rather than a wrong one
+    assert _fit_why([{"info": {}}], "ece", "ECE") == ""
+    assert _fit_why([], "ece", "ECE") == ""
