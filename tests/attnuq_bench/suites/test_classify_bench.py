@@ -234,3 +234,49 @@ def test_mortality_fit_why_reads_the_fits_validation_diagnostics() -> None:
     # records without the fit's diagnostics (the Levy rows) give no reason rather than a wrong one
     assert _fit_why([{"info": {}}], "ece", "ECE") == ""
     assert _fit_why([], "ece", "ECE") == ""
+
+
+def test_lac_size_at_coverage_agrees_with_a_threshold_sweep() -> None:
+    from attnuq_bench.suites._classify import lac_size_at_coverage
+
+    rng = np.random.default_rng(3)
+    for n, c in ((37, 4), (200, 10), (5, 2)):
+        probs = rng.dirichlet(np.ones(c), size=n)
+        y = rng.integers(0, c, n)
+        for cov in (0.1, 0.5, 0.9, 0.95, 1.0):
+            # every candidate threshold, the smallest whose sets cover >= cov of the rows
+            best = None
+            for q in np.sort(np.unique(1 - probs)):
+                sets = (1 - probs) <= q
+                if sets[np.arange(n), y].mean() >= cov - 1e-12:
+                    best = sets.sum(1).mean()
+                    break
+            assert best is not None
+            assert lac_size_at_coverage(probs, y, cov) == pytest.approx(best)
+    with pytest.raises(ValueError, match="coverage"):
+        lac_size_at_coverage(probs, y, 0.0)
+    with pytest.raises(ValueError, match="shapes"):
+        lac_size_at_coverage(probs[:, 0], y, 0.5)
+
+
+def test_equal_coverage_note_of_a_method_against_itself_and_a_sharper_one() -> None:
+    from attnuq_bench.suites._classify import equal_coverage_note
+
+    rng = np.random.default_rng(0)
+    n = 400
+    y = rng.integers(0, 3, n)
+    logits = rng.normal(size=(n, 3))
+    logits[np.arange(n), y] += 1.5
+
+    def rec(t: float) -> dict[str, object]:
+        p = np.exp(logits / t) / np.exp(logits / t).sum(1, keepdims=True)
+        return {"seed": 0, "_pred": {"test_probs": p, "test_y": y}}
+
+    by = {"a": [rec(1.0)], "b": [rec(1.0)], "flat": [rec(4.0)]}
+    same = equal_coverage_note(by, "a", "b", 0.9, "test_probs", "rows")
+    assert same is not None and same[0] == same[1] and "identical on every resample" in same[2]
+    # a temperature keeps the ranking within a row but not across rows: sizes differ, and the
+    # note reports a difference with its SE
+    other = equal_coverage_note(by, "flat", "a", 0.9, "test_probs", "rows")
+    assert other is not None and other[0] != other[1] and "paired bootstrap SE" in other[2]
+    assert equal_coverage_note(by, "a", "missing", 0.9, "test_probs", "rows") is None

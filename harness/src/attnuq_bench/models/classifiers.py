@@ -7,11 +7,11 @@ classifier over irregular observations, and a tiny timm ViT for 8x8 images.
   ``nn.MultiheadAttention``, which :func:`attnuq.stochastic` patches), mean pooling over the
   ``T`` tokens (or, ``pool="first"``, the first token's output: a summary token placed first,
   as the mortality suite does), a linear head: logits ``(B, n_logits)`` (one logit = binary).
-* :class:`LevyClassifier`: :class:`attnuq.nn.LevyAttention` with one query per channel at the
-  end of the window (``t = query_time``, ``query_channels = c``) and ``out_features = 1``; the
-  logit is the sum over the ``C`` queries,
+* :class:`LevyClassifier`: :class:`attnuq.nn.LevyAttention` with one query per channel at each
+  of the ``query_times`` (``t_j``; by default only the end of the window, ``query_channels =
+  c``) and ``out_features = 1``; the logit is the sum over the ``J C`` queries,
 
-  .. math:: \mu = \sum_c \mu_c + b, \qquad \sigma^2 = \sum_c \sigma_c^2,
+  .. math:: \mu = \sum_{j, c} \mu_{j c} + b, \qquad \sigma^2 = \sum_{j, c} \sigma_{j c}^2,
 
   exact for the layer's sampled operator, whose Poisson draws are independent across queries
   and heads (:func:`attnuq.ops.levy_attention_sample`). The predictive probability is the
@@ -37,6 +37,7 @@ torch.Size([3, 1])
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,18 +132,26 @@ class LevyClassifier(nn.Module):
         ``C`` channels and ``F`` features per observation.
     d_model, num_heads, n_fourier, alpha, beta, h, max_period
         :class:`attnuq.nn.LevyAttention` settings.
-    query_time
-        Time of every query (the end of the observation window).
+    query_times
+        The times ``t_j`` at which every channel is queried (``J C`` queries; the default is
+        the end of the observation window). Earlier times let the logit weigh how a channel
+        moved, not only where it ended.
     """
 
     def __init__(self, num_channels: int, value_features: int, *, d_model: int = 32,
                  num_heads: int = 4, n_fourier: int = 4, alpha: float = 1.0, beta: float = 2.0,
-                 h: float = 1.0, max_period: float = 48.0, query_time: float = 48.0) -> None:
+                 h: float = 1.0, max_period: float = 48.0,
+                 query_times: Sequence[float] = (48.0,)) -> None:
         super().__init__()
         from attnuq.nn import LevyAttention
 
         self.num_channels = check_positive_int(num_channels, "num_channels")
-        self.query_time = float(query_time)
+        qts = list(query_times) if isinstance(query_times, (list, tuple)) else None
+        if not qts or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
+                              and math.isfinite(t) for t in qts):
+            raise ValueError("query_times must be a non-empty list or tuple of finite numbers, "
+                             f"got {query_times=!r}")
+        self.query_times = tuple(float(t) for t in qts)
         self.levy = LevyAttention(num_channels, d_model, num_heads,
                                   value_features=value_features, out_features=1,
                                   n_fourier=n_fourier, alpha=alpha, beta=beta, h=h,
@@ -153,8 +162,10 @@ class LevyClassifier(nn.Module):
         """Observations ``(B, N)`` (features ``(B, N, F)``) -> :class:`LevyLogit` ``(B,)``."""
         B = times.shape[0]
         C = self.num_channels
-        qt = torch.full((B, C), self.query_time, dtype=times.dtype, device=times.device)
-        qc = torch.arange(C, device=times.device).expand(B, C)
+        J = len(self.query_times)
+        qt = torch.tensor(self.query_times, dtype=times.dtype, device=times.device)
+        qt = qt.repeat_interleave(C).expand(B, J * C)  # query j * C + c: time t_j, channel c
+        qc = torch.arange(C, device=times.device).repeat(J).expand(B, J * C)
         out = self.levy(times, channels, features, mask, qt, query_channels=qc)
         assert out.sigma_dim is not None
         # out_proj's bias is added once per query: C b in total, one learned constant

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["class_scores", "compute_line", "fit_method", "load_predictions", "predict_all",
-           "reliability_figure", "save_predictions", "seed_members", "set_scores_of",
-           "start_run", "uncertainty_of"]
+__all__ = ["class_scores", "compute_line", "equal_coverage_note", "fit_method",
+           "lac_size_at_coverage", "load_predictions", "predict_all", "reliability_figure",
+           "save_predictions", "seed_members", "set_scores_of", "start_run", "uncertainty_of"]
 
 #: the uncertainty score a method is ranked by for OOD detection: the mutual information for
 #: methods that draw samples, else ``1 - max_c p_c`` (max-softmax)
@@ -232,6 +232,73 @@ def _size_diff(i: np.ndarray, *, sa: np.ndarray, sb: np.ndarray) -> float:
 def _score_diff(i: np.ndarray, *, qa: np.ndarray, qb: np.ndarray, y: np.ndarray, key: str
                 ) -> float:
     return one_score(qa[i], y[i], key) - one_score(qb[i], y[i], key)
+
+
+def lac_size_at_coverage(probs: np.ndarray, y: np.ndarray, coverage: float) -> float:
+    r"""Mean LAC set size where the sets cover ``coverage`` of ``(probs, y)``.
+
+    LAC sets are ``{k : 1 - p_k <= q}``; with the scores ``s_i = 1 - p_{i, y_i}`` sorted, the
+    smallest threshold covering at least ``coverage`` of the ``n`` rows is
+    ``q = s_(ceil(coverage n))``, and the result is ``mean_i |{k : 1 - p_ik <= q}|``. Read on
+    an evaluation set, this puts two methods' size-coverage trade-offs side by side at exactly
+    equal coverage (without the calibration quantile's own noise): a diagnostic, never a
+    threshold to use.
+
+    ``probs`` ``(N, C)``, ``y`` ``(N,)`` integer labels, ``coverage`` in ``(0, 1]``.
+
+    >>> p = np.array([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.45, 0.55]])
+    >>> y = np.array([0, 1, 1, 0])  # scores 0.1, 0.6, 0.3, 0.55; at 50 %: q = 0.3, two empty sets
+    >>> lac_size_at_coverage(p, y, 0.5), lac_size_at_coverage(p, y, 1.0)
+    (0.5, 1.5)
+    """
+    probs, y = np.asarray(probs), np.asarray(y)
+    if probs.ndim != 2 or y.shape != probs.shape[:1] or not len(y):
+        raise ValueError("probs must be (N, C) and y (N,) with N >= 1, got shapes "
+                         f"{probs.shape} and {y.shape}")
+    if not 0.0 < coverage <= 1.0:
+        raise ValueError(f"coverage must lie in (0, 1], got {coverage=}")
+    s = 1.0 - probs[np.arange(len(y)), y]
+    k = min(len(y), max(1, math.ceil(coverage * len(y) - 1e-9)))
+    q = np.sort(s)[k - 1]
+    return float(((1.0 - probs) <= q).sum(1).mean())
+
+
+def equal_coverage_note(by: Mapping[str, Sequence[Mapping[str, Any]]], a: str, b: str,
+                        coverage: float, probs_key: str, unit: str
+                        ) -> tuple[float, float, str] | None:
+    """Sizes of ``a``'s and ``b``'s LAC sets at equal test coverage, and the paired noise.
+
+    Per seed both have, :func:`lac_size_at_coverage` of each method's ``probs_key``
+    predictions (labels ``test_y``) at ``coverage``; returns the seed means ``(size_a,
+    size_b)`` and ``"; difference d, paired bootstrap SE s over the N <unit>: ..."`` (rows
+    resampled, both thresholds re-read on every resample); ``None`` when they share no seed.
+    """
+    rb = {r["seed"]: r for r in by.get(b, [])}
+    pairs = [(r["_pred"], rb[r["seed"]]["_pred"]) for r in by.get(a, []) if r["seed"] in rb]
+    if not pairs:
+        return None
+    diffs: list[tuple[int, Callable[[np.ndarray], float]]] = [
+        (len(pa["test_y"]), functools.partial(_equal_cov_diff, pa=pa[probs_key],
+                                              pb=pb[probs_key], y=pa["test_y"],
+                                              coverage=coverage))
+        for pa, pb in pairs]
+    size_a = float(np.mean([lac_size_at_coverage(pa[probs_key], pa["test_y"], coverage)
+                            for pa, _ in pairs]))
+    size_b = float(np.mean([lac_size_at_coverage(pb[probs_key], pb["test_y"], coverage)
+                            for _, pb in pairs]))
+    d, se = size_a - size_b, paired_bootstrap_se(diffs)
+    if d == 0.0 and se == 0.0:
+        verdict = "identical on every resample"
+    else:
+        verdict = "within noise (|difference| < 2 SE)" if abs(d) < 2 * se else "beyond noise"
+    return size_a, size_b, (f"; difference {d:+.4f}, paired bootstrap SE {se:.2g} over the "
+                            f"{len(pairs[0][0]['test_y'])} {unit}: {verdict}")
+
+
+def _equal_cov_diff(i: np.ndarray, *, pa: np.ndarray, pb: np.ndarray, y: np.ndarray,
+                    coverage: float) -> float:
+    return (lac_size_at_coverage(pa[i], y[i], coverage)
+            - lac_size_at_coverage(pb[i], y[i], coverage))
 
 
 def noise_note(by: Mapping[str, Sequence[Mapping[str, Any]]], a: str, b: str, key: str,

@@ -45,6 +45,7 @@ from attnuq_bench.suites._classify import (
     OOD_SCORE,
     class_scores,
     compute_line,
+    equal_coverage_note,
     fit_method,
     load_predictions,
     predict_all,
@@ -447,6 +448,15 @@ def _goal_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
         L.append(f"* clean {lv} % sets (LAC): SA's no larger than the frozen softmax's: "
                  f"{_cmp(a, b)} (size {fmt(a, 4)} vs {fmt(b, 4)}; coverage {fmt(ca, 3)} vs "
                  f"{fmt(cb, 3)}{_noise(by, sa, 'softmax', f'size_{lv}', 'clean')})")
+    for lv in (90, 95):
+        eq = equal_coverage_note(by, sa, "softmax", lv / 100, "clean_probs",
+                                 "clean test images")
+        if eq is not None:
+            a, b, note = eq
+            L.append(f"* clean {lv} % sets (LAC) at equal coverage (each method's threshold "
+                     f"read where its sets cover {lv} % of the clean test images): SA's no "
+                     f"larger than the frozen softmax's: {_cmp(a, b)} (size {a:.4f} vs "
+                     f"{b:.4f}{note})")
     fit_s = [r["cost"]["fit_seconds"] for r in by[sa]]
     fwd = [r["cost"]["fit_forward"] for r in by[sa]]
     L.append(f"* SA fit under {FIT_GOAL_SECONDS:.0f} s: "

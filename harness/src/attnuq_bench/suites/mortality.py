@@ -16,7 +16,8 @@ Backbones (:mod:`attnuq_bench.models.classifiers`), ``--seeds`` model seeds each
   values of the first four), read out at that first token's output, trained on the binary
   cross-entropy; frozen, then every post-hoc method;
 * ``levy``: :class:`~attnuq_bench.models.classifiers.LevyClassifier`, Levy attention over the
-  irregular observations pooled by one query per channel; the logit's one-pass mean and sigma
+  irregular observations pooled by one query per channel at each of ``--levy-query-times``
+  (:data:`LEVY_QUERY_TIMES`, chosen on the validation AUROC); the logit's one-pass mean and sigma
   give ``sigmoid(mu / sqrt(1 + pi sigma^2 / 8))`` (the method ``levy``), also its training
   probability; ``levy-temperature`` divides that probit argument by one temperature fitted on
   the validation NLL (the Levy counterpart of SAClassifier's temperature, and the row the
@@ -55,6 +56,7 @@ from attnuq_bench.suites import register
 from attnuq_bench.suites._classify import (
     class_scores,
     compute_line,
+    equal_coverage_note,
     fit_method,
     load_predictions,
     predict_all,
@@ -101,6 +103,8 @@ REFERENCES = [
      "Table 2"),
 ]
 GOAL_AUROC = 0.83
+#: hours at which the Levy classifier queries every channel (chosen on the validation AUROC)
+LEVY_QUERY_TIMES = (48.0,)
 #: the line under the Implementations table
 SCORES = ("Scores: attnuq.metrics (nll_probs, brier_probs with the binary (p - y)^2 convention, "
           "ece_probs with 15 equal-width bins of the top-label confidence, aurc and auroc_error "
@@ -143,6 +147,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="learning rate of the Levy-attention model")
     p.add_argument("--levy-weight-decay", type=float, default=0.05,
                    help="decoupled weight decay of the Levy-attention model (AdamW; 0: Adam)")
+    p.add_argument("--levy-query-times", type=float, nargs="+", default=list(LEVY_QUERY_TIMES),
+                   metavar="HOURS",
+                   help="hours in [0, 48] at which the Levy classifier queries every channel "
+                   f"(default: {' '.join(f'{t:g}' for t in LEVY_QUERY_TIMES)})")
     p.add_argument("--batch-size", type=int, default=64, help="training batch size")
     p.add_argument("--max-epochs", type=int, default=40,
                    help="training epochs at most (early stopping on val)")
@@ -168,7 +176,8 @@ def _recipe(args: argparse.Namespace, backbone: str) -> dict[str, Any]:
         return {**common, "backbone": backbone, "window": args.window, "d": args.d,
                 "layers": args.layers, "dropout": args.dropout, "lr": args.lr}
     return {**common, "backbone": backbone, "d": args.levy_d, "heads": args.levy_heads,
-            "lr": args.levy_lr, "weight_decay": args.levy_weight_decay}
+            "lr": args.levy_lr, "weight_decay": args.levy_weight_decay,
+            "query_times": [float(t) for t in args.levy_query_times]}
 
 
 def _budget(args: argparse.Namespace) -> dict[str, Any]:
@@ -240,7 +249,7 @@ def _make_model(backbone: str, data: _Data, args: argparse.Namespace, seed: int
                                          layers=args.layers, heads=4, dropout=args.dropout,
                                          pool="first")
     return LevyClassifier(C, n_obs_features(C), d_model=args.levy_d,
-                          num_heads=args.levy_heads)
+                          num_heads=args.levy_heads, query_times=list(args.levy_query_times))
 
 
 def _probs1(backbone: str, model: torch.nn.Module, x: Any) -> torch.Tensor:
@@ -379,6 +388,10 @@ def run(args: argparse.Namespace) -> Path:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
     if args.ensemble < 2:
         raise ValueError(f"--ensemble must be >= 2, got {args.ensemble}")
+    qts = args.levy_query_times
+    if not qts or not all(0.0 <= t <= 48.0 for t in qts) or len(set(qts)) != len(qts):
+        raise ValueError("--levy-query-times must be distinct hours in [0, 48], got "
+                         f"{' '.join(f'{t:g}' for t in qts)}")
     cache, info = start_run(args)
     store = _store(out, info)
     held: dict[str, _Data] = {}
@@ -415,7 +428,8 @@ def run(args: argparse.Namespace) -> Path:
 
 def _state_args(args: argparse.Namespace) -> dict[str, Any]:
     keep = ("seeds", "seed", "split_seed", "cal_fraction", "max_stays", "window", "d", "layers",
-            "dropout", "levy_d", "levy_heads", "lr", "levy_lr", "batch_size", "max_epochs",
+            "dropout", "levy_d", "levy_heads", "levy_weight_decay", "levy_query_times", "lr",
+            "levy_lr", "batch_size", "max_epochs",
             "patience", "ensemble", "mc_samples", "threads")
     return {k: getattr(args, k) for k in keep}
 
@@ -477,7 +491,8 @@ def _recipe_line(bb: str, rows: list[dict[str, Any]]) -> str:
                 f"summary token; AdamW lr {c.get('lr')}, weight decay 0.01, BCE; {common}.")
     wd = c.get("weight_decay", 0.0)
     return (f"Recipe ({c.get('recipe', '').split(':')[0]}): one Levy-attention layer, width "
-            f"{c.get('d')}, {c.get('heads')} heads, one query per channel at 48 h, values in "
+            f"{c.get('d')}, {c.get('heads')} heads, one query per channel at "
+            f"{' and '.join(f'{t:g}' for t in c.get('query_times', [48.0]))} h, values in "
             f"per-channel slots with their absolute values; "
             f"{'AdamW' if wd else 'Adam'} lr {c.get('lr')}, weight decay {wd}, BCE of the "
             f"probit probability; {common}.")
@@ -584,6 +599,15 @@ def _goal_lines(bb: str, by: dict[str, list[dict[str, Any]]]) -> list[str]:
                      f"{'**met**' if ok else '**not met**'} (size {fmt(a, 4)} vs {fmt(b, 4)}; "
                      f"coverage {fmt(ca, 3)} vs {fmt(cb, 3)}"
                      f"{_noise(by, sa, 'softmax', f'size_{lv}')})")
+    for lv in (90, 95):
+        eq = equal_coverage_note(by, sa, "softmax", lv / 100, "test_probs", "test stays")
+        if eq is not None:
+            a, b, note = eq
+            lines.append(f"* {label} {lv} % sets (LAC) at equal coverage (each method's "
+                         f"threshold read where its sets cover {lv} % of the test stays) no "
+                         f"larger than the frozen softmax's: "
+                         f"{'**met**' if a <= b else '**not met**'} (size {a:.4f} vs {b:.4f}"
+                         f"{note})")
     if bb == "transformer":
         fit_s = [r["cost"]["fit_seconds"] for r in by[sa]]
         fwd = [r["cost"]["fit_forward"] for r in by[sa]]
