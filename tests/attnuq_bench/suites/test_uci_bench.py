@@ -290,3 +290,51 @@ def test_issue_20_goal_lines_count_the_recommended_row_only(tmp_path: Path) -> N
     text = write_table(tmp_path / "t.md", tmp_path, rows, info, args).read_text()
     assert "issue #20's goals are counted for the recommended row alone:" in text
     assert lines[0] in text
+
+
+def test_a_killed_backbone_training_resumes_to_the_uninterrupted_weights(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full-budget backbone trains for an hour or more: a run killed mid-training resumes
+    from its per-epoch checkpoint (``train.ckpt`` in the backbone's cache folder) and ends with
+    the weights of an uninterrupted run, bit for bit (same kernels, same inputs); the
+    checkpoint is removed once the backbone is saved."""
+    import torch
+
+    import attnuq_bench.models.ft as ft
+
+    argv = [*_tiny_argv(tmp_path / "x")[:-5], "--max-epochs", "3", "--patience", "5",
+            "--no-progress"]
+
+    def run(out: Path) -> int:
+        return main([*argv[:argv.index("--out") + 1], str(out),
+                     *argv[argv.index("--out") + 2:]])
+
+    assert run(tmp_path / "whole") == 0
+    (want,) = (tmp_path / "whole/_models/concrete/split0").rglob("backbone.pt")
+
+    make = ft.make_ft_transformer
+    calls = {"n": 0}
+
+    def make_dying(*a: object, **k: object) -> torch.nn.Module:
+        model = make(*a, **k)  # type: ignore[arg-type]
+
+        def hook(mod: torch.nn.Module, inputs: object) -> None:
+            calls["n"] += mod.training
+            if calls["n"] == 40:  # in the second epoch (21 training batches an epoch)
+                raise KeyboardInterrupt
+
+        model.register_forward_pre_hook(hook)
+        return model
+
+    monkeypatch.setattr(ft, "make_ft_transformer", make_dying)
+    assert run(tmp_path / "killed") == 130  # the CLI's "interrupted, resume with" exit
+    (ckpt,) = (tmp_path / "killed/_models/concrete/split0").rglob("train.ckpt")
+    assert not list((tmp_path / "killed/_models").rglob("backbone.pt"))
+    monkeypatch.setattr(ft, "make_ft_transformer", make)
+    assert run(tmp_path / "killed") == 0
+    (got,) = (tmp_path / "killed/_models/concrete/split0").rglob("backbone.pt")
+    a, b = torch.load(want, weights_only=True), torch.load(got, weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not ckpt.exists()
+    rec = json.loads((got.parent / "backbone.json").read_text())
+    assert rec["epochs_run"] == 3

@@ -220,11 +220,12 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
         model = make_ft_transformer(data.n_features, n_blocks=args.n_blocks, seed=seed_base + seed)
         return model.to(device)
 
-    def train_fn(model: torch.nn.Module, train: Any, val: Any, seed: int) -> Any:
+    def train_fn(model: torch.nn.Module, train: Any, val: Any, seed: int,
+                 checkpoint: Path | None = None) -> Any:
         return fit(  # the FT recipe: AdamW, lr 1e-4, wd 1e-5, early stopping on val RMSE
             model, train, val, max_epochs=args.max_epochs, patience=args.patience,
             batch_size=batch_size, seed=seed_base + seed, progress=progress,
-            desc=f"{data.name}/{data.split} seed {seed}",
+            desc=f"{data.name}/{data.split} seed {seed}", checkpoint=checkpoint,
         )
 
     spec = _cache_spec(data, args)
@@ -233,12 +234,18 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
     if is_writer() and read_json_or_none(cache / "spec.json", "cache spec") != spec:
         atomic_write_json(cache / "spec.json", spec, indent=1)
     def train(model: torch.nn.Module) -> dict[str, Any]:
-        res = train_fn(model, (data.x_fit, data.y_fit), (data.x_val, data.y_val), 0)
+        # every finished epoch is checkpointed: a killed run resumes the backbone where it
+        # stopped (bit for bit, see attnuq_bench.training), which a full-budget backbone of
+        # the larger sets (an hour or more on one thread) needs
+        res = train_fn(model, (data.x_fit, data.y_fit), (data.x_val, data.y_val), 0,
+                       checkpoint=cache / "train.ckpt")
         return {"best_epoch": res.best_epoch, "epochs_run": res.epochs_run,
                 "best_val_rmse_std_units": res.best_val, "seconds": res.seconds,
                 "n_forward": res.n_forward}
 
     model, info = cached_state(cache, lambda: make_model(0), train, device=device)
+    if is_writer():
+        (cache / "train.ckpt").unlink(missing_ok=True)
     info = {**info, "cache_key": cache.name}
     model.eval()
     for p in model.parameters():
