@@ -45,6 +45,7 @@ from attnuq_bench.suites._classify import (
     OOD_SCORE,
     class_scores,
     compute_line,
+    covers_more,
     equal_coverage_note,
     fit_method,
     load_predictions,
@@ -447,7 +448,8 @@ def _goal_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
         cb = _mean(by, "softmax", "clean", f"coverage_{lv}")
         L.append(f"* clean {lv} % sets (LAC): SA's no larger than the frozen softmax's: "
                  f"{_cmp(a, b)} (size {fmt(a, 4)} vs {fmt(b, 4)}; coverage {fmt(ca, 3)} vs "
-                 f"{fmt(cb, 3)}{_noise(by, sa, 'softmax', f'size_{lv}', 'clean')})")
+                 f"{fmt(cb, 3)}{_noise(by, sa, 'softmax', f'size_{lv}', 'clean')}"
+                 f"{covers_more(a is not None and b is not None and a <= b, ca, cb)})")
     for lv in (90, 95):
         eq = equal_coverage_note(by, sa, "softmax", lv / 100, "clean_probs",
                                  "clean test images")

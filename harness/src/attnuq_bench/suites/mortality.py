@@ -56,6 +56,7 @@ from attnuq_bench.suites import register
 from attnuq_bench.suites._classify import (
     class_scores,
     compute_line,
+    covers_more,
     equal_coverage_note,
     fit_method,
     load_predictions,
@@ -598,7 +599,7 @@ def _goal_lines(bb: str, by: dict[str, list[dict[str, Any]]]) -> list[str]:
         lines.append(f"* {label} {lv} % sets (LAC) no larger than the frozen softmax's: "
                      f"{'**met**' if ok else '**not met**'} (size {fmt(a, 4)} vs {fmt(b, 4)}; "
                      f"coverage {fmt(ca, 3)} vs {fmt(cb, 3)}"
-                     f"{_noise(by, sa, 'softmax', f'size_{lv}')})")
+                     f"{_noise(by, sa, 'softmax', f'size_{lv}')}{covers_more(ok, ca, cb)})")
     for lv in (90, 95):
         eq = equal_coverage_note(by, sa, "softmax", lv / 100, "test_probs", "test stays")
         if eq is not None:
