@@ -585,7 +585,7 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
              f"{sorted({r['seed'] for r in rows})}. Backbone: timm VisionTransformer, embed "
              f"{a.get('embed_dim')}, depth {a.get('depth')}, {a.get('heads')} heads, patch 2, "
              f"trained on images shifted by up to {a.get('shift', 0)} pixel(s); "
-             f"epochs run {sorted({int(b['epochs_run']) for b in bi})}, "
+             f"epochs run per seed {[int(b['epochs_run']) for b in bi]}, "
              f"{fmt(mean_std_n([b['seconds'] for b in bi]), 1)} s per backbone.", "")
     for ds in ("clean", "noise-3", "rotation-3"):
         page.section(f"{ds} (mean ± std over seeds)")

@@ -557,8 +557,9 @@ def _goal_lines(bb: str, by: dict[str, list[dict[str, Any]]]) -> list[str]:
     why = ""
     if not met and by.get("softmax"):
         val = float(np.mean([r["backbone_info"]["best_val_auroc"] for r in by["softmax"]]))
-        why = (f"; the same backbones' validation AUROC is {val:.3f} (the epoch was chosen on "
-               f"it, so it is optimistic), {val - (auc or 0.0):+.3f} above their test AUROC")
+        why = (f"; the same backbones' validation AUROC is {val:.3f} (the epoch and the "
+               f"recipe were chosen on it, so it is optimistic), {val - (auc or 0.0):+.3f} "
+               "above their test AUROC")
         if bb == "levy":
             why += ("; the model is one Levy-attention layer with a logit linear in its "
                     "output (what the closed-form sigma of the logit needs)")
@@ -662,7 +663,7 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
         page.section(f"Backbone `{bb}` (test set, mean ± std over seeds)")
         bi = [r["backbone_info"] for r in by.get("softmax", rs)]
         page.add(_recipe_line(bb, by.get("softmax", rs)), "")
-        page.add(f"Backbone training: epochs run {sorted({int(b['epochs_run']) for b in bi})}, "
+        page.add(f"Backbone training: epochs run per seed {[int(b['epochs_run']) for b in bi]}, "
                  f"best validation AUROC {fmt(mean_std_n([b['best_val_auroc'] for b in bi]), 3)},"
                  f" seconds per backbone {fmt(mean_std_n([b['seconds'] for b in bi]), 1)} "
                  f"(cache `{be.get('cache_key')}`).", "")
