@@ -280,3 +280,24 @@ def test_equal_coverage_note_of_a_method_against_itself_and_a_sharper_one() -> N
     other = equal_coverage_note(by, "flat", "a", 0.9, "test_probs", "rows")
     assert other is not None and other[0] != other[1] and "paired bootstrap SE" in other[2]
     assert equal_coverage_note(by, "a", "missing", 0.9, "test_probs", "rows") is None
+
+
+def test_mortality_auroc_noise_is_the_test_sets_bootstrap_se() -> None:
+    from attnuq_bench.suites.mortality import GOAL_AUROC, _auroc_noise
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 600)
+    perfect = np.stack([1.0 - y, y.astype(float)], 1)
+    rec = {"_pred": {"test_probs": perfect, "test_y": y}}
+    # a perfect ranking on every resample: no noise, so the goal is beyond 2 SE
+    assert _auroc_noise([rec], 1.0) == (f"; bootstrap SE 0.000 over the 600 test stays: "
+                                       f"{GOAL_AUROC} lies beyond 2 SE of it")
+    # an uninformative score: the SE of an AUROC of 0.5 with n+ ~ n- ~ 300 is
+    # sqrt((n+ + n- + 1) / (12 n+ n-)) ~ 0.024 (Hanley & McNeil 1982); 200 replicates estimate
+    # it to ~5 %, so (0.015, 0.035) fails with negligible probability (seeded: the outcome is
+    # fixed)
+    noise = np.stack([1 - (q := rng.random(600)), q], 1)
+    line = _auroc_noise([{"_pred": {"test_probs": noise, "test_y": y}}], 0.5)
+    se = float(line.split("SE ")[1].split(" ")[0])
+    assert 0.015 < se < 0.035 and "beyond 2 SE" in line
+    assert _auroc_noise([], 0.8) == ""

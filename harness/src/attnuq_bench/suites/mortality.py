@@ -44,6 +44,7 @@ Each (backbone, seed, method) item stores its record and predictions under
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -545,6 +546,30 @@ def _fit_why(rows: list[dict[str, Any]], key: str, name: str) -> str:
     return why
 
 
+def _auroc_of(i: np.ndarray, *, p: np.ndarray, y: np.ndarray) -> float:
+    from attnuq import metrics
+
+    return float(metrics.auroc(torch.as_tensor(p[i]), torch.as_tensor(y[i])))
+
+
+def _auroc_noise(rows: list[dict[str, Any]], auc: float | None) -> str:
+    """``"; bootstrap SE s over the N test stays: the goal within / beyond 2 SE"``: the noise
+    the seed-mean test AUROC carries from the finite test set alone (every seed is scored on
+    the same stays), from :func:`~attnuq_bench.suites._classify.paired_bootstrap_se`."""
+    from attnuq_bench.suites._classify import paired_bootstrap_se
+
+    if not rows or auc is None:
+        return ""
+    fs = [(len(r["_pred"]["test_y"]),
+           functools.partial(_auroc_of, p=r["_pred"]["test_probs"][:, 1].astype(np.float64),
+                             y=r["_pred"]["test_y"]))
+          for r in rows]
+    se = paired_bootstrap_se(fs)
+    where = "within" if abs(auc - GOAL_AUROC) < 2 * se else "beyond"
+    return (f"; bootstrap SE {se:.3f} over the {fs[0][0]} test stays: {GOAL_AUROC} lies "
+            f"{where} 2 SE of it")
+
+
 def _goal_lines(bb: str, by: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The issue's goals on this backbone, each met / not met with the numbers."""
     def m(method: str, key: str, sub: str = "scores") -> float | None:
@@ -565,7 +590,8 @@ def _goal_lines(bb: str, by: dict[str, list[dict[str, Any]]]) -> list[str]:
                     "output (what the closed-form sigma of the logit needs)")
     lines.append(f"* backbone test AUROC >= {GOAL_AUROC}: "
                  f"{'**met**' if met else '**not met**'} "
-                 f"({fmt(auc, 3)}, mean over {len(by.get('softmax', []))} seeds{why})")
+                 f"({fmt(auc, 3)}, mean over {len(by.get('softmax', []))} seeds"
+                 f"{_auroc_noise(by.get('softmax', []), auc)}{why})")
     sa = "sa-cls" if bb == "transformer" else "levy-temperature"
     label = "SA" if bb == "transformer" else "levy-temperature"
     if sa not in by:
