@@ -301,3 +301,17 @@ def test_mortality_auroc_noise_is_the_test_sets_bootstrap_se() -> None:
     se = float(line.split("SE ")[1].split(" ")[0])
     assert 0.015 < se < 0.035 and "beyond 2 SE" in line
     assert _auroc_noise([], 0.8) == ""
+
+
+@pytest.mark.parametrize("bad", [["60"], ["36", "36"], ["-1", "48"]])
+def test_mortality_refuses_bad_levy_query_times_before_any_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: list[str]) -> None:
+    from attnuq.cli import main
+
+    out = tmp_path / "m"
+    assert main(["bench", "mortality", "--out", str(out), "--data-dir", str(tmp_path),
+                 "--levy-query-times", *bad]) == 2
+    err = capsys.readouterr().err
+    assert "--levy-query-times must be distinct hours in [0, 48], got " + " ".join(
+        f"{float(b):g}" for b in bad) in err and "Traceback" not in err
+    assert not out.exists()
