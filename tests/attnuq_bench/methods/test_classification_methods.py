@@ -178,16 +178,16 @@ def test_levy_temperature_divides_the_probit_argument_by_the_validation_temperat
 
 def test_levy_classifier_queries_at_several_times_add_up() -> None:
     """Queries at (24, 48) give the logit mean and variance of the 24 h and 48 h classifiers
-    summed (the same weights; queries are independent in the layer's operator)."""
+    summed (the same weights, unscaled; queries are independent in the layer's operator)."""
     from attnuq_bench.models.classifiers import LevyClassifier
 
     torch.manual_seed(0)
     both = LevyClassifier(num_channels=3, value_features=2, d_model=8, num_heads=2,
-                          query_times=(24.0, 48.0)).eval()
+                          query_times=(24.0, 48.0), scale_logit=False).eval()
     one = {}
     for t in (24.0, 48.0):
         one[t] = LevyClassifier(num_channels=3, value_features=2, d_model=8, num_heads=2,
-                                query_times=[t]).eval()
+                                query_times=[t], scale_logit=False).eval()
         one[t].load_state_dict(both.state_dict())
     x = (torch.rand(4, 7) * 48, torch.randint(0, 3, (4, 7)), torch.randn(4, 7, 2),
          torch.rand(4, 7) < 0.8)
@@ -197,6 +197,14 @@ def test_levy_classifier_queries_at_several_times_add_up() -> None:
     torch.testing.assert_close(out.mean, a.mean + b.mean)
     torch.testing.assert_close(out.sigma**2, a.sigma**2 + b.sigma**2)
     assert not torch.allclose(a.mean, b.mean)  # the two times do see different things
+    # scale_logit (the default) is the same logit divided by sqrt(J C) = sqrt(6), sigma alike
+    scaled = LevyClassifier(num_channels=3, value_features=2, d_model=8, num_heads=2,
+                            query_times=(24.0, 48.0)).eval()
+    scaled.load_state_dict(both.state_dict())
+    with torch.no_grad():
+        sc = scaled(*x)
+    torch.testing.assert_close(sc.mean, out.mean / 6**0.5)
+    torch.testing.assert_close(sc.sigma, out.sigma / 6**0.5)
     for bad in ((), [float("nan")], 48.0, [True]):
         with pytest.raises(ValueError, match="query_times"):
             LevyClassifier(num_channels=3, value_features=2, query_times=bad)  # type: ignore[arg-type]

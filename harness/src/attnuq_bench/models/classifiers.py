@@ -9,9 +9,11 @@ classifier over irregular observations, and a tiny timm ViT for 8x8 images.
   as the mortality suite does), a linear head: logits ``(B, n_logits)`` (one logit = binary).
 * :class:`LevyClassifier`: :class:`attnuq.nn.LevyAttention` with one query per channel at each
   of the ``query_times`` (``t_j``; by default only the end of the window, ``query_channels =
-  c``) and ``out_features = 1``; the logit is the sum over the ``J C`` queries,
+  c``) and ``out_features = 1``; the logit is the sum over the ``J C`` queries divided by
+  ``sqrt(J C)`` (``scale_logit``: its scale at initialisation then does not grow with ``J C``),
 
-  .. math:: \mu = \sum_{j, c} \mu_{j c} + b, \qquad \sigma^2 = \sum_{j, c} \sigma_{j c}^2,
+  .. math:: \mu = \frac{1}{\sqrt{J C}} \sum_{j, c} \mu_{j c}, \qquad
+            \sigma^2 = \frac{1}{J C} \sum_{j, c} \sigma_{j c}^2,
 
   exact for the layer's sampled operator, whose Poisson draws are independent across queries
   and heads (:func:`attnuq.ops.levy_attention_sample`). The predictive probability is the
@@ -136,12 +138,16 @@ class LevyClassifier(nn.Module):
         The times ``t_j`` at which every channel is queried (``J C`` queries; the default is
         the end of the observation window). Earlier times let the logit weigh how a channel
         moved, not only where it ended.
+    scale_logit
+        Divide the summed logit by ``sqrt(J C)`` (and its sigma alike: the same linear map), so
+        that its scale at initialisation does not grow with the number of queries (summed, 72
+        queries start near ``|mu| = 10``: probabilities of 0 or 1 before any training).
     """
 
     def __init__(self, num_channels: int, value_features: int, *, d_model: int = 32,
                  num_heads: int = 4, n_fourier: int = 4, alpha: float = 1.0, beta: float = 2.0,
                  h: float = 1.0, max_period: float = 48.0,
-                 query_times: Sequence[float] = (48.0,)) -> None:
+                 query_times: Sequence[float] = (48.0,), scale_logit: bool = True) -> None:
         super().__init__()
         from attnuq.nn import LevyAttention
 
@@ -152,6 +158,7 @@ class LevyClassifier(nn.Module):
             raise ValueError("query_times must be a non-empty list or tuple of finite numbers, "
                              f"got {query_times=!r}")
         self.query_times = tuple(float(t) for t in qts)
+        self.scale_logit = bool(scale_logit)
         self.levy = LevyAttention(num_channels, d_model, num_heads,
                                   value_features=value_features, out_features=1,
                                   n_fourier=n_fourier, alpha=alpha, beta=beta, h=h,
@@ -168,9 +175,12 @@ class LevyClassifier(nn.Module):
         qc = torch.arange(C, device=times.device).repeat(J).expand(B, J * C)
         out = self.levy(times, channels, features, mask, qt, query_channels=qc)
         assert out.sigma_dim is not None
-        # out_proj's bias is added once per query: C b in total, one learned constant
+        # out_proj's bias is added once per query: J C b in total, one learned constant
         mean = out.mean[..., 0].sum(1)  # (B,)
         sigma = out.sigma_dim[..., 0].pow(2).sum(1).clamp_min(0).sqrt()
+        if self.scale_logit:
+            k = (J * C) ** -0.5
+            mean, sigma = mean * k, sigma * k
         return LevyLogit(mean=mean, sigma=sigma)
 
     def forward_inputs(self, x: Any) -> LevyLogit:

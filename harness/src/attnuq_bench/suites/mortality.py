@@ -179,7 +179,8 @@ def _recipe(args: argparse.Namespace, backbone: str) -> dict[str, Any]:
                 "layers": args.layers, "dropout": args.dropout, "lr": args.lr}
     return {**common, "backbone": backbone, "d": args.levy_d, "heads": args.levy_heads,
             "lr": args.levy_lr, "weight_decay": args.levy_weight_decay,
-            "query_times": [float(t) for t in args.levy_query_times]}
+            "query_times": [float(t) for t in args.levy_query_times],
+            "logit": "sum over the queries / sqrt(queries)"}
 
 
 def _budget(args: argparse.Namespace) -> dict[str, Any]:
@@ -494,8 +495,9 @@ def _recipe_line(bb: str, rows: list[dict[str, Any]]) -> str:
     wd = c.get("weight_decay", 0.0)
     return (f"Recipe ({c.get('recipe', '').split(':')[0]}): one Levy-attention layer, width "
             f"{c.get('d')}, {c.get('heads')} heads, one query per channel at "
-            f"{' and '.join(f'{t:g}' for t in c.get('query_times', [48.0]))} h, values in "
-            f"per-channel slots with their absolute values; "
+            f"{' and '.join(f'{t:g}' for t in c.get('query_times', [48.0]))} h, logit "
+            f"{c.get('logit', 'summed over the queries')}, values in per-channel slots with "
+            f"their absolute values; "
             f"{'AdamW' if wd else 'Adam'} lr {c.get('lr')}, weight decay {wd}, BCE of the "
             f"probit probability; {common}.")
 
