@@ -140,8 +140,9 @@ class LevyClassifier(nn.Module):
         moved, not only where it ended.
     scale_logit
         Divide the summed logit by ``sqrt(J C)`` (and its sigma alike: the same linear map), so
-        that its scale at initialisation does not grow with the number of queries (summed, 72
-        queries start near ``|mu| = 10``: probabilities of 0 or 1 before any training).
+        that its scale at initialisation does not grow with the number of queries (summed, on
+        the mortality stays the mean ``|mu|`` at initialisation was 2-3 for 36 queries, 4-5 for
+        72 and 7-10 for 144: probabilities near 0 or 1 before any training).
     """
 
     def __init__(self, num_channels: int, value_features: int, *, d_model: int = 32,
