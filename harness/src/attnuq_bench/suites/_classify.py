@@ -302,13 +302,17 @@ def equal_coverage_note(by: Mapping[str, Sequence[Mapping[str, Any]]], a: str, b
                             for pa, _ in pairs]))
     size_b = float(np.mean([lac_size_at_coverage(pb[probs_key], pb["test_y"], coverage)
                             for _, pb in pairs]))
-    d, se = size_a - size_b, paired_bootstrap_se(diffs)
+    return size_a, size_b, _difference_note(size_a - size_b, paired_bootstrap_se(diffs),
+                                            len(pairs[0][0]["test_y"]), unit)
+
+
+def _difference_note(d: float, se: float, n: int, unit: str) -> str:
+    """``"; difference d, paired bootstrap SE s over the n <unit>: <verdict>"``."""
     if d == 0.0 and se == 0.0:
         verdict = "identical on every resample"
     else:
         verdict = "within noise (|difference| < 2 SE)" if abs(d) < 2 * se else "beyond noise"
-    return size_a, size_b, (f"; difference {d:+.4f}, paired bootstrap SE {se:.2g} over the "
-                            f"{len(pairs[0][0]['test_y'])} {unit}: {verdict}")
+    return f"; difference {d:+.4f}, paired bootstrap SE {se:.2g} over the {n} {unit}: {verdict}"
 
 
 def _equal_cov_diff(i: np.ndarray, *, pa: np.ndarray, pb: np.ndarray, y: np.ndarray,
@@ -343,13 +347,7 @@ def noise_note(by: Mapping[str, Sequence[Mapping[str, Any]]], a: str, b: str, ke
             diffs.append((len(y), functools.partial(_score_diff, qa=pa[probs_key],
                                                     qb=pb[probs_key], y=y, key=key)))
     d = float(np.mean([f(np.arange(n)) for n, f in diffs]))
-    se = paired_bootstrap_se(diffs)
-    if d == 0.0 and se == 0.0:
-        verdict = "identical on every resample"
-    else:
-        verdict = "within noise (|difference| < 2 SE)" if abs(d) < 2 * se else "beyond noise"
-    return (f"; difference {d:+.4f}, paired bootstrap SE {se:.2g} over the "
-            f"{len(pairs[0][0]['test_y'])} {unit}: {verdict}")
+    return _difference_note(d, paired_bootstrap_se(diffs), len(pairs[0][0]["test_y"]), unit)
 
 
 def set_scores_of(cal_probs: np.ndarray, cal_y: np.ndarray,
