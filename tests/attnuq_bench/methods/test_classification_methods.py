@@ -4,6 +4,7 @@ contract, every registered method's output, and agreement with the maintained li
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -174,6 +175,50 @@ def test_levy_temperature_divides_the_probit_argument_by_the_validation_temperat
     want = torch.sigmoid(3 * arg[:50] / T)
     torch.testing.assert_close(pred.probs[:, 1], want)
     assert meth.cost.fit_forward == n
+
+
+def test_levy_sigma_recovers_the_sigma_scale_and_reports_whether_sigma_ranks_errors() -> None:
+    """Labels drawn from ``sigmoid(mu / sqrt(1 + pi (4 sigma)^2 / 8))``: the sigma the model
+    reports is 4x too small, so the validation NLL picks k = 4 from the grid, with T near 1,
+    and the prediction is that formula. 16,000 labels; measured per-label NLL excess over
+    k = 4 (mean, SE of the paired differences): k = 2 0.0035 (0.0006), k = 8 0.0040 (0.0008),
+    k = 1 0.0084 (0.0010), so another k wins with probability below 1e-6 (>= 5.1 SE). With
+    labels that ignore sigma, k <= 1 (k = 2 adds 0.0032, SE 0.0006: 5.7 SE) and sigma's
+    error-AUROC is near 0.5 (2,487 wrong of 16,000: null sd 0.0063, and 0.47-0.53 is 4.8 sd).
+    Seeded, so the outcome here is fixed."""
+    from types import SimpleNamespace
+
+    from attnuq_bench.methods.classification import SIGMA_SCALES
+
+    g = torch.Generator().manual_seed(1)
+    n = 16000
+    mu = torch.randn(n, generator=g, dtype=torch.float64) * 3
+    sigma = torch.rand(n, generator=g, dtype=torch.float64)
+    idx = torch.arange(n)
+
+    class _Fake(nn.Module):
+        def forward(self, i: torch.Tensor) -> SimpleNamespace:
+            return SimpleNamespace(mean=mu[i], sigma=sigma[i])
+
+    def fitted(y: torch.Tensor) -> Any:
+        task = Task(model=_Fake(), train=[(idx, y)], val=[(idx, y)], cal=[(idx, y)],
+                    forward_fn=lambda m, x: m(x), kind="classification")
+        return make_method("levy-sigma").fit(task)
+
+    arg4 = mu / torch.sqrt(1 + math.pi * (4 * sigma) ** 2 / 8)
+    meth = fitted(torch.bernoulli(torch.sigmoid(arg4), generator=g).long())
+    info = meth.info()
+    assert info["sigma_scale"] == 4.0, info
+    assert 0.9 < info["temperature"] < 1.1, info
+    assert set(info["nll_by_scale"]) == {f"{v:g}" for v in SIGMA_SCALES}
+    # the choice is the grid's minimum, so never worse on validation than k = 1 (levy-temperature)
+    assert min(info["nll_by_scale"].values()) == info["nll_by_scale"]["4"]
+    torch.testing.assert_close(meth.predict(idx[:50]).probs[:, 1],
+                               torch.sigmoid(arg4[:50] / info["temperature"]))
+    assert info["error_auroc_sigma_val"] > 0.53  # a sigma that widens the noise flags errors
+    plain = fitted(torch.bernoulli(torch.sigmoid(mu), generator=g).long()).info()
+    assert plain["sigma_scale"] <= 1.0, plain
+    assert 0.47 < plain["error_auroc_sigma_val"] < 0.53, plain
 
 
 def test_levy_classifier_queries_at_several_times_add_up() -> None:

@@ -75,6 +75,7 @@ from attnuq_bench.methods.classification import (
     LaplaceClassifier,
     LevyProbit,
     LevyProbitTemperature,
+    LevySigmaScale,
     MCDropoutClassifier,
     SAClassifierAfter,
     SAClassifierMethod,
@@ -124,6 +125,7 @@ register_method("sa-cls", SAClassifierMethod)
 register_method("sa-cls-after", SAClassifierAfter)
 register_method("levy", LevyProbit)
 register_method("levy-temperature", LevyProbitTemperature)
+register_method("levy-sigma", LevySigmaScale)
 
 __all__ = [
     "HSA",
@@ -140,6 +142,7 @@ __all__ = [
     "LastLayerLaplace",
     "LevyProbit",
     "LevyProbitTemperature",
+    "LevySigmaScale",
     "MCDropout",
     "MCDropoutClassifier",
     "Method",

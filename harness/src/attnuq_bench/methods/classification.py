@@ -22,6 +22,8 @@ the Monte Carlo ones, the per-draw probabilities ``(S, B, C)``.
                ``aps`` or ``raps``); its probabilities are the frozen softmax's
 ``sa-cls``     stochastic attention through :class:`attnuq.SAClassifier` (thin wrapper)
 ``levy``       the Levy classifier's one pass: ``sigmoid(mu / sqrt(1 + pi sigma^2 / 8))``
+``levy-temperature`` the same divided by one temperature (validation NLL)
+``levy-sigma`` sigma rescaled by ``k`` and a temperature, both by the validation NLL
 ============== ===========================================================================
 
 Examples
@@ -57,7 +59,7 @@ from attnuq_bench.methods.simple import MCDropout, dropout_active
 from attnuq_bench.training import as_batches
 
 __all__ = ["ClassPredictive", "ConformalSets", "DeepEnsembleClassifier", "FrozenSoftmax",
-           "LaplaceClassifier", "LevyProbit", "LevyProbitTemperature",
+           "LaplaceClassifier", "LevyProbit", "LevyProbitTemperature", "LevySigmaScale",
            "MCDropoutClassifier", "SAClassifierAfter", "SAClassifierMethod",
            "TemperatureScaling", "collect_logits", "logits_of", "probs_from_logits"]
 
@@ -509,3 +511,106 @@ class LevyProbitTemperature(LevyProbit):
 
     def info(self) -> dict[str, Any]:
         return {"temperature": self.temperature}
+
+
+#: the sigma scales :class:`LevySigmaScale` searches, fixed before any score was read: 0 drops
+#: sigma (the mean logit), 1 is sigma as trained (``levy-temperature``), then powers of 2
+SIGMA_SCALES: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+
+class LevySigmaScale(LevyProbit):
+    r"""The one-pass probit with the logit's sigma rescaled and a temperature, both by the
+    validation NLL: ``sigmoid(mu / (T sqrt(1 + pi (k sigma)^2 / 8)))``.
+
+    The closed-form sigma of a logit summed over many queries is small next to its mean (the
+    queries' independent noises average out), so as trained it barely moves the probability.
+    ``k`` asks the validation data how much of it to use: every ``k`` of :data:`SIGMA_SCALES`
+    (``0``: the mean logit; ``1``: :class:`LevyProbitTemperature`) gets its NLL-optimal ``T``,
+    and the ``k`` of the lowest validation NLL is kept (ties: the smaller ``k``). With ``k > 1``
+    sigma acts as a per-example temperature; whether it also ranks the errors is what
+    ``info()`` reports on the validation part: the Spearman correlation of sigma with
+    ``|y - p|`` and the AUROC of sigma for separating wrong from right predictions (0.5: no
+    information), beside the same AUROC of ``1 - max p`` (``p`` the one-pass probit).
+
+    >>> import torch
+    >>> from types import SimpleNamespace as NS
+    >>> from attnuq_bench.methods import Task
+    >>> g = torch.Generator().manual_seed(0)
+    >>> mu, sd = 3 * torch.randn(400, generator=g), torch.rand(400, generator=g)
+    >>> y = (torch.rand(400, generator=g) < torch.sigmoid(mu / 2)).long()
+    >>> task = Task(model=torch.nn.Identity(), train=(mu, y), val=(mu, y), cal=(mu, y),
+    ...             forward_fn=lambda m, x: NS(mean=x, sigma=sd[: len(x)]),
+    ...             kind="classification")
+    >>> m = LevySigmaScale().fit(task)
+    >>> sorted(m.info()) == ["error_auroc_max_p_val", "error_auroc_sigma_val", "nll_by_scale",
+    ...                      "sigma_scale", "spearman_sigma_error_val", "temperature"]
+    True
+    >>> m.info()["sigma_scale"] in SIGMA_SCALES
+    True
+    """
+
+    implementation = ("attnuq (LevyAttention closed-form mean and sigma, probit approximation; "
+                      "sigma's scale k from a fixed grid and one temperature by the validation "
+                      "NLL)")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature: float | None = None
+        self.sigma_scale: float | None = None
+        self._info: dict[str, Any] = {}
+
+    def _mean_sigma(self, task: Task, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logit's mean and sigma ``(B,)`` float64 (eval mode, no gradients)."""
+        with torch.no_grad():
+            out = task.forward_fn(task.model.eval(), inputs)
+        mu, sd = getattr(out, "mean", None), getattr(out, "sigma", None)
+        if not isinstance(mu, torch.Tensor) or not isinstance(sd, torch.Tensor):
+            raise TypeError(f"levy-sigma needs a forward_fn output with mean and sigma tensors, "
+                            f"got {type(out).__name__}")
+        return mu.double().reshape(-1), sd.double().reshape(-1)
+
+    @staticmethod
+    def _z(mu: torch.Tensor, sd: torch.Tensor, k: float) -> torch.Tensor:
+        """The probit argument ``(B, 1)`` at sigma scale ``k``."""
+        return (mu / torch.sqrt(1.0 + math.pi * (k * sd) ** 2 / 8.0))[:, None]
+
+    def _fit(self, task: Task) -> Cost | None:
+        from attnuq import metrics
+        from attnuq.estimators._common import spearman
+
+        mus, sds, ys = [], [], []
+        for batch in as_batches(task.val):
+            x, y = split_batch(batch)
+            mu, sd = self._mean_sigma(task, x)
+            mus.append(mu)
+            sds.append(sd)
+            ys.append(y.reshape(-1).long().cpu())
+        mu, sd, y = torch.cat(mus), torch.cat(sds), torch.cat(ys)
+        self.cost.fit_forward += y.shape[0]
+        nlls: dict[float, tuple[float, float]] = {}
+        for k in SIGMA_SCALES:
+            z = self._z(mu, sd, k)
+            t = fit_temperature_nll(z, y)
+            nlls[k] = (_nll(z, y, t), t)
+        best = min(SIGMA_SCALES, key=lambda k: (nlls[k][0], k))
+        self.sigma_scale, self.temperature = best, nlls[best][1]
+        p1 = probs_from_logits(self._z(mu, sd, 1.0))[:, 1]
+        wrong = ((p1 > 0.5).long() != y).long()
+        both = bool(0 < int(wrong.sum()) < len(wrong))
+        self._info = {
+            "nll_by_scale": {f"{k:g}": round(v[0], 6) for k, v in nlls.items()},
+            "spearman_sigma_error_val": spearman(sd, (y.double() - p1).abs()),
+            "error_auroc_sigma_val": float(metrics.auroc(sd, wrong)) if both else None,
+            "error_auroc_max_p_val": (float(metrics.auroc(1 - torch.maximum(p1, 1 - p1), wrong))
+                                      if both else None),
+        }
+        return None
+
+    def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
+        assert self.temperature is not None and self.sigma_scale is not None
+        mu, sd = self._mean_sigma(task, inputs)
+        return ClassPredictive(probs=probs_from_logits(self._z(mu, sd, self.sigma_scale),
+                                                       self.temperature)), 1
+
+    def info(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "sigma_scale": self.sigma_scale, **self._info}

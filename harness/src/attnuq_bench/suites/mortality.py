@@ -89,7 +89,7 @@ BACKBONES = ("transformer", "levy")
 DEFAULT_METHODS: dict[str, list[str]] = {
     "transformer": ["softmax", "temperature", "mc-dropout-cls", "ensemble-cls", "laplace-cls",
                     "sa-cls", "sa-cls-after"],
-    "levy": ["softmax", "temperature", "levy", "levy-temperature"],
+    "levy": ["softmax", "temperature", "levy", "levy-temperature", "levy-sigma"],
 }
 #: bump when a backbone recipe changes in a way the options do not show
 _RECIPE = "mortality v2: Adam(W), BCE (transformer) / BCE of the probit probability (levy), " \
@@ -652,6 +652,66 @@ def _goal_lines(bb: str, by: dict[str, list[dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def _sigma_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """What the Levy logit's closed-form sigma adds, from the ``levy-sigma`` records: the
+    scale ``k`` the validation NLL chose, whether sigma ranks the validation errors, and the
+    test scores against ``levy-temperature`` (``k = 1``) and temperature scaling."""
+    rs = sorted(by.get("levy-sigma", []), key=lambda r: r["seed"])
+    if not rs:
+        return []
+
+    def per_seed(key: str, nd: int = 3) -> str:
+        return ", ".join("n/a" if r["info"].get(key) is None else f"{r['info'][key]:.{nd}f}"
+                         for r in rs)
+
+    k = [float(r["info"]["sigma_scale"]) for r in rs]
+    nll = [r["info"]["nll_by_scale"] for r in rs]
+    gain = [n["1"] - n[f"{v:g}"] for n, v in zip(nll, k, strict=True)]
+    au = [r["info"].get("error_auroc_sigma_val") for r in rs]
+    ranks = all(a is not None and a > 0.5 for a in au)
+    lines = ["What the logit's sigma adds (`levy-sigma`: sigma scaled by k from the grid "
+             f"{', '.join(f'{v:g}' for v in _sigma_grid())}, fixed in advance, and one "
+             "temperature, both by the validation NLL; k = 1 is `levy-temperature`, k = 0 the "
+             "mean logit alone):", "",
+             f"* k chosen per seed {', '.join(f'{v:g}' for v in k)} (seeds "
+             f"{[r['seed'] for r in rs]}); validation NLL lower than at k = 1 by "
+             f"{', '.join(f'{g:.4f}' for g in gain)}",
+             f"* on the validation stays, Spearman(sigma, |y - p|) per seed "
+             f"{per_seed('spearman_sigma_error_val')}; AUROC of sigma for telling wrong from "
+             f"right predictions {per_seed('error_auroc_sigma_val')} against "
+             f"{per_seed('error_auroc_max_p_val')} for 1 - max p (0.5: no information): "
+             + ("sigma ranks the errors on every seed" if ranks else
+                "**sigma does not rank the errors** (it is not larger where the predictions "
+                "are wrong), so where it helps the NLL it does so as a per-stay temperature "
+                "(tempering the stays it marks), not as an error detector")]
+    for key, name in (("nll", "NLL"), ("ece", "ECE")):
+        for ref in ("levy-temperature", "temperature"):
+            if ref in by:
+                a, b = _agg(rs, key)[0], _agg(by[ref], key)[0]
+                lines.append(f"* test {name}: levy-sigma {fmt(a, 4)} vs {ref} {fmt(b, 4)}"
+                             f"{_noise(by, 'levy-sigma', ref, key)}")
+    if "levy-temperature" in by:
+        a, b = _agg(rs, "nll")[0], _agg(by["levy-temperature"], "nll")[0]
+        u, v = _agg(rs, "auroc")[0], _agg(by["levy-temperature"], "auroc")[0]
+        if a > b:
+            lines.append(f"* so the validation gain did not carry to the test stays (test NLL "
+                         f"{a - b:+.4f}; AUROC {u:.4f} against {v:.4f}: a per-stay temperature "
+                         "also reorders the stays): on this backbone the logit's sigma is not "
+                         "a usable uncertainty signal, and levy-temperature stays the row to "
+                         "use")
+        else:
+            lines.append(f"* the validation gain carried to the test stays (test NLL "
+                         f"{a - b:+.4f} against levy-temperature; AUROC {u:.4f} against "
+                         f"{v:.4f})")
+    return lines
+
+
+def _sigma_grid() -> tuple[float, ...]:
+    from attnuq_bench.methods.classification import SIGMA_SCALES
+
+    return SIGMA_SCALES
+
+
 def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
                state: dict[str, Any], *, errors: list[Path] | None = None) -> Page:
     """The page from the scored records ``rows`` (no training, no writes)."""
@@ -724,6 +784,8 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
         page.add("", "Goals of issue #33 on this (set, backbone):", "")
         goal = _goal_lines(bb, by)
         page.add(*goal, "")
+        if bb == "levy" and "levy-sigma" in by:
+            page.add(*_sigma_lines(by), "")
         heads.append((bb, by))
         page.add(f"![reliability]({out.name}/reliability_{bb}.png)", "")
     page.section("Headline")
