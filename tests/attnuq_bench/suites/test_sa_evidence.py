@@ -235,3 +235,18 @@ def test_readme_block_is_the_twins_paragraph(tmp_path: Path) -> None:
     (tmp_path / "sa_evidence.json").unlink()
     with pytest.raises(SystemExit, match="sa-rule"):
         mod.render("<!-- results:start -->\n<!-- results:end -->\n", results=tmp_path)
+
+
+def test_uci_coverage_line_counts_the_splits_with_an_sa_record() -> None:
+    """A set counts once ``sa`` has 5 splits; a split with other rows but no ``sa`` does not."""
+    from attnuq_bench.data.uci import UCI_DATASETS
+
+    units = [ev.Unit("uci", d, k, {"sa": 1.0}) for d in UCI_DATASETS[:-1] for k in range(5)]
+    last = UCI_DATASETS[-1]
+    units += [ev.Unit("uci", last, k, {"sa": 1.0}) for k in range(2)]
+    units += [ev.Unit("uci", last, 2, {"conformal": 1.0}), ev.Unit("ett", last, None, {"sa": 1.0})]
+    line = ev.uci_coverage_line({"units": units})
+    assert f": not met: {len(UCI_DATASETS) - 1} of {len(UCI_DATASETS)} sets" in line, line
+    assert f"short: {last} (2 of 5 splits)" in line, line
+    units += [ev.Unit("uci", last, k, {"sa": 1.0}) for k in range(2, 5)]
+    assert ": met: 6 of 6 sets." in ev.uci_coverage_line({"units": units})

@@ -280,6 +280,65 @@ def _budget_lines(rows: list[dict[str, Any]], budget: dict[str, Any]) -> list[st
     return [*lines, ""]
 
 
+#: the methods that train models of their own (everything else reads the shared backbone)
+RETRAINING = ("ensemble", "multiswag", "ivon", "hsa")
+
+
+def retraining_cost_lines(rows: list[dict[str, Any]], datasets: Sequence[str], *,
+                          n_splits: int = 5) -> list[str]:
+    """What the retraining methods cost, measured where they ran, and what they would need on
+    the sets where they did not.
+
+    Per method, the pooled ratio ``sum(fit seconds) / sum(backbone seconds)`` over every
+    (set, split) that ran it (both from the same record: ``cost.fit_seconds`` and
+    ``backbone.seconds``, the shared backbone's training time) is its cost in backbone
+    trainings. A set without any of them gets ``sum of ratios x mean backbone seconds of the
+    set x n_splits`` core-seconds (1 thread, as the runs here).
+
+    >>> r = lambda ds, m, fit, bb: {"dataset": ds, "split": 0, "method": m,
+    ...     "cost": {"fit_seconds": fit}, "backbone": {"seconds": bb}}
+    >>> rows = [r("a", "ensemble", 500, 100), r("a", "ivon", 300, 100), r("b", "sa", 9, 3600)]
+    >>> print("\\n".join(retraining_cost_lines(rows, ["a", "b"])))  # doctest: +NORMALIZE_WHITESPACE
+    * Not run on b: ensemble, ivon, which train models of their own (measured where they ran,
+      as fit seconds over the same split's backbone seconds: ensemble 5.0, ivon 3.0 backbone
+      trainings per split, 8.0 in all). b's backbone trained in 3600 s on average (1 split(s),
+      1 thread): they would need about 8.0 x 3600 s x 5 splits = 40.0 core-hours.
+    """
+    ratio: dict[str, float] = {}
+    for m in RETRAINING:
+        fit = bb = 0.0
+        for rec in rows:
+            b = (rec.get("backbone") or {}).get("seconds")
+            f = (rec.get("cost") or {}).get("fit_seconds")
+            if rec["method"] == m and b and f is not None:
+                fit, bb = fit + float(f), bb + float(b)
+        if bb > 0:
+            ratio[m] = fit / bb
+    if not ratio:
+        return []
+    total = sum(ratio.values())
+    lines = []
+    for ds in datasets:
+        rr = _of(rows, ds)
+        if any(rec["method"] in RETRAINING for rec in rr):
+            continue
+        per_split = {int(rec["split"]): float(rec["backbone"]["seconds"]) for rec in rr
+                     if (rec.get("backbone") or {}).get("seconds")}
+        if not per_split:
+            continue
+        sec = sum(per_split.values()) / len(per_split)
+        each = ", ".join(f"{m} {v:.1f}" for m, v in ratio.items())
+        lines.append(
+            f"* Not run on {ds}: {', '.join(ratio)}, which train models of their own "
+            f"(measured where they ran, as fit seconds over the same split's backbone "
+            f"seconds: {each} backbone trainings per split, {total:.1f} in all). {ds}'s "
+            f"backbone trained in {sec:.0f} s on average ({len(per_split)} split(s), 1 "
+            f"thread): they would need about "
+            f"{total:.1f} x {sec:.0f} s x {n_splits} splits = "
+            f"{total * sec * n_splits / 3600:.1f} core-hours.")
+    return lines
+
+
 def _coverage_lines(rows: list[dict[str, Any]], datasets: list[str], order: Sequence[str],
                     errors: Sequence[Path], out: Path) -> list[str]:
     """'What this covers': runs per data set, IVON's choices, what is missing or failed."""
@@ -306,6 +365,9 @@ def _coverage_lines(rows: list[dict[str, Any]], datasets: list[str], order: Sequ
     if missing:
         lines += [f"Not covered by this table: {', '.join(missing)} (the full suite is 6 sets x "
                   ">= 5 splits; rerun the command with more --datasets/--splits, it resumes).", ""]
+    lines += retraining_cost_lines(rows, datasets)
+    if lines[-1]:
+        lines.append("")
     have = {ds: {m: {int(r["split"]) for r in _of(rows, ds, m)}
                  for m in _order({r["method"] for r in _of(rows, ds)}, order)} for ds in datasets}
     lines += gap_lines(have)
