@@ -95,10 +95,29 @@ def _best(d: dict[str, float]) -> str | None:
     return min(d, key=d.__getitem__) if d else None
 
 
+#: the columns in target units, whose decimals follow the set's scale (:func:`target_digits`)
+_TARGET_COLS = frozenset({"rmse", "width", "crps"})
+
+
+def target_digits(stats: dict[str, dict[str, tuple[float, float]]]) -> int:
+    """Decimals for a set's target-unit numbers: three significant digits of its smallest
+    mean RMSE, at least 3 (naval's RMSE ~0.0018 -> 5; power's ~3.85 -> 3).
+
+    >>> target_digits({"a": {"rmse": (0.00178, 0.0)}}), target_digits({"a": {"rmse": (3.85, 0.1)}})
+    (5, 3)
+    """
+    vals = [st["rmse"][0] for st in stats.values()
+            if "rmse" in st and math.isfinite(st["rmse"][0]) and st["rmse"][0] > 0]
+    if not vals:
+        return 3
+    return max(3, 2 - math.floor(math.log10(min(vals))))
+
+
 def _verdict(ds: str, stats: dict[str, dict[str, tuple[float, float]]]) -> tuple[list[str],
                                                                                    bool | None]:
     """The SA win/loss lines of ``ds`` and whether SA wins (``None``: nothing to compare)."""
     ms = list(stats)
+    d = target_digits(stats)
     widths = {m: stats[m]["width"][0] for m in ms if math.isfinite(stats[m]["width"][0])}
     crpss = {m: stats[m]["crps"][0] for m in ms if math.isfinite(stats[m]["crps"][0])}
     sa = {m: w for m, w in widths.items() if _is_sa(m)}
@@ -110,33 +129,33 @@ def _verdict(ds: str, stats: dict[str, dict[str, tuple[float, float]]]) -> tuple
     ratio = other[bo] / sa[bs]
     win = sa[bs] <= other[bo]
     if win:
-        verdict = (f"**SA wins** on calibrated PI-95 width: {bs} {sa[bs]:.3f} vs the "
-                   f"best baseline {bo} {other[bo]:.3f} (baseline {ratio:.2f}x wider)")
+        verdict = (f"**SA wins** on calibrated PI-95 width: {bs} {sa[bs]:.{d}f} vs the "
+                   f"best baseline {bo} {other[bo]:.{d}f} (baseline {ratio:.2f}x wider)")
     else:
         verdict = (f"**SA loses** on calibrated PI-95 width: best baseline {bo} "
-                   f"{other[bo]:.3f} vs best SA {bs} {sa[bs]:.3f} (SA {1 / ratio:.2f}x wider)")
+                   f"{other[bo]:.{d}f} vs best SA {bs} {sa[bs]:.{d}f} (SA {1 / ratio:.2f}x wider)")
     sa_c = {m: c for m, c in crpss.items() if _is_sa(m)}
     ot_c = {m: c for m, c in crpss.items() if not _is_sa(m)}
     if sa_c and ot_c:
         bsc, boc = _best(sa_c), _best(ot_c)
         assert bsc is not None and boc is not None
         word = "wins" if sa_c[bsc] <= ot_c[boc] else "loses"
-        verdict += f"; on CRPS SA {word}: {bsc} {sa_c[bsc]:.3f} vs {boc} {ot_c[boc]:.3f}"
+        verdict += f"; on CRPS SA {word}: {bsc} {sa_c[bsc]:.{d}f} vs {boc} {ot_c[boc]:.{d}f}"
     wider = sorted(f"{m} {w / sa[bs]:.2f}x" for m, w in other.items())
     lines = [f"* {ds}: {verdict}.",
              f"* width of each baseline relative to the best SA: {', '.join(wider)}."]
     frozen_m = next((m for m in ("gaussian", "laplace", "conformal", "mc-dropout", bs)
                      if m in stats), None)
     if frozen_m is not None:
-        own = [f"{m} {stats[m]['rmse'][0]:.3f}" for m in ms
+        own = [f"{m} {stats[m]['rmse'][0]:.{d}f}" for m in ms
                if m in _OWN_POINT and math.isfinite(stats[m]["rmse"][0])]
         if own:
             lines.append(f"* point predictions differ from the shared frozen backbone (RMSE "
-                         f"{stats[frozen_m]['rmse'][0]:.3f}) for {', '.join(own)}; interval "
+                         f"{stats[frozen_m]['rmse'][0]:.{d}f}) for {', '.join(own)}; interval "
                          "widths after unified calibration also reflect these RMSE differences.")
     if frozen_m is not None and frozen_m in _FROZEN:  # issue #19: SA's point off the frozen one
         flag = point_flag({m: stats[m]["rmse"][0] for m in ms}, stats[frozen_m]["rmse"][0],
-                          metric="RMSE")
+                          metric="RMSE", digits=d)
         if flag is not None:
             lines.append(flag)
     return [*lines, ""], win
@@ -426,10 +445,12 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
         best = {k: _best({m: stats[m][k][0] for m in stats if math.isfinite(stats[m][k][0])})
                 for k in ("width", "crps")}
         page.section(ds)
+        tdig = target_digits(stats)
         t = Table(header)
         for m, st in stats.items():
             cells = [m, str(int(st["n"][0]))]
             for k, _, d in _COLS:
+                d = tdig if k in _TARGET_COLS else d
                 txt = fmt(st[k][0], d, std=st[k][1], nan="n/a", big=None)
                 cells.append(f"**{txt}**" if best.get(k) == m else txt)
             t.add(*cells, f"{st['fit_s'][0]:.1f}", f"{st['fwd'][0]:.0f}",
@@ -437,6 +458,7 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
         page.table(t)
         page.add("", *verdicts[ds][0], *backbone_lines(rows, ds, order))
         if ablation_block(page, _ablation_rows(stats), point="RMSE", frozen=_frozen_rmse(stats),
+                          digits=tdig,
                           title=f"**Ablations on {ds}** (SA variants against their reference "
                           "rows, means over splits):", flag=False,  # the flag: in the verdict
                           nu=_nu_of(rows, ds), floor=_floor_of(rows, ds)):
