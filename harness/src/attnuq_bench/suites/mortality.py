@@ -108,7 +108,8 @@ GOAL_AUROC = 0.83
 #: hours at which the Levy classifier queries every channel, chosen on the validation AUROC
 #: (mean of seeds 0-2, scaled logit): 36+48 h 0.8671; adding 0 h (where the static descriptors
 #: sit) 0.8671 too (+0.00002, far inside the seed sd 0.004-0.005) at 1.5x the training time, so
-#: not adopted; with the summed logit: 48 h 0.859, 24+48 h 0.866, 36+48 h 0.867
+#: not adopted; with the summed logit: 48 h 0.859, 24+48 h 0.866, 36+48 h 0.867; width 64
+#: instead of 32 (36+48 h, scaled): 0.8613, not adopted
 LEVY_QUERY_TIMES = (36.0, 48.0)
 #: the line under the Implementations table
 SCORES = ("Scores: attnuq.metrics (nll_probs, brier_probs with the binary (p - y)^2 convention, "
