@@ -461,16 +461,20 @@ class LevyProbit(_ClassMethod):
     def _fit(self, task: Task) -> Cost | None:
         return None
 
-    def _probit_logit(self, task: Task, inputs: Any) -> torch.Tensor:
-        """``mu / sqrt(1 + pi sigma^2 / 8)`` ``(B,)`` float64 (eval mode, no gradients)."""
+    def _mean_sigma(self, task: Task, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logit's mean and sigma ``(B,)`` float64 (eval mode, no gradients)."""
         with torch.no_grad():
             out = task.forward_fn(task.model.eval(), inputs)
         mu, sd = getattr(out, "mean", None), getattr(out, "sigma", None)
         if not isinstance(mu, torch.Tensor) or not isinstance(sd, torch.Tensor):
             raise TypeError(f"levy needs a forward_fn output with mean and sigma tensors, got "
                             f"{type(out).__name__}")
-        return (mu.double().reshape(-1)
-                / torch.sqrt(1.0 + math.pi * sd.double().reshape(-1) ** 2 / 8.0))
+        return mu.double().reshape(-1), sd.double().reshape(-1)
+
+    def _probit_logit(self, task: Task, inputs: Any) -> torch.Tensor:
+        """``mu / sqrt(1 + pi sigma^2 / 8)`` ``(B,)`` float64 (eval mode, no gradients)."""
+        mu, sd = self._mean_sigma(task, inputs)
+        return mu / torch.sqrt(1.0 + math.pi * sd**2 / 8.0)
 
     def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
         z = self._probit_logit(task, inputs)
@@ -558,16 +562,6 @@ class LevySigmaScale(LevyProbit):
         self.temperature: float | None = None
         self.sigma_scale: float | None = None
         self._info: dict[str, Any] = {}
-
-    def _mean_sigma(self, task: Task, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logit's mean and sigma ``(B,)`` float64 (eval mode, no gradients)."""
-        with torch.no_grad():
-            out = task.forward_fn(task.model.eval(), inputs)
-        mu, sd = getattr(out, "mean", None), getattr(out, "sigma", None)
-        if not isinstance(mu, torch.Tensor) or not isinstance(sd, torch.Tensor):
-            raise TypeError(f"levy-sigma needs a forward_fn output with mean and sigma tensors, "
-                            f"got {type(out).__name__}")
-        return mu.double().reshape(-1), sd.double().reshape(-1)
 
     @staticmethod
     def _z(mu: torch.Tensor, sd: torch.Tensor, k: float) -> torch.Tensor:
