@@ -405,9 +405,14 @@ def _f(x: float | None, d: int = 4) -> str:
     return "missing" if x is None or not math.isfinite(x) else f"{x:.{d}f}"
 
 
-def _ms(x: tuple[float, float] | None, n: int, d: int = 4) -> str:
+def _ms(x: tuple[float, float] | None, n: int, d: int | None = None) -> str:
+    """``mean ± sd`` (``mean`` alone for one split); ``d`` decimals, by default at least 4 and
+    enough for three significant digits of the mean (naval's CRPS ~0.0013 -> 0.00129)."""
     if x is None:
         return "missing"
+    if d is None:
+        d = 4 if not x[0] or not math.isfinite(x[0]) else max(
+            4, 2 - math.floor(math.log10(abs(x[0]))))
     return f"{x[0]:.{d}f} ± {x[1]:.{d}f}" if n > 1 else f"{x[0]:.{d}f}"
 
 
