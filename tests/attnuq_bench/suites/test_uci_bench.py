@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -338,3 +339,21 @@ def test_a_killed_backbone_training_resumes_to_the_uninterrupted_weights(
     assert not ckpt.exists()
     rec = json.loads((got.parent / "backbone.json").read_text())
     assert rec["epochs_run"] == 3
+
+
+def test_implementations_block_shows_the_newest_records_text_and_counts_the_others() -> None:
+    """Records of one method from two code versions: the newest record's text, and how many
+    records recorded another; one text alone is shown as it is."""
+    from attnuq_bench.suites._uci_page import _block
+
+    def rec(m: str, text: str, date: str) -> dict[str, Any]:
+        return {"method": m, "implementation": text, "run_info": {"date": date}}
+
+    rows = [rec("laplace", "old words", "2026-12-01 10:00 UTC"),
+            rec("laplace", "new words", "2026-12-03 10:00 UTC"),
+            rec("laplace", "new words", "2026-12-02 10:00 UTC"),
+            rec("gaussian", "g", "2026-12-01 10:00 UTC")]
+    block = dict(_block(rows, None, ["laplace", "gaussian"])["rows"])
+    assert block["laplace"] == ("new words (1 of 3 records were run by earlier code, whose "
+                                "recorded text differs: see those records)")
+    assert block["gaussian"] == "g"

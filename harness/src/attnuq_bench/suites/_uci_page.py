@@ -396,15 +396,23 @@ def _coverage_lines(rows: list[dict[str, Any]], datasets: list[str], order: Sequ
 
 def _block(rows: list[dict[str, Any]], previous: dict[str, Any] | None, order: Sequence[str]
            ) -> dict[str, Any]:
-    """The Implementations block: the text each method's runs recorded (all alike), else the
+    """The Implementations block: the text each method's runs recorded (that of the newest
+    record, with the count of records whose earlier code recorded another text), else the
     previous block of this page, else today's registry text."""
     from attnuq_bench.suites._implementations import merge_block
 
     names = _order({r["method"] for r in rows}, order)
     recorded: dict[str, str | None] = {}
     for m in names:
-        texts = {r.get("implementation") for r in rows if r["method"] == m}
-        recorded[m] = (None if None in texts else " / ".join(sorted(t for t in texts if t)))
+        recs = [r for r in rows if r["method"] == m]
+        if any(not r.get("implementation") for r in recs):
+            recorded[m] = None
+            continue
+        newest = max(recs, key=lambda r: str((r.get("run_info") or {}).get("date", "")))
+        text = str(newest["implementation"])
+        older = sum(r["implementation"] != text for r in recs)
+        recorded[m] = text + (f" ({older} of {len(recs)} records were run by earlier code, "
+                              "whose recorded text differs: see those records)" if older else "")
     return merge_block(names, recorded, previous)
 
 
