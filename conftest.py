@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +46,8 @@ def _harness_entry_points() -> None:
     project = tomllib.loads(pyproject.read_text())["project"]
     eps = project["entry-points"]["attnuq.commands"]
     meta = Path(tempfile.mkdtemp(prefix="attnuq-bench-meta-"))
+    # removed when this process exits (its test subprocesses have ended by then)
+    atexit.register(shutil.rmtree, meta, ignore_errors=True)
     info = meta / f"attnuq_bench-{project['version']}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(
