@@ -471,10 +471,28 @@ class LevyProbit(_ClassMethod):
                             f"{type(out).__name__}")
         return mu.double().reshape(-1), sd.double().reshape(-1)
 
+    @staticmethod
+    def _probit(mu: torch.Tensor, sd: torch.Tensor, k: float = 1.0) -> torch.Tensor:
+        """``mu / sqrt(1 + pi (k sigma)^2 / 8)`` ``(B,)``, sigma scaled by ``k``."""
+        return mu / torch.sqrt(1.0 + math.pi * (k * sd) ** 2 / 8.0)
+
     def _probit_logit(self, task: Task, inputs: Any) -> torch.Tensor:
         """``mu / sqrt(1 + pi sigma^2 / 8)`` ``(B,)`` float64 (eval mode, no gradients)."""
-        mu, sd = self._mean_sigma(task, inputs)
-        return mu / torch.sqrt(1.0 + math.pi * sd**2 / 8.0)
+        return self._probit(*self._mean_sigma(task, inputs))
+
+    def _val_mean_sigma(self, task: Task) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The logit's mean and sigma and the class ids ``(N,)`` over the validation part
+        (its forward passes counted in the fit cost)."""
+        mus, sds, ys = [], [], []
+        for batch in as_batches(task.val):
+            x, y = split_batch(batch)
+            mu, sd = self._mean_sigma(task, x)
+            mus.append(mu)
+            sds.append(sd)
+            ys.append(y.reshape(-1).long().cpu())
+        y = torch.cat(ys)
+        self.cost.fit_forward += y.shape[0]
+        return torch.cat(mus), torch.cat(sds), y
 
     def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
         z = self._probit_logit(task, inputs)
@@ -498,14 +516,8 @@ class LevyProbitTemperature(LevyProbit):
         self.temperature: float | None = None
 
     def _fit(self, task: Task) -> Cost | None:
-        zs, ys = [], []
-        for batch in as_batches(task.val):
-            x, y = split_batch(batch)
-            zs.append(self._probit_logit(task, x))
-            ys.append(y.reshape(-1).long().cpu())
-        z, y = torch.cat(zs)[:, None], torch.cat(ys)
-        self.cost.fit_forward += y.shape[0]
-        self.temperature = fit_temperature_nll(z, y)
+        mu, sd, y = self._val_mean_sigma(task)
+        self.temperature = fit_temperature_nll(self._probit(mu, sd)[:, None], y)
         return None
 
     def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
@@ -563,32 +575,19 @@ class LevySigmaScale(LevyProbit):
         self.sigma_scale: float | None = None
         self._info: dict[str, Any] = {}
 
-    @staticmethod
-    def _z(mu: torch.Tensor, sd: torch.Tensor, k: float) -> torch.Tensor:
-        """The probit argument ``(B, 1)`` at sigma scale ``k``."""
-        return (mu / torch.sqrt(1.0 + math.pi * (k * sd) ** 2 / 8.0))[:, None]
-
     def _fit(self, task: Task) -> Cost | None:
         from attnuq import metrics
         from attnuq.estimators._common import spearman
 
-        mus, sds, ys = [], [], []
-        for batch in as_batches(task.val):
-            x, y = split_batch(batch)
-            mu, sd = self._mean_sigma(task, x)
-            mus.append(mu)
-            sds.append(sd)
-            ys.append(y.reshape(-1).long().cpu())
-        mu, sd, y = torch.cat(mus), torch.cat(sds), torch.cat(ys)
-        self.cost.fit_forward += y.shape[0]
+        mu, sd, y = self._val_mean_sigma(task)
         nlls: dict[float, tuple[float, float]] = {}
         for k in SIGMA_SCALES:
-            z = self._z(mu, sd, k)
+            z = self._probit(mu, sd, k)[:, None]
             t = fit_temperature_nll(z, y)
             nlls[k] = (_nll(z, y, t), t)
         best = min(SIGMA_SCALES, key=lambda k: (nlls[k][0], k))
         self.sigma_scale, self.temperature = best, nlls[best][1]
-        p1 = probs_from_logits(self._z(mu, sd, 1.0))[:, 1]
+        p1 = probs_from_logits(self._probit(mu, sd)[:, None])[:, 1]
         wrong = ((p1 > 0.5).long() != y).long()
         both = bool(0 < int(wrong.sum()) < len(wrong))
         self._info = {
@@ -602,9 +601,8 @@ class LevySigmaScale(LevyProbit):
 
     def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
         assert self.temperature is not None and self.sigma_scale is not None
-        mu, sd = self._mean_sigma(task, inputs)
-        return ClassPredictive(probs=probs_from_logits(self._z(mu, sd, self.sigma_scale),
-                                                       self.temperature)), 1
+        z = self._probit(*self._mean_sigma(task, inputs), self.sigma_scale)
+        return ClassPredictive(probs=probs_from_logits(z[:, None], self.temperature)), 1
 
     def info(self) -> dict[str, Any]:
         return {"temperature": self.temperature, "sigma_scale": self.sigma_scale, **self._info}

@@ -671,7 +671,7 @@ def _sigma_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
     au = [r["info"].get("error_auroc_sigma_val") for r in rs]
     ranks = all(a is not None and a > 0.5 for a in au)
     lines = ["What the logit's sigma adds (`levy-sigma`: sigma scaled by k from the grid "
-             f"{', '.join(f'{v:g}' for v in _sigma_grid())}, fixed in advance, and one "
+             f"{', '.join(nll[0])}, fixed in advance, and one "
              "temperature, both by the validation NLL; k = 1 is `levy-temperature`, k = 0 the "
              "mean logit alone):", "",
              f"* k chosen per seed {', '.join(f'{v:g}' for v in k)} (seeds "
@@ -705,12 +705,6 @@ def _sigma_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
                          f"{a - b:+.4f} against levy-temperature; AUROC {u:.4f} against "
                          f"{v:.4f})")
     return lines
-
-
-def _sigma_grid() -> tuple[float, ...]:
-    from attnuq_bench.methods.classification import SIGMA_SCALES
-
-    return SIGMA_SCALES
 
 
 def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
