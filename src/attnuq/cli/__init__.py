@@ -202,6 +202,12 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "the sites in find_attention order, at most twice the shared search's passes; the map "
         "goes to calibration.json (nu_map). Not with --criterion scale or coverage (default: off)",
     )
+    cal.add_argument(
+        "--centre", default="frozen", choices=["frozen", "mean", "auto"],
+        help="centre of the intervals: the frozen output (SA never moves the point prediction), "
+        "the mean of the SA draws, or auto: the one of lower cross-fitted validation CRPS "
+        "(default: frozen)",
+    )
     cal.add_argument("--n-passes", type=int, default=6,
                      help="stochastic passes per input, in the search and for the spread "
                      "(default: 6)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -340,12 +340,14 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     key = None if getattr(args, "head", None) is not None else args.output_key
     _probe(model, val[0], make_output_fn(key), args)
     extra = {} if getattr(args, "per_layer", None) is None else {"per_layer": args.per_layer}
+    centres: dict[str, bool | Literal["auto"]] = {"frozen": True, "mean": False, "auto": "auto"}
+    recentre = centres[getattr(args, "centre", "frozen")]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sa = SARegressor(
             model, make_output_fn(key), criterion=args.criterion,
             n_samples=args.n_passes, seed=args.seed, search=args.search, progress=None,
-            **extra,
+            recentre=recentre, **extra,
         ).fit(val, cal)
     from attnuq.distributed import is_primary
 
@@ -398,6 +400,10 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
             "criterion": args.criterion,
             "criterion resolved": d["criterion_resolved"],
             "form": d["form"],
+            "centre": d["centre"],
+            **({"val CRPS by centre": ", ".join(f"{k} {v:.4g}" for k, v in
+                                                d["val_crps_by_centre"].items())}
+               if "val_crps_by_centre" in d else {}),
             "floor beta (x val residual scale; inf = plain conformal)": d["floor_beta_units"],
             "val Spearman(spread, |error|)": d["spearman_spread_abs_error"],
             "search": args.search,
@@ -422,7 +428,8 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     render_report(out / "results.json")
     edge = f" (at the {d['nu_at_edge']} edge of nu_range)" if d["nu_at_edge"] else ""
     print(f"chosen nu = {d['nu'] if d['nu_map'] is None else report.nu}{edge}; form: "
-          f"{d['form']} (beta = {d['floor_beta_units']} x the val residual scale)")
+          f"{d['form']} (beta = {d['floor_beta_units']} x the val residual scale); centre: "
+          f"{d['centre']}")
     if d["nu_map"] is not None:
         print("nu per layer: " + ", ".join(f"{k or '(root)'}={v}" for k, v in
                                            d["nu_map"].items()))

@@ -15,7 +15,8 @@ What :meth:`SARegressor.fit` does (every choice on validation data, fixed in adv
 2. The spread: ``S = n_samples`` stochastic passes give the centre ``f`` (the frozen output
    when ``recentre=True``, else the draws' mean) and ``sigma`` (the draws' sd) per element.
    On ``val_data`` the passes of the search at the chosen ``nu`` are reused.
-3. The form, by the 2-fold cross-fitted validation CRPS: for every ``beta`` of
+3. The form (and, with ``recentre="auto"``, the centre), by the 2-fold cross-fitted
+   validation CRPS: for every ``beta`` of
    :data:`attnuq.conformal.FLOOR_GRID` (in units of the validation residual scale; ``0`` is
    SA-normalised, ``inf`` plain split conformal on ``|y - f|``) the normalised scores
 
@@ -26,7 +27,12 @@ What :meth:`SARegressor.fit` does (every choice on validation data, fixed in adv
    ``gaussian=True`` (default) one more candidate is scored the same way: the Gaussian residual
    model ``N(f, s^2)``, ``s`` the RMS of ``y - f`` of the other half (constant width, Gaussian
    shape). The candidate of the lowest CRPS is kept (ties: the first in grid order, the
-   Gaussian last). ``floor=False`` keeps ``beta = 0``.
+   Gaussian last). ``floor=False`` keeps ``beta = 0``. With ``recentre="auto"`` every
+   candidate is scored about both centres, the frozen output ``f`` and the draws' mean
+   ``m`` (the same passes; ``sigma`` is the same for both), and the lowest of the lot is kept
+   (ties: the frozen centre). The draws' mean is an average over the attention's sampling
+   noise, and on some models it predicts better than ``f``; with few passes it also carries
+   Monte Carlo noise of variance ``sigma^2 / n_samples``: the validation CRPS weighs both.
 4. The calibration: the scores of ``cal_data`` at that ``beta``, sorted (at most
    :data:`MAX_SCORES` order statistics kept); for the Gaussian form, ``s`` is the RMS of
    ``y - f`` on ``cal_data``.
@@ -66,7 +72,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -390,8 +396,11 @@ class SARegressor:
     criterion
         :func:`attnuq.calibrate`'s criterion (default ``"auto"``).
     recentre
-        Centre on the frozen output (``True``, default: SA never moves the point prediction) or
-        on the draws' mean.
+        Centre on the frozen output (``True``, default: SA never moves the point prediction),
+        on the draws' mean (``False``), or ``"auto"``: the one of the two whose best form has
+        the lower cross-fitted validation CRPS (ties: the frozen output;
+        ``diagnostics["centre"]`` says which, ``diagnostics["val_crps_by_centre"]`` both
+        scores).
     floor
         ``True`` (default): choose ``beta`` (and so the form: SA-normalised, SA with a floor,
         plain conformal) by the cross-fitted validation CRPS; ``False``: ``beta = 0``.
@@ -424,7 +433,8 @@ class SARegressor:
         (``None``, ``"lower"`` or ``"upper"``) with SA's ``edge_spread`` and
         ``edge_target_scale``, ``criterion_resolved``, ``spearman_spread_abs_error`` (on
         ``val_data``), ``floor_beta`` (absolute; ``inf`` = constant width: plain conformal or
-        the Gaussian form), ``floor_beta_units``, ``form``, ``val_crps_by_beta`` (the key
+        the Gaussian form), ``floor_beta_units``, ``form``, ``centre`` (``"frozen"`` or
+        ``"mean"``), ``val_crps_by_beta`` (about that centre; the key
         ``"gaussian"`` for the Gaussian form), ``raw_val_coverage`` at 50/90/95 %, ``n_val`` /
         ``n_cal`` (elements), ``forward_passes`` and ``fit_seconds``, and ``warnings``.
 
@@ -467,7 +477,7 @@ class SARegressor:
         *,
         nu: int | Mapping[str, Any] | None = None,
         criterion: str = "auto",
-        recentre: bool = True,
+        recentre: bool | Literal["auto"] = True,
         floor: bool = True,
         gaussian: bool = True,
         nu_range: tuple[int, int] = (1, 1024),
@@ -487,7 +497,9 @@ class SARegressor:
             check_positive_int(nu, "nu")
         self.nu = nu
         self.criterion = get_criterion(criterion).name
-        for name, v in (("recentre", recentre), ("floor", floor), ("gaussian", gaussian)):
+        if not (isinstance(recentre, bool) or (isinstance(recentre, str) and recentre == "auto")):
+            raise TypeError(f"recentre must be a bool or 'auto', got recentre={recentre!r}")
+        for name, v in (("floor", floor), ("gaussian", gaussian)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {name}={v!r}")
         self.recentre = recentre
@@ -554,7 +566,7 @@ class SARegressor:
             elif "shards" in seen:
                 seen[key] = self._part_from_stats(seen["shards"], value)
 
-        val_part: _Part | None = None
+        val_parts: dict[str, _Part] | None = None
         if self.nu is None:
             from attnuq.calibration import EdgeWarning
 
@@ -570,19 +582,20 @@ class SARegressor:
             passes += self.report.forward_passes * self.report.n_examples
             edge = self.report.edge
             if self.report.nu_map is None and self.report.nu in seen:
-                val_part = seen[self.report.nu]
+                val_parts = seen[self.report.nu]
             seen.clear()
         else:
             nu_spec = dict(self.nu) if isinstance(self.nu, Mapping) else int(self.nu)
             edge = None
-        if val_part is None:
-            val_part = self._part(val, nu_spec, "val_data")
-            passes += (1 + self.n_samples) * val_part.y.shape[0]
-        cal_part = self._part(cal, nu_spec, "cal_data")
-        passes += (1 + self.n_samples) * cal_part.y.shape[0]
-        if val_part.y.shape[1:] != cal_part.y.shape[1:]:
+        if val_parts is None:
+            val_parts = self._part(val, nu_spec, "val_data")
+            passes += (1 + self.n_samples) * next(iter(val_parts.values())).y.shape[0]
+        cal_parts = self._part(cal, nu_spec, "cal_data")
+        passes += (1 + self.n_samples) * next(iter(cal_parts.values())).y.shape[0]
+        y_val = next(iter(val_parts.values())).y
+        if y_val.shape[1:] != next(iter(cal_parts.values())).y.shape[1:]:
             raise ValueError("val_data and cal_data predictions differ in shape")
-        d = int(val_part.y.shape[1])
+        d = int(y_val.shape[1])
         diag["nu"] = nu_spec if not isinstance(nu_spec, dict) else None
         diag["nu_map"] = nu_spec if isinstance(nu_spec, dict) else None
         diag["nu_range"] = list(self.nu_range)
@@ -591,26 +604,22 @@ class SARegressor:
         diag["edge_target_scale"] = None if edge is None else edge["target_scale"]
         diag["criterion_resolved"] = (resolve_criterion(self.criterion, d, self.n_samples)
                                       if self.nu is None else None)
-        err = (val_part.y - val_part.centre).abs()
-        diag["spearman_spread_abs_error"] = spearman(val_part.sigma, err)
-        diag["raw_val_coverage"] = dict(val_part.raw_coverage)
-        # the form: beta by the cross-fitted validation CRPS
-        scale = float((val_part.y - val_part.centre).pow(2).mean().sqrt())
-        if not scale > 0:
-            raise ValueError("val_data: the frozen model fits every validation target exactly "
-                             "(residual scale 0); nothing to calibrate")
-        grid = FLOOR_GRID if self.floor else (0.0,)
-        crps: dict[float | str, float] = {
-            float(b): self._crossfit_crps(val_part, float(b) * scale) for b in grid}
-        if self.floor and self.gaussian:
-            crps["gaussian"] = self._crossfit_gaussian(val_part)
-        finite = {b: c for b, c in crps.items() if math.isfinite(c)}
+        # the form (and with recentre="auto" the centre): by the cross-fitted validation CRPS
+        forms = {c: self._forms(part, c) for c, part in val_parts.items()}
+        order = [(c, b) for c in forms for b in forms[c][1]]  # tie-break: centres, then grid
+        finite = [(c, b) for c, b in order if math.isfinite(forms[c][1][b])]
         if not finite:
             raise ValueError(
                 "every form has an infinite validation CRPS: SA's spread is 0 where the "
                 "frozen output misses the target; use floor=True"
             )
-        chosen = min(finite, key=lambda b: (finite[b], list(crps).index(b)))
+        centre, chosen = min(finite, key=lambda cb: (forms[cb[0]][1][cb[1]], order.index(cb)))
+        scale, crps = forms[centre]
+        val_part, cal_part = val_parts[centre], cal_parts[centre]
+        err = (val_part.y - val_part.centre).abs()
+        diag["centre"] = centre
+        diag["spearman_spread_abs_error"] = spearman(val_part.sigma, err)
+        diag["raw_val_coverage"] = dict(val_part.raw_coverage)
         n_cal = int(cal_part.y.numel())
         if chosen == "gaussian":  # N(f, s^2), s from cal: unit spread, s |Z| as the scores
             units, form = math.inf, "gaussian"
@@ -630,7 +639,7 @@ class SARegressor:
             values, ranks = _table(cal_scores)
         beta = units * scale
         self._fitted = {
-            "nu": nu_spec, "beta": beta, "beta_units": units, "form": form,
+            "nu": nu_spec, "beta": beta, "beta_units": units, "form": form, "centre": centre,
             "residual_scale": scale, "n_cal": int(ranks[-1]),
             "scores": values, "ranks": ranks,
             "criterion_resolved": diag["criterion_resolved"],
@@ -643,14 +652,16 @@ class SARegressor:
             n_val=int(val_part.y.numel()), n_cal=n_cal,
             forward_passes=int(passes), fit_seconds=time.perf_counter() - t0,
         )
+        if len(forms) > 1:
+            diag["val_crps_by_centre"] = {c: min(f[1].values()) for c, f in forms.items()}
         self.diagnostics = diag
         if edge is not None:
             from attnuq.calibration import edge_message
 
             warn_and_record(diag, "SARegressor.fit: " + edge_message(edge, self.criterion))
         if math.isinf(units) and self.floor:
-            sa_best = min((c for b, c in finite.items()
-                           if not isinstance(b, str) and not math.isinf(b)), default=math.nan)
+            sa_best = min((c for b, c in crps.items() if not isinstance(b, str)
+                           and not math.isinf(b) and math.isfinite(c)), default=math.nan)
             what = ("plain split conformal (beta = inf" if form == "conformal" else
                     "the Gaussian residual model (N(f, s^2), not split-conformal")
             warn_and_record(
@@ -662,57 +673,99 @@ class SARegressor:
             )
         return self
 
-    def _part(self, pairs: list[tuple[Any, torch.Tensor]], nu: Any, name: str) -> _Part:
-        """Centre, sigma, targets and draws of every pair (``n_samples`` passes each)."""
-        from attnuq.montecarlo import predict
+    def _forms(self, part: _Part, centre: str) -> tuple[float, dict[float | str, float]]:
+        """The validation residual scale about ``part``'s centre and the cross-fitted CRPS of
+        every candidate form (``beta`` in units of that scale, ``"gaussian"``)."""
+        scale = float((part.y - part.centre).pow(2).mean().sqrt())
+        if not scale > 0:
+            what = "the frozen model" if centre == "frozen" else "the draws' mean"
+            raise ValueError(f"val_data: {what} fits every validation target exactly "
+                             "(residual scale 0); nothing to calibrate")
+        grid = FLOOR_GRID if self.floor else (0.0,)
+        crps: dict[float | str, float] = {
+            float(b): self._crossfit_crps(part, float(b) * scale) for b in grid}
+        if self.floor and self.gaussian:
+            crps["gaussian"] = self._crossfit_gaussian(part)
+        return scale, crps
 
-        cs, ss, ys = [], [], []
-        cov = _Coverage()
+    def _centres(self) -> tuple[str, ...]:
+        """The candidate centres, in tie-break order: ``"frozen"`` (the frozen output, the draws
+        recentred on it) and / or ``"mean"`` (the draws' mean, the draws as drawn)."""
+        if self.recentre == "auto":
+            return ("frozen", "mean")
+        return ("frozen",) if self.recentre else ("mean",)
+
+    def _part(self, pairs: list[tuple[Any, torch.Tensor]], nu: Any, name: str
+              ) -> dict[str, _Part]:
+        """Per candidate centre (:meth:`_centres`): centre, sigma, targets and the raw draws'
+        coverage of every pair (``n_samples`` passes each, shared by the centres)."""
+        from attnuq.montecarlo import predict
+        from attnuq.predictive import recentre
+
+        centres = self._centres()
+        cols: dict[str, list[torch.Tensor]] = {c: [] for c in centres}
+        ss, ys = [], []
+        cov = {c: _Coverage() for c in centres}
+        # one centre: the draws come from predict as that centre has them (recentred there)
+        rec = "mean" if centres == ("frozen",) else None
         for i, (x, y) in enumerate(pairs):
             pred = predict(self.model, x, nu=nu, n_samples=self.n_samples, seed=self.seed,
                            output_fn=self.output_fn, progress=self.progress,
-                           recentre="mean" if self.recentre else None,
-                           **self._predict_kwargs())
+                           recentre=rec, **self._predict_kwargs())
             if pred.samples.shape[1:] != y.shape:
                 raise ValueError(
                     f"{name}: the prediction and the targets of batch {i} differ in shape: "
                     f"prediction.shape={tuple(pred.samples.shape[1:])}, "
                     f"targets.shape={tuple(y.shape)}"
                 )
-            c, s = self._centre_sigma(pred)
             b = y.shape[0]
-            cs.append(c.reshape(b, -1))
-            ss.append(s.reshape(b, -1))
-            yb = y.reshape(b, -1).double().to(c.device)
+            yb = y.reshape(b, -1).double().to(pred.samples.device)
             ys.append(yb)
-            cov.add(pred.samples.double().reshape(self.n_samples, b, -1), yb)
-        return _Part(torch.cat(cs).cpu(), torch.cat(ss).cpu(), torch.cat(ys).cpu(),
-                     cov.result())
+            for c in centres:
+                p = pred
+                if c == "frozen" and rec is None:
+                    assert pred.frozen is not None
+                    p = Predictive(samples=recentre(pred.samples, pred.frozen, "mean"),
+                                   frozen=pred.frozen)
+                centre, s = self._centre_sigma(p, c)
+                cols[c].append(centre.reshape(b, -1))
+                if c == centres[0]:
+                    ss.append(s.reshape(b, -1))
+                cov[c].add(p.samples.double().reshape(self.n_samples, b, -1), yb)
+        sigma, yy = torch.cat(ss).cpu(), torch.cat(ys).cpu()
+        return {c: _Part(torch.cat(cols[c]).cpu(), sigma, yy, cov[c].result())
+                for c in centres}
 
-    def _part_from_stats(self, shards: Any, st: Any) -> _Part:
+    def _part_from_stats(self, shards: Any, st: Any) -> dict[str, _Part]:
         """The validation part from the search's own passes at the chosen ``nu`` (no new
         pass): ``f_nu - f`` per unit ``(M, b_u, P)``, the cached frozen outputs and the
-        residuals ``y - f``."""
-        cs, ss, ys = [], [], []
-        cov = _Coverage()
+        residuals ``y - f``; per candidate centre as :meth:`_part`."""
+        centres = self._centres()
+        cols: dict[str, list[torch.Tensor]] = {c: [] for c in centres}
+        ss, ys = [], []
+        cov = {c: _Coverage() for c in centres}
         for u, dev in enumerate(st.dev):
             f_u = shards.mine[u][1]
             b = int(f_u.shape[0])
             f = f_u.reshape(b, -1).double().cpu()
-            draws = f + dev  # (M, b_u, P)
-            if self.recentre:
-                draws = draws - draws.mean(0) + f
-            cs.append(f if self.recentre else draws.mean(0))
-            ss.append(draws.std(0, unbiased=True))
+            raw = f + dev  # (M, b_u, P)
             yb = f + shards.resid[u]
             ys.append(yb)
-            cov.add(draws, yb)
-        return _Part(torch.cat(cs), torch.cat(ss), torch.cat(ys), cov.result())
+            for c in centres:
+                draws = raw - raw.mean(0) + f if c == "frozen" else raw
+                cols[c].append(f if c == "frozen" else raw.mean(0))
+                if c == centres[0]:  # the sd of the first centre's draws (equal up to rounding)
+                    ss.append(draws.std(0, unbiased=True))
+                cov[c].add(draws, yb)
+        sigma, yy = torch.cat(ss), torch.cat(ys)
+        return {c: _Part(torch.cat(cols[c]), sigma, yy, cov[c].result()) for c in centres}
 
-    def _centre_sigma(self, pred: Predictive) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _centre_sigma(pred: Predictive, centre: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``centre`` (the frozen output or the draws' mean) and the draws' sd, float64."""
         smp = pred.samples.double()
         sigma = smp.std(0, unbiased=True)
-        if self.recentre:
+        if centre == "frozen":
             assert pred.frozen is not None
             return pred.frozen.double(), sigma
         return smp.mean(0), sigma
@@ -785,8 +838,9 @@ class SARegressor:
         fit = self._require_fitted()
         pred = predict(self.model, inputs, nu=fit["nu"], n_samples=self.n_samples,
                        seed=self.seed, output_fn=self.output_fn, progress=self.progress,
-                       recentre="mean" if self.recentre else None, **self._predict_kwargs())
-        centre, sigma = self._centre_sigma(pred)
+                       recentre="mean" if fit["centre"] == "frozen" else None,
+                       **self._predict_kwargs())
+        centre, sigma = self._centre_sigma(pred, fit["centre"])
         assert pred.frozen is not None
         dev = pred.frozen.device
         return SAPredictive(
@@ -810,7 +864,8 @@ class SARegressor:
             "fitted": {
                 "nu": fit["nu"], "criterion_resolved": fit["criterion_resolved"],
                 "beta": fit["beta"], "beta_units": fit["beta_units"], "form": fit["form"],
-                "residual_scale": fit["residual_scale"], "n_cal": fit["n_cal"],
+                "centre": fit["centre"], "residual_scale": fit["residual_scale"],
+                "n_cal": fit["n_cal"],
                 "ranks": fit["ranks"].tolist(), "scores": fit["scores"].tolist(),
             },
             "diagnostics": _jsonable(self.diagnostics),
@@ -852,6 +907,12 @@ class SARegressor:
                 nu = {k: tuple(v) if isinstance(v, list) else v for k, v in nu.items()}
             elif isinstance(nu, bool) or not isinstance(nu, int) or nu < 1:
                 raise ValueError(f"fitted.nu must be an int >= 1 or a map, got {nu!r}")
+            # files written before the centre was a fitted value: the setting decides it
+            implied = {True: "frozen", False: "mean"}.get(st["recentre"])
+            centre = ft.get("centre", implied)
+            if centre not in ("frozen", "mean") or (implied is not None and centre != implied):
+                raise ValueError(f"fitted.centre must be 'frozen' or 'mean' (and agree with "
+                                 f"settings.recentre={st['recentre']!r}), got {centre!r}")
             beta = float(ft["beta"])
             if not beta >= 0:
                 raise ValueError(f"fitted.beta must be >= 0, got {beta!r}")
@@ -867,7 +928,8 @@ class SARegressor:
                                  f"finite, >= 0, with ranks in [1, n_cal={n}] ending at n_cal")
             est._fitted = {
                 "nu": nu, "beta": beta, "beta_units": float(ft["beta_units"]),
-                "form": str(ft["form"]), "residual_scale": float(ft["residual_scale"]),
+                "form": str(ft["form"]), "centre": centre,
+                "residual_scale": float(ft["residual_scale"]),
                 "n_cal": n, "scores": scores, "ranks": ranks,
                 "criterion_resolved": ft.get("criterion_resolved"),
             }

@@ -65,6 +65,28 @@ def test_calibrate_then_predict_round_trip(files: dict[str, Path],
                                [z["mean"][0], z["lower"][0], z["upper"][0]], rtol=1e-6)
 
 
+@pytest.mark.parametrize("centre, recentre", [("auto", "auto"), ("mean", False)])
+def test_calibrate_centre_option_reaches_the_estimator(files: dict[str, Path], centre: str,
+                                                       recentre: object,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    assert main(_calibrate(files, "--centre", centre)) == 0
+    out = capsys.readouterr().out
+    est = json.loads((files["out"] / "estimator.json").read_text())
+    assert est["settings"]["recentre"] == recentre
+    chosen = est["fitted"]["centre"]
+    assert f"centre: {chosen}" in out
+    assert chosen == "mean" if centre == "mean" else chosen in ("frozen", "mean")
+    assert ("val_crps_by_centre" in est["diagnostics"]) == (centre == "auto")
+    model = torch.load(files["model"], weights_only=False).eval()
+    x = torch.as_tensor(np.load(files["new"])["x"])
+    pred = SARegressor.load(files["out"] / "estimator.json", model).predict(x)
+    if chosen == "mean":
+        assert torch.equal(pred.mean, pred.samples.double().mean(0).float())  # in float64
+    with torch.no_grad():
+        assert torch.equal(pred.mean, model(x)) == (chosen == "frozen")
+
+
 def test_taken_out_refused_unless_overwrite(files: dict[str, Path],
                                             capsys: pytest.CaptureFixture[str]) -> None:
     assert main(_calibrate(files)) == 0

@@ -177,6 +177,18 @@ def test_load_refuses_other_kind_and_bad_fields(fitted: tuple, tmp_path: Path) -
     (tmp_path / "s.json").write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=r"malformed SARegressor file.*sorted"):
         SARegressor.load(tmp_path / "s.json", net)
+    for centre in ("mean", "median"):  # recentre=True fixes the frozen centre
+        doc = json.loads(path.read_text())
+        doc["fitted"]["centre"] = centre
+        (tmp_path / "m.json").write_text(json.dumps(doc))
+        with pytest.raises(ValueError, match=rf"fitted.centre must be .*got '{centre}'"):
+            SARegressor.load(tmp_path / "m.json", net)
+    doc = json.loads(path.read_text())  # a file from before the centre was stored
+    del doc["fitted"]["centre"]
+    (tmp_path / "old.json").write_text(json.dumps(doc))
+    x = torch.randn(3, 5, 4)
+    assert torch.equal(SARegressor.load(tmp_path / "old.json", net).predict(x).mean,
+                       sa.predict(x).mean)
     with pytest.raises(FileNotFoundError):
         SARegressor.load(tmp_path / "none.json", net)
 
@@ -246,11 +258,13 @@ def test_plain_conformal_chosen_and_warned(monkeypatch: pytest.MonkeyPatch) -> N
     errors: the cross-fitted CRPS prefers constant width, and fit says so."""
     g = torch.Generator().manual_seed(7)
 
-    def fake_part(self: SARegressor, pairs: list, nu: object, name: str) -> _Part:
+    def fake_part(self: SARegressor, pairs: list, nu: object, name: str
+                  ) -> dict[str, _Part]:
         n = 3000
         sigma = torch.exp(2.0 * torch.randn(n, 1, generator=g, dtype=torch.float64))
         y = torch.randn(n, 1, generator=g, dtype=torch.float64)
-        return _Part(torch.zeros(n, 1, dtype=torch.float64), sigma, y, {"0.9": 0.0})
+        return {"frozen": _Part(torch.zeros(n, 1, dtype=torch.float64), sigma, y,
+                               {"0.9": 0.0})}
 
     monkeypatch.setattr(SARegressor, "_part", fake_part)
     net = Net().eval()
@@ -269,7 +283,8 @@ def _homoscedastic(monkeypatch: pytest.MonkeyPatch, seed: int, noise: str) -> No
     is dominated by rare large errors, so a Gaussian of that RMS is far too wide)."""
     g = torch.Generator().manual_seed(seed)
 
-    def fake_part(self: SARegressor, pairs: list, nu: object, name: str) -> _Part:
+    def fake_part(self: SARegressor, pairs: list, nu: object, name: str
+                  ) -> dict[str, _Part]:
         n = 3000
         sigma = torch.exp(2.0 * torch.randn(n, 1, generator=g, dtype=torch.float64))
         z = torch.randn(n, 1, generator=g, dtype=torch.float64)
@@ -277,7 +292,8 @@ def _homoscedastic(monkeypatch: pytest.MonkeyPatch, seed: int, noise: str) -> No
             chi2 = 2.0 * torch._standard_gamma(torch.full((n, 1), 1.25, dtype=torch.float64),
                                                generator=g)
             z = z / torch.sqrt(chi2 / 2.5)
-        return _Part(torch.zeros(n, 1, dtype=torch.float64), sigma, z, {"0.9": 0.0})
+        return {"frozen": _Part(torch.zeros(n, 1, dtype=torch.float64), sigma, z,
+                               {"0.9": 0.0})}
 
     monkeypatch.setattr(SARegressor, "_part", fake_part)
 
@@ -359,11 +375,13 @@ def test_sa_normalised_chosen_when_spread_is_the_error_scale(monkeypatch: pytest
     """Errors exactly sigma * N(0, 1) with sigma spread over two decades: beta = 0 wins."""
     g = torch.Generator().manual_seed(8)
 
-    def fake_part(self: SARegressor, pairs: list, nu: object, name: str) -> _Part:
+    def fake_part(self: SARegressor, pairs: list, nu: object, name: str
+                  ) -> dict[str, _Part]:
         n = 3000
         sigma = torch.exp(1.5 * torch.randn(n, 1, generator=g, dtype=torch.float64))
         y = sigma * torch.randn(n, 1, generator=g, dtype=torch.float64)
-        return _Part(torch.zeros(n, 1, dtype=torch.float64), sigma, y, {"0.9": 0.0})
+        return {"frozen": _Part(torch.zeros(n, 1, dtype=torch.float64), sigma, y,
+                               {"0.9": 0.0})}
 
     monkeypatch.setattr(SARegressor, "_part", fake_part)
     net = Net().eval()
@@ -429,3 +447,96 @@ def test_readme_example_runs() -> None:
         runpy.run_path(str(path), run_name="__main__")
     text = out.getvalue()
     assert "level 0.90: coverage" in text and "CRPS" in text
+
+
+def test_auto_centre_frozen_is_the_recentred_fit_bit_for_bit(fitted: tuple) -> None:
+    """Targets = frozen output + noise: ``recentre="auto"`` keeps the frozen centre, and its fit
+    and predictive are those of ``recentre=True`` exactly (same passes, same arithmetic)."""
+    sa, net, _ = fitted
+    g = torch.Generator().manual_seed(1)  # the fixture's data, drawn again
+    val, cal = _data(net, 200, g), _data(net, 400, g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EstimatorWarning)
+        auto = SARegressor(net, nu_range=(1, 64), recentre="auto", progress=False).fit(
+            _batches(*val), _batches(*cal))
+    d = auto.diagnostics
+    assert d["centre"] == "frozen" and sa.diagnostics["centre"] == "frozen"
+    assert set(d["val_crps_by_centre"]) == {"frozen", "mean"}
+    assert d["val_crps_by_centre"]["frozen"] <= d["val_crps_by_centre"]["mean"]
+    assert d["val_crps_by_beta"] == sa.diagnostics["val_crps_by_beta"]
+    assert auto.to_dict()["fitted"] == sa.to_dict()["fitted"]
+    x = torch.randn(9, 5, 4)
+    a, b = auto.predict(x), sa.predict(x)
+    assert torch.equal(a.mean, b.mean) and torch.equal(a.spread, b.spread)
+    assert torch.equal(a.samples, b.samples)
+
+
+def test_auto_centre_picks_the_draws_mean_where_it_predicts_better(tmp_path: Path) -> None:
+    """Targets = SA's own expectation at nu = 2 (the mean of 256 draws): the frozen output is
+    off by SA's bias, the draws' mean of 64 passes is not (its Monte Carlo error, sigma / 8, is
+    smaller than the bias here), so ``"auto"`` takes the mean. The fit then equals
+    ``recentre=False``'s up to rounding (sigma from the recentred draws, not the raw ones), and
+    the file keeps the centre."""
+    from attnuq.montecarlo import predict
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(500, 5, 4, generator=g)
+    y = predict(net, x, nu=2, n_samples=256, seed=99, progress=False).samples.mean(0)
+    val, cal, xt = _batches(x[:200], y[:200]), _batches(x[200:400], y[200:400]), x[400:]
+    auto = SARegressor(net, nu=2, n_samples=64, recentre="auto", progress=False).fit(val, cal)
+    raw = SARegressor(net, nu=2, n_samples=64, recentre=False, progress=False).fit(val, cal)
+    d = auto.diagnostics
+    assert d["centre"] == "mean", d["val_crps_by_centre"]
+    assert d["val_crps_by_centre"]["mean"] < d["val_crps_by_centre"]["frozen"]
+    assert d["form"] == raw.diagnostics["form"]
+    a, b = auto.predict(xt), raw.predict(xt)
+    assert torch.equal(a.samples, b.samples)  # the draws as drawn: not recentred
+    assert torch.equal(a.mean, b.mean)
+    torch.testing.assert_close(a.spread, b.spread, rtol=1e-9, atol=0.0)
+    torch.testing.assert_close(a.crps(y[400:]), b.crps(y[400:]), rtol=1e-9, atol=1e-12)
+    with torch.no_grad():
+        assert not torch.equal(a.mean, net(xt))  # the point prediction moved
+    back = SARegressor.load(auto.save(tmp_path / "auto.json"), net, progress=False)
+    assert back.recentre == "auto"
+    c = back.predict(xt)
+    assert torch.equal(c.mean, a.mean) and torch.equal(c.spread, a.spread)
+
+
+def test_auto_centre_choice_is_the_lowest_validation_crps(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Parts made by hand: about the frozen centre the errors have sd 1, about the mean
+    sd 0.5 (same sigma): auto takes the mean and reports both scores; swapped, the frozen
+    centre. The load of a file whose fitted centre contradicts its setting is refused."""
+    g = torch.Generator().manual_seed(11)
+    n = 2000
+    sigma = torch.exp(0.3 * torch.randn(n, 1, generator=g, dtype=torch.float64))
+    z = torch.randn(n, 1, generator=g, dtype=torch.float64)
+    near, far = 0.5 * z, torch.zeros_like(z)  # centres whose errors y - c are z / 2 and z
+
+    def fake(frozen: torch.Tensor, mean: torch.Tensor) -> object:
+        def fake_part(self: SARegressor, pairs: list, nu: object, name: str
+                      ) -> dict[str, _Part]:
+            parts = {"frozen": _Part(frozen, sigma, z, {"0.9": 0.0}),
+                     "mean": _Part(mean, sigma, z, {"0.9": 0.0})}
+            return {c: parts[c] for c in self._centres()}
+        return fake_part
+
+    net = Net().eval()
+    xb = [(torch.randn(4, 5, 4), torch.zeros(4))]
+    for frozen, mean, want in ((far, near, "mean"), (near, far, "frozen")):
+        monkeypatch.setattr(SARegressor, "_part", fake(frozen, mean))
+        with warnings.catch_warnings():  # sigma is unrelated to the errors: a form warning
+            warnings.simplefilter("ignore", EstimatorWarning)
+            sa = SARegressor(net, nu=2, recentre="auto", progress=False).fit(xb, xb)
+            only = SARegressor(net, nu=2, recentre=want == "frozen", progress=False).fit(xb, xb)
+        d = sa.diagnostics
+        assert d["centre"] == want
+        assert d["val_crps_by_centre"][want] == min(d["val_crps_by_centre"].values())
+        assert min(d["val_crps_by_beta"].values()) == d["val_crps_by_centre"][want]
+        # one centre only: no second score
+        assert "val_crps_by_centre" not in only.diagnostics
+        assert only.diagnostics["val_crps_by_beta"] == d["val_crps_by_beta"]
+    with pytest.raises(TypeError, match=r"recentre must be a bool or 'auto', got recentre='yes'"):
+        SARegressor(net, recentre="yes")  # type: ignore[arg-type]

@@ -66,6 +66,7 @@ _CHEAP_KW: dict[str, dict[str, Any]] = {
     "sa-coverage": {"n_samples": 8, "n_passes": 3, "progress": False},
     "sa-conformal": {"n_samples": 8, "n_passes": 3, "progress": False},
     "sa": {"n_samples": 8, "n_passes": 3, "progress": False},
+    "sa-centre": {"n_samples": 8, "n_passes": 3, "progress": False},
     "sa-debiased": {"n_samples": 8, "n_passes": 3, "progress": False},
     "sa-recentred": {"n_samples": 8, "n_passes": 3, "progress": False},
     "sa-floor": {"n_samples": 8, "n_passes": 3, "progress": False},
@@ -232,7 +233,8 @@ def test_member_training_is_booked_once(monkeypatch, tmp_path, cached) -> None: 
     assert clock[0] - clock_before == (0.0 if cached else 20.0)
 
 
-@pytest.mark.parametrize("name", [n for n in REGRESSION if n.startswith("sa-")])
+@pytest.mark.parametrize("name", [n for n in REGRESSION if n.startswith("sa-")
+                                  and n != "sa-centre"])  # sa-centre: an SARegressor, as "sa"
 def test_sa_methods_calibrate_nu_on_the_validation_part(name: str, task: Task) -> None:
     """Replaces a find_spec skip that could never fire: each SA method really runs the
     calibration search on ``val`` (its evaluations are recorded, the chosen nu is one of them,
@@ -311,6 +313,15 @@ def test_sa_recommended_configuration(task: Task) -> None:
     for a, b in zip(g.interval(0.95), same.interval(0.95), strict=True):
         assert torch.equal(a, b)
     assert sa.cost.fit_forward == sa.estimator.diagnostics["forward_passes"] > 0
+    # sa-centre: the same search and passes, the centre chosen on validation too
+    sc = make_method("sa-centre", **kw).fit(task)
+    ci = sc.info()
+    assert sc.estimator.recentre == "auto" and ci["recentre"] == "auto"
+    assert ci["nu"] == info["nu"] and ci["centre"] in ("frozen", "mean")
+    assert ci[f"val_crps_{ci['centre']}"] == min(ci["val_crps_frozen"], ci["val_crps_mean"])
+    assert "centre" not in info
+    with pytest.raises(TypeError, match="sa-centre fixes recentre='auto'"):
+        make_method("sa-centre", recentre=True)
     base = make_method("sa-paper", **kw).fit(task)
     for name in ("sa-recentred", "sa-floor"):
         m = make_method(name, base=base).fit(task)

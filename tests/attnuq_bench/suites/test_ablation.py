@@ -36,6 +36,7 @@ ROWS = {
     "sa-debiased": _row(5.1, 1.90, 0.90, 11.5, 0.07),
     "sa-coverage": _row(5.0, 1.95, 0.95, 13.0, 0.06),
     "sa": _row(4.9, 1.70, 0.96, 9.5, 0.04),
+    "sa-centre": _row(4.6, 1.60, 0.95, 9.0, 0.04),
     "mc-dropout": _row(6.0, 2.5, 0.5, 20.0, 0.3),
 }
 
@@ -53,6 +54,10 @@ def test_every_pair_with_its_values_differences_and_better_columns() -> None:
     assert by["sa-floor", "sa-paper"][3:] == [
         "5.000", "+2.0 %", "+0.000", "1.800", "-0.200", "0.990", "+0.390", "9.000", "-1.000",
         "0.050", "-0.150", "CRPS, cov95 native, PI-95 width (cal), W1(PIT)"]
+    # centre chosen vs frozen: the draws' mean moved the point prediction (4.6 vs 4.9 against
+    # the frozen 4.9); W1 equal: not better there
+    assert by["sa-centre", "sa"][3:6] == ["4.600", "-6.1 %", "-0.300"]
+    assert by["sa-centre", "sa"][-1] == "RMSE, CRPS, cov95 native, PI-95 width (cal)"
     # per-layer vs shared: against sa-crps; coverage 0.85 is closer to 0.95 than 0.80
     assert by["sa-layer", "sa-crps"][-1] == ("CRPS, cov95 native, PI-95 width (cal), W1(PIT)")
     # debiased vs scale: 0.90 (|d| 0.05) is farther from 0.95 than 0.93 (|d| 0.02): not better
@@ -114,7 +119,8 @@ def test_the_block_states_the_rule_and_flags_points_off_the_frozen_one() -> None
     assert ("better: lower RMSE, CRPS, PI-95 width (cal), W1(PIT); cov95 native closer to 0.95"
             in text)
     assert ("* SA's point RMSE differs from the frozen backbone's (5.000) by more than 1 % for "
-            "sa-recentred 4.900 (-2.0 %), sa-debiased 5.100 (+2.0 %), sa 4.900 (-2.0 %).") in text
+            "sa-recentred 4.900 (-2.0 %), sa-debiased 5.100 (+2.0 %), sa 4.900 (-2.0 %), "
+            "sa-centre 4.600 (-8.0 %).") in text
     assert page.to_dict()["sections"][0]["heading"] == "Abl"
     assert "nu of sa-layer" not in text  # no nu given
     page = Page("demo", "Demo")

@@ -13,6 +13,8 @@ Registered names (:func:`available_methods`):
 ``sa``         the recommended SA: ``nu`` by the ``"auto"`` criterion (debiased ``L_SA`` on
                low-dimensional outputs), draws recentred on the frozen output, a conformal
                floor under the spread (``beta`` on ``val``, factor on ``cal``)
+``sa-centre``  ``sa`` with ``recentre="auto"``: the centre (frozen output or the draws' mean)
+               chosen with the form by the cross-fitted validation CRPS
 ``sa-paper``   stochastic attention, ``nu`` by the paper's ``L_SA`` (BO search)
 ``sa-debiased`` SA, ``nu`` by the debiased ``L_SA`` (``"paper-debiased"``)
 ``sa-recentred`` ``sa-paper`` with its draws recentred on the frozen output (mean)
@@ -86,7 +88,11 @@ from attnuq_bench.methods.ensemble import DeepEnsemble
 from attnuq_bench.methods.hsa import HSA, gumbel_attention
 from attnuq_bench.methods.ivon import IVONMethod
 from attnuq_bench.methods.laplace import LastLayerLaplace
-from attnuq_bench.methods.sa import RecommendedSA, StochasticAttention
+from attnuq_bench.methods.sa import (
+    RecommendedSA,
+    RecommendedSAAutoCentre,
+    StochasticAttention,
+)
 from attnuq_bench.methods.simple import (
     HomoscedasticGaussian,
     MCDropout,
@@ -96,6 +102,7 @@ from attnuq_bench.methods.simple import (
 from attnuq_bench.methods.swag import SWAG, MultiSWAG, SWAGCollector
 
 register_method("sa", RecommendedSA)
+register_method("sa-centre", RecommendedSAAutoCentre)
 register_method("sa-paper", StochasticAttention, criterion="paper")
 register_method("sa-debiased", StochasticAttention, criterion="paper-debiased")
 register_method("sa-recentred", StochasticAttention, criterion="paper", recentre="mean")
@@ -149,6 +156,7 @@ __all__ = [
     "MultiSWAG",
     "PredictiveLike",
     "RecommendedSA",
+    "RecommendedSAAutoCentre",
     "ResidualQuantiles",
     "SAClassifierAfter",
     "SAClassifierMethod",

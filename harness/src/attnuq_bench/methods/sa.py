@@ -67,7 +67,7 @@ from attnuq_bench.methods._base import Cost, Method, PredictiveLike, Task, split
 from attnuq_bench.methods.coverage import coverage_scale
 from attnuq_bench.training import default_forward
 
-__all__ = ["RecommendedSA", "StochasticAttention"]
+__all__ = ["RecommendedSA", "RecommendedSAAutoCentre", "StochasticAttention"]
 
 
 
@@ -367,7 +367,8 @@ class RecommendedSA(Method):
         d = self.estimator.diagnostics
         out: dict[str, Any] = {
             "nu": d.get("nu"), "criterion_resolved": d.get("criterion_resolved"),
-            "recentre": "mean", "form": d.get("form"),
+            "recentre": "mean" if self.estimator.recentre is True else self.estimator.recentre,
+            "form": d.get("form"),
             "floor_beta": d.get("floor_beta"), "floor_beta_units": d.get("floor_beta_units"),
             "nu_at_edge": d.get("nu_at_edge") or "no",
             "spearman_spread_abs_error": d.get("spearman_spread_abs_error"),
@@ -375,12 +376,42 @@ class RecommendedSA(Method):
         }
         if d.get("nu_map") is not None:
             out["nu_map"] = dict(d["nu_map"])
+        if "val_crps_by_centre" in d:  # recentre="auto": the centre chosen, both scores
+            out["centre"] = d["centre"]
+            out.update({f"val_crps_{c}": v for c, v in d["val_crps_by_centre"].items()})
         rep = self.estimator.report
         if rep is not None:
             out["calibration_passes"] = int(rep.forward_passes)
             out["calibration_seconds"] = float(rep.wall_time)
             out["evaluated_nu"] = [int(e.nu) for e in rep.evaluations]
         return out
+
+
+class RecommendedSAAutoCentre(RecommendedSA):
+    """The registered ``"sa-centre"``: :class:`RecommendedSA` with ``recentre="auto"`` (the
+    centre, frozen output or the draws' mean, chosen with the form by the cross-fitted
+    validation CRPS); an ablation of ``"sa"``, whose centre is always the frozen output.
+
+    Examples
+    --------
+    >>> RecommendedSAAutoCentre(n_samples=8, progress=False).estimator_kwargs
+    {'recentre': 'auto'}
+    """
+
+    implementation = (
+        "attnuq.SARegressor(recentre='auto'): the recommended recipe, with the centre (the "
+        "frozen output or the draws' mean) chosen with the form by the cross-fitted "
+        "validation CRPS"
+    )
+
+    def __init__(self, n_samples: int = 8, seed: int = 0, progress: bool = True,
+                 nu_range: tuple[int, int] = (1, 1024), n_passes: int | None = None,
+                 **estimator_kwargs: Any) -> None:
+        if "recentre" in estimator_kwargs:
+            raise TypeError("sa-centre fixes recentre='auto'; use 'sa' for another centre")
+        super().__init__(n_samples=n_samples, seed=seed, progress=progress,
+                         nu_range=nu_range, n_passes=n_passes, recentre="auto",
+                         **estimator_kwargs)
 
 
 class _ForwardModule(nn.Module):

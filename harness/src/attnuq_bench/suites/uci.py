@@ -26,11 +26,12 @@ resolved number is what the budget and the backbone cache key record.
 
 Scores on the test part (:func:`attnuq_bench.suites._scoring.sample_scores`, targets in original
 units): ``rmse`` of the point prediction (the frozen/deterministic output where the method has
-one, else the predictive mean), PIT W1 native and after one pooled spread factor, native
-coverage and width of the central 95 % interval, ``coverage``/``width`` after *unified coverage
-calibration* (each interval scaled about its mean by the split-conformal factor fitted on the
-``cal`` part, :func:`attnuq_bench.methods.coverage_scale`), CRPS, Gaussian NLL, and the cost
-(``fit_seconds``, ``fit_forward``, ``predict_forward_per_input``).
+one, else the predictive mean; for :class:`attnuq.SAPredictive` its centre, which is the frozen
+output unless ``recentre`` chose the draws' mean), PIT W1 native and after one pooled spread
+factor, native coverage and width of the central 95 % interval, ``coverage``/``width`` after
+*unified coverage calibration* (each interval scaled about its mean by the split-conformal
+factor fitted on the ``cal`` part, :func:`attnuq_bench.methods.coverage_scale`), CRPS,
+Gaussian NLL, and the cost (``fit_seconds``, ``fit_forward``, ``predict_forward_per_input``).
 
 Runs on the bench spine (:mod:`attnuq_bench.suites._runner`: one JSON per (set, split, method);
 :mod:`attnuq_bench.suites._page`). Writes ``<out>/runs/...json``, PIT histograms
@@ -74,7 +75,7 @@ DEFAULT_METHODS: tuple[str, ...] = (
     "laplace", "hsa", "conformal", "gaussian")
 _SAMPLED = {"sa-paper", "sa-scale", "sa-crps", "sa-conformal", "mc-dropout", "swag", "multiswag",
             "ivon", "hsa", "sa", "sa-debiased", "sa-coverage", "sa-recentred", "sa-floor",
-            "sa-layer"}
+            "sa-layer", "sa-centre"}
 _LEVEL = 0.95
 #: ``--batch-size auto``: (fit rows at most, batch size), else the last
 AUTO_BATCH = ((2_000, 32), (20_000, 128), (None, 256))
@@ -260,7 +261,7 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
 
 def run_one(method_name: str, task: Any, data: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Fit ``method_name`` on ``task`` and score it on ``data``'s test part."""
-    from attnuq import metrics
+    from attnuq import SAPredictive, metrics
     from attnuq_bench.methods import coverage_scale, make_method, method_implementation
 
     off = _SEED_STRIDE * _seed(args)
@@ -275,7 +276,8 @@ def run_one(method_name: str, task: Any, data: Any, args: argparse.Namespace) ->
     gen = torch.Generator().manual_seed(4321 + data.split + off)
     sc = sample_scores(pred, data.y_test, y_std=data.y_std, generator=gen, level=_LEVEL)
     point = getattr(pred, "frozen", None)
-    point = pred.mean if point is None else point
+    if point is None or isinstance(pred, SAPredictive):  # SARegressor's centre is its point
+        point = pred.mean
     c = coverage_scale(pred_cal, data.y_cal, level=_LEVEL)
     lo, hi = pred.scaled(c).interval(_LEVEL)
     y64 = data.y_test.double()
