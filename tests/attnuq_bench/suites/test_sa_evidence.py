@@ -250,3 +250,34 @@ def test_uci_coverage_line_counts_the_splits_with_an_sa_record() -> None:
     assert f"short: {last} (2 of 5 splits)" in line, line
     units += [ev.Unit("uci", last, k, {"sa": 1.0}) for k in range(2, 5)]
     assert ": met: 6 of 6 sets." in ev.uci_coverage_line({"units": units})
+
+
+def test_centre_rows_compare_sa_centre_with_sa_on_one_backbone(tmp_path: Path) -> None:
+    """``sa-centre`` records on two of set ``a``'s splits (one took the draws' mean and was
+    better, one kept the frozen output and equals ``sa``), one on another backbone (not
+    compared); the section and the README sentence say so, and nothing is added without
+    ``sa-centre`` records."""
+    _records(tmp_path)
+    page = Page("evidence", "E")
+    assert ev.centre_section(page, ev.collect(tmp_path)) is False and not page.markdown().count(
+        "sa-centre")
+    _uci(tmp_path, "a", 0, "sa-centre", 0.8, info={"centre": "mean"})
+    _uci(tmp_path, "a", 1, "sa-centre", 1.0, info={"centre": "frozen"})
+    _uci(tmp_path, "a", 2, "sa-centre", 0.1, info={"centre": "mean"},
+         backbone={**BACKBONE, "best_epoch": 9})
+    units = ev.collect(tmp_path)
+    assert units[2].other_backbone == ["gaussian", "laplace", "sa-centre"]
+    (row,) = ev.centre_rows(units)
+    assert (row.dataset, row.n, row.centres, row.mean_better) == ("a", 2, ["mean", "frozen"],
+                                                                  [True])
+    assert row.sa == (1.0, 0.0) and row.auto[0] == pytest.approx(0.9)
+    assert row.gap == pytest.approx(-0.1)
+    page = Page("evidence", "E")
+    assert ev.centre_section(page, units) is True
+    text = page.markdown()
+    assert ("| uci | a | 2 | 1.0000 ± 0.0000 | 0.9000 ± 0.1414 | -10.0 % | mean x1, frozen x1 "
+            "| 1 of 1 |") in text
+    assert ("lower mean CRPS on 1 and the higher on 0 (a -10.0 %); it took the draws' mean on 1 "
+            "of 2 splits, and there its test CRPS was below `sa`'s on 1 of 1.") in text
+    para = ev.readme_paragraph(ev.evidence(units))[0]
+    assert 'SARegressor(recentre="auto")' in para and "(a -10.0 %)" in para

@@ -44,13 +44,18 @@ from typing import Any
 from attnuq_bench.suites._page import Page, Table
 
 __all__ = [
+    "CENTRE_ROW",
     "GOAL_GAP",
     "NO_RETRAIN",
     "RULE_TEXT",
     "SPEARMAN_FLOOR",
+    "CentreRow",
     "SetRow",
     "Unit",
     "add_section",
+    "centre_line",
+    "centre_rows",
+    "centre_section",
     "collect",
     "evidence",
     "readme_paragraph",
@@ -61,6 +66,9 @@ __all__ = [
 #: the methods that need no retraining of the backbone, in tie-break order (the first wins a tie)
 NO_RETRAIN = ("conformal", "gaussian", "laplace", "mc-dropout", "swag", "seasonal-naive",
               "persistence", "climatology")
+
+#: the row of ``SARegressor(recentre="auto")`` (centre chosen on validation), compared with ``sa``
+CENTRE_ROW = "sa-centre"
 
 #: issue #34's goal: ``sa``'s CRPS at most this much (relative) above the best no-retraining one
 GOAL_GAP = 0.02
@@ -144,6 +152,8 @@ class Unit:
     crps: dict[str, float] = field(default_factory=dict)
     diag: dict[str, Any] = field(default_factory=dict)
     other_backbone: list[str] = field(default_factory=list)
+    #: the centre ``sa-centre`` (``recentre="auto"``) chose on validation, where it ran
+    centre: str | None = None
 
     @property
     def label(self) -> str:
@@ -218,7 +228,7 @@ def uci_units(runs: Path) -> list[Unit]:
         if sa is not None:
             val = (sa.get("sizes") or {}).get("val")
             u.diag = _diag(sa.get("info") or {}, val if isinstance(val, int) else None)
-        for m in ("sa", *NO_RETRAIN):
+        for m in ("sa", *NO_RETRAIN, CENTRE_ROW):
             r = recs.get(m)
             if r is None:
                 continue
@@ -228,6 +238,9 @@ def uci_units(runs: Path) -> list[Unit]:
             c = _num(r["metrics"].get("crps"))
             if c is not None and math.isfinite(c):
                 u.crps[m] = c
+                if m == CENTRE_ROW:
+                    centre = (r.get("info") or {}).get("centre")
+                    u.centre = None if centre is None else str(centre)
         units.append(u)
     return sorted(units, key=lambda u: (u.dataset, u.split))
 
@@ -588,6 +601,93 @@ def add_section(page: Page, root: Path, suite: str) -> bool:
     return True
 
 
+@dataclass
+class CentreRow:
+    """``sa-centre`` against ``sa`` on one (suite, set): the splits both have, on one backbone."""
+
+    suite: str
+    dataset: str
+    sa: tuple[float, float]
+    auto: tuple[float, float]
+    centres: list[str | None]
+    #: per split where the draws' mean was chosen: ``sa-centre``'s test CRPS below ``sa``'s
+    mean_better: list[bool]
+    n: int
+
+    @property
+    def gap(self) -> float:
+        """``sa-centre`` mean CRPS / ``sa`` mean CRPS - 1."""
+        return self.auto[0] / self.sa[0] - 1.0
+
+
+def centre_rows(units: Sequence[Unit]) -> list[CentreRow]:
+    """One :class:`CentreRow` per (suite, set) with both ``sa`` and ``sa-centre`` on at least
+    one split (the splits where both are scored on one backbone), in the units' order.
+
+    >>> us = [Unit("uci", "a", k, crps={"sa": 1.0, "sa-centre": c}, centre=w)
+    ...       for k, (c, w) in enumerate([(0.9, "mean"), (1.0, "frozen"), (1.1, "mean")])]
+    >>> r = centre_rows(us)[0]
+    >>> r.n, r.centres, r.mean_better, round(r.gap, 4)
+    (3, ['mean', 'frozen', 'mean'], [True, False], 0.0)
+    """
+    keys: list[tuple[str, str]] = []
+    for u in units:
+        if "sa" in u.crps and CENTRE_ROW in u.crps and (u.suite, u.dataset) not in keys:
+            keys.append((u.suite, u.dataset))
+    rows = []
+    for suite, ds in keys:
+        both = [u for u in units if (u.suite, u.dataset) == (suite, ds)
+                and "sa" in u.crps and CENTRE_ROW in u.crps]
+        rows.append(CentreRow(
+            suite=suite, dataset=ds, sa=_mean_sd([u.crps["sa"] for u in both]),
+            auto=_mean_sd([u.crps[CENTRE_ROW] for u in both]),
+            centres=[u.centre for u in both],
+            mean_better=[u.crps[CENTRE_ROW] < u.crps["sa"] for u in both if u.centre == "mean"],
+            n=len(both)))
+    return rows
+
+
+def centre_section(page: Page, units: Sequence[Unit]) -> bool:
+    """Append the section on ``sa-centre`` (``SARegressor(recentre="auto")``) against ``sa``
+    to ``page``; ``False`` (nothing added) when no set has both rows."""
+    rows = centre_rows(units)
+    if not rows:
+        return False
+    page.section("The centre chosen on validation (`sa-centre`)")
+    page.add("`sa-centre` is `sa` with `recentre=\"auto\"`: the same passes and form choice, "
+             "scored about two centres, the frozen output and the mean of SA's draws, and the "
+             "lower cross-fitted validation CRPS decides (ties: the frozen output, which is "
+             "`sa`). On a split where it keeps the frozen output it is `sa` exactly; where it "
+             "takes the draws' mean the point prediction moves. Test CRPS mean ± sd over the "
+             "splits both rows have; gap = `sa-centre` / `sa` - 1.", "")
+    t = Table(["suite", "set", "splits", "sa CRPS", "sa-centre CRPS", "gap", "centre chosen",
+               "mean chosen: sa-centre better on"])
+    for r in rows:
+        k = len(r.mean_better)
+        t.add(r.suite, r.dataset, str(r.n), _ms(r.sa, r.n), _ms(r.auto, r.n),
+              f"{100 * r.gap:+.1f} %", _counts(r.centres),
+              "-" if not k else f"{sum(r.mean_better)} of {k}",
+              values={"suite": r.suite, "set": r.dataset, "splits": r.n, "sa": list(r.sa),
+                      "sa_centre": list(r.auto), "gap": r.gap, "centres": r.centres,
+                      "mean_better": r.mean_better})
+    page.table(t)
+    page.add("", f"* {centre_line(rows)}", "")
+    return True
+
+
+def centre_line(rows: Sequence[CentreRow]) -> str:
+    """One sentence: on how many sets and splits the validation choice of the centre helped."""
+    mb = [b for r in rows for b in r.mean_better]
+    better = [r for r in rows if r.gap < 0]
+    worse = [r for r in rows if r.gap > 0]
+    return (f"Over {len(rows)} (suite, set) pairs, `sa-centre` has the lower mean CRPS on "
+            f"{len(better)} and the higher on {len(worse)}"
+            + (" (" + ", ".join(f"{r.dataset} {100 * r.gap:+.1f} %" for r in better + worse)
+               + ")" if better or worse else "")
+            + f"; it took the draws' mean on {len(mb)} of {sum(r.n for r in rows)} splits, and "
+            f"there its test CRPS was below `sa`'s on {sum(mb)} of {len(mb)}.")
+
+
 def readme_paragraph(ev: Mapping[str, Any]) -> list[str]:
     """The README paragraph of the evidence ``ev`` (stored in the page twin's state)."""
     s, sp = ev["rule_by_set"], ev["rule_by_split"]
@@ -615,4 +715,10 @@ def readme_paragraph(ev: Mapping[str, Any]) -> list[str]:
     if s["right"] <= bases["set"] or sp["right"] <= bases["fit"]:
         text += (": on this evidence the rule does not tell a user reliably more than that "
                  "base rate, so compare `sa` with plain conformal on your own validation data")
-    return [text + "."]
+    text += "."
+    rows = centre_rows(ev["units"])
+    if rows:
+        text += (" `SARegressor(recentre=\"auto\")` (row `sa-centre`) also lets the validation "
+                 "CRPS choose between the frozen output and the mean of SA's draws as the "
+                 "centre: " + centre_line(rows)[0].lower() + centre_line(rows)[1:])
+    return [text]

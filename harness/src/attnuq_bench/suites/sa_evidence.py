@@ -23,6 +23,7 @@ from attnuq_bench.suites._sa_evidence import (
     COLUMNS,
     NO_RETRAIN,
     Unit,
+    centre_section,
     collect,
     evidence,
     goal_line,
@@ -106,6 +107,7 @@ def build_page(units: Sequence[Unit], info: Mapping[str, Any], *, plot_path: str
         t.add(*row_cells(r), values=row_values(r))
     page.table(t)
     page.add("", *missing_lines(ev), "")
+    centre_section(page, units)
     page.section("A rule a user can apply on validation data")
     page.add(*rule_lines(ev), "")
     t2 = Table(["suite", "fit", "sa CRPS", "conformal CRPS", "gap to conformal",
