@@ -281,3 +281,22 @@ def test_centre_rows_compare_sa_centre_with_sa_on_one_backbone(tmp_path: Path) -
             "of 2 splits, and there its test CRPS was below `sa`'s on 1 of 1.") in text
     para = ev.readme_paragraph(ev.evidence(units))[0]
     assert 'SARegressor(recentre="auto")' in para and "(a -10.0 %)" in para
+
+
+def test_centre_rows_read_ett_and_era5_results(tmp_path: Path) -> None:
+    """ETTh1 and ERA5 keep ``sa-centre``'s CRPS and its chosen centre in their results files;
+    ERA5's one fit gives a row per lead with the same centre."""
+    _records(tmp_path)
+    ett = json.loads((tmp_path / "ett" / "ett_results.json").read_text())
+    ett["results"]["sa-centre"] = {"crps": 0.27, "centre": "mean"}
+    (tmp_path / "ett" / "ett_results.json").write_text(json.dumps(ett))
+    era = json.loads((tmp_path / "era5" / "era5_results.json").read_text())
+    era["results"]["sa-centre"] = {"per_lead": {"+6h": {"crps": 0.8}, "+24h": {"crps": 0.99}},
+                                   "centre": "frozen"}
+    (tmp_path / "era5" / "era5_results.json").write_text(json.dumps(era))
+    rows = {(r.suite, r.dataset): r for r in ev.centre_rows(ev.collect(tmp_path))}
+    assert set(rows) == {("ett", "ETTh1"), ("era5", "t2m +6h"), ("era5", "t2m +24h")}
+    e = rows["ett", "ETTh1"]
+    assert e.centres == ["mean"] and e.mean_better == [True] and e.gap == pytest.approx(-0.1)
+    assert rows["era5", "t2m +24h"].centres == ["frozen"]
+    assert rows["era5", "t2m +24h"].mean_better == [] and rows["era5", "t2m +6h"].gap == 0.0

@@ -33,7 +33,7 @@ __all__ = ["ALL_METHODS", "DEFAULT_METHODS", "IMPLEMENTATIONS", "chunks", "fan_p
 #: every method the suite knows (``--methods`` may name any), in table order
 ALL_METHODS: tuple[str, ...] = ("sa-paper", "sa-crps", "sa-conformal", "mc-dropout", "ensemble",
                                 "swag", "conformal", "seasonal-naive", "sa", "sa-debiased",
-                                "sa-recentred", "sa-floor", "sa-layer")
+                                "sa-recentred", "sa-floor", "sa-layer", "sa-centre")
 #: the methods a run scores when ``--methods`` is not given: every one (issue #19)
 DEFAULT_METHODS: tuple[str, ...] = ALL_METHODS
 _COLS = ("mse", "mae", "coverage", "width", "pit_w1", "crps", "mean_std")
@@ -272,7 +272,7 @@ def render_page(out: Path, table: Path) -> Page:
         page.headline(f"Best CRPS: **{best_crps}**; lowest W1(PIT, U): **{best_w1}**; coverage "
                       f"closest to 95 %: **{closest}**.")
         for sa in ("sa-paper", "sa-crps", "sa-conformal", "sa", "sa-debiased", "sa-recentred",
-                   "sa-floor", "sa-layer"):
+                   "sa-floor", "sa-layer", "sa-centre"):
             if sa in rows:
                 beaten = [k for k in rows if k != sa and rows[k]["crps"] < rows[sa]["crps"]]
                 page.add(f"* {sa} CRPS is beaten by: {', '.join(beaten) or 'none'}.")

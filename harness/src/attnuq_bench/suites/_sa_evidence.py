@@ -252,11 +252,18 @@ def ett_units(path: Path) -> list[Unit]:
     if not res:
         return []
     u = Unit("ett", "ETTh1", None, diag=_diag(res["sa"], None) if "sa" in res else {})
-    for m in ("sa", *NO_RETRAIN):
+    for m in ("sa", *NO_RETRAIN, CENTRE_ROW):
         c = _num((res.get(m) or {}).get("crps"))
         if c is not None and math.isfinite(c):
             u.crps[m] = c
+    u.centre = _centre(res)
     return [u]
+
+
+def _centre(res: Mapping[str, Any]) -> str | None:
+    """The centre ``sa-centre`` chose (its results' ``centre``), ``None`` without the row."""
+    c = (res.get(CENTRE_ROW) or {}).get("centre")
+    return None if c is None else str(c)
 
 
 def era5_units(path: Path) -> list[Unit]:
@@ -276,8 +283,8 @@ def era5_units(path: Path) -> list[Unit]:
     var = ((p or {}).get("data") or {}).get("variable") or "field"
     units = []
     for lead in leads:
-        u = Unit("era5", f"{var} {lead}", None, diag=dict(diag))
-        for m in ("sa", *NO_RETRAIN):
+        u = Unit("era5", f"{var} {lead}", None, diag=dict(diag), centre=_centre(res))
+        for m in ("sa", *NO_RETRAIN, CENTRE_ROW):
             c = _num(((res.get(m) or {}).get("per_lead") or {}).get(lead, {}).get("crps"))
             if c is not None and math.isfinite(c):
                 u.crps[m] = c

@@ -12,7 +12,8 @@ Data + backbone + config on the bench spine; methods by registry name.
 * Methods: ``sa-paper``, ``sa-crps``, ``sa-conformal``, ``conformal`` (split conformal on the
   frozen forecast, one factor per lead and grid point), ``mc-dropout``, ``ensemble`` (member 0 =
   the backbone) and the SA variants of issue #20 (``sa``, ``sa-debiased``, ``sa-recentred``,
-  ``sa-floor``, ``sa-layer``) from :mod:`attnuq_bench.methods`; the references ``persistence`` and
+  ``sa-floor``, ``sa-layer``) and ``sa-centre`` (``sa`` with the centre chosen on validation)
+  from :mod:`attnuq_bench.methods`; the references ``persistence`` and
   ``climatology`` with the per-grid-point quantiles of their val residuals. Scores per lead on
   the test days: :func:`attnuq_bench.suites._fields.field_scores`, maps of mean error and predicted
   spread.
@@ -70,9 +71,9 @@ __all__ = ["ALL_METHODS", "add_arguments", "field_scores", "render", "render_pag
 #: every method the suite knows, in table order; also the default of ``--methods`` (issue #19)
 ALL_METHODS: tuple[str, ...] = (
     "sa-paper", "sa-crps", "sa-conformal", "conformal", "mc-dropout", "ensemble", "persistence",
-    "climatology", "sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer")
+    "climatology", "sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer", "sa-centre")
 #: the SA variants of issue #20 (each with the SA rows' budget)
-_SA_VARIANTS = ("sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer")
+_SA_VARIANTS = ("sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer", "sa-centre")
 _RUN_ORDER = ("sa-paper", "sa-conformal", "persistence", "climatology", "conformal", "sa-crps",
               "mc-dropout", "ensemble", *_SA_VARIANTS)
 #: rows this suite computes itself (the others are registered methods: the registry's text)

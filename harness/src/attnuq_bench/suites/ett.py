@@ -59,7 +59,8 @@ __all__ = ["ALL_METHODS", "add_arguments", "render_page", "run", "summary"]
 
 #: cheap and central methods first, the retraining ones last (partial results stay useful)
 _RUN_ORDER = ("sa-paper", "sa-conformal", "conformal", "seasonal-naive", "sa-crps", "mc-dropout",
-              "swag", "ensemble", "sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer")
+              "swag", "ensemble", "sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer",
+              "sa-centre")
 #: config keys that do not shape a result
 _RESUME_FREE = ("methods", "resume", "merge", "note", "no_progress", "threads", "retrain", "chunk",
                 "out", "model_dir", "rerun", "member_jobs", "render_only")
@@ -430,7 +431,8 @@ def run(args: argparse.Namespace) -> Path:
             return pending.pop(name)
         kw: dict[str, Any] = {
             "sa-paper": sa, "sa-crps": sa, "mc-dropout": {"n_samples": S, "seed": args.seed},
-            **dict.fromkeys(("sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer"), sa),
+            **dict.fromkeys(("sa", "sa-debiased", "sa-recentred", "sa-floor", "sa-layer",
+                             "sa-centre"), sa),
             "conformal": {}, "ensemble": {"n_members": args.ensemble},
             "swag": {"n_samples": S, "epochs": args.swag_epochs, "lr": args.lr / 10,
                      "snapshots_per_epoch": args.swag_snapshots, "seed": args.seed,

@@ -71,7 +71,8 @@ __all__ = ["DEFAULT_METHODS", "aggregate", "render_page", "run", "run_one", "wri
 
 DEFAULT_METHODS: tuple[str, ...] = (
     "sa", "sa-paper", "sa-scale", "sa-crps", "sa-conformal", "sa-debiased", "sa-coverage",
-    "sa-recentred", "sa-floor", "sa-layer", "mc-dropout", "ensemble", "swag", "multiswag", "ivon",
+    "sa-recentred", "sa-floor", "sa-layer", "sa-centre", "mc-dropout", "ensemble", "swag",
+    "multiswag", "ivon",
     "laplace", "hsa", "conformal", "gaussian")
 _SAMPLED = {"sa-paper", "sa-scale", "sa-crps", "sa-conformal", "mc-dropout", "swag", "multiswag",
             "ivon", "hsa", "sa", "sa-debiased", "sa-coverage", "sa-recentred", "sa-floor",
