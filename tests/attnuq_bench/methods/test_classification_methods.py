@@ -219,6 +219,37 @@ def test_levy_sigma_recovers_the_sigma_scale_and_reports_whether_sigma_ranks_err
     plain = fitted(torch.bernoulli(torch.sigmoid(mu), generator=g).long()).info()
     assert plain["sigma_scale"] <= 1.0, plain
     assert 0.47 < plain["error_auroc_sigma_val"] < 0.53, plain
+    assert plain["spearman_sigma_nobs_val"] is None  # these inputs carry no observation mask
+
+
+def test_levy_sigma_relates_sigma_and_errors_to_the_observation_counts() -> None:
+    """Inputs with an observation mask: sigma made to fall with the count (exactly monotone, so
+    Spearman -1) and labels whose noise rises with it; both correlations come out with the
+    signs the construction gives, and they equal a direct computation."""
+    from types import SimpleNamespace
+
+    from attnuq.estimators._common import spearman
+
+    g = torch.Generator().manual_seed(2)
+    n = 600
+    n_obs = torch.randint(1, 40, (n,), generator=g)
+    mask = torch.arange(40)[None, :] < n_obs[:, None]
+    sigma = 1.0 / (1.0 + n_obs.double())
+    mu = torch.randn(n, generator=g, dtype=torch.float64) * 4 / n_obs.double().sqrt()
+    y = torch.bernoulli(torch.sigmoid(mu), generator=g).long()
+    xs = SimpleNamespace(mask=mask, i=torch.arange(n))
+
+    class _Fake(nn.Module):
+        def forward(self, x: SimpleNamespace) -> SimpleNamespace:
+            return SimpleNamespace(mean=mu[x.i], sigma=sigma[x.i])
+
+    task = Task(model=_Fake(), train=[(xs, y)], val=[(xs, y)], cal=[(xs, y)],
+                forward_fn=lambda m, x: m(x), kind="classification")
+    info = make_method("levy-sigma").fit(task).info()
+    assert info["spearman_sigma_nobs_val"] == pytest.approx(-1.0)
+    p = torch.sigmoid(mu / torch.sqrt(1 + math.pi * sigma**2 / 8))
+    want = spearman(n_obs.double(), (y.double() - p).abs())
+    assert info["spearman_nobs_error_val"] == pytest.approx(want, abs=1e-12) and want > 0
 
 
 def test_levy_classifier_queries_at_several_times_add_up() -> None:

@@ -236,6 +236,33 @@ def test_mortality_fit_why_reads_the_fits_validation_diagnostics() -> None:
     assert _fit_why([], "ece", "ECE") == ""
 
 
+def test_mortality_sigma_lines_explain_sigma_by_the_observation_counts() -> None:
+    """The levy-sigma lines state the observation-count correlations per seed and read a
+    mechanism off them only when every seed has the same signs; none without them."""
+    from attnuq_bench.suites.mortality import _sigma_lines
+
+    def rec(seed: int, sn: float | None, ne: float | None) -> dict[str, object]:
+        return {"seed": seed, "info": {
+            "sigma_scale": 1.0, "nll_by_scale": {"0": 0.34, "1": 0.33},
+            "spearman_sigma_error_val": -0.3, "error_auroc_sigma_val": 0.42,
+            "error_auroc_max_p_val": 0.83, "spearman_sigma_nobs_val": sn,
+            "spearman_nobs_error_val": ne}}
+
+    lines = _sigma_lines({"levy-sigma": [rec(1, -0.8, 0.25), rec(0, -0.7, 0.3)]})
+    why = [x for x in lines if x.startswith("* why")]
+    assert why == ["* why, on the validation stays: Spearman(sigma, number of observations) per "
+                   "seed -0.700, -0.800, Spearman(number of observations, |y - p|) per seed "
+                   "0.300, 0.250: the stays with more observations have the smaller sigma on "
+                   "every seed and the larger errors on every seed: sigma measures how much of "
+                   "the series was observed (the Poisson evidence), and on these stays that "
+                   "runs against how hard the stay is to predict"]
+    mixed = _sigma_lines({"levy-sigma": [rec(0, -0.8, 0.25), rec(1, -0.7, -0.1)]})
+    assert next(x for x in mixed if x.startswith("* why")).endswith("no consistent sign on "
+                                                                    "every seed")
+    older = _sigma_lines({"levy-sigma": [rec(0, None, None)]})
+    assert not any(x.startswith("* why") for x in older) and older
+
+
 def test_lac_size_at_coverage_agrees_with_a_threshold_sweep() -> None:
     from attnuq_bench.suites._classify import lac_size_at_coverage
 

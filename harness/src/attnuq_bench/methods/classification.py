@@ -546,7 +546,11 @@ class LevySigmaScale(LevyProbit):
     sigma acts as a per-example temperature; whether it also ranks the errors is what
     ``info()`` reports on the validation part: the Spearman correlation of sigma with
     ``|y - p|`` and the AUROC of sigma for separating wrong from right predictions (0.5: no
-    information), beside the same AUROC of ``1 - max p`` (``p`` the one-pass probit).
+    information), beside the same AUROC of ``1 - max p`` (``p`` the one-pass probit). Where
+    the inputs carry an observation ``mask`` ``(B, N)`` (the irregular series' events), also
+    why: the Spearman correlation of sigma with the number of observations ``n_obs`` (sigma
+    shrinks as the Poisson evidence grows) and of ``n_obs`` with ``|y - p|`` (whether the
+    well-observed examples are the easy ones); ``None`` without a mask.
 
     >>> import torch
     >>> from types import SimpleNamespace as NS
@@ -559,7 +563,10 @@ class LevySigmaScale(LevyProbit):
     ...             kind="classification")
     >>> m = LevySigmaScale().fit(task)
     >>> sorted(m.info()) == ["error_auroc_max_p_val", "error_auroc_sigma_val", "nll_by_scale",
-    ...                      "sigma_scale", "spearman_sigma_error_val", "temperature"]
+    ...                      "sigma_scale", "spearman_nobs_error_val", "spearman_sigma_error_val",
+    ...                      "spearman_sigma_nobs_val", "temperature"]
+    True
+    >>> m.info()["spearman_sigma_nobs_val"] is None  # these inputs carry no mask
     True
     >>> m.info()["sigma_scale"] in SIGMA_SCALES
     True
@@ -590,14 +597,31 @@ class LevySigmaScale(LevyProbit):
         p1 = probs_from_logits(self._probit(mu, sd)[:, None])[:, 1]
         wrong = ((p1 > 0.5).long() != y).long()
         both = bool(0 < int(wrong.sum()) < len(wrong))
+        err = (y.double() - p1).abs()
+        n_obs = self._val_n_obs(task)
         self._info = {
             "nll_by_scale": {f"{k:g}": round(v[0], 6) for k, v in nlls.items()},
-            "spearman_sigma_error_val": spearman(sd, (y.double() - p1).abs()),
+            "spearman_sigma_error_val": spearman(sd, err),
+            "spearman_sigma_nobs_val": None if n_obs is None else spearman(sd, n_obs),
+            "spearman_nobs_error_val": None if n_obs is None else spearman(n_obs, err),
             "error_auroc_sigma_val": float(metrics.auroc(sd, wrong)) if both else None,
             "error_auroc_max_p_val": (float(metrics.auroc(1 - torch.maximum(p1, 1 - p1), wrong))
                                       if both else None),
         }
         return None
+
+    @staticmethod
+    def _val_n_obs(task: Task) -> torch.Tensor | None:
+        """Observations per validation example ``(N,)`` float64 from the inputs' ``mask``
+        (an attribute or a dict key, ``(B, N)``), or ``None`` where a batch has none."""
+        counts = []
+        for batch in as_batches(task.val):
+            x, _ = split_batch(batch)
+            mask = x.get("mask") if isinstance(x, dict) else getattr(x, "mask", None)
+            if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+                return None
+            counts.append(mask.reshape(mask.shape[0], -1).double().sum(1).cpu())
+        return torch.cat(counts) if counts else None
 
     def _predict(self, task: Task, inputs: Any) -> tuple[Any, int]:
         assert self.temperature is not None and self.sigma_scale is not None

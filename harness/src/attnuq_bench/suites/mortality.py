@@ -685,6 +685,18 @@ def _sigma_lines(by: dict[str, list[dict[str, Any]]]) -> list[str]:
                 "**sigma does not rank the errors** (it is not larger where the predictions "
                 "are wrong), so where it helps the NLL it does so as a per-stay temperature "
                 "(tempering the stays it marks), not as an error detector")]
+    sn = [r["info"].get("spearman_sigma_nobs_val") for r in rs]
+    ne = [r["info"].get("spearman_nobs_error_val") for r in rs]
+    if all(v is not None for v in sn + ne):
+        why = ("the stays with more observations have the smaller sigma on every seed and the "
+               "larger errors on every seed: sigma measures how much of the series was "
+               "observed (the Poisson evidence), and on these stays that runs against how hard "
+               "the stay is to predict" if all(v < 0 for v in sn) and all(v > 0 for v in ne)
+               else "no consistent sign on every seed")
+        lines.append(f"* why, on the validation stays: Spearman(sigma, number of observations) "
+                     f"per seed {per_seed('spearman_sigma_nobs_val')}, Spearman(number of "
+                     f"observations, |y - p|) per seed {per_seed('spearman_nobs_error_val')}: "
+                     + why)
     for key, name in (("nll", "NLL"), ("ece", "ECE")):
         for ref in ("levy-temperature", "temperature"):
             if ref in by:
