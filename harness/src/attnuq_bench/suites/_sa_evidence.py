@@ -672,7 +672,7 @@ def centre_section(page: Page, units: Sequence[Unit]) -> bool:
     for r in rows:
         k = len(r.mean_better)
         t.add(r.suite, r.dataset, str(r.n), _ms(r.sa, r.n), _ms(r.auto, r.n),
-              f"{100 * r.gap:+.1f} %", _counts(r.centres),
+              _pct(r.gap), _counts(r.centres),
               "-" if not k else f"{sum(r.mean_better)} of {k}",
               values={"suite": r.suite, "set": r.dataset, "splits": r.n, "sa": list(r.sa),
                       "sa_centre": list(r.auto), "gap": r.gap, "centres": r.centres,
@@ -682,6 +682,16 @@ def centre_section(page: Page, units: Sequence[Unit]) -> bool:
     return True
 
 
+def _pct(g: float) -> str:
+    """A relative gap in percent: one decimal, two below 0.1 % (so that a nonzero gap never
+    reads as ``+0.0 %``).
+
+    >>> _pct(0.0123), _pct(-0.00012), _pct(0.0)
+    ('+1.2 %', '-0.01 %', '+0.0 %')
+    """
+    return f"{100 * g:+.2f} %" if 0 < abs(g) < 1e-3 else f"{100 * g:+.1f} %"
+
+
 def centre_line(rows: Sequence[CentreRow]) -> str:
     """One sentence: on how many sets and splits the validation choice of the centre helped."""
     mb = [b for r in rows for b in r.mean_better]
@@ -689,7 +699,7 @@ def centre_line(rows: Sequence[CentreRow]) -> str:
     worse = [r for r in rows if r.gap > 0]
     return (f"Over {len(rows)} (suite, set) pairs, `sa-centre` has the lower mean CRPS on "
             f"{len(better)} and the higher on {len(worse)}"
-            + (" (" + ", ".join(f"{r.dataset} {100 * r.gap:+.1f} %" for r in better + worse)
+            + (" (" + ", ".join(f"{r.dataset} {_pct(r.gap)}" for r in better + worse)
                + ")" if better or worse else "")
             + f"; it took the draws' mean on {len(mb)} of {sum(r.n for r in rows)} splits, and "
             f"there its test CRPS was below `sa`'s on {sum(mb)} of {len(mb)}.")
