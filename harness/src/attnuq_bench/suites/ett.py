@@ -306,6 +306,9 @@ def run(args: argparse.Namespace) -> Path:
         raise ValueError(f"n_samples must be >= 2 for intervals and CRPS, got {args.n_samples=}")
     cfg = {k: v for k, v in vars(args).items() if not k.startswith("_") and
            (isinstance(v, (int, float, str, bool, type(None))) or k in ("note", "merge"))}
+    for k in ("methods", "rerun"):  # the rows asked for, as the command line spells them
+        if isinstance(getattr(args, k, None), list):
+            cfg[k] = ",".join(getattr(args, k))
     info = run_info()
     res_dir.mkdir(parents=True, exist_ok=True)
 
