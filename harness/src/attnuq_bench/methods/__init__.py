@@ -102,7 +102,6 @@ from attnuq_bench.methods.simple import (
 from attnuq_bench.methods.swag import SWAG, MultiSWAG, SWAGCollector
 
 register_method("sa", RecommendedSA)
-register_method("sa-centre", RecommendedSAAutoCentre)
 register_method("sa-paper", StochasticAttention, criterion="paper")
 register_method("sa-debiased", StochasticAttention, criterion="paper-debiased")
 register_method("sa-recentred", StochasticAttention, criterion="paper", recentre="mean")
@@ -112,6 +111,7 @@ register_method("sa-crps", StochasticAttention, criterion="crps")
 register_method("sa-coverage", StochasticAttention, criterion="coverage")
 register_method("sa-conformal", StochasticAttention, criterion="paper", conformal=True)
 register_method("sa-layer", StochasticAttention, criterion="crps", per_layer="geometric")
+register_method("sa-centre", RecommendedSAAutoCentre)
 register_method("mc-dropout", MCDropout)
 register_method("ensemble", DeepEnsemble)
 register_method("swag", SWAG)
