@@ -737,5 +737,5 @@ def readme_paragraph(ev: Mapping[str, Any]) -> list[str]:
     if rows:
         text += (" `SARegressor(recentre=\"auto\")` (row `sa-centre`) also lets the validation "
                  "CRPS choose between the frozen output and the mean of SA's draws as the "
-                 "centre: " + centre_line(rows)[0].lower() + centre_line(rows)[1:])
+                 "centre: " + (line := centre_line(rows))[0].lower() + line[1:])
     return [text]
