@@ -97,6 +97,10 @@ def test_table_names_methods_missing_a_split(tmp_path: Path) -> None:
     info = {"command": "attnuq bench uci", "date": "d", "machine": "m"}
     text = write_table(tmp_path / "t.md", tmp_path, rows, info, args).read_text()
     assert "every method on every split): a/gaussian lacks split(s) [1]." in text
+    # the rows carry no wall time and no backbone record: the cost line says so, with no number
+    assert "* Missing on a: 1 row(s) that read the backbone (gaussian: split(s) [1]). Measured " \
+           "on this set (1 thread): the rows 0 s (0.0 core-hours: gaussian not timed " \
+           "on this set)." in text
 
 
 @pytest.mark.parametrize("bad", [["--splits", "0"]])

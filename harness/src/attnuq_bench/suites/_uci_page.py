@@ -358,6 +358,64 @@ def retraining_cost_lines(rows: list[dict[str, Any]], datasets: Sequence[str], *
     return lines
 
 
+def missing_rows_cost_lines(rows: list[dict[str, Any]], datasets: Sequence[str]) -> list[str]:
+    """What the rows that read the shared backbone but lack a split of their set would cost,
+    measured on that set.
+
+    The expected rows of a set are every method outside :data:`RETRAINING` that ran on any set,
+    on every split the set has. A missing (method, split) row costs the method's mean
+    ``wall_seconds`` over the splits of the set that ran it (not timed when none did); a
+    split that lacks any row also needs its backbone trained again when it is no longer
+    cached (the set's mean ``backbone.seconds`` per split). :data:`RETRAINING` methods are
+    left to :func:`retraining_cost_lines`.
+
+    >>> r = lambda ds, s, m, w: {"dataset": ds, "split": s, "method": m, "wall_seconds": w,
+    ...     "backbone": {"seconds": 3000.0}}
+    >>> rows = [r("a", 0, "sa", 1200), r("a", 1, "sa", 1300), r("a", 1, "sa-paper", 600),
+    ...         r("b", 0, "sa-scale", 60)]
+    >>> print("\\n".join(missing_rows_cost_lines(rows, ["a"])))  # doctest: +NORMALIZE_WHITESPACE
+    * Missing on a: 3 row(s) that read the backbone (sa-paper: split(s) [0]; sa-scale: split(s)
+      [0, 1]). Measured on this set (1 thread): the rows 600 s (0.2 core-hours: sa-paper 600 s
+      a row; sa-scale not timed on this set), plus, where the backbone of split(s) [0, 1] is no
+      longer cached, 2 x 3000 s = 1.7 core-hours to train again.
+    """
+    expected = sorted({rec["method"] for rec in rows if rec["method"] not in RETRAINING})
+    lines = []
+    for ds in datasets:
+        rr = _of(rows, ds)
+        all_sp = {int(rec["split"]) for rec in rr}
+        have = {m: {int(rec["split"]) for rec in _of(rows, ds, m)} for m in expected}
+        gaps = {m: sorted(all_sp - got) for m, got in have.items() if got != all_sp}
+        if not gaps:
+            continue
+        each: dict[str, float | None] = {}
+        for m in gaps:
+            w = [float(rec["wall_seconds"]) for rec in _of(rows, ds, m)
+                 if rec.get("wall_seconds") is not None]
+            each[m] = sum(w) / len(w) if w else None
+        row_s = sum((each[m] or 0.0) * len(sp) for m, sp in gaps.items())
+        splits = sorted(set().union(*map(set, gaps.values())))
+        per_split = {int(rec["split"]): float(rec["backbone"]["seconds"]) for rec in rr
+                     if (rec.get("backbone") or {}).get("seconds")}
+        again = ""
+        if per_split:
+            bb = sum(per_split.values()) / len(per_split)
+            again = (f", plus, where the backbone of split(s) {splits} is no longer cached, "
+                     f"{len(splits)} x {bb:.0f} s = {len(splits) * bb / 3600:.1f} core-hours "
+                     "to train again")
+        n_rows = sum(map(len, gaps.values()))
+        what = "; ".join(f"{m}: split(s) {sp}" for m, sp in gaps.items())
+        timed = [f"{m} {v:.0f} s" for m, v in each.items() if v is not None]
+        untimed = [m for m, v in each.items() if v is None]
+        per = "; ".join(([", ".join(timed) + " a row"] if timed else [])
+                        + ([f"{', '.join(untimed)} not timed on this set"] if untimed else []))
+        lines.append(
+            f"* Missing on {ds}: {n_rows} row(s) that read the backbone ({what}). Measured on "
+            f"this set (1 thread): the rows {row_s:.0f} s ({row_s / 3600:.1f} core-hours: "
+            f"{per}){again}.")
+    return lines
+
+
 def _coverage_lines(rows: list[dict[str, Any]], datasets: list[str], order: Sequence[str],
                     errors: Sequence[Path], out: Path) -> list[str]:
     """'What this covers': runs per data set, IVON's choices, what is missing or failed."""
@@ -385,6 +443,7 @@ def _coverage_lines(rows: list[dict[str, Any]], datasets: list[str], order: Sequ
         lines += [f"Not covered by this table: {', '.join(missing)} (the full suite is 6 sets x "
                   ">= 5 splits; rerun the command with more --datasets/--splits, it resumes).", ""]
     lines += retraining_cost_lines(rows, datasets)
+    lines += missing_rows_cost_lines(rows, datasets)
     if lines[-1]:
         lines.append("")
     have = {ds: {m: {int(r["split"]) for r in _of(rows, ds, m)}
