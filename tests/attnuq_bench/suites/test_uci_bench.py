@@ -103,6 +103,26 @@ def test_table_names_methods_missing_a_split(tmp_path: Path) -> None:
            "on this set)." in text
 
 
+def test_rows_on_fewer_splits_are_shown_but_not_compared(tmp_path: Path) -> None:
+    # sa-paper on split 1 alone has the narrowest width and the lowest CRPS of any mean, but a
+    # mean over split 1 is not comparable with means over splits 0-1: not bolded, not the verdict
+    rows = [_row("a", "sa", k, 3.0, 1.0) for k in (0, 1)]
+    rows += [_row("a", "gaussian", k, 2.5, 1.2) for k in (0, 1)]
+    rows.append(_row("a", "sa-paper", 1, 1.0, 0.5))
+    args = argparse.Namespace(n_blocks=1, max_epochs=1, patience=1, batch_size=32, n_samples=10,
+                              swag_epochs=1)
+    info = {"command": "attnuq bench uci", "date": "d", "machine": "m"}
+    text = write_table(tmp_path / "t.md", tmp_path, rows, info, args).read_text()
+    assert "| sa-paper | 1 | " + "0.100 ± 0.000 | " * 5 + "1.000 ± 0.000 | 0.500 ± 0.000 |" in text
+    assert "**2.500 ± 0.000**" in text and "**1.000 ± 0.000**" in text  # gaussian, sa
+    assert "a: **SA loses** on calibrated PI-95 width: best baseline gaussian 2.500 vs best " \
+           "SA sa 3.000" in text
+    assert "Rows on fewer than the set's 2 splits (sa-paper 1) are shown but not compared" in text
+    assert "The ablation table compares the SA rows on the split(s) [1] every row ran on." in text
+    assert "**Ablations on a** (SA variants against their reference rows, split(s) [1] " \
+           "alone):" in text
+
+
 @pytest.mark.parametrize("bad", [["--splits", "0"]])
 def test_bad_split_count_is_refused(tmp_path: Path, bad: list[str]) -> None:
     argv = ["bench", "uci", "--datasets", "concrete", "--data-dir", "bundled", "--methods",

@@ -91,6 +91,25 @@ def _stats(rows: list[dict[str, Any]], ds: str, order: Sequence[str]
     return stats
 
 
+def _partial(rows: list[dict[str, Any]], ds: str) -> tuple[dict[str, int], list[int]]:
+    """The methods of ``ds`` run on fewer splits than the set has (method -> its number of
+    splits) and the splits every method of ``ds`` ran on, in order.
+
+    A mean over other splits is not comparable with the set's full-split means, so the page
+    compares the full-split rows alone, and the ablation table on the shared splits.
+
+    >>> r = lambda s, m: {"dataset": "a", "split": s, "method": m}
+    >>> _partial([r(0, "sa"), r(1, "sa"), r(1, "sa-paper")], "a")
+    ({'sa-paper': 1}, [1])
+    """
+    by_m: dict[str, set[int]] = {}
+    for rec in _of(rows, ds):
+        by_m.setdefault(rec["method"], set()).add(int(rec["split"]))
+    all_sp = set().union(*by_m.values()) if by_m else set()
+    shared = set.intersection(*by_m.values()) if by_m else set()
+    return {m: len(sp) for m, sp in by_m.items() if sp != all_sp}, sorted(shared)
+
+
 def _best(d: dict[str, float]) -> str | None:
     return min(d, key=d.__getitem__) if d else None
 
@@ -493,12 +512,16 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
     page.add(*_budget_lines(rows, budget))
     datasets = sorted({r["dataset"] for r in rows})
     per_ds = {ds: _stats(rows, ds, order) for ds in datasets}
-    verdicts = {ds: _verdict(ds, per_ds[ds]) for ds in datasets}
+    partial = {ds: _partial(rows, ds) for ds in datasets}
+    # the comparisons (bold, verdict, goals) read the rows run on every split of their set
+    full = {ds: {m: st for m, st in per_ds[ds].items() if m not in partial[ds][0]}
+            for ds in datasets}
+    verdicts = {ds: _verdict(ds, full[ds]) for ds in datasets}
     wins = [w for _, w in verdicts.values() if w is not None]
     page.headline(f"**Summary:** SA has the narrowest calibrated PI-95 on {sum(wins)} of "
                   f"{len(wins)} data sets covered here (the paper: 7 of 8).")
     page.add("")
-    goals = goal_lines(per_ds)
+    goals = goal_lines(full)
     if goals:
         page.add("The best SA row above is the best of every SA variant on test data; issue "
                  "#20's goals are counted for the recommended row alone:", *goals, "")
@@ -509,7 +532,8 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
     header = ["method", "splits", *[c for _, c, _ in _COLS], "fit s", "passes/input"]
     for ds in datasets:
         stats = per_ds[ds]
-        best = {k: _best({m: stats[m][k][0] for m in stats if math.isfinite(stats[m][k][0])})
+        short, shared = partial[ds]
+        best = {k: _best({m: st[k][0] for m, st in full[ds].items() if math.isfinite(st[k][0])})
                 for k in ("width", "crps")}
         page.section(ds)
         tdig = target_digits(stats)
@@ -523,12 +547,23 @@ def build_page(out: Path, rows: list[dict[str, Any]], info: dict[str, Any],
             t.add(*cells, f"{st['fit_s'][0]:.1f}", f"{st['fwd'][0]:.0f}",
                   values={k: list(v) for k, v in st.items()})
         page.table(t)
+        n_sp = len({int(r["split"]) for r in _of(rows, ds)})
+        if short:
+            where = (f"The ablation table compares the SA rows on the split(s) {shared} every "
+                     "row ran on." if shared else "They are left out of the ablation table.")
+            page.add("", f"Rows on fewer than the set's {n_sp} splits "
+                     f"({', '.join(f'{m} {k}' for m, k in short.items())}) are shown but not "
+                     "compared (not bolded, not in the lines below): their means are over other "
+                     f"splits. {where}")
+        abl_rows = rows if not short else [r for r in rows if int(r["split"]) in shared]
+        abl = _stats(abl_rows, ds, order) if shared else full[ds]
+        over = "means over splits" if not short else f"split(s) {shared} alone"
         page.add("", *verdicts[ds][0], *backbone_lines(rows, ds, order))
-        if ablation_block(page, _ablation_rows(stats), point="RMSE", frozen=_frozen_rmse(stats),
+        if ablation_block(page, _ablation_rows(abl), point="RMSE", frozen=_frozen_rmse(abl),
                           digits=tdig,
                           title=f"**Ablations on {ds}** (SA variants against their reference "
-                          "rows, means over splits):", flag=False,  # the flag: in the verdict
-                          nu=_nu_of(rows, ds), floor=_floor_of(rows, ds)):
+                          f"rows, {over}):", flag=False,  # the flag: in the verdict
+                          nu=_nu_of(abl_rows, ds), floor=_floor_of(abl_rows, ds)):
             page.add("")
         page.add(f"![PIT histograms {ds}](uci/pit_{ds}.png)" if out.name == "uci"
                  else f"PIT histograms: `{out / f'pit_{ds}.png'}`", "")
