@@ -91,6 +91,14 @@ def _stats(rows: list[dict[str, Any]], ds: str, order: Sequence[str]
     return stats
 
 
+def _splits_of(rows: list[dict[str, Any]], ds: str) -> dict[str, set[int]]:
+    """Method -> the splits of ``ds`` it ran on."""
+    by_m: dict[str, set[int]] = {}
+    for rec in _of(rows, ds):
+        by_m.setdefault(rec["method"], set()).add(int(rec["split"]))
+    return by_m
+
+
 def _partial(rows: list[dict[str, Any]], ds: str) -> tuple[dict[str, int], list[int]]:
     """The methods of ``ds`` run on fewer splits than the set has (method -> its number of
     splits) and the splits every method of ``ds`` ran on, in order.
@@ -102,9 +110,7 @@ def _partial(rows: list[dict[str, Any]], ds: str) -> tuple[dict[str, int], list[
     >>> _partial([r(0, "sa"), r(1, "sa"), r(1, "sa-paper")], "a")
     ({'sa-paper': 1}, [1])
     """
-    by_m: dict[str, set[int]] = {}
-    for rec in _of(rows, ds):
-        by_m.setdefault(rec["method"], set()).add(int(rec["split"]))
+    by_m = _splits_of(rows, ds)
     all_sp = set().union(*by_m.values()) if by_m else set()
     shared = set.intersection(*by_m.values()) if by_m else set()
     return {m: len(sp) for m, sp in by_m.items() if sp != all_sp}, sorted(shared)
@@ -402,8 +408,9 @@ def missing_rows_cost_lines(rows: list[dict[str, Any]], datasets: Sequence[str])
     lines = []
     for ds in datasets:
         rr = _of(rows, ds)
-        all_sp = {int(rec["split"]) for rec in rr}
-        have = {m: {int(rec["split"]) for rec in _of(rows, ds, m)} for m in expected}
+        ran = _splits_of(rows, ds)
+        all_sp = set().union(*ran.values()) if ran else set()
+        have = {m: ran.get(m, set()) for m in expected}
         gaps = {m: sorted(all_sp - got) for m, got in have.items() if got != all_sp}
         if not gaps:
             continue
