@@ -39,9 +39,10 @@ import io
 import json
 import math
 import os
+import shutil
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +58,14 @@ __all__ = [
     "cache_key",
     "check_input_file",
     "check_out_dir",
+    "check_out_file",
     "decode_nonfinite",
     "describe_error",
     "encode_nonfinite",
     "file_identity",
     "read_json",
     "read_json_or_none",
+    "staged_dir",
     "tensor_digest",
     "torch_load_or_none",
 ]
@@ -365,16 +368,93 @@ def cache_key(spec: Any) -> str:
 def check_out_dir(path: str | os.PathLike[str], option: str = "--out") -> Path:
     """Refuse an output folder that cannot be one, before any work is done.
 
-    Raises ``ValueError`` when ``path`` (or a parent) exists as a non-folder; returns the path.
-    Nothing is created.
+    Raises ``ValueError`` naming ``option`` when ``path`` is empty, when it (or a parent) exists
+    as a non-folder, or when its nearest existing folder does not take a file (probed by
+    creating and removing one: permission bits do not tell, e.g. for root or under ``/proc``).
+    Returns the path; nothing is left behind.
+
+    Examples
+    --------
+    >>> check_out_dir("/proc/attnuq-out")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: --out '/proc/attnuq-out': folder '/proc' does not take new files (...)
     """
+    if str(path) == "":
+        raise ValueError(f"{option} is empty; name a folder")
     p = Path(path)
     for q in (p, *p.parents):
         if q.exists():
             if not q.is_dir():
                 what = "" if q == p else f" (its parent {str(q)!r} is a file)"
                 raise ValueError(f"{option} {str(p)!r} is not a folder{what}")
-            if not os.access(q, os.W_OK):
-                raise ValueError(f"{option} {str(p)!r}: folder {str(q)!r} is not writable")
+            try:
+                fd, probe = tempfile.mkstemp(prefix=".attnuq-probe-", dir=q)
+            except OSError as exc:
+                raise ValueError(f"{option} {str(p)!r}: folder {str(q)!r} does not take new "
+                                 f"files ({exc.strerror or type(exc).__name__})") from None
+            os.close(fd)
+            os.unlink(probe)
             break
     return p
+
+
+def check_out_file(path: str | os.PathLike[str], option: str = "--out") -> Path:
+    """Refuse an output file that cannot be written, before any work: an empty name, a
+    folder, or a file whose folder cannot be (:func:`check_out_dir`) made or written."""
+    if str(path) == "":
+        raise ValueError(f"{option} is empty; name a file")
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{option} {str(p)!r} is a folder; name the file")
+    try:
+        check_out_dir(p.parent, option)
+    except ValueError as exc:
+        raise ValueError(f"{option} {str(p)!r}: {str(exc).split(': ', 1)[-1]}") from None
+    return p
+
+
+@contextlib.contextmanager
+def staged_dir(out: str | os.PathLike[str]) -> Iterator[Path]:
+    """Write a folder's files into a hidden sibling and put them in place only when the block
+    ends without an exception, so that ``out`` never holds a half-written set of results.
+
+    A new or empty ``out`` is replaced by the sibling in one rename; into a folder that already
+    holds files (an overwrite) each file is moved with its own atomic rename, and files the new
+    set does not name are left alone. On an exception (``KeyboardInterrupt`` included) the
+    sibling is removed and ``out`` is as it was.
+
+    Examples
+    --------
+    >>> import pathlib, tempfile
+    >>> root = pathlib.Path(tempfile.mkdtemp())
+    >>> try:
+    ...     with staged_dir(root / "res") as d:
+    ...         _ = (d / "a.json").write_text("{}")
+    ...         raise KeyboardInterrupt
+    ... except KeyboardInterrupt:
+    ...     pass
+    >>> sorted(p.name for p in root.iterdir())  # nothing half-written
+    []
+    >>> with staged_dir(root / "res") as d:
+    ...     _ = (d / "a.json").write_text("{}")
+    >>> sorted(p.name for p in (root / "res").iterdir())
+    ['a.json']
+    """
+    dest = Path(out)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        yield stage
+        os.chmod(stage, 0o777 & ~_umask())  # mkdtemp makes it 0700
+        try:
+            os.replace(stage, dest)  # dest absent, or an empty folder (POSIX rename)
+        except OSError:
+            if not dest.is_dir():
+                raise
+            for f in sorted(stage.iterdir()):
+                os.replace(f, dest / f.name)
+            stage.rmdir()
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)

@@ -37,6 +37,7 @@ from typing import Literal
 
 import torch
 
+from attnuq._validation import check_bool
 from attnuq.metrics._classification import check_probs, row_labels
 
 __all__ = ["SET_SCORES", "ConformalSets", "check_alpha", "fit_sets", "set_scores"]
@@ -136,6 +137,7 @@ def set_scores(
     0.9
     """
     score, lam, k_reg = _check_score(score, lam, k_reg)
+    randomized = check_bool(randomized, "randomized")
     p = check_probs(probs)
     y = None if targets is None else row_labels(targets, p)
     if score == "lac":
@@ -213,14 +215,21 @@ class ConformalSets:
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> ConformalSets:
         """Inverse of :meth:`to_dict` (values checked)."""
+        if not isinstance(d, dict):
+            raise TypeError(f"d must be a dict (from to_dict), got {type(d).__name__}")
         score, lam, k_reg = _check_score(d.get("score"), d.get("lam"), d.get("k_reg"))
         thr = d.get("threshold")
         n = d.get("n")
-        if not isinstance(thr, (int, float)) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"a set rule needs a float threshold and an int n >= 1, got {d!r}")
-        return cls(threshold=float(thr), alpha=check_alpha(d.get("alpha")), n=n, score=score,
-                   randomized=bool(d.get("randomized")), lam=lam, k_reg=k_reg,
-                   nonempty=bool(d.get("nonempty", True)))
+        if (isinstance(thr, bool) or not isinstance(thr, (int, float))
+                or not math.isfinite(thr)):
+            raise ValueError(f"a set rule needs a finite float threshold, got threshold={thr!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"a set rule needs an int n >= 1, got n={n!r}")
+        alpha = check_alpha(d.get("alpha"))
+        conformal_rank(n, alpha)  # n examples must support alpha (ValueError naming both)
+        return cls(threshold=float(thr), alpha=alpha, n=n, score=score,
+                   randomized=check_bool(d.get("randomized", False), "randomized"),
+                   lam=lam, k_reg=k_reg, nonempty=check_bool(d.get("nonempty", True), "nonempty"))
 
 
 def fit_sets(
@@ -274,10 +283,12 @@ def fit_sets(
     """
     alpha = check_alpha(alpha)
     score, lam, k_reg = _check_score(score, lam, k_reg)
+    randomized = check_bool(randomized, "randomized")
+    nonempty = check_bool(nonempty, "nonempty")
     s = set_scores(probs, targets, score=score, randomized=randomized, lam=lam, k_reg=k_reg,
                    generator=generator)
     n = int(s.numel())
     k = conformal_rank(n, alpha)
     q = float(torch.sort(s).values[k - 1])
-    return ConformalSets(threshold=q, alpha=alpha, n=n, score=score, randomized=bool(randomized),
-                         lam=lam, k_reg=k_reg, nonempty=bool(nonempty))
+    return ConformalSets(threshold=q, alpha=alpha, n=n, score=score, randomized=randomized,
+                         lam=lam, k_reg=k_reg, nonempty=nonempty)

@@ -80,7 +80,49 @@ def load_results(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{p} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict) or "title" not in data:
         raise ValueError(f"{p} must hold a JSON object with a 'title' key")
+    _check_layout(data, p)
     return data
+
+
+def _check_layout(data: dict[str, Any], p: Path) -> None:
+    """Refuse a results object whose fields the page cannot show, naming the field: ``summary``
+    an object or a list of ``[key, value]`` pairs; ``tables`` a list of objects with a list
+    ``columns`` and a list ``rows`` of lists of that length; ``figures`` a list of objects whose
+    ``file`` is a ``.png`` inside the results' folder; ``meta`` an object."""
+    def bad(field: str, want: str, got: Any) -> ValueError:
+        shown = repr(got) if len(repr(got)) <= 60 else repr(got)[:57] + "..."
+        return ValueError(f"{p}: {field} must be {want}, got {shown}")
+
+    summary = data.get("summary")
+    if summary is not None and not isinstance(summary, dict):
+        if not isinstance(summary, list) or not all(
+                isinstance(kv, list) and len(kv) == 2 for kv in summary):
+            raise bad("summary", "an object or a list of [key, value] pairs", summary)
+    tables = data.get("tables", [])
+    if not isinstance(tables, list):
+        raise bad("tables", "a list", tables)
+    for i, t in enumerate(tables):
+        if not isinstance(t, dict) or not isinstance(t.get("columns"), list) \
+                or not isinstance(t.get("rows"), list):
+            raise bad(f"tables[{i}]", "an object with a list 'columns' and a list 'rows'", t)
+        for j, r in enumerate(t["rows"]):
+            if not isinstance(r, list) or len(r) != len(t["columns"]):
+                raise bad(f"tables[{i}].rows[{j}]",
+                          f"a list of {len(t['columns'])} cells (one per column)", r)
+    figures = data.get("figures", [])
+    if not isinstance(figures, list):
+        raise bad("figures", "a list", figures)
+    base = p.parent.resolve()
+    for i, f in enumerate(figures):
+        name = f.get("file") if isinstance(f, dict) else None
+        if not isinstance(name, str) or not name.lower().endswith(".png"):
+            raise bad(f"figures[{i}]", "an object whose 'file' names a .png", f)
+        where = (p.parent / name).resolve()
+        if Path(name).is_absolute() or base not in where.parents:
+            raise bad(f"figures[{i}].file", "a .png inside the results' folder", name)
+    meta = data.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise bad("meta", "an object", meta)
 
 
 def _fmt(v: Any) -> str:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from attnuq import distributed as _dist
-from attnuq._validation import check_positive_int, check_seed
+from attnuq._validation import check_module, check_positive_int, check_seed
 from attnuq.predictive import RECENTRE, Predictive
 from attnuq.predictive import recentre as _recentre
 
@@ -60,9 +60,11 @@ def _tensors(inputs: Inputs) -> list[torch.Tensor]:
 
 
 def batch_size(inputs: Inputs) -> int:
-    """Batch size ``B``: dim 0 of the first tensor among the inputs."""
-    ts = _tensors(inputs)
-    if not ts or ts[0].dim() == 0:
+    """Batch size ``B``: dim 0 of the first tensor of one or more dimensions among the inputs
+    (0-d tensors, e.g. a scale passed as a keyword, have no batch dimension and are skipped).
+    """
+    ts = [t for t in _tensors(inputs) if t.dim() > 0]
+    if not ts:
         raise ValueError("inputs hold no tensor with a batch dimension (dim 0)")
     b = int(ts[0].shape[0])
     if b == 0:
@@ -403,8 +405,7 @@ def predict(
 
     if recentre is not None and recentre not in RECENTRE:
         raise ValueError(f"recentre must be None or one of {RECENTRE}, got {recentre=!r}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_module(model)
     n = check_positive_int(n_samples, "n_samples")
     if n < 2:
         raise ValueError(

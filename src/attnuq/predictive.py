@@ -14,7 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from attnuq._validation import check_finite
+from attnuq._validation import (
+    check_finite,
+    check_float_tensor,
+    check_positive_int,
+    check_scale_factor,
+)
 
 __all__ = ["GaussianPredictive", "Predictive", "check_level", "check_probability", "recentre"]
 
@@ -154,6 +159,7 @@ class Predictive:
             raise ValueError(f"samples must be a tensor of shape (S, B, ...), got shape={shape}")
         if self.samples.shape[0] < 1:
             raise ValueError(f"samples needs at least one draw, got S={self.samples.shape[0]}")
+        check_float_tensor(self.samples, "samples")
         check_finite(self.samples, "samples")
         if self.frozen is not None and self.frozen.shape != self.samples.shape[1:]:
             raise ValueError(
@@ -198,6 +204,7 @@ class Predictive:
 
     def scaled(self, factor: float | torch.Tensor) -> Predictive:
         """Spread the samples about their mean by ``factor`` (conformal/coverage rescaling)."""
+        factor = check_scale_factor(factor)
         m = self.mean
         return Predictive(samples=m + (self.samples - m) * factor, frozen=self.frozen)
 
@@ -233,6 +240,8 @@ class GaussianPredictive:
     std: torch.Tensor
 
     def __post_init__(self) -> None:
+        check_float_tensor(self.mean, "mean")
+        check_float_tensor(self.std, "std")
         if self.mean.shape != self.std.shape:
             raise ValueError(
                 f"mean and std must have the same shape, got {tuple(self.mean.shape)} "
@@ -258,6 +267,7 @@ class GaussianPredictive:
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> Predictive:
         """Draw ``n`` samples and return them as a :class:`Predictive`."""
+        n = check_positive_int(n, "n")
         eps = torch.randn(
             (n, *self.mean.shape), generator=generator, dtype=self.mean.dtype,
             device=self.mean.device,
@@ -265,7 +275,7 @@ class GaussianPredictive:
         return Predictive(samples=self.mean + eps * self.std, frozen=self.mean)
 
     def scaled(self, factor: float | torch.Tensor) -> GaussianPredictive:
-        return GaussianPredictive(mean=self.mean, std=self.std * factor)
+        return GaussianPredictive(mean=self.mean, std=self.std * check_scale_factor(factor))
 
     def crps(self, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """Closed-form CRPS (:func:`attnuq.metrics.crps_normal`)."""

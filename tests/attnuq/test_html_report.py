@@ -61,6 +61,31 @@ def test_report_errors_name_the_problem(tmp_path: Path) -> None:
         render_report(missing_fig)
 
 
+@pytest.mark.parametrize(("change", "match"), [
+    ({"tables": ["abc"]}, r"tables\[0\] must be an object with a list 'columns'"),
+    ({"tables": 3}, r"tables must be a list, got 3"),
+    ({"tables": [{"rows": [[1]]}]}, r"tables\[0\] must be an object"),
+    ({"tables": [{"columns": ["a", "b"], "rows": [[1]]}]},
+     r"tables\[0\]\.rows\[0\] must be a list of 2 cells"),
+    ({"meta": [1, 2]}, r"meta must be an object, got \[1, 2\]"),
+    ({"summary": "x"}, r"summary must be an object or a list of \[key, value\] pairs"),
+    ({"figures": ["a.png"]}, r"figures\[0\] must be an object whose 'file' names a \.png"),
+    ({"figures": [{"file": 3}]}, r"figures\[0\] must be an object whose 'file'"),
+    ({"figures": [{"file": "/etc/hostname"}]}, r"figures\[0\] must be an object whose 'file'"),
+    ({"figures": [{"file": "/tmp/x.png"}]}, r"figures\[0\]\.file must be a \.png inside"),
+    ({"figures": [{"file": "../x.png"}]}, r"figures\[0\]\.file must be a \.png inside"),
+])
+def test_malformed_results_are_named_by_field(tmp_path: Path, change: dict, match: str) -> None:
+    """Malformed fields fail with one line naming the file and the field, never an
+    AttributeError, and no file outside the results' folder is embedded."""
+    p = _write(tmp_path, {"title": "t", **change})
+    with pytest.raises(ValueError, match=match):
+        load_results(p)
+    with pytest.raises(ValueError, match=match):
+        render_report(p)
+    assert not (tmp_path / "report.html").exists()
+
+
 def test_run_info_has_command_date_machine() -> None:
     info = run_info(["attnuq", "bench", "uci", "--splits", "5"])
     assert info["command"] == "attnuq bench uci --splits 5"

@@ -74,6 +74,53 @@ def test_every_suite_refuses_bad_shared_options(
     assert not out.exists()
 
 
+@pytest.mark.parametrize(("suite", "extra", "needle"), [
+    ("mortality", ["--window", "0"], "--window must be an int >= 1, got --window 0"),
+    ("mortality", ["--window", "49"], "--window must be an int in 1..48"),
+    ("mortality", ["--d", "30"], "--d must be divisible by the transformer's 4 heads"),
+    ("mortality", ["--levy-d", "30"], "--levy-d must be divisible by --levy-heads"),
+    ("mortality", ["--lr", "-1"], "--lr must be finite and > 0, got --lr -1.0"),
+    ("mortality", ["--dropout", "nan"], "--dropout must be finite and >= 0 and < 1"),
+    ("digits", ["--heads", "5"], "--embed-dim must be divisible by --heads (equal heads), got "
+                                 "--embed-dim 48 and --heads 5"),
+    ("digits", ["--max-images", "0"], "--max-images must be an int >= 1"),
+    ("physionet", ["--train-only", "bogus"], "--train-only items must be kind:seed"),
+    ("physionet", ["--train-only", "gru:0"], "(kind softmax or levy), got 'gru:0'"),
+    ("physionet", ["--sub-stays", "-3"], "--sub-stays must be an int >= 1"),
+    ("physionet", ["--max-stays", "0"], "--max-stays must be an int >= 1"),
+    ("ett", ["--patch", "0"], "--patch must be an int >= 1"),
+    ("ett", ["--patch", "1000"], "--patch must be at most --context"),
+    ("ett", ["--heads", "3"], "--d-model must be divisible by --heads"),
+    ("ett", ["--merge", "nonexist.json"], "nonexist.json"),
+    ("uci", ["--n-blocks", "99"], "--n-blocks must be at most 6"),
+])
+def test_suite_options_are_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], suite: str, extra: list[str],
+    needle: str
+) -> None:
+    """Options each suite used to take and then fail on with a traceback (a division by
+    zero, timm's assertion) or only after training; now one line naming the flag."""
+    out = tmp_path / suite
+    # nothing is read before the refusal (digits reads scikit-learn's bundled set)
+    data = [] if suite == "digits" else ["--data-dir", str(tmp_path / "no-data")]
+    _refused(["bench", suite, "--out", str(out), *data, *extra], capsys, needle)
+    assert not out.exists()
+
+
+def test_demo_and_aggregate_refuse_before_writing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "demo"
+    _refused(["demo", "--out", str(out), "--n-blocks", "1000000"], capsys,
+             "--n-blocks must be at most 6")
+    _refused(["demo", "--out", str(out), "--dataset", "bogus"], capsys, "bogus")
+    assert not out.exists()  # a bad set makes no folder
+    agg = tmp_path / "uci"
+    _refused(["bench", "uci", "--out", str(agg), "--aggregate-only", "--datasets", "concrete",
+              "--data-dir", "bundled"], capsys, "--aggregate-only: no run records")
+    assert not (tmp_path / "uci.md").exists() and not (tmp_path / "summary.json").exists()
+
+
 def test_interrupted_items_say_where_and_how_to_resume(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

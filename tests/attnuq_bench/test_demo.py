@@ -59,6 +59,6 @@ def test_demo_writes_report_and_reuses_model(
 
 def test_demo_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--out", str(tmp_path), "--n-samples", "1"]) == 2
-    assert "n_samples must be at least 2" in capsys.readouterr().err
+    assert "--n-samples must be an int >= 2" in capsys.readouterr().err  # the flag's name
     assert main(["demo", "--out", str(tmp_path), "--dataset", "nope"]) == 2
     assert "not found" in capsys.readouterr().err

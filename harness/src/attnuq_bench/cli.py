@@ -72,7 +72,9 @@ class DemoCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from attnuq_bench.demo import run_demo
+        from attnuq_bench.suites._options import check_options
 
+        check_options(args)  # the flags' own names in the messages, before any work
         out = run_demo(
             out_dir=args.out,
             dataset=args.dataset,

@@ -148,6 +148,8 @@ def run_demo(
     """
     check_positive_int(max_epochs, "max_epochs")
     check_positive_int(n_blocks, "n_blocks")
+    if n_blocks > 6:
+        raise ValueError(f"n_blocks must be in 1..6 (rtdl default configs), got {n_blocks=}")
     check_positive_int(n_samples, "n_samples")
     check_out_dir(out_dir)  # before any work: a file named as the report folder fails now
     if n_samples < 2:
@@ -194,11 +196,11 @@ def _run_demo(
 
     t_start = time.perf_counter()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     dev = torch.device(device)
 
-    s = load_uci(dataset, split=split, data_dir=data_dir)
+    s = load_uci(dataset, split=split, data_dir=data_dir)  # a bad set or split: no folder made
+    out.mkdir(parents=True, exist_ok=True)
     sizes = s.sizes()
     print(f"[attnuq demo] {dataset} split {split}: {sizes} rows (fit/val/cal/test)")
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from attnuq import distributed as _dist
-from attnuq._validation import check_positive_int, check_seed
+from attnuq._validation import check_module, check_positive_int, check_seed
 from attnuq.calibration._sharded import Shards, prepare_sharded, sample_sharded
 from attnuq.calibration.criteria import (
     CLASSIFICATION_CRITERIA,
@@ -75,6 +75,8 @@ __all__ = [
     "SearchResult",
     "bo_search",
     "calibrate",
+    "check_calibrate_kwargs",
+    "check_calibrate_settings",
     "edge_info",
     "edge_message",
     "get_criterion",
@@ -228,35 +230,16 @@ def calibrate(
     True
     """
     t_start = time.perf_counter()
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    get_criterion(criterion)  # ValueError naming the bad value
-    if search not in SEARCHES:
-        raise ValueError(f"search must be one of {SEARCHES}, got {search=!r}")
-    m = check_positive_int(n_passes, "n_passes")
-    if m < 2:
-        raise ValueError(f"n_passes must be >= 2 (a spread needs two passes), got {n_passes=}")
-    lo, hi = check_nu_range(nu_range)
-    seed = check_seed(seed)
-    if batch_replicas is not None:
-        check_positive_int(batch_replicas, "batch_replicas")
-    check_positive_int(max_rows, "max_rows")
-    chunk_examples = check_positive_int(chunk_examples, "chunk_examples")
-    if output_fn is not None and not callable(output_fn):
-        raise TypeError(f"output_fn must be callable or None, got {output_fn=!r}")
-    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
-        raise ValueError(f"level must be a float in (0, 1), got {level=!r}")
-    # the search settings are checked again by the search itself; here, before any pass
-    check_grid_size(grid_size)
-    check_positive_int(max_evals, "max_evals")
-    check_surrogate_noise(surrogate_noise)
-    if isinstance(nu_tol, bool) or not isinstance(nu_tol, (int, float)) or not nu_tol >= 0:
-        raise ValueError(f"nu_tol must be a float >= 0, got {nu_tol=!r}")
-    classify = get_criterion(criterion).task == "classification"
-    if classify and per_layer not in (None, False):
-        raise ValueError(f"per_layer={per_layer!r} is not available with the classification "
-                         f"criterion={criterion!r}")
-    family = check_per_layer(per_layer, criterion)
+    check_module(model)
+    checked = check_calibrate_settings(
+        criterion=criterion, search=search, n_passes=n_passes, nu_range=nu_range, level=level,
+        output_fn=output_fn, seed=seed, grid_size=grid_size, max_evals=max_evals,
+        surrogate_noise=surrogate_noise, batch_replicas=batch_replicas, max_rows=max_rows,
+        progress=progress, per_layer=per_layer, distributed=distributed,
+        chunk_examples=chunk_examples, nu_tol=nu_tol, ignore_index=ignore_index)
+    m, (lo, hi), seed = checked["n_passes"], checked["nu_range"], checked["seed"]
+    chunk_examples, classify = checked["chunk_examples"], checked["classify"]
+    family = checked["per_layer_family"]
     sites: list[str] = []
     if family is not None:
         from attnuq.patching import find_attention
@@ -400,6 +383,111 @@ def calibrate(
         edge=edge,
     )
 
+
+
+def check_calibrate_settings(
+    *,
+    criterion: object = "auto",
+    search: object = "bo",
+    n_passes: object = 10,
+    nu_range: object = (1, 1024),
+    level: object = 0.9,
+    output_fn: object = None,
+    seed: object = 0,
+    grid_size: object = 21,
+    max_evals: object = 6,
+    surrogate_noise: object = 0.05,
+    batch_replicas: object = None,
+    max_rows: object = 8192,
+    progress: object = None,
+    per_layer: object = None,
+    distributed: object = None,
+    chunk_examples: object = 16,
+    nu_tol: object = 0.0,
+    ignore_index: object = -100,
+) -> dict[str, Any]:
+    """Check every setting of :func:`calibrate` that does not need the model or the data
+    (the same names and defaults), before any pass; raise naming the first bad one.
+
+    Returns the normalised values :func:`calibrate` goes on with: ``n_passes``, ``nu_range``
+    ``(lo, hi)``, ``seed``, ``chunk_examples``, ``classify`` (the criterion's task is
+    classification) and ``per_layer_family``. The estimators call it when they are built, so
+    that a bad ``calibrate_kwargs`` value fails there and not at ``fit``.
+
+    Examples
+    --------
+    >>> check_calibrate_settings(max_evals=3)["nu_range"]
+    (1, 1024)
+    >>> check_calibrate_settings(max_evals=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: max_evals must be a positive int, got max_evals=0
+    """
+    get_criterion(criterion)  # type: ignore[arg-type]  # ValueError naming the bad value
+    if search not in SEARCHES:
+        raise ValueError(f"search must be one of {SEARCHES}, got {search=!r}")
+    m = check_positive_int(n_passes, "n_passes")
+    if m < 2:
+        raise ValueError(f"n_passes must be >= 2 (a spread needs two passes), got {n_passes=}")
+    lo, hi = check_nu_range(nu_range)  # type: ignore[arg-type]
+    seed = check_seed(seed)
+    if batch_replicas is not None:
+        check_positive_int(batch_replicas, "batch_replicas")
+    check_positive_int(max_rows, "max_rows")
+    chunk_examples = check_positive_int(chunk_examples, "chunk_examples")
+    if output_fn is not None and not callable(output_fn):
+        raise TypeError(f"output_fn must be callable or None, got {output_fn=!r}")
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
+        raise ValueError(f"level must be a float in (0, 1), got {level=!r}")
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool or None, got {progress=!r}")
+    if distributed is not None and not isinstance(distributed, bool):
+        raise TypeError(f"distributed must be a bool or None, got {distributed=!r}")
+    if ignore_index is not None and (isinstance(ignore_index, bool)
+                                     or not isinstance(ignore_index, int)):
+        raise TypeError(f"ignore_index must be an int or None, got {ignore_index=!r}")
+    # the search settings are checked again by the search itself; here, before any pass
+    check_grid_size(grid_size)
+    check_positive_int(max_evals, "max_evals")
+    check_surrogate_noise(surrogate_noise)  # type: ignore[arg-type]
+    if isinstance(nu_tol, bool) or not isinstance(nu_tol, (int, float)) or not nu_tol >= 0:
+        raise ValueError(f"nu_tol must be a float >= 0, got {nu_tol=!r}")
+    classify = get_criterion(criterion).task == "classification"  # type: ignore[arg-type]
+    if classify and per_layer not in (None, False):
+        raise ValueError(f"per_layer={per_layer!r} is not available with the classification "
+                         f"criterion={criterion!r}")
+    family = check_per_layer(per_layer, criterion)  # type: ignore[arg-type]
+    return {"n_passes": m, "nu_range": (lo, hi), "seed": seed, "chunk_examples": chunk_examples,
+            "classify": classify, "per_layer_family": family}
+
+
+def check_calibrate_kwargs(owner: str, kwargs: dict[str, Any], reserved: Iterable[str],
+                           **fixed: Any) -> None:
+    """Check an estimator's ``**calibrate_kwargs`` when it is built: every name a setting of
+    :func:`calibrate` that ``owner`` does not set itself (``reserved``), and every value with
+    ``fixed`` (the estimator's own settings) by :func:`check_calibrate_settings`.
+
+    Examples
+    --------
+    >>> check_calibrate_kwargs(  # doctest: +ELLIPSIS
+    ...     "SARegressor", {"max_rowz": 1}, reserved=("seed",))
+    Traceback (most recent call last):
+    ...
+    TypeError: SARegressor got unknown calibrate_kwargs ['max_rowz']; calibrate takes ...
+    """
+    import inspect
+
+    taken = set(reserved)
+    allowed = [n for n in inspect.signature(calibrate).parameters
+               if n not in ("model", "data") and not n.startswith("_") and n not in taken]
+    bad_reserved = sorted(set(kwargs) & taken)
+    if bad_reserved:
+        raise TypeError(f"set {bad_reserved} as {owner} arguments, not as calibrate_kwargs")
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise TypeError(f"{owner} got unknown calibrate_kwargs {unknown}; calibrate takes "
+                        f"{sorted(allowed)}")
+    check_calibrate_settings(**{**fixed, **kwargs})
 
 class EdgeWarning(UserWarning):
     """The chosen ``nu`` is an end of ``nu_range``: no ``nu`` in the range matched the

@@ -316,19 +316,38 @@ def _check_outputs(args: argparse.Namespace) -> None:
     A folder option (``--out``, ``--model-dir``, ``--cache-dir``; ``report --out`` is a file)
     that names an existing file, or a file option (``--table``, ``--md``) that names a folder.
     """
-    from attnuq._io import check_out_dir
+    from attnuq._io import check_out_dir, check_out_file
 
     file_out = args.command in ("report", "predict")
     dirs = [o for o in _OUT_DIRS if not (o == "out" and file_out)]
     for opt in dirs:
         val = getattr(args, opt, None)
-        if isinstance(val, str) and val:
+        if isinstance(val, str):
             check_out_dir(val, "--" + opt.replace("_", "-"))
     files = [*_OUT_FILES, *(["out"] if file_out else [])]
     for opt in files:
         val = getattr(args, opt, None)
-        if isinstance(val, str) and val and Path(val).is_dir():
-            raise _UserError(f"--{opt.replace('_', '-')} {val!r} is a folder; name the file")
+        if isinstance(val, str):
+            check_out_file(val, "--" + opt.replace("_", "-"))
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """``exc`` is, or was raised while handling or because of, a ``KeyboardInterrupt`` (Ctrl-C
+    during an import can surface as another error whose cause is the interrupt)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _say_interrupted(command: str) -> int:
+    """One line on stderr for Ctrl-C, and the shell's status for SIGINT (128 + 2)."""
+    print(f"attnuq: interrupted: attnuq {command} stopped", file=sys.stderr, flush=True)
+    return 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -338,8 +357,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"attnuq: error: 'attnuq {argv[0]}' needs the benchmark harness: {_HARNESS_HINT}",
               file=sys.stderr)
         return 2
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser(argv)  # loads the harness's commands: an import can be stopped
+        args = parser.parse_args(argv)
+    except BaseException as exc:
+        if _interrupted(exc):
+            return _say_interrupted(argv[0] if argv else "attnuq")
+        raise
     command: Command | None = getattr(args, "_command", None)
     started = False
     try:
@@ -375,6 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if isinstance(exc, WorkerDone):  # this rank's share is done; rank 0 writes the page
             return 0
+        if _interrupted(exc) and os.environ.get("ATTNUQ_TRACEBACK", "") in ("", "0"):
+            return _say_interrupted(args.command)
         raise
     finally:
         if started:

@@ -2,6 +2,10 @@
 
 import sys
 
-from attnuq.cli import main
+try:
+    from attnuq.cli import main
+except KeyboardInterrupt:  # Ctrl-C while importing torch: no traceback, SIGINT's status
+    print("attnuq: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

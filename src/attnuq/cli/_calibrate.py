@@ -17,6 +17,8 @@ from attnuq._io import (
     atomic_write_text,
     check_input_file,
     check_out_dir,
+    check_out_file,
+    staged_dir,
 )
 from attnuq.data import DataFormatError
 
@@ -236,16 +238,17 @@ def _batches(
     return out
 
 
-def _probe(model: nn.Module, batch: tuple[Any, torch.Tensor],
-           output_fn: Callable[[Any], torch.Tensor], args: argparse.Namespace) -> None:
-    """One plain forward on the first batch: a model that cannot take the data fails here.
+def _probe(model: nn.Module, xb: Any, output_fn: Callable[[Any], torch.Tensor],
+           model_path: str, data_path: str) -> None:
+    """One plain forward on the first batch ``xb``: a model that cannot take the data fails
+    here, before any work.
 
     Raises ``ValueError`` naming the model, the data file and the model's own error (e.g. a
-    wrong number of input features) instead of a traceback from deep inside calibration.
+    wrong number of input features) instead of a traceback from deep inside calibration or
+    prediction.
     """
     from attnuq.montecarlo import call_model
 
-    xb, _ = batch
     shape = ({k: tuple(v.shape) for k, v in xb.items()} if isinstance(xb, dict)
              else tuple(xb.shape))
     try:
@@ -253,7 +256,7 @@ def _probe(model: nn.Module, batch: tuple[Any, torch.Tensor],
             out = call_model(model, xb)
     except Exception as exc:  # the user's model rejecting the user's data is bad input
         raise ValueError(
-            f"model {Path(args.model).name} fails on the inputs of {Path(args.data).name} "
+            f"model {Path(model_path).name} fails on the inputs of {Path(data_path).name} "
             f"(first batch, shape {shape}): {_first_line(exc)}"
         ) from exc
     output_fn(out)  # an output without the asked field (or a key on a tensor): its own message
@@ -338,7 +341,7 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     cal = _batches(_rows(inputs, cal_idx), y[cal_idx], args.batch_size)
     # with --head, --output-key names the encoder's field, which the head reads itself
     key = None if getattr(args, "head", None) is not None else args.output_key
-    _probe(model, val[0], make_output_fn(key), args)
+    _probe(model, val[0][0], make_output_fn(key), args.model, args.data)
     extra = {} if getattr(args, "per_layer", None) is None else {"per_layer": args.per_layer}
     centres: dict[str, bool | Literal["auto"]] = {"frozen": True, "mean": False, "auto": "auto"}
     recentre = centres[getattr(args, "centre", "frozen")]
@@ -358,7 +361,26 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     _show_warnings([w for w in caught if issubclass(w.category, EstimatorWarning)])
     report = sa.report
     d = sa.diagnostics
-    out.mkdir(parents=True, exist_ok=True)
+    with staged_dir(out) as stage:  # out appears only once every file is written
+        _write_calibration(stage, sa, args, y, val_idx, cal_idx)
+    edge = f" (at the {d['nu_at_edge']} edge of nu_range)" if d["nu_at_edge"] else ""
+    print(f"chosen nu = {d['nu'] if d['nu_map'] is None else report.nu}{edge}; form: "
+          f"{d['form']} (beta = {d['floor_beta_units']} x the val residual scale); centre: "
+          f"{d['centre']}")
+    if d["nu_map"] is not None:
+        print("nu per layer: " + ", ".join(f"{k or '(root)'}={v}" for k, v in
+                                           d["nu_map"].items()))
+    print(f"fitted estimator written to {out / 'estimator.json'} "
+          f"(attnuq predict MODEL {out / 'estimator.json'} INPUTS --out FILE)")
+    return out
+
+
+def _write_calibration(out: Path, sa: Any, args: argparse.Namespace, y: torch.Tensor,
+                       val_idx: torch.Tensor, cal_idx: torch.Tensor) -> None:
+    """``estimator.json``, ``calibration.json``, the curve, ``results.json`` and the report of
+    a fitted ``calibrate`` run, into ``out``."""
+    report = sa.report
+    d = sa.diagnostics
     sa.save(out / "estimator.json", metadata={
         "command": "attnuq calibrate", "model": str(Path(args.model).resolve()),
         "data": str(Path(args.data).resolve()), "head": None if args.head is None
@@ -426,16 +448,6 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     }
     atomic_write_json(out / "results.json", results, indent=2)
     render_report(out / "results.json")
-    edge = f" (at the {d['nu_at_edge']} edge of nu_range)" if d["nu_at_edge"] else ""
-    print(f"chosen nu = {d['nu'] if d['nu_map'] is None else report.nu}{edge}; form: "
-          f"{d['form']} (beta = {d['floor_beta_units']} x the val residual scale); centre: "
-          f"{d['centre']}")
-    if d["nu_map"] is not None:
-        print("nu per layer: " + ", ".join(f"{k or '(root)'}={v}" for k, v in
-                                           d["nu_map"].items()))
-    print(f"fitted estimator written to {out / 'estimator.json'} "
-          f"(attnuq predict MODEL {out / 'estimator.json'} INPUTS --out FILE)")
-    return out
 
 
 def load_inputs(path: str | Path, drop: list[str] | None = None
@@ -444,9 +456,7 @@ def load_inputs(path: str | Path, drop: list[str] | None = None
     an array ``y`` is ignored) or ``.csv`` (every column, except the ``drop`` columns)."""
     from attnuq.data.readers import read_csv_table
 
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"inputs file not found: {p}")
+    p = check_input_file(path, "inputs file")
     if p.suffix == ".npz":
         try:
             with p.open("rb") as fh:
@@ -463,6 +473,8 @@ def load_inputs(path: str | Path, drop: list[str] | None = None
             if v.dtype.kind not in "biuf" or v.ndim == 0:
                 raise DataFormatError(p, f"array {k!r} must be numeric with one row per "
                                          f"example, got dtype {v.dtype}, shape {v.shape}")
+            if len(v) == 0:
+                raise DataFormatError(p, f"array {k!r} has no rows (shape {v.shape})")
         if not arrays:
             raise DataFormatError(p, "has no input arrays")
         if "x" in arrays:
@@ -480,7 +492,10 @@ def load_inputs(path: str | Path, drop: list[str] | None = None
         cols = [c for c in table.header if c not in (drop or [])]
         if not cols:
             raise DataFormatError(p, "has no input columns", line=table.header_line)
-        return torch.as_tensor(table.floats(cols), dtype=torch.float32)
+        x = torch.as_tensor(table.floats(cols), dtype=torch.float32)
+        if len(x) == 0:
+            raise DataFormatError(p, "has no rows")
+        return x
     raise ValueError(f"inputs file must end in .npz or .csv, got {p.name!r}")
 
 
@@ -499,8 +514,12 @@ def predict_saved_model(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     if out.suffix not in (".npz", ".csv"):
         raise ValueError(f"--out must end in .npz or .csv, got {out.name!r}")
+    check_out_file(out)
     check_fresh_out(out, args.overwrite)
     meta = read_envelope(args.fitted, "SARegressor", None).get("metadata") or {}
+    if not isinstance(meta, dict):
+        raise ValueError(f"{args.fitted}: field 'metadata' must be a JSON object, got "
+                         f"{type(meta).__name__}")
     head = args.head if args.head is not None else meta.get("head")
     pool = args.pool if args.pool is not None else meta.get("pool") or "mean"
     key = args.output_key if args.output_key is not None else meta.get("output_key")
@@ -513,13 +532,28 @@ def predict_saved_model(args: argparse.Namespace) -> Path:
         model = attach_head(model, head, pool=pool, field=key,
                             squeeze=bool(meta.get("squeeze", True)), device=args.device)
     # with a head, the key names the encoder's field, which the head reads itself
-    sa = SARegressor.load(args.fitted, model, make_output_fn(None if head is not None else key),
-                          strict=not args.no_strict,
-                          progress=None)
+    import warnings
+
+    from attnuq.estimators._common import EstimatorWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", EstimatorWarning)
+        try:
+            sa = SARegressor.load(args.fitted, model,
+                                  make_output_fn(None if head is not None else key),
+                                  strict=not args.no_strict, progress=None)
+        except ValueError as exc:
+            if "pass strict=False" not in str(exc):
+                raise
+            raise ValueError(str(exc).replace("pass strict=False", "pass --no-strict")) from None
+    _show_warnings([w for w in caught if issubclass(w.category, EstimatorWarning)])
     dev = torch.device(args.device)
     inputs = ({k: v.to(dev) for k, v in inputs.items()} if isinstance(inputs, dict)
               else inputs.to(dev))
     n = len(next(iter(inputs.values()))) if isinstance(inputs, dict) else len(inputs)
+    first = ({k: v[:args.batch_size] for k, v in inputs.items()} if isinstance(inputs, dict)
+             else inputs[:args.batch_size])
+    _probe(sa.model, first, sa.output_fn or (lambda o: o), args.model, args.input)
     means, lows, highs, samples = [], [], [], []
     for i in range(0, n, args.batch_size):
         sl = slice(i, min(i + args.batch_size, n))

@@ -194,6 +194,7 @@ class SAClassifier:
         **calibrate_kwargs: Any,
     ) -> None:
         from attnuq._validation import check_positive_int
+        from attnuq.calibration import check_calibrate_kwargs
         from attnuq.calibration.search import check_nu_range
 
         self.model = check_model(model)
@@ -214,15 +215,15 @@ class SAClassifier:
                                          or not isinstance(ignore_index, int)):
             raise TypeError(f"ignore_index must be an int or None, got {ignore_index=!r}")
         self.ignore_index = ignore_index
-        self.progress = progress
-        bad = sorted(set(calibrate_kwargs) & {"criterion", "n_passes", "nu_range", "seed",
-                                              "output_fn", "progress", "level", "per_layer",
-                                              "distributed", "ignore_index"})
-        if bad:
-            raise TypeError(f"{bad} cannot be calibrate_kwargs of SAClassifier (set the "
-                            "SAClassifier arguments; per_layer and distributed are not "
-                            "available for classification)")
         self.calibrate_kwargs = {"nu_tol": 0.25, **calibrate_kwargs}
+        # per_layer and distributed are not available for classification
+        check_calibrate_kwargs(
+            "SAClassifier", self.calibrate_kwargs,
+            reserved=("criterion", "n_passes", "nu_range", "seed", "output_fn", "progress",
+                      "level", "per_layer", "distributed", "ignore_index"),
+            criterion="nll", n_passes=self.n_passes, nu_range=self.nu_range, seed=seed,
+            output_fn=output_fn, progress=progress, ignore_index=ignore_index)
+        self.progress = progress
         self._fitted: dict[str, Any] | None = None
         self.diagnostics: dict[str, Any] = {}
         self.report: Any = None

@@ -65,10 +65,11 @@ class EstimatorWarning(UserWarning):
 
 
 def check_model(model: object) -> nn.Module:
-    """``model`` if it is an ``nn.Module``, else ``TypeError`` naming its type."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return model
+    """``model`` if it is an ``nn.Module`` with its weights (not on the meta device), else an
+    error naming its type or the first meta parameter."""
+    from attnuq._validation import check_module
+
+    return check_module(model)
 
 
 def check_settings(output_fn: object, seed: object, **passes: object) -> dict[str, int]:
@@ -264,9 +265,9 @@ def read_envelope(path: str | Path, estimator: str, model: nn.Module | None, *,
         Not UTF-8 JSON (a torn or foreign file), not an attnuq estimator, another estimator
         kind, a newer ``format_version``, or (``strict=True``) another model's digest.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"fitted estimator file not found: {p}")
+    from attnuq._io import check_input_file
+
+    p = check_input_file(path, "fitted estimator file")  # a folder or a pipe: said so
     try:
         obj = decode_nonfinite(json.loads(p.read_bytes().decode("utf-8")))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -77,6 +77,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from attnuq._validation import check_finite, check_positive_int, check_scale_factor
 from attnuq.conformal import FLOOR_GRID
 from attnuq.estimators._common import (
     check_model,
@@ -296,6 +297,7 @@ class SAPredictive:
     def sample(self, n: int, generator: torch.Generator | None = None) -> Predictive:
         """``n`` draws of ``f + w T`` as a :class:`~attnuq.predictive.Predictive`
         ``(n, B, ...)``."""
+        n = check_positive_int(n, "n")
         atoms = _sym_atoms(self.scores.cpu())
         idx = torch.randint(0, atoms.numel(), (n, *self.mean.shape), generator=generator)
         draws = self.mean.double() + atoms[idx].to(self.spread.device) * self.spread
@@ -304,7 +306,8 @@ class SAPredictive:
     def scaled(self, factor: float | torch.Tensor) -> SAPredictive:
         """The same predictive with its spread ``w`` multiplied by ``factor`` (about the
         centre; e.g. a further conformal factor)."""
-        f = torch.as_tensor(factor, dtype=torch.float64, device=self.spread.device)
+        f = torch.as_tensor(check_scale_factor(factor), dtype=torch.float64,
+                            device=self.spread.device)
         return SAPredictive(mean=self.mean, spread=self.spread * f, scores=self.scores,
                             ranks=self.ranks, n=self.n, samples=self.samples,
                             frozen=self.frozen, form=self.form)
@@ -341,6 +344,7 @@ class SAPredictive:
                 f"targets must have the prediction's shape {tuple(self.mean.shape)}, got "
                 f"targets.shape={tuple(targets.shape)}"
             )
+        check_finite(targets, "targets")
         return targets.double().to(self.mean.device)
 
 
@@ -486,8 +490,7 @@ class SARegressor:
         progress: bool | None = None,
         **calibrate_kwargs: Any,
     ) -> None:
-        from attnuq._validation import check_positive_int
-        from attnuq.calibration import get_criterion
+        from attnuq.calibration import check_calibrate_kwargs, get_criterion
         from attnuq.calibration.search import check_nu_range
 
         self.model = check_model(model)
@@ -506,12 +509,14 @@ class SARegressor:
         self.floor = floor
         self.gaussian = gaussian
         self.nu_range = check_nu_range(nu_range)
-        self.progress = progress
-        bad = sorted(set(calibrate_kwargs) & {"criterion", "n_passes", "nu_range", "seed",
-                                              "output_fn", "progress", "level"})
-        if bad:
-            raise TypeError(f"set {bad} as SARegressor arguments, not as calibrate_kwargs")
         self.calibrate_kwargs = {"nu_tol": 0.25, "max_evals": 3, **calibrate_kwargs}
+        check_calibrate_kwargs(
+            "SARegressor", self.calibrate_kwargs,
+            reserved=("criterion", "n_passes", "nu_range", "seed", "output_fn", "progress",
+                      "level"),
+            criterion=self.criterion, n_passes=self.n_samples, nu_range=self.nu_range,
+            seed=seed, output_fn=output_fn, progress=progress)
+        self.progress = progress
         self._fitted: dict[str, Any] | None = None
         self.diagnostics: dict[str, Any] = {}
         self.report: Any = None  # the CalibrationReport of the search (None when nu is given)

@@ -12,7 +12,12 @@ Reduction = Literal["mean", "none"]
 
 
 def as_tensor(x: object, name: str) -> torch.Tensor:
-    """Return ``x`` as a floating tensor, refusing non-numeric input with a named error."""
+    """Return ``x`` as a floating tensor, refusing non-numeric input with a named error.
+
+    Integers become the default dtype and float16 / bfloat16 become float32: the metrics sum
+    over thousands of draws or elements, which overflows float16 (max 65504) and loses the
+    answer's third digit in bfloat16 (8 bits of mantissa).
+    """
     if isinstance(x, torch.Tensor):
         t = x
     else:
@@ -22,6 +27,8 @@ def as_tensor(x: object, name: str) -> torch.Tensor:
             raise TypeError(f"{name} must be a tensor or array, got {type(x).__name__}") from exc
     if not t.is_floating_point():
         t = t.to(torch.get_default_dtype())
+    elif t.dtype in (torch.float16, torch.bfloat16):
+        t = t.float()
     return t
 
 

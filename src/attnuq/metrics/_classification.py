@@ -260,10 +260,31 @@ def entropy_probs(probs: torch.Tensor) -> torch.Tensor:
     >>> round(float(entropy_probs(torch.tensor([0.5, 0.5]))), 4)
     0.6931
     """
-    p = check_tensor(probs, "probs", min_dim=1)
-    if bool((p < 0).any()):
-        raise ValueError("probs must be non-negative")
+    p = _check_simplex(probs, "probs", min_dim=1)
+    return _entropy(p)
+
+
+def _entropy(p: torch.Tensor) -> torch.Tensor:
     return -torch.xlogy(p, p).sum(-1)
+
+
+def _check_simplex(x: object, name: str, *, min_dim: int) -> torch.Tensor:
+    """``(..., C)`` probabilities: entries in ``[0, 1]``, each last-dim row summing to 1
+    (within ``1e-4``, summed in float64); errors name the first bad row's index."""
+    p = check_tensor(x, name, min_dim=min_dim)
+    bad = (p < 0) | (p > 1)
+    if bool(bad.any()):
+        i = tuple(int(v) for v in torch.nonzero(bad)[0][:-1])
+        raise ValueError(f"{name} must lie in [0, 1], got {name}[{i}]={p[i].tolist()}")
+    tot = p.to(D).sum(-1)
+    off = (tot - 1).abs() > _SUM_TOL
+    if bool(off.any()):
+        i = tuple(int(v) for v in torch.nonzero(off)[0])
+        raise ValueError(
+            f"every row of {name} (its last dimension) must sum to 1, got sum={float(tot[i])!r} "
+            f"at {name}[{i}] (pass probabilities, e.g. logits.softmax(-1), not logits)"
+        )
+    return p
 
 
 def mutual_information_samples(prob_samples: torch.Tensor) -> torch.Tensor:
@@ -280,9 +301,9 @@ def mutual_information_samples(prob_samples: torch.Tensor) -> torch.Tensor:
     >>> round(float(mutual_information_samples(s)[0]), 4)  # ln 2
     0.6931
     """
-    s = check_tensor(prob_samples, "prob_samples", min_dim=2)
-    total = entropy_probs(s.mean(0))
-    expected = entropy_probs(s).mean(0)
+    s = _check_simplex(prob_samples, "prob_samples", min_dim=2)
+    total = _entropy(s.mean(0))
+    expected = _entropy(s).mean(0)
     return (total - expected).clamp_min(0)
 
 

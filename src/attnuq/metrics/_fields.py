@@ -55,9 +55,12 @@ def latitude_weights(lat: torch.Tensor) -> torch.Tensor:
     if bool(((la < -90) | (la > 90)).any()):
         raise ValueError(f"lat must be in degrees within [-90, 90], got range "
                          f"[{la.min().item()}, {la.max().item()}]")
-    w = torch.cos(la.to(torch.float64) * (math.pi / 180.0))
+    lad = la.to(torch.float64)
+    # cos(pi / 2) rounds to 6e-17, not 0: the poles get their exact weight
+    w = torch.where(lad.abs() == 90, 0.0, torch.cos(lad * (math.pi / 180.0)))
     if float(w.mean()) <= 0:
-        raise ValueError("lat: cos(lat) averages to zero (only the poles given)")
+        raise ValueError(f"lat: cos(lat) averages to zero (only the poles given), got "
+                         f"lat={la.tolist() if la.numel() <= 8 else tuple(la.shape)}")
     return (w / w.mean()).to(la.dtype if la.is_floating_point() else torch.float64)
 
 

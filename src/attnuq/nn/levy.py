@@ -245,9 +245,8 @@ class LevyAttention(nn.Module):
         )
         if isinstance(n_fourier, bool) or not isinstance(n_fourier, int) or n_fourier < 0:
             raise ValueError(f"n_fourier must be an int >= 0, got {n_fourier=}")
-        if not max_period > 0:
-            raise ValueError(f"max_period must be > 0, got {max_period=}")
-        for name, val in (("alpha", alpha), ("beta", beta), ("h", h)):
+        for name, val in (("max_period", max_period), ("alpha", alpha), ("beta", beta),
+                          ("h", h)):
             if isinstance(val, bool) or not isinstance(val, (int, float)) or not (
                     math.isfinite(val) and val > 0):
                 raise ValueError(f"{name} must be a finite float > 0, got {name}={val!r}")
@@ -345,6 +344,13 @@ class LevyAttention(nn.Module):
             )
         if not isinstance(values, torch.Tensor) or not values.is_floating_point():
             raise ValueError(f"values must be a floating tensor, got {type(values).__name__}")
+        dt = self.w_q.weight.dtype
+        if (times.dtype, values.dtype, query_times.dtype) != (dt, dt, dt):
+            raise ValueError(
+                f"times, values and query_times must have the layer's dtype {dt} (cast the "
+                f"inputs, or the layer with .to(dtype)), got times.dtype={times.dtype}, "
+                f"values.dtype={values.dtype}, query_times.dtype={query_times.dtype}"
+            )
         if values.dim() == 2:
             values = values[..., None]
         if values.shape != (B, N, self.value_features):

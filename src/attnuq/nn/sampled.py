@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnuq._validation import check_nu, check_positive_int
+from attnuq._validation import check_bool, check_nu, check_positive_int
 from attnuq.ops._attn_common import check_empty_rows
 from attnuq.ops.sampled import (
     EmptyRows,
@@ -65,10 +65,10 @@ class SampledAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.nu = nu
-        self.enable_gqa = bool(enable_gqa)
+        self.enable_gqa = check_bool(enable_gqa, "enable_gqa")
         self.block_size = block_size
         self.empty_rows = empty_rows
-        self.stochastic = bool(stochastic)
+        self.stochastic = check_bool(stochastic, "stochastic")
 
     @property
     def nu(self) -> int:

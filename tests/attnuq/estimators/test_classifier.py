@@ -365,6 +365,13 @@ def test_bad_inputs_name_the_value(model: nn.Module) -> None:
         SAClassifier(model, score="thr")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="per_layer"):
         SAClassifier(model, per_layer="geometric")
+    # calibrate_kwargs are checked when the estimator is built, not at fit
+    with pytest.raises(TypeError, match=r"unknown calibrate_kwargs \['bogus'\]"):
+        SAClassifier(model, bogus=1)
+    with pytest.raises(ValueError, match="max_evals must be a positive int, got max_evals=0"):
+        SAClassifier(model, max_evals=0)
+    with pytest.raises(TypeError, match="progress must be a bool or None, got progress='yes'"):
+        SAClassifier(model, progress="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="val_data is empty"):
         clf.fit([])
     # a model whose output changes class count after fit: one clear error

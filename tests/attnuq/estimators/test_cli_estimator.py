@@ -105,6 +105,13 @@ def test_taken_out_refused_unless_overwrite(files: dict[str, Path],
     ("foreign", "not a fitted attnuq estimator"),
     ("other-model", "fitted on another model"),
     ("bad-suffix", "--out must end in .npz or .csv"),
+    ("other-model-hint", "pass --no-strict to load it anyway"),
+    ("inputs-rejected", "model model.pt fails on the inputs of bad.npz (first batch, shape "
+                        "(10, 3, 2))"),
+    ("inputs-empty", "array 'x' has no rows"),
+    ("inputs-folder", "is a folder, not a regular file"),
+    ("metadata-list", "field 'metadata' must be a JSON object, got list"),
+    ("out-unwritable", "--out '/proc/attnuq-x/p.npz': folder '/proc' does not take new files"),
 ])
 def test_predict_bad_input_one_line_exit_2(files: dict[str, Path], case: str, message: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
@@ -130,11 +137,69 @@ def test_predict_bad_input_one_line_exit_2(files: dict[str, Path], case: str, me
         torch.save(TinyRegressor().eval(), model)
     elif case == "bad-suffix":
         out = files["tmp"] / "p.txt"
-    rc = main(["predict", str(model), str(fitted), str(files["new"]), "--level", level,
+    elif case == "other-model-hint":
+        torch.manual_seed(99)
+        model = files["tmp"] / "other.pt"
+        torch.save(TinyRegressor().eval(), model)
+    new = files["new"]
+    if case == "inputs-rejected":  # rows of (3, 2): the model's attention takes no 4-D tokens
+        new = files["tmp"] / "bad.npz"
+        np.savez(new, x=np.zeros((10, 3, 2), np.float32))
+    elif case == "inputs-empty":
+        new = files["tmp"] / "empty.npz"
+        np.savez(new, x=np.zeros((0, 3), np.float32))
+    elif case == "inputs-folder":
+        new = files["tmp"]
+    elif case == "metadata-list":
+        est = json.loads(fitted.read_text())
+        est["metadata"] = [1, 2]
+        fitted = files["tmp"] / "meta.json"
+        fitted.write_text(json.dumps(est))
+    elif case == "out-unwritable":
+        out = Path("/proc/attnuq-x/p.npz")
+    rc = main(["predict", str(model), str(fitted), str(new), "--level", level,
                "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 2
     assert len(err.strip().splitlines()) == 1 and message in err, err
+    assert not out.exists()
+
+
+def test_interrupted_calibrate_leaves_no_folder(files: dict[str, Path],
+                                                capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while calibrate writes its files: one line, exit 130, and no half-written
+    folder (which predict would have taken and a rerun refused)."""
+    import attnuq.html_report
+
+    def stopped(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(attnuq.html_report, "render_report", stopped)
+    assert main(_calibrate(files)) == 130
+    err = capsys.readouterr().err  # the fit's warnings, then the one line of the interrupt
+    assert err.strip().splitlines()[-1] == "attnuq: interrupted: attnuq calibrate stopped", err
+    assert "Traceback" not in err
+    assert not files["out"].exists()
+    assert not [p for p in files["tmp"].iterdir() if p.name.startswith(".cal.")]
+    monkeypatch.undo()
+    assert main(_calibrate(files)) == 0  # the rerun is not refused
+    assert (files["out"] / "report.html").is_file()
+
+
+def test_calibrate_unwritable_out_is_refused_before_work(
+        files: dict[str, Path], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnuq.estimators import _regressor
+
+    def no_work(*_: object, **__: object) -> None:
+        raise AssertionError("the fit started although --out cannot be written")
+
+    monkeypatch.setattr(_regressor.SARegressor, "fit", no_work)
+    files["out"] = Path("/proc/attnuq-x")
+    assert main(_calibrate(files)) == 2
+    err = capsys.readouterr().err
+    assert "--out '/proc/attnuq-x': folder '/proc' does not take new files" in err, err
 
 
 def test_calibrate_edge_is_reported(files: dict[str, Path],

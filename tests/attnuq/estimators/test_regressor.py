@@ -228,9 +228,26 @@ def test_bad_inputs_name_the_value(fitted: tuple) -> None:
         SARegressor(net).predict(x)
     for kw, match in (({"seed": -1}, "seed"), ({"n_samples": 1}, "n_samples"),
                       ({"nu_range": (0, 4)}, "nu_range"), ({"criterion": "x"}, "criterion"),
-                      ({"floor": "yes"}, "floor"), ({"nu": 0}, "nu")):
+                      ({"floor": "yes"}, "floor"), ({"nu": 0}, "nu"),
+                      ({"max_rowz": 1}, r"unknown calibrate_kwargs \['max_rowz'\]"),
+                      ({"max_evals": 0}, "max_evals=0"), ({"progress": "yes"}, "progress='yes'"),
+                      ({"level": 0.5}, r"set \['level'\] as SARegressor arguments")):
         with pytest.raises((ValueError, TypeError), match=match):
             SARegressor(net, **kw)
+    # the predictive's own arguments
+    for bad_y in (torch.full_like(y, float("nan")), torch.full_like(y, float("inf"))):
+        for method in (pred.pit, pred.crps, pred.nll):
+            with pytest.raises(ValueError, match="targets contains non-finite values"):
+                method(bad_y)
+    for factor in (-1.0, float("nan"), float("inf")):
+        msg = f"factor must be finite and >= 0, got factor={factor}"
+        with pytest.raises(ValueError, match=msg):
+            pred.scaled(factor)
+    with pytest.raises(TypeError, match="factor must be a non-negative real"):
+        pred.scaled(True)  # type: ignore[arg-type]
+    for n in (0, -1, 2.5, True):
+        with pytest.raises((ValueError, TypeError), match=rf"n must be a positive int, got n={n}"):
+            pred.sample(n)  # type: ignore[arg-type]
 
 
 def test_edge_warns_with_both_numbers() -> None:

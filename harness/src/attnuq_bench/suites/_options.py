@@ -12,11 +12,12 @@ then fails, or a table of zero runs. :func:`add_methods_argument` gives ``--meth
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["AT_LEAST", "BenchHelpFormatter", "add_methods_argument", "check_method_names",
-           "check_options", "split_methods"]
+__all__ = ["AT_LEAST", "AT_MOST", "DIVISIBLE", "FLOAT_RANGES", "BenchHelpFormatter",
+           "add_methods_argument", "check_method_names", "check_options", "split_methods"]
 
 #: option (argparse dest) -> least value, with the reason for the ones that are not 1
 AT_LEAST: dict[str, int] = {
@@ -33,7 +34,26 @@ AT_LEAST: dict[str, int] = {
     "member_epochs": 1, "member_jobs": 1, "chunk": 1, "context": 1, "horizon": 1,
     "history": 1, "nu_max": 1, "seeds": 1, "max_evals": 1, "test_stride": 1, "val_stride": 1,
     "sampler_draws": 1, "max_train_queries": 1, "gp_iters": 1, "d": 1, "batch_size": 1,
+    "window": 1, "heads": 1, "levy_heads": 1, "levy_d": 1, "d_model": 1, "ffn": 1, "patch": 1,
+    "embed_dim": 1, "max_images": 1, "max_stays": 1, "sub_stays": 1, "max_steps_per_epoch": 1,
 }
+
+#: option (argparse dest) -> greatest value, with the reason
+AT_MOST: dict[str, tuple[int, str]] = {
+    "n_blocks": (6, "rtdl's default FT-Transformer configs"),
+}
+
+#: float options (argparse dest) -> (least, open at least, below): learning rates are > 0,
+#: dropout rates in [0, 1), weight decays >= 0; every one finite
+FLOAT_RANGES: dict[str, tuple[float, bool, float]] = {
+    "lr": (0.0, True, float("inf")), "levy_lr": (0.0, True, float("inf")),
+    "dropout": (0.0, False, 1.0),
+    "weight_decay": (0.0, False, float("inf")), "levy_weight_decay": (0.0, False, float("inf")),
+}
+
+#: (width, heads) option pairs: multi-head attention splits the width into equal heads
+DIVISIBLE: tuple[tuple[str, str], ...] = (("d", "heads"), ("d_model", "heads"),
+                                          ("embed_dim", "heads"), ("levy_d", "levy_heads"))
 
 _SEEDS = ("seed", "split_seed", "only_seed")
 
@@ -63,11 +83,29 @@ def check_options(args: argparse.Namespace) -> None:
             why = {2: " (a spread needs two)"}.get(least, "") if dest != "grid_size" else ""
             raise ValueError(f"{_flag(dest)} must be an int >= {least}{why}, got "
                              f"{_flag(dest)} {v}")
+    for dest, (most, why_most) in AT_MOST.items():
+        v = getattr(args, dest, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > most:
+            raise ValueError(f"{_flag(dest)} must be at most {most} ({why_most}), got "
+                             f"{_flag(dest)} {v}")
     for dest in _SEEDS:
         v = getattr(args, dest, None)
         if isinstance(v, int) and not isinstance(v, bool) and not 0 <= v < 2**63:
             raise ValueError(f"{_flag(dest)} must be an int with 0 <= seed < 2**63, got "
                              f"{_flag(dest)} {v}")
+    for dest, (lo, open_lo, hi) in FLOAT_RANGES.items():
+        v = getattr(args, dest, None)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if not (math.isfinite(v) and (v > lo if open_lo else v >= lo) and v < hi):
+            lo_txt = f"{'>' if open_lo else '>='} {lo:g}"
+            rng = lo_txt if math.isinf(hi) else f"{lo_txt} and < {hi:g}"
+            raise ValueError(f"{_flag(dest)} must be finite and {rng}, got {_flag(dest)} {v}")
+    for width, heads in DIVISIBLE:
+        w, h = getattr(args, width, None), getattr(args, heads, None)
+        if isinstance(w, int) and isinstance(h, int) and h > 0 and w % h:
+            raise ValueError(f"{_flag(width)} must be divisible by {_flag(heads)} (equal "
+                             f"heads), got {_flag(width)} {w} and {_flag(heads)} {h}")
 
 
 def check_method_names(names: Sequence[str] | None) -> None:

@@ -309,6 +309,11 @@ def run(args: argparse.Namespace) -> Path:
     for k in ("methods", "rerun"):  # the rows asked for, as the command line spells them
         if isinstance(getattr(args, k, None), list):
             cfg[k] = ",".join(getattr(args, k))
+    if args.patch > args.context:
+        raise ValueError(f"--patch must be at most --context ({args.context} h), got "
+                         f"--patch {args.patch}")
+    # merged runs' files are read before any training: a bad --merge fails now
+    merged, merged_fans, merged_runs, texts = _merged(args.merge or [], cfg, rerun)
     info = run_info()
     res_dir.mkdir(parents=True, exist_ok=True)
 
@@ -369,7 +374,6 @@ def run(args: argparse.Namespace) -> Path:
           flush=True)
 
     # ---- methods: one stored record per method (the runner), merged runs' files -----------------
-    merged, merged_fans, merged_runs, texts = _merged(args.merge or [], cfg, rerun)
     old = read_json_or_none(res_dir / "ett_results.json", "ETT results") if args.resume else None
     previous = (old or {}).get("implementations")  # texts of rows stored before records had them
     store = RunStore(res_dir / "runs", suite="ett", info=info)  # stamps started, invocation

@@ -395,6 +395,11 @@ def run(args: argparse.Namespace) -> Path:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
     if args.ensemble < 2:
         raise ValueError(f"--ensemble must be >= 2, got {args.ensemble}")
+    if not 1 <= args.window <= 48:
+        raise ValueError(f"--window must be an int in 1..48 (hours per token of the 48 h "
+                         f"stay), got --window {args.window}")
+    if args.d % 4:
+        raise ValueError(f"--d must be divisible by the transformer's 4 heads, got --d {args.d}")
     qts = args.levy_query_times
     if not qts or not all(0.0 <= t <= 48.0 for t in qts) or len(set(qts)) != len(qts):
         raise ValueError("--levy-query-times must be distinct hours in [0, 48], got "

@@ -299,6 +299,9 @@ def run(args: argparse.Namespace) -> Path:
         return {"method": item, "row": row}
 
     done = run_items(store, groups, setup, one, progress=False)
+    if groups and len(done.skipped) == len(groups):  # nothing could run: not a success
+        raise ValueError("every model was skipped (" + "; ".join(
+            f"{g[0]}: {why}" for g, why in done.skipped.items()) + ")")
     rows: list[dict[str, Any]] = []
     model_info: dict[str, Any] = {}
     for g in groups:

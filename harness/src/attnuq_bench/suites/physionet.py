@@ -502,6 +502,40 @@ def _seeds(seeds: list[int], ctx: dict[str, Any], args: argparse.Namespace, w: f
     return [r for r in recs if r is not None]
 
 
+def parse_train_only(text: str | None) -> list[tuple[str, int, float | None]]:
+    """``--train-only``: a comma list of ``kind:seed`` (``levy@w:seed`` for one weight) as
+    ``(kind, seed, w or None)``; a malformed item is refused naming it.
+
+    Examples
+    --------
+    >>> parse_train_only("softmax:3, levy@0.1:0")
+    [('softmax', 3, None), ('levy', 0, 0.1)]
+    >>> parse_train_only("bogus")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: --train-only items must be kind:seed or levy@w:seed (kind softmax or levy), ...
+    """
+    out: list[tuple[str, int, float | None]] = []
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        head, sep, seed = item.strip().partition(":")
+        kind, _, wt = head.strip().partition("@")
+        try:
+            if not sep or not kind:
+                raise ValueError
+            s = int(seed)
+            w = float(wt) if wt else None
+            bad_w = w is not None and (kind != "levy" or not (math.isfinite(w) and w >= 0))
+            if s < 0 or kind not in ("levy", "softmax") or bad_w:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--train-only items must be kind:seed or levy@w:seed (kind "
+                             f"softmax or levy), got {item.strip()!r}") from None
+        out.append((kind, s, w))
+    return out
+
+
 def run(args: argparse.Namespace) -> Path:
     """Run the suite; return the results folder."""
     from attnuq._runtime import run_info
@@ -518,6 +552,7 @@ def run(args: argparse.Namespace) -> Path:
     check_score_weight(args.alpha_prior, "--alpha-prior")
     if args.grid_seeds is not None and args.grid_seeds < 1:
         raise ValueError(f"--grid-seeds must be >= 1, got {args.grid_seeds}")
+    train_only = parse_train_only(args.train_only)  # before the data is loaded
     info = run_info()
     import time
 
@@ -525,12 +560,11 @@ def run(args: argparse.Namespace) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     ctx = _context(args)
     ds, tr, te, val_b = ctx["ds"], ctx["tr"], ctx["te"], ctx["val_b"]
-    if args.train_only:  # kind:seed, levy at every grid weight (levy@w:seed: that w only)
-        for item in args.train_only.split(","):
-            kind, s = item.split(":")
-            kind, _, wt = kind.strip().partition("@")
-            for w in ((float(wt),) if wt else args.uq_weight_grid) if kind == "levy" else (0.0,):
-                _model(kind, int(s), ds, tr, val_b, args, w=w)
+    if train_only:  # kind:seed, levy at every grid weight (levy@w:seed: that w only)
+        for kind, seed, wt in train_only:
+            for w in ((wt,) if wt is not None else args.uq_weight_grid) if kind == "levy" \
+                    else (0.0,):
+                _model(kind, seed, ds, tr, val_b, args, w=w)
         return out
     if args.only_gp:
         atomic_write_json(out / "gp.json", score_gp(ctx, args.gp_train_stays, args.gp_iters),

@@ -383,6 +383,8 @@ def run(args: argparse.Namespace) -> Path:
         run_items(_store(out, info), groups, setup, one, progress=not args.no_progress,
                   desc="uci runs")
     rows = aggregate(out, seed)
+    if args.aggregate_only and not rows:  # an empty page of zero runs is not a result
+        raise ValueError(f"--aggregate-only: no run records under {out / 'runs'} to aggregate")
     plot_pits(out, rows)
     write_table(table, out, rows, info, args)
     return out

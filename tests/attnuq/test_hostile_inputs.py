@@ -1,0 +1,191 @@
+"""Hostile inputs to the public API that used to pass silently, give wrong numbers, or fail
+deep inside torch: each is now refused at the entry, naming the argument and its value (or,
+for low-precision metrics, computed in float32)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import attnuq
+from attnuq import metrics
+from attnuq.conformal_sets import ConformalSets, fit_sets
+from attnuq.montecarlo import batch_size
+from attnuq.nn import LevyAttention
+from attnuq.nn.sampled import SampledAttention
+from attnuq.predictive import GaussianPredictive, Predictive
+
+
+def _encoder() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+
+
+# ----------------------------------------------------------------------------- predictives
+
+
+def test_integer_predictives_are_refused() -> None:
+    """An int mean would cast the level to 0 and give (-inf, -inf) intervals."""
+    with pytest.raises(TypeError, match=r"mean must be a floating-point tensor, got "
+                                        r"mean.dtype=torch.int64"):
+        GaussianPredictive(mean=torch.zeros(3, dtype=torch.long), std=torch.ones(3))
+    with pytest.raises(TypeError, match=r"std must be a floating-point tensor"):
+        GaussianPredictive(mean=torch.zeros(3), std=torch.ones(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"samples must be a floating-point tensor"):
+        Predictive(samples=torch.ones(4, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("factor", [-1.0, float("nan"), float("inf"), torch.tensor([1.0, -0.5])])
+def test_negative_or_non_finite_scale_factor_is_refused(factor: object) -> None:
+    g = GaussianPredictive(mean=torch.zeros(2), std=torch.ones(2))
+    p = Predictive(samples=torch.randn(5, 2))
+    for pred in (g, p):
+        with pytest.raises(ValueError, match=r"factor must be finite and >= 0"):
+            pred.scaled(factor)  # type: ignore[arg-type]
+    # a valid factor still scales the spread
+    assert torch.equal(g.scaled(2.0).std, torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.5, True])
+def test_gaussian_sample_count_is_checked(n: object) -> None:
+    g = GaussianPredictive(mean=torch.zeros(2), std=torch.ones(2))
+    with pytest.raises((TypeError, ValueError), match=rf"n must be a positive int, got n={n}"):
+        g.sample(n)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_metrics_are_computed_in_float32(dtype: torch.dtype) -> None:
+    """S = 2000 draws near 100: the pair sum overflows float16 (NaN before) and bfloat16's
+    8-bit mantissa moved the CRPS by 6 %; now the inputs are rounded once to ``dtype`` and
+    the metric computed in float32, so it matches float64 on the same rounded inputs to
+    float32 precision."""
+    g = torch.Generator().manual_seed(0)
+    s = (torch.randn(2000, 10, generator=g) * 3 + 100).to(dtype)
+    y = torch.full((10,), 100.0).to(dtype)
+    got = metrics.crps_samples(s, y)
+    want = metrics.crps_samples(s.double(), y.double())
+    assert got.dtype == torch.float32
+    assert math.isfinite(float(got))
+    assert float(got) == pytest.approx(float(want), rel=1e-4)
+    rmse = metrics.lat_weighted_rmse(torch.full((2, 3, 4), 300.0).to(dtype),
+                                     torch.zeros(2, 3, 4).to(dtype), torch.tensor([0.0, 10, 20]))
+    assert float(rmse) == pytest.approx(300.0, rel=1e-5)
+
+
+def test_entropy_and_mutual_information_refuse_non_probabilities() -> None:
+    with pytest.raises(ValueError, match=r"probs must lie in \[0, 1\]"):
+        metrics.entropy_probs(torch.tensor([5.0, 3.0]))
+    with pytest.raises(ValueError, match=r"every row of probs .* must sum to 1, got sum=0.5 "
+                                         r"at probs\[\(1,\)\]"):
+        metrics.entropy_probs(torch.tensor([[0.5, 0.5], [0.25, 0.25]]))
+    with pytest.raises(ValueError, match=r"prob_samples must lie in \[0, 1\]"):
+        metrics.mutual_information_samples(torch.tensor([[[2.0, -1.0]], [[0.5, 0.5]]]))
+    # probabilities still pass: two confident, opposite draws carry ln 2 nats
+    s = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]]])
+    assert float(metrics.mutual_information_samples(s)[0]) == pytest.approx(math.log(2))
+
+
+def test_latitude_weights_refuse_only_the_poles() -> None:
+    """cos(90 deg) rounds to 6e-17: the poles-only guard never fired and gave [1, 1]."""
+    with pytest.raises(ValueError, match=r"only the poles given"):
+        metrics.latitude_weights(torch.tensor([90.0, -90.0]))
+    w = metrics.latitude_weights(torch.tensor([-90.0, 0.0, 90.0]))
+    assert w.tolist() == [0.0, 3.0, 0.0]
+
+
+# ----------------------------------------------------------------------------- sets, flags
+
+
+def test_set_rule_from_dict_checks_every_field() -> None:
+    base = fit_sets(torch.tensor([[0.7, 0.3]] * 10 + [[0.2, 0.8]] * 9),
+                    torch.tensor([0] * 10 + [1] * 9), alpha=0.1, score="lac").to_dict()
+    assert ConformalSets.from_dict(base).to_dict() == base
+    cases = [({"threshold": float("nan")}, ValueError, "finite float threshold"),
+             ({"threshold": True}, ValueError, "threshold=True"),
+             ({"n": True}, ValueError, "int n >= 1, got n=True"),
+             ({"n": 5}, ValueError, r"n=5 examples support alpha >= 1/\(n\+1\)"),
+             ({"randomized": "no"}, TypeError, "randomized must be a bool, got randomized='no'"),
+             ({"nonempty": 1}, TypeError, "nonempty must be a bool, got nonempty=1")]
+    for change, err, match in cases:
+        with pytest.raises(err, match=match):
+            ConformalSets.from_dict({**base, **change})
+    with pytest.raises(TypeError, match="d must be a dict"):
+        ConformalSets.from_dict([base])  # type: ignore[arg-type]
+
+
+def test_flags_are_bools_not_truthy_values() -> None:
+    p = torch.tensor([[0.7, 0.3], [0.2, 0.8]] * 10)
+    y = torch.tensor([0, 1] * 10)
+    with pytest.raises(TypeError, match="randomized must be a bool, got randomized='no'"):
+        fit_sets(p, y, randomized="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="stochastic must be a bool, got stochastic='no'"):
+        SampledAttention(nu=2, stochastic="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="enable_gqa must be a bool, got enable_gqa=1"):
+        SampledAttention(nu=2, enable_gqa=1)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- models, inputs
+
+
+def test_meta_device_model_is_refused_before_any_pass() -> None:
+    with torch.device("meta"):
+        m = _encoder()
+    x = torch.randn(3, 5, 8)
+    match = r"model has parameters or buffers on the meta device \(no data\), e.g. 'layers"
+    with pytest.raises(ValueError, match=match):
+        attnuq.predict(m, x, nu=4, n_samples=2)
+    with pytest.raises(ValueError, match=match):
+        attnuq.calibrate(m, [(x, x)], n_passes=2)
+    with pytest.raises(ValueError, match=match):
+        attnuq.SARegressor(m)
+
+
+def test_batch_size_skips_zero_dim_tensors() -> None:
+    """A 0-d keyword (a scale) before the batched input no longer hides the batch."""
+    x = torch.randn(4, 5, 8)
+    assert batch_size({"scale": torch.tensor(2.0), "x": x}) == 4
+    assert batch_size((torch.tensor(1.0), x)) == 4
+    with pytest.raises(ValueError, match="no tensor with a batch dimension"):
+        batch_size({"scale": torch.tensor(2.0)})
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = _encoder()
+
+        def forward(self, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return self.enc(x).mean((1, 2)) * scale
+
+    pred = attnuq.predict(Scaled().eval(), {"scale": torch.tensor(2.0), "x": x}, nu=4,
+                          n_samples=2)
+    assert pred.samples.shape == (2, 4)
+
+
+@pytest.mark.parametrize(("value", "err"), [(float("inf"), ValueError), (True, ValueError),
+                                            ("x", ValueError), (0.0, ValueError)])
+def test_levy_max_period_must_be_a_finite_positive_float(value: object, err: type) -> None:
+    with pytest.raises(err, match=rf"max_period must be a finite float > 0, got "
+                                  rf"max_period={value!r}"):
+        LevyAttention(3, 16, 4, max_period=value)  # type: ignore[arg-type]
+
+
+def test_levy_inputs_of_another_dtype_are_named() -> None:
+    layer = LevyAttention(3, 16, 4, out_features=1)
+    B, N = 2, 10
+    t = torch.rand(B, N) * 48
+    c = torch.randint(0, 3, (B, N))
+    v = torch.randn(B, N)
+    mk = torch.ones(B, N, dtype=torch.bool)
+    qt = torch.linspace(0, 48, 3).expand(B, 3)
+    with pytest.raises(ValueError, match=r"must have the layer's dtype torch.float32 .* got "
+                                         r"times.dtype=torch.float64"):
+        layer(t.double(), c, v, mk, qt)
+    out = layer.double()(t.double(), c, v.double(), mk, qt.double())  # one dtype: fine
+    assert out.mean.dtype == torch.float64
