@@ -189,3 +189,18 @@ def test_levy_inputs_of_another_dtype_are_named() -> None:
         layer(t.double(), c, v, mk, qt)
     out = layer.double()(t.double(), c, v.double(), mk, qt.double())  # one dtype: fine
     assert out.mean.dtype == torch.float64
+
+
+def test_calibrate_settings_check_has_calibrates_names_and_defaults() -> None:
+    """``check_calibrate_settings`` checks the settings ``calibrate`` takes, with its defaults:
+    the two signatures may not drift apart."""
+    import inspect
+
+    from attnuq.calibration import calibrate, check_calibrate_settings
+
+    def params(f: object) -> dict[str, object]:
+        sig = inspect.signature(f)  # type: ignore[arg-type]
+        return {n: p.default for n, p in sig.parameters.items()
+                if n not in ("model", "data") and not n.startswith("_")}
+
+    assert params(check_calibrate_settings) == params(calibrate)

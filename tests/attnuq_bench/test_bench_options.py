@@ -119,6 +119,8 @@ def test_demo_and_aggregate_refuse_before_writing(
     _refused(["bench", "uci", "--out", str(agg), "--aggregate-only", "--datasets", "concrete",
               "--data-dir", "bundled"], capsys, "--aggregate-only: no run records")
     assert not (tmp_path / "uci.md").exists() and not (tmp_path / "summary.json").exists()
+    _refused(["bench", "uci", "--out", str(agg), "--aggregate-only", "--render-only"], capsys,
+             "are two ways to render: pass one")
 
 
 def test_interrupted_items_say_where_and_how_to_resume(

@@ -32,7 +32,6 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 from attnuq._runtime import version
@@ -185,9 +184,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "head's state dict {'weight': (K, D), 'bias': (K,)}",
     )
     cal.add_argument(
-        "--pool", default="mean", choices=["mean", "cls", "none"],
-        help="pooling before --head: attention-mask-weighted mean over tokens, the first token, "
-        "or none (the field is already (B, D)); default: mean",
+        "--pool", default=None, choices=["mean", "cls", "none"],
+        help="pooling before --head (only with --head): attention-mask-weighted mean over "
+        "tokens, the first token, or none (the field is already (B, D)); default: mean",
     )
     cal.add_argument(
         "--criterion", default="auto", choices=list(CRITERIA),

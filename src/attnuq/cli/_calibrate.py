@@ -262,6 +262,18 @@ def _probe(model: nn.Module, xb: Any, output_fn: Callable[[Any], torch.Tensor],
     output_fn(out)  # an output without the asked field (or a key on a tensor): its own message
 
 
+def _check_csv_only_and_head_options(args: argparse.Namespace, data: str, head: Any) -> None:
+    """Refuse options the command would otherwise ignore: ``--target`` names CSV columns (an
+    ``.npz`` file's targets are its array ``y``), and ``--pool`` shapes the input of a
+    ``--head``."""
+    if getattr(args, "target", None) and Path(data).suffix == ".npz":
+        raise ValueError(f"--target names CSV columns; {Path(data).name} is .npz (its targets "
+                         f"are the array 'y'), got --target {' '.join(args.target)}")
+    if getattr(args, "pool", None) is not None and head is None:
+        raise ValueError(f"--pool shapes the input of --head; without a head it does nothing, "
+                         f"got --pool {args.pool}")
+
+
 def check_fresh_out(out: Path, overwrite: bool, option: str = "--out") -> None:
     """Refuse an output that already holds something unless ``overwrite`` (a folder with
     files, or an existing file), before any work."""
@@ -322,6 +334,8 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     from attnuq.calibration.layers import check_per_layer
 
     check_per_layer(getattr(args, "per_layer", None), args.criterion)  # before loading anything
+    _check_csv_only_and_head_options(args, args.data, head=getattr(args, "head", None))
+    args.pool = args.pool or "mean"
     out = check_out_dir(args.out)  # before any work: a file named as --out fails now
     check_fresh_out(out, getattr(args, "overwrite", False))
     torch.manual_seed(args.seed)
@@ -521,6 +535,7 @@ def predict_saved_model(args: argparse.Namespace) -> Path:
         raise ValueError(f"{args.fitted}: field 'metadata' must be a JSON object, got "
                          f"{type(meta).__name__}")
     head = args.head if args.head is not None else meta.get("head")
+    _check_csv_only_and_head_options(args, args.input, head=head)
     pool = args.pool if args.pool is not None else meta.get("pool") or "mean"
     key = args.output_key if args.output_key is not None else meta.get("output_key")
     drop = args.target if args.target is not None else meta.get("target")

@@ -112,6 +112,8 @@ def test_taken_out_refused_unless_overwrite(files: dict[str, Path],
     ("inputs-folder", "is a folder, not a regular file"),
     ("metadata-list", "field 'metadata' must be a JSON object, got list"),
     ("out-unwritable", "--out '/proc/attnuq-x/p.npz': folder '/proc' does not take new files"),
+    ("pool-without-head", "--pool shapes the input of --head; without a head it does nothing"),
+    ("target-with-npz", "--target names CSV columns; new.npz is .npz"),
 ])
 def test_predict_bad_input_one_line_exit_2(files: dict[str, Path], case: str, message: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,8 +159,10 @@ def test_predict_bad_input_one_line_exit_2(files: dict[str, Path], case: str, me
         fitted.write_text(json.dumps(est))
     elif case == "out-unwritable":
         out = Path("/proc/attnuq-x/p.npz")
+    extra = {"pool-without-head": ["--pool", "cls"],
+             "target-with-npz": ["--target", "y"]}.get(case, [])
     rc = main(["predict", str(model), str(fitted), str(new), "--level", level,
-               "--out", str(out)])
+               "--out", str(out), *extra])
     err = capsys.readouterr().err
     assert rc == 2
     assert len(err.strip().splitlines()) == 1 and message in err, err

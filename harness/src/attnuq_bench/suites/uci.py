@@ -335,6 +335,9 @@ def run(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     table = Path(args.table) if args.table else out.with_suffix(".md")
     twin_path(table)  # a --table that cannot have a JSON twin is refused before any work
+    if getattr(args, "render_only", False) and args.aggregate_only:
+        raise ValueError("--render-only (the page from <out>.json) and --aggregate-only (the "
+                         "page from the run records) are two ways to render: pass one")
     if getattr(args, "render_only", False):
         page = render_page(out, table)
         page.write(table)
