@@ -56,6 +56,41 @@ def test_runner_reuses_matching_items_and_redoes_the_others(
         assert run_items(store, g1[1:], setup, one, progress=False).done == 1
 
 
+def test_runner_accept_redoes_records_of_another_setup(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``Group.accept`` sees each stored record before the setup (context ``None``) and, when
+    the setup runs, again with its context: records of another setup are redone."""
+    backbone = {"now": "A"}
+
+    def setup(g: Group) -> str:
+        return backbone["now"]
+
+    def one(ctx: str, g: Group, m: str) -> dict[str, Any]:
+        return {"method": m, "backbone": ctx}
+
+    def accept(rec: Any, ctx: Any) -> str | None:
+        return None if ctx is None or rec["backbone"] == ctx else "was made on another one"
+
+    store = _store(tmp_path)
+    assert run_items(store, [Group(("a",), ["m1"], accept=accept)], setup, one,
+                     progress=False).done == 1
+    backbone["now"] = "B"  # the setup now gives another context
+    # all stored: the setup does not run, so nothing can tell; the record is reused
+    s = run_items(store, [Group(("a",), ["m1"], accept=accept)], setup, one, progress=False)
+    assert (s.done, s.reused) == (0, 1)
+    # a new item makes the setup run: the stored one is checked against its context, redone
+    s = run_items(store, [Group(("a",), ["m1", "m2"], accept=accept)], setup, one,
+                  progress=False)
+    assert (s.done, s.reused) == (2, 0)
+    assert "a/m1.json was made on another one; redoing it" in capsys.readouterr().out
+    assert json.loads((tmp_path / "runs/a/m1.json").read_text())["backbone"] == "B"
+    # a refusal before the setup (context None) redoes it too
+    s = run_items(store, [Group(("a",), ["m1"], accept=lambda r, c: "stale")], setup, one,
+                  progress=False)
+    assert (s.done, s.reused) == (1, 0)
+
+
 def test_runner_records_failures_skips_groups_and_calls_back(tmp_path: Path) -> None:
     saved: list[str] = []
 

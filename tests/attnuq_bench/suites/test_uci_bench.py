@@ -195,6 +195,28 @@ def test_torn_run_json_and_backbone_are_redone_with_a_warning(tmp_path: Path) ->
     assert not [p for p in out.rglob("*.tmp")]
 
 
+def test_records_of_another_backbone_are_redone(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A row is reused only with the backbone it was scored on: a backbone trained again need
+    not reproduce the first (float results differ between CPUs; early stopping amplifies
+    them), and a row of the old one beside rows of the new one would mix two models."""
+    out = tmp_path / "uci"
+    assert main(_tiny_argv(out)) == 0
+    run_json = out / "runs/concrete/split0/gaussian.json"
+    rec = json.loads(run_json.read_text())
+    assert len(rec["backbone"]["weights"]) > 8  # the weights' digest keys the row
+    capsys.readouterr()
+    assert main(_tiny_argv(out)) == 0  # same backbone: reused
+    assert "redoing" not in capsys.readouterr().out
+    # the row as if scored on another training (an older record: no weights digest)
+    old = {k: v for k, v in rec["backbone"].items() if k != "weights"}
+    run_json.write_text(json.dumps({**rec, "backbone": {**old, "epochs_run": 99}}))
+    assert main(_tiny_argv(out)) == 0
+    said = capsys.readouterr().out
+    assert "gaussian.json was scored on another backbone (99 epochs" in said, said
+    assert json.loads(run_json.read_text())["backbone"] == rec["backbone"]
+
+
 @pytest.mark.slow
 def test_other_budget_or_depth_retrains_the_backbone(tmp_path: Path) -> None:
     """Issue #23 item 6: another ``--max-epochs`` reused the old backbone (and labelled the JSON

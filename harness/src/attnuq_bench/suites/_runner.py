@@ -127,7 +127,10 @@ class Group:
     work inside one process (e.g.
     ``("sa-paper", "sa-conformal")``: one set of SA draws scores both rows); under a process
     group the items of a bundle still to do go to one rank as one unit, in ``methods`` order
-    (names not among ``methods`` are ignored)."""
+    (names not among ``methods`` are ignored). ``accept(record, context)``: ``None`` when a
+    stored record may be reused, else the reason it may not (it is then done again); called
+    with ``context=None`` before the setup and, when the setup runs, again with its context
+    (e.g. the record was scored on another backbone than the one the setup loaded)."""
 
     parts: tuple[str, ...]
     methods: Sequence[str]
@@ -136,6 +139,7 @@ class Group:
     method_reuse: Mapping[str, Any] = field(default_factory=dict)
     together: Sequence[Sequence[str]] = ()
     data: str | None = None
+    accept: Callable[[Mapping[str, Any], Any], str | None] | None = None
 
     def reuse_for(self, method: str) -> Any:
         """The reuse key of ``method``'s record in this group."""
@@ -371,19 +375,29 @@ def run_items(
     try:
         for g in groups:
             where = "what is to do in " + ("/".join(g.parts) or store.suite)
-            todo = [m for m in g.methods
-                    if m in rerun or store.load(g.parts, m, g.reuse_for(m), data=g.data) is None]
-            summary.reused += len(g.methods) - len(todo)
-            bar.update(len(g.methods) - len(todo))
+            kept: dict[str, dict[str, Any]] = {}
+            for m in g.methods:
+                rec = None if m in rerun else store.load(g.parts, m, g.reuse_for(m),
+                                                         data=g.data)
+                if rec is not None and not _rejected(store, g, m, rec, None):
+                    kept[m] = rec
+            todo = [m for m in g.methods if m not in kept]
             if not todo:
+                summary.reused += len(kept)
+                bar.update(len(kept))
                 continue
             where = "the setup of " + ("/".join(g.parts) or store.suite)
             try:
                 ctx = setup(g)
             except SkipGroup as exc:
                 summary.skipped[g.parts] = str(exc)
-                bar.update(len(todo))
+                bar.update(len(g.methods))
                 continue
+            # the setup's context (e.g. the backbone it loaded or trained) may reject more
+            todo = [m for m in g.methods
+                    if m not in kept or _rejected(store, g, m, kept[m], ctx)]
+            summary.reused += len(g.methods) - len(todo)
+            bar.update(len(g.methods) - len(todo))
             for m in todo:
                 where = "/".join((*g.parts, m))
                 bar.set_postfix_str(where)
@@ -398,6 +412,14 @@ def run_items(
     finally:
         bar.close()
     return summary
+
+
+def _rejected(store: RunStore, g: Group, m: str, rec: Mapping[str, Any], ctx: Any) -> bool:
+    """Whether ``g.accept`` refuses the stored record ``rec`` of ``m`` (saying why)."""
+    why = None if g.accept is None else g.accept(rec, ctx)
+    if why:
+        print(f"[{store.suite}] {store.path(g.parts, m)} {why}; redoing it", flush=True)
+    return bool(why)
 
 
 def _run_one_item(store: RunStore, ctx: Any, g: Group, m: str,
@@ -439,10 +461,18 @@ def _run_sharded(
     long = _dist.long_group()
 
     def plan() -> list[list[str]] | None:
+        # the plan is made before any setup: ``Group.accept`` sees no context here (a record
+        # it would refuse only once the setup has run is reused under a process group)
         if rank != 0:
             return None
-        return [[m for m in g.methods if m in rerun or store.load(
-            g.parts, m, g.reuse_for(m), data=g.data) is None] for g in groups]
+
+        def redo(g: Group, m: str) -> bool:
+            if m in rerun:
+                return True
+            rec = store.load(g.parts, m, g.reuse_for(m), data=g.data)
+            return rec is None or _rejected(store, g, m, rec, None)
+
+        return [[m for m in g.methods if redo(g, m)] for g in groups]
 
     todo = _dist.phase(f"{store.suite}: what is to do", plan, group=long)[0]
     assert todo is not None

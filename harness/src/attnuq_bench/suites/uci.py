@@ -208,6 +208,60 @@ def _cache_spec(data: Any, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+#: the fields of a backbone's training record that tell two trainings apart (when the records
+#: do not both hold the weights' digest)
+_BACKBONE_FIELDS = ("epochs_run", "best_epoch", "best_val_rmse_std_units", "n_forward")
+
+
+def backbone_mismatch(old: Any, cur: Any) -> str | None:
+    """Why a record scored on backbone ``old`` (its ``backbone`` entry) may not be reused with
+    backbone ``cur`` (the cached one's record), or ``None``: the weights' digests differ, or,
+    for records without one, the training records (a backbone trained again need not
+    reproduce: float results differ between CPUs, and early stopping amplifies them).
+
+    Examples
+    --------
+    >>> a = {"epochs_run": 62, "best_epoch": 45, "best_val_rmse_std_units": 0.6198,
+    ...      "n_forward": 2296542}
+    >>> backbone_mismatch(a, dict(a)) is None
+    True
+    >>> why = backbone_mismatch(a, {**a, "epochs_run": 74, "best_epoch": 57})
+    >>> why.startswith("was scored on another backbone (62 epochs, best 45"), "(74 epochs" in why
+    (True, True)
+    """
+    if not isinstance(old, dict) or not isinstance(cur, dict):
+        return None  # a record without its backbone, or no backbone cached: nothing to compare
+    if "weights" in old and "weights" in cur:
+        same = old["weights"] == cur["weights"]
+    else:
+        same = all(old.get(f) == cur.get(f) for f in _BACKBONE_FIELDS)
+    if same:
+        return None
+
+    def said(b: dict[str, Any]) -> str:
+        v = b.get("best_val_rmse_std_units")
+        return (f"{b.get('epochs_run')} epochs, best {b.get('best_epoch')}, val RMSE "
+                f"{v:.4g}" if isinstance(v, float) else f"{b.get('epochs_run')} epochs")
+
+    return f"was scored on another backbone ({said(old)}) than the cached one ({said(cur)})"
+
+
+def _same_backbone(folder: Path) -> Any:
+    """``Group.accept`` of a UCI split: a stored record is reused only with the backbone it
+    was scored on (before the setup: the cached backbone's record, if one is cached; after
+    it: the backbone the setup loaded or trained)."""
+    def accept(rec: Any, ctx: Any) -> str | None:
+        if ctx is not None:
+            cur = ctx[2]
+        elif (folder / "backbone.pt").is_file():
+            cur = read_json_or_none(folder / "backbone.json", "backbone record")
+        else:
+            cur = None
+        return backbone_mismatch(rec.get("backbone"), cur)
+
+    return accept
+
+
 def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, dict[str, Any]]:
     from attnuq_bench.methods import Task
     from attnuq_bench.models.ft import make_ft_transformer
@@ -248,7 +302,9 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
     model, info = cached_state(cache, lambda: make_model(0), train, device=device)
     if is_writer():
         (cache / "train.ckpt").unlink(missing_ok=True)
-    info = {**info, "cache_key": cache.name}
+    from attnuq.montecarlo import model_digest
+
+    info = {**info, "cache_key": cache.name, "weights": model_digest(model)}
     model.eval()
     for p in model.parameters():
         p.requires_grad_(True)
@@ -367,9 +423,13 @@ def run(args: argparse.Namespace) -> Path:
                 # with --batch-size auto its fit size decides the batch size, hence the budget
                 held: dict[str, Any] = {"data": load_uci(name, k, data_dir=args.data_dir)}
                 bs = batch_size_for(args.batch_size, len(held["data"].y_fit))
+                mdir = cache_root / name / f"split{k}"
+                folder = (mdir if seed == 0 else mdir / f"seed{seed}") / cache_key(
+                    _cache_spec(held["data"], args))
                 groups.append(Group(parts=_parts(name, k, seed), methods=list(args.methods),
                                     reuse=_budget(args, bs), payload=(name, k, held),
-                                    data=split_digest(held["data"])))
+                                    data=split_digest(held["data"]),
+                                    accept=_same_backbone(folder)))
 
         def setup(g: Group) -> tuple[Any, Any, dict[str, Any]]:
             name, k, held = g.payload
