@@ -382,8 +382,9 @@ def predict(
     Raises
     ------
     ValueError
-        A bad argument (named with its value), samples beyond the memory budget, or a frozen
-        prediction that is not finite (naming the inputs that hold NaN/inf).
+        A bad argument (named with its value), a model in training mode, samples beyond the
+        memory budget, or a frozen prediction that is not finite (naming the inputs that hold
+        NaN/inf).
     RuntimeError
         If the model's forward never called a stochastic attention site during the passes
         (counted by the patch, :attr:`attnuq.patching.PatchHandle.calls`): such samples would
@@ -406,6 +407,11 @@ def predict(
     if recentre is not None and recentre not in RECENTRE:
         raise ValueError(f"recentre must be None or one of {RECENTRE}, got {recentre=!r}")
     check_module(model)
+    if model.training:  # its frozen pass would already be random (dropout, batch statistics)
+        raise ValueError(
+            f"model is in training mode ({type(model).__name__}.training=True): stochastic "
+            "attention is for inference; call model.eval() first"
+        )
     n = check_positive_int(n_samples, "n_samples")
     if n < 2:
         raise ValueError(

@@ -204,3 +204,17 @@ def test_calibrate_settings_check_has_calibrates_names_and_defaults() -> None:
                 if n not in ("model", "data") and not n.startswith("_")}
 
     assert params(check_calibrate_settings) == params(calibrate)
+
+
+def test_predict_refuses_a_model_in_training_mode_before_any_pass() -> None:
+    """Its frozen pass would already be random (dropout): refused at the entry, where it used
+    to run the frozen pass and fail only inside the first stochastic pass."""
+    calls = []
+    m = _encoder()
+    m.register_forward_hook(lambda *_: calls.append(1))
+    m.train()
+    with pytest.raises(ValueError, match=r"model is in training mode .* call model.eval\(\)"):
+        attnuq.predict(m, torch.randn(2, 5, 8), nu=2, n_samples=2)
+    assert calls == []
+    assert attnuq.predict(m.eval(), torch.randn(2, 5, 8), nu=2, n_samples=2).samples.shape \
+        == (2, 2, 5, 8)
