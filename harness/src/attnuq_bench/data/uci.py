@@ -77,6 +77,7 @@ def uci_dir(name: str, data_dir: str | os.PathLike[str] | None = None) -> Path:
         raise ValueError(f"name must be a data set folder name, got {name=!r}")
     tried: list[str] = []
     roots: list[Path] = []
+    no_root = ""  # why the shared data root was not looked in (said once, after the list)
     if data_dir is not None and str(data_dir) == "bundled":
         roots.append(BUNDLED_DIR)
     elif data_dir is not None:
@@ -85,7 +86,7 @@ def uci_dir(name: str, data_dir: str | os.PathLike[str] | None = None) -> Path:
         try:
             roots.append(_resolve_data_dir(None))
         except FileNotFoundError as exc:
-            tried.append(str(exc))
+            no_root = f"; the shared data root was not searched: {exc}"
         roots.append(BUNDLED_DIR)
     for root in roots:
         for cand in (root / name, root / "uci" / name):
@@ -93,8 +94,9 @@ def uci_dir(name: str, data_dir: str | os.PathLike[str] | None = None) -> Path:
             if all((cand / f).is_file() for f in _REQUIRED):
                 return cand
     raise FileNotFoundError(
-        f"UCI data set {name=!r} not found (looked in {tried}); expected the files "
-        f"{list(_REQUIRED)} + index_train_K.txt/index_test_K.txt; pass data_dir/--data-dir"
+        f"UCI data set {name=!r} not found (looked in {', '.join(tried)}{no_root}); expected "
+        f"the files {list(_REQUIRED)} + index_train_K.txt/index_test_K.txt; pass "
+        "data_dir/--data-dir"
     )
 
 
