@@ -116,7 +116,9 @@ def labelled_rows(
     -------
     logits, mask, labels
         ``(B, [L,] C)`` logits with ``C >= 2``; ``(B, [L])`` bool, the labelled positions;
-        ``(N,)`` int64 labels of those positions, in row-major order.
+        ``(N,)`` int64 labels of those positions, in row-major order (``N = 0`` when every
+        entry is ``ignore_index``: the caller decides whether a part without labels is an
+        error).
 
     Examples
     --------
@@ -157,8 +159,8 @@ def labelled_rows(
     else:
         keep = targets != ignore_index if ignore_index is not None else torch.ones_like(
             targets, dtype=torch.bool)
-    if not bool(keep.any()):
-        raise ValueError(f"every entry of {name} equals ignore_index={ignore_index}: no label")
+    if not bool(keep.any()):  # e.g. a prompt-only batch: no row; the callers check the part
+        return z, keep.to(z.device), torch.zeros(0, dtype=torch.int64, device=z.device)
     labels = check_labels(targets[keep], c, name)
     return z, keep.to(z.device), labels.to(z.device)
 
@@ -176,8 +178,42 @@ def mc_log_probs(logit_samples: torch.Tensor, temperature: float = 1.0) -> torch
     >>> mc_log_probs(z).exp()
     tensor([[0.2500, 0.7500]])
     """
-    lp = torch.log_softmax(logit_samples / temperature, -1)
-    return torch.logsumexp(lp, 0) - math.log(logit_samples.shape[0])
+    z = _check_logit_samples(logit_samples, min_dim=2)
+    t = _check_temperature(temperature)
+    lp = torch.log_softmax(z / t, -1)
+    return torch.logsumexp(lp, 0) - math.log(z.shape[0])
+
+
+def _check_logit_samples(z: object, *, min_dim: int, name: str = "logit_samples"
+                         ) -> torch.Tensor:
+    """A non-empty, finite, floating tensor of at least ``min_dim`` dimensions."""
+    if not isinstance(z, torch.Tensor) or not z.is_floating_point():
+        what = z.dtype if isinstance(z, torch.Tensor) else type(z).__name__
+        raise TypeError(f"{name} must be a floating-point tensor of logits, got {what}")
+    if z.dim() < min_dim or z.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty tensor of at least {min_dim} dimensions, "
+                         f"got {name}.shape={tuple(z.shape)}")
+    if not bool(torch.isfinite(z).all()):
+        raise ValueError(f"{name} holds NaN or inf, got {name}.shape={tuple(z.shape)}")
+    return z
+
+
+def _check_temperature(temperature: object) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature=!r}")
+    return float(temperature)
+
+
+def _check_rows(z: torch.Tensor, labels: object) -> torch.Tensor:
+    """``labels`` as ``(N,)`` int64 class ids in ``[0, C)`` for logits ``(S, N, C)``."""
+    from attnuq.metrics._classification import check_labels
+
+    y = check_labels(labels, int(z.shape[-1]), "labels")
+    if y.dim() != 1 or y.shape[0] != z.shape[1]:
+        raise ValueError(f"labels must be (N,) with N = logit_samples.shape[1] = {z.shape[1]}, "
+                         f"got labels.shape={tuple(y.shape)}")
+    return y.to(z.device)
 
 
 def mc_nll(
@@ -201,7 +237,11 @@ def mc_nll(
     >>> round(float(mc_nll(z, torch.tensor([0]))[0]), 4)  # -ln 0.25
     1.3863
     """
-    return -mc_log_probs(logit_samples, temperature).gather(-1, labels[:, None])[:, 0]
+    z = _check_logit_samples(logit_samples, min_dim=3)
+    if z.dim() != 3:
+        raise ValueError(f"logit_samples must be (S, N, C), got shape={tuple(z.shape)}")
+    y = _check_rows(z, labels)
+    return -mc_log_probs(z, temperature).gather(-1, y[:, None])[:, 0]
 
 
 def fit_temperature(
@@ -237,9 +277,16 @@ def fit_temperature(
     """
     from scipy.optimize import minimize_scalar
 
-    z = logit_samples if logit_samples.dim() == 3 else logit_samples[None]
-    z = z.detach().to(torch.float64)
-    y = labels.to(z.device)
+    z = _check_logit_samples(logit_samples, min_dim=2)
+    if z.dim() not in (2, 3):
+        raise ValueError(f"logit_samples must be (S, N, C) or (N, C), got shape="
+                         f"{tuple(z.shape)}")
+    z = (z if z.dim() == 3 else z[None]).detach().to(torch.float64)
+    y = _check_rows(z, labels)
+    if not (isinstance(bounds, (tuple, list)) and len(bounds) == 2
+            and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)
+            and 0 < bounds[0] < bounds[1] < math.inf):
+        raise ValueError(f"bounds must be (low, high) with 0 < low < high < inf, got {bounds=!r}")
     lo, hi = math.log(bounds[0]), math.log(bounds[1])
 
     def f(log_t: float) -> float:
@@ -286,6 +333,8 @@ class CategoricalPredictive:
                 "samples must be (S, B, [L,] C) class probabilities with C >= 2, got "
                 f"shape={getattr(s, 'shape', None)}"
             )
+        if not s.is_floating_point():
+            raise TypeError(f"samples must be floating-point probabilities, got dtype={s.dtype}")
         check_finite(s, "samples")
         for name in ("logits", "frozen"):
             t = getattr(self, name)
@@ -306,8 +355,13 @@ class CategoricalPredictive:
         """From logit draws ``(S, B, [L,] C)`` (``C >= 2``; see :func:`class_logits`)."""
         if isinstance(temperature, bool) or not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature must be a finite float > 0, got {temperature=!r}")
-        z = logit_samples / temperature
-        fz = None if frozen_logits is None else (frozen_logits / temperature).softmax(-1)
+        # float16 / bfloat16 logits: the softmax in float32 (a bfloat16 softmax's rows sum to
+        # 1 only within ~1e-3)
+        def up(t: torch.Tensor) -> torch.Tensor:
+            return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+        z = up(logit_samples) / temperature
+        fz = None if frozen_logits is None else (up(frozen_logits) / temperature).softmax(-1)
         return cls(samples=z.softmax(-1), logits=z, frozen=fz)
 
     @property

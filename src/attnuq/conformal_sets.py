@@ -145,7 +145,7 @@ def set_scores(
     else:
         order = torch.sort(-p, dim=-1, stable=True).indices  # (B, C): classes, most probable first
         ranked = p.gather(-1, order)
-        cum = ranked.cumsum(-1)
+        cum = ranked.cumsum(-1).clamp_max(1.0)  # the full mass is 1, not 1 + a rounding
         if randomized:
             u = torch.rand(p.shape[0], 1, generator=generator, dtype=p.dtype)
             cum = cum - ranked * (1.0 - u.to(p.device))  # mass above + U p_c

@@ -53,8 +53,9 @@ def test_class_logits_and_rows() -> None:
                                                                           [0, 2, -100]]))
     assert mask.tolist() == [[True, False, True], [True, True, False]]
     assert labels.tolist() == [1, 3, 0, 2] and out.shape == (2, 3, 4)
-    with pytest.raises(ValueError, match=r"every entry of t equals ignore_index=-100"):
-        labelled_rows(torch.zeros(2, 4), torch.full((2,), -100), name="t")
+    # every entry ignored (a prompt-only batch): no row, no error (the part is checked)
+    out, mask, labels = labelled_rows(torch.zeros(2, 4), torch.full((2,), -100), name="t")
+    assert not mask.any() and labels.shape == (0,) and labels.dtype == torch.int64
     with pytest.raises(ValueError, match=r"fitted with 5"):
         labelled_rows(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), n_classes=5)
 

@@ -5,6 +5,7 @@ for low-precision metrics, computed in float32)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -218,3 +219,89 @@ def test_predict_refuses_a_model_in_training_mode_before_any_pass() -> None:
     assert calls == []
     assert attnuq.predict(m.eval(), torch.randn(2, 5, 8), nu=2, n_samples=2).samples.shape \
         == (2, 2, 5, 8)
+
+
+# ----------------------------------------------------------------------------- classification
+
+
+class _Clf(nn.Module):
+    """A one-layer encoder classifier: ``(B, 5, 8) -> (B, C)`` (``C = 1``: one binary logit),
+    or per-token logits ``(B, 5, C)`` with ``tokens``."""
+
+    def __init__(self, c: int, tokens: bool = False) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(8, c)
+        self.tokens = tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x)
+        return 3 * self.head(h if self.tokens else h.mean(1))
+
+
+def test_prediction_sets_score_test_inputs_as_the_calibration_inputs_were() -> None:
+    """The calibration scores were float64, the test scores came from float32 probabilities:
+    APS scores of 1 + 3e-8 fell above a threshold of 1.0 and the sets of the calibration inputs
+    themselves covered 0.87 at alpha = 0.02. Re-predicting the calibration part (same seed,
+    same draws) must now cover at least ceil((n + 1)(1 - alpha)) of its n labels, exactly."""
+    torch.manual_seed(0)
+    net = _Clf(1).eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 5, 8, generator=g)
+    y = torch.randint(0, 2, (200,), generator=g)
+    clf = attnuq.SAClassifier(net, nu=4, n_samples=4, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an untrained net at a fixed nu: diagnostics warn
+        clf.fit([(x[:100], y[:100])], [(x[100:], y[100:])])
+    for alpha in (0.02, 0.05, 0.1):
+        sets = clf.predict_set(x[100:], alpha)
+        covered = int(sets[torch.arange(100), y[100:]].sum())
+        assert covered >= math.ceil(101 * (1 - alpha) - 1e-9), (alpha, covered)
+
+
+def test_a_batch_without_labels_is_skipped_not_refused() -> None:
+    """A batch whose every target is ignore_index (a prompt-only batch) holds no row; the fit
+    goes on with the other batches, and refuses only a part without any label."""
+    torch.manual_seed(0)
+    net = _Clf(4, tokens=True).eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(30, 5, 8, generator=g)
+    y = torch.randint(0, 4, (30, 5), generator=g)
+    none = torch.full((10, 5), -100)
+    clf = attnuq.SAClassifier(net, nu=2, n_samples=4, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clf.fit([(x[:10], y[:10]), (x[10:20], none)], [(x[20:], y[20:])])
+    assert clf.diagnostics["n_val"] == 50
+    with pytest.raises(ValueError, match="ignore_index"):
+        attnuq.SAClassifier(net, nu=2, n_samples=4, progress=False).fit(
+            [(x[10:20], none)], [(x[20:], y[20:])])
+    with pytest.raises(ValueError, match=r"every target of data equals ignore_index=-100"):
+        attnuq.calibrate(net, [(x[10:20], none)], criterion="nll", n_passes=2)
+
+
+def test_categorical_helpers_refuse_what_they_cannot_score() -> None:
+    from attnuq.categorical import CategoricalPredictive, fit_temperature, mc_nll
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(4, 10, 3, generator=g)
+    y = torch.randint(0, 3, (10,), generator=g)
+    with pytest.raises(ValueError, match=r"labels must be \(N,\) with N = .* = 10, got "
+                                         r"labels.shape=\(5,\)"):
+        mc_nll(z, y[:5])
+    for t in (0.0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="temperature must be a finite float > 0"):
+            mc_nll(z, y, t)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\)|labels"):
+        mc_nll(z, torch.full((10,), -100))
+    with pytest.raises(ValueError, match="logit_samples holds NaN or inf"):
+        fit_temperature(torch.full((10, 3), float("nan")), y)
+    with pytest.raises(ValueError, match="non-empty"):
+        fit_temperature(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(TypeError, match="samples must be floating-point probabilities"):
+        CategoricalPredictive(samples=torch.ones(2, 3, 2, dtype=torch.long))
+    # low-precision logits: the softmax in float32, so the rows sum to 1 and entropy works
+    pred = CategoricalPredictive.from_logits(z.bfloat16() * 20)
+    assert pred.samples.dtype == torch.float32
+    assert torch.isfinite(pred.entropy).all()

@@ -75,6 +75,9 @@ def prepare_classes(
                               labels=labels.cpu(), rows=rows))
     if not out:
         raise ValueError("data is empty: it yielded no (inputs, targets) batch")
+    if not any(bt.labels is not None and bt.labels.numel() for bt in out):
+        raise ValueError(f"every target of data equals ignore_index={ignore_index}: no label "
+                         f"in {len(out)} batch(es)")
     return out
 
 

@@ -281,7 +281,8 @@ class SAClassifier:
                 )
         fy = torch.cat([y for _, y in frozen_val], 0)
         if fy.numel() < 2:
-            raise ValueError(f"val_data has {fy.numel()} labelled row(s): at least 2 are needed")
+            raise ValueError(f"val_data has {fy.numel()} labelled row(s) (targets other than "
+                             f"ignore_index={self.ignore_index}): at least 2 are needed")
         edge = None
         if self.nu is None:
             with warnings.catch_warnings():  # shown below, once, in classification words
@@ -431,6 +432,14 @@ class SAClassifier:
         ValueError
             The model's output is not logits of the shape seen at :meth:`fit`.
         """
+        fit = self._require_fitted()
+        zs, fz = self._draws(inputs)
+        return CategoricalPredictive.from_logits(zs, temperature=fit["temperature"],
+                                                 frozen_logits=fz)
+
+    def _draws(self, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logit draws ``(S, B, [L,] C)`` and frozen logits ``(B, [L,] C)`` of ``inputs``
+        at the fitted ``nu`` (before the temperature)."""
         from attnuq.montecarlo import predict
 
         fit = self._require_fitted()
@@ -444,9 +453,7 @@ class SAClassifier:
                 f"the model output must be logits with {fit['n_classes']} classes (as at fit), "
                 f"got output shape={tuple(pred.frozen.shape)}"
             )
-        zs = _draw_logits(pred.samples)
-        return CategoricalPredictive.from_logits(zs, temperature=fit["temperature"],
-                                                 frozen_logits=fz)
+        return _draw_logits(pred.samples), fz
 
     def predict_set(self, inputs: Any, alpha: float = 0.1) -> torch.Tensor:
         r"""Conformal prediction sets ``(B, [L,] C)`` (bool) holding the label with marginal
@@ -468,9 +475,14 @@ class SAClassifier:
         k = conformal_rank(int(scores.numel()), alpha)
         rule = ConformalSets(threshold=float(scores[k - 1]), alpha=alpha,
                              n=int(scores.numel()), score=self.score)
-        probs = self.predict(inputs).probs
-        flat = probs.reshape(-1, probs.shape[-1]).double()
-        return rule.predict(flat).reshape(probs.shape).to(probs.device)
+        # the scores exactly as the calibration scores were computed at fit (float64 softmax
+        # of the draws over T, then their mean): a float32 mean sums to 1 + 3e-8, and APS
+        # scores of 1 + 3e-8 fall above a threshold of 1.0, dropping classes the guarantee
+        # needs
+        zs, _ = self._draws(inputs)
+        probs = (zs.double() / fit["temperature"]).softmax(-1).mean(0)
+        flat = probs.reshape(-1, probs.shape[-1])
+        return rule.predict(flat).reshape(probs.shape).to(zs.device)
 
     # ------------------------------------------------------------ save/load
     def to_dict(self) -> dict[str, Any]:
