@@ -305,3 +305,87 @@ def test_categorical_helpers_refuse_what_they_cannot_score() -> None:
     pred = CategoricalPredictive.from_logits(z.bfloat16() * 20)
     assert pred.samples.dtype == torch.float32
     assert torch.isfinite(pred.entropy).all()
+
+
+# ----------------------------------------------------------------------------- Levy side
+
+
+def test_float32_sampler_picks_observations_with_their_probabilities_on_many_rows() -> None:
+    """The sampler searched ``r + cdf`` in the input dtype: in float32 the rows past ~1e5 could
+    not tell their observations apart (frequencies 0.073 against p = 0.037 at 2^21 rows). Each
+    atom's observation frequency must match p: |z| < 5 on each of the 6 observations (a
+    false failure has probability below 6 x 6e-7)."""
+    from attnuq.ops.levy import levy_attention, levy_attention_sample
+
+    n, rows = 6, 1 << 20
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 1, 4, generator=g).expand(1, 1, rows, 4).contiguous()
+    k = torch.randn(1, 1, n, 4, generator=g)
+    a = torch.eye(n)[None, None]  # a_i = e_i: an atom's value names its observation
+    t = torch.zeros(1, n)
+    m = torch.ones(1, n, dtype=torch.bool)
+    kw = {"alpha": 1.0, "beta": 8.0, "h": 0.0}
+    p = levy_attention(q[:, :, :1], k, a, t, m, **kw).mean[0, 0, 0].double()
+    s = levy_attention_sample(q, k, a, t, m, num_samples=1,
+                              generator=torch.Generator().manual_seed(1), **kw)
+    cnt = s.counts[0, 0, 0].double()
+    freq = (s.values[0, 0, 0].double() * cnt[:, None]).sum(0) / cnt.sum()
+    se = (p * (1 - p) / cnt.sum()).sqrt().clamp_min(1e-12)
+    assert float(((freq - p) / se).abs().max()) < 5, (freq.tolist(), p.tolist())
+
+
+def test_forecast_loss_ignores_padding_and_checks_sigma() -> None:
+    from attnuq.models.levy_forecaster import LevyForecaster, forecast_loss
+
+    torch.manual_seed(0)
+    model = LevyForecaster(3, d=16).eval()
+    B, L, Q = 2, 5, 4
+    out = model(torch.rand(B, L), torch.randint(0, 3, (B, L)), torch.rand(B, L),
+                torch.ones(B, L, dtype=torch.bool), torch.rand(B, Q), torch.randint(0, 3, (B, Q)))
+    y = torch.randn(B, Q)
+    mask = torch.tensor([[True, True, False, False], [True, True, True, False]])
+    padded = torch.where(mask, y, torch.full_like(y, float("nan")))
+    for w in (0.0, 1.0):
+        assert torch.equal(forecast_loss(out, padded, mask, weight=w),
+                           forecast_loss(out, y, mask, weight=w))
+    one_nan = y.clone()
+    one_nan[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"targets holds 1 NaN/inf value\(s\) at observed"):
+        forecast_loss(out, one_nan, mask, weight=0.0)
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match=r"out.sigma_total must have the targets' shape"):
+        forecast_loss(replace(out, sigma_total=out.sigma_total[:, :1]), y, mask, weight=1.0)
+    with pytest.raises(ValueError, match=r"out.sigma_total must be finite and >= 0"):
+        forecast_loss(replace(out, sigma_total=-out.sigma_total), y, mask, weight=1.0)
+
+
+def test_levy_forecaster_takes_empty_batches_and_checks_its_settings() -> None:
+    from attnuq.models.levy_forecaster import LevyForecaster
+
+    model = LevyForecaster(3, d=16).eval()  # one encoder layer by default
+    qt, qc = torch.rand(2, 4), torch.randint(0, 3, (2, 4))
+    for b, n in ((2, 0), (0, 5)):
+        out = model(torch.rand(b, n), torch.zeros(b, n, dtype=torch.long), torch.rand(b, n),
+                    torch.ones(b, n, dtype=torch.bool), qt[:b], qc[:b])
+        assert out.mean.shape == (b, 4)
+    alpha = LevyForecaster(3, alpha=800.0).layer_params()["alpha"].detach()
+    assert float(alpha) == pytest.approx(800)
+    for kw, match in (({"d": 33}, "d must be divisible"), ({"encoder_layers": 1.5},
+                      "encoder_layers must be an int"), ({"dropout": "x"}, "dropout must be")):
+        with pytest.raises(ValueError, match=match):
+            LevyForecaster(3, **kw)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="obs_channels must be an integer tensor"):
+        model(torch.rand(2, 5), torch.zeros(2, 5), torch.rand(2, 5),
+              torch.ones(2, 5, dtype=torch.bool), qt, qc)
+
+
+def test_sampler_with_no_value_dimension_and_a_field() -> None:
+    from attnuq.ops.levy import levy_attention_sample
+
+    q, k = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 3, 4)
+    out = levy_attention_sample(q, k, torch.zeros(1, 2, 3, 0), torch.rand(1, 3),
+                                torch.ones(1, 3, dtype=torch.bool), alpha=1.0, beta=2.0, h=0.1,
+                                omega=torch.ones(2), phase=torch.zeros(2),
+                                D=torch.zeros(2, 0, 2), num_samples=3)
+    assert out.values.shape == (3, 1, 2, 2, 0)

@@ -137,6 +137,9 @@ def _check_inputs(
         )
     if obs_mask.dtype != torch.bool:
         raise TypeError(f"obs_mask must be bool, got {obs_mask.dtype}")
+    for t, n in ((obs_channels, "obs_channels"), (query_channels, "query_channels")):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{n} must be an integer tensor of channel ids, got dtype={t.dtype}")
     check_finite(torch.where(obs_mask, obs_times, 0), "obs_times")
     check_finite(torch.where(obs_mask, obs_values, 0), "obs_values")
     check_finite(query_times, "query_times")
@@ -162,10 +165,15 @@ class _Backbone(nn.Module):
         self.n_channels = check_positive_int(n_channels, "n_channels")
         self.d = check_positive_int(d, "d")
         nf = check_positive_int(n_time_features, "n_time_features")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must lie in [0, 1), got {dropout=}")
-        if encoder_layers < 0:
-            raise ValueError(f"encoder_layers must be >= 0, got {encoder_layers=}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
+                or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a float in [0, 1), got {dropout=!r}")
+        if isinstance(encoder_layers, bool) or not isinstance(encoder_layers, int) \
+                or encoder_layers < 0:
+            raise ValueError(f"encoder_layers must be an int >= 0, got {encoder_layers=!r}")
+        if encoder_layers and d % max(1, d // 16):
+            raise ValueError(f"d must be divisible by the encoder's max(1, d // 16) = "
+                             f"{max(1, d // 16)} heads, got {d=}")
         # periods from 1 h to 96 h, log-spaced (learned)
         self.log_period = nn.Parameter(torch.linspace(0.0, math.log(96.0), nf))
         self.chan = nn.Embedding(n_channels, d)
@@ -198,7 +206,7 @@ class _Backbone(nn.Module):
         x = torch.where(m, x, 0)
         c = torch.where(m, c, 0)
         e = self.enc(torch.cat([self.time_features(t), self.chan(c), x[..., None]], dim=-1))
-        if len(self.layers):
+        if len(self.layers) and e.shape[0] and e.shape[1]:  # B = 0 or L = 0: nothing to mix
             # rows with no observation would make attention NaN; give them one dummy key
             empty = ~m.any(dim=1)
             pad = ~m
@@ -278,7 +286,7 @@ class LevyForecaster(nn.Module):
                 raise ValueError(f"{n} must be a finite float > 0, got {n}={v!r}")
         self.backbone = _Backbone(n_channels, d, n_time_features, encoder_layers, dropout)
         K = check_positive_int(n_value_features, "n_value_features")
-        inv = lambda x: math.log(math.expm1(x))  # noqa: E731 - inverse softplus
+        inv = lambda x: x + math.log(-math.expm1(-x))  # noqa: E731 - inverse softplus, stable
         self.raw_alpha = nn.Parameter(torch.tensor(inv(alpha)))
         self.raw_beta = nn.Parameter(torch.tensor(inv(beta)))
         self.raw_h = nn.Parameter(torch.tensor(inv(h)))
@@ -705,13 +713,27 @@ def forecast_loss(
             f"out.mean, targets and mask must have one shape, got {tuple(out.mean.shape)}, "
             f"{tuple(targets.shape)}, {tuple(mask.shape)}"
         )
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', mask)!r}")
+    bad = mask & ~torch.isfinite(targets)
+    if bool(bad.any()):
+        raise ValueError(f"targets holds {int(bad.sum())} NaN/inf value(s) at observed "
+                         "(mask=True) positions")
     n = mask.sum().clamp_min(1)
-    err = targets - out.mean
-    loss = (err**2 * mask).sum() / n
+    # padded targets may hold anything (NaN included): they are zeroed, not multiplied by 0
+    err = torch.where(mask, targets - out.mean, torch.zeros_like(out.mean))
+    loss = (err**2).sum() / n
     if w == 0:
         return loss
     if out.sigma_total is None:
         raise ValueError("out.sigma_total is None: a score needs the Levy forecaster's output")
+    if out.sigma_total.shape != targets.shape:
+        raise ValueError(f"out.sigma_total must have the targets' shape {tuple(targets.shape)}, "
+                         f"got {tuple(out.sigma_total.shape)}")
+    if bool((out.sigma_total < 0).any()) or not bool(torch.isfinite(out.sigma_total).all()):
+        raise ValueError("out.sigma_total must be finite and >= 0")
+    if log_alpha is not None and log_alpha.numel() != 1:
+        raise ValueError(f"log_alpha must be a scalar, got shape {tuple(log_alpha.shape)}")
     sd = ((temperature * out.sigma_total) ** 2 + floor**2).sqrt()
     z = torch.where(mask, err / sd, torch.zeros_like(err))
     if score == "crps":

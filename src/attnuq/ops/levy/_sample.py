@@ -80,7 +80,10 @@ def levy_attention_sample(
     cdf = w.reshape(R, N).cumsum(-1)
     tot = cdf[:, -1:]
     cdf = cdf / torch.where(tot > 0, tot, torch.ones_like(tot))  # last entry exactly 1
-    gcdf = (cdf + torch.arange(R, device=dev, dtype=dt)[:, None]).reshape(-1)  # (R * N,)
+    # the search runs in float64 whatever the dtype: r + cdf in float32 cannot tell the
+    # observations of row r apart once r reaches ~1e5 (2^24 / N)
+    f64 = torch.float64
+    gcdf = (cdf.to(f64) + torch.arange(R, device=dev, dtype=f64)[:, None]).reshape(-1)
     # flat position r * N + i  ->  source row (b * H + h) * N + i of a, times and the head
     r_idx = torch.arange(R, device=dev)
     bh_of_row = r_idx // Q  # b * H + h
@@ -92,7 +95,8 @@ def levy_attention_sample(
     a_flat = torch.where(mask[:, None, :, None], a, torch.zeros_like(a)).reshape(B * H * N, Dv)
     t_flat = torch.where(mask, times, torch.zeros_like(times))[:, None, :].expand(B, H, N)
     t_flat = t_flat.reshape(-1)
-    fourier = inp.omega is not None and inp.phase is not None and inp.D is not None
+    # Dv = 0: no value to add a field to (and the field's (H * Dv, K) matrix is empty)
+    fourier = inp.omega is not None and inp.phase is not None and inp.D is not None and Dv > 0
 
     counts = torch.poisson(lam.reshape(1, R).expand(S, R).contiguous(), generator=generator)
     counts = counts.to(torch.long)  # (S, R)
@@ -117,7 +121,7 @@ def levy_attention_sample(
         if n_atoms:
             slot = torch.repeat_interleave(cnt)  # draw-row slot of every atom
             row = slot % R if R > 1 else torch.zeros_like(slot)
-            u = torch.rand(n_atoms, generator=generator, dtype=dt, device=dev)
+            u = torch.rand(n_atoms, generator=generator, dtype=f64, device=dev)
             pos = torch.searchsorted(gcdf, u.add_(row), right=True)
             pos = torch.minimum(pos, last_pos[row])  # atom's (row, i) in the flat CDF
             src = src_of_pos[pos]
