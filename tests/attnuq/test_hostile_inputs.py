@@ -389,3 +389,25 @@ def test_sampler_with_no_value_dimension_and_a_field() -> None:
                                 omega=torch.ones(2), phase=torch.zeros(2),
                                 D=torch.zeros(2, 0, 2), num_samples=3)
     assert out.values.shape == (3, 1, 2, 2, 0)
+
+
+def test_reference_keeps_an_overflowed_variance_and_takes_the_field_in_q_dtype() -> None:
+    """An overflowed variance (inf - inf) read as sigma = 0 in the reference, a confident
+    spread; it is NaN there now, as on the fast path. A float64 field with float32 inputs is
+    cast as levy_attention casts it."""
+    from attnuq.ops.levy import levy_attention, levy_attention_reference
+
+    f64 = torch.float64
+    q, k = torch.randn(1, 1, 1, 4, dtype=f64), torch.randn(1, 1, 3, 4, dtype=f64)
+    sign = torch.tensor([1.0, -1.0, 1.0], dtype=f64)[:, None]
+    a = torch.full((1, 1, 3, 2), 1e200, dtype=f64) * sign  # squares overflow to inf
+    t, m = torch.rand(1, 3, dtype=f64), torch.ones(1, 3, dtype=torch.bool)
+    kw = {"alpha": 1.0, "beta": 2.0, "h": 0.1}
+    assert torch.isnan(levy_attention_reference(q, k, a, t, m, **kw).sigma).all()
+    field = {"omega": torch.rand(3, dtype=f64), "phase": torch.rand(3, dtype=f64),
+             "D": torch.randn(2, 3, dtype=f64)}
+    args = [x.float() for x in (q, k, torch.randn(1, 1, 3, 2, dtype=f64), t)]
+    ref = levy_attention_reference(*args, m, **kw, **field)
+    fast = levy_attention(*args, m, **kw, **field)
+    assert ref.mean.dtype == torch.float32
+    torch.testing.assert_close(ref.mean, fast.mean, rtol=1e-4, atol=1e-5)

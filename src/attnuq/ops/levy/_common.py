@@ -54,10 +54,11 @@ def _ordered_sum(xs: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _safe_sqrt(x: torch.Tensor) -> torch.Tensor:
-    """``sqrt(x)`` for ``x >= 0`` with gradient 0 (instead of inf) where ``x == 0``."""
+    """``sqrt(x)`` for ``x >= 0`` with gradient 0 (instead of inf) where ``x == 0``; NaN
+    (an overflowed variance) stays NaN rather than reading as a spread of 0."""
     pos = x > 0
     root = torch.sqrt(torch.where(pos, x, torch.ones_like(x)))
-    return torch.where(pos, root, torch.zeros_like(x))
+    return torch.where(pos, root, torch.where(torch.isnan(x), x, torch.zeros_like(x)))
 
 
 def _scores(inp: _Inputs) -> torch.Tensor:

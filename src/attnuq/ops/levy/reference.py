@@ -76,6 +76,8 @@ def levy_attention_reference(
     True
     """
     _validate(_Args(q, k, a, times, mask, alpha, beta, h, omega, phase, D))
+    # the field in q's dtype, as levy_attention takes it
+    omega, phase, D = (None if x is None else x.to(q.dtype) for x in (omega, phase, D))
     H, Dv = q.shape[1], a.shape[-1]
     al, be, hh = (_per_head(x, H, q)[:, None, None] for x in (alpha, beta, h))  # (H, 1, 1)
     observed = mask[:, None, None, :]  # (B, 1, 1, N)
