@@ -37,6 +37,7 @@ ROWS = {
     "sa-coverage": _row(5.0, 1.95, 0.95, 13.0, 0.06),
     "sa": _row(4.9, 1.70, 0.96, 9.5, 0.04),
     "sa-centre": _row(4.6, 1.60, 0.95, 9.0, 0.04),
+    "sa-conformal": _row(5.0, 1.75, 0.95, 9.8, 0.05),
     "mc-dropout": _row(6.0, 2.5, 0.5, 20.0, 0.3),
 }
 
@@ -66,6 +67,8 @@ def test_every_pair_with_its_values_differences_and_better_columns() -> None:
     assert by["sa-coverage", "sa-debiased"][-1] == "RMSE, cov95 native, W1(PIT)"
     assert by["sa-recentred", "sa-paper"][4] == "+0.0 %"  # recentred = the frozen point
     assert by["sa-recentred", "sa-paper"][-1] == "RMSE, CRPS"  # equal width: a tie
+    # recommended vs the paper's nu with conformal scaling: 0.96 is farther from 0.95 than 0.95
+    assert by["sa", "sa-conformal"][-1] == "RMSE, CRPS, PI-95 width (cal), W1(PIT)"
     # the raw numbers in the twin: row, reference and their difference
     v = t.values[[r[1] for r in t.rows].index("sa")]
     assert v is not None
@@ -227,8 +230,12 @@ def test_ett_page_shows_the_table_and_flag_when_variant_rows_are_stored(tmp_path
     (tmp_path / "ett_results.json").write_text(json.dumps(p))
     page = render_page(tmp_path, tmp_path / "ett.md")
     (t,) = _ablation_tables(page)
-    assert [r[:3] for r in t["rows"]] == [["recentred vs raw", "sa-recentred", "sa-paper"],
-                                          ["recommended vs paper", "sa", "sa-paper"]]
+    # sa-conformal is in the committed results (it is not a variant row of any pair): its
+    # pair with the recommended row stays
+    assert [r[:3] for r in t["rows"]] == [
+        ["recentred vs raw", "sa-recentred", "sa-paper"],
+        ["recommended vs paper", "sa", "sa-paper"],
+        ["recommended vs paper + conformal scaling", "sa", "sa-conformal"]]
     assert "PI-95 width (cal)" not in t["columns"]  # ETT has no calibrated width
     pm, fm = res["sa-paper"]["mse"], res["frozen"]["mse"]
     assert t["rows"][0][3:6] == [f"{fm:.4f}", "+0.0 %", f"{fm - pm:+.4f}"]
