@@ -283,6 +283,29 @@ def test_centre_rows_compare_sa_centre_with_sa_on_one_backbone(tmp_path: Path) -
     assert 'SARegressor(recentre="auto")' in para and "(a -10.0 %)" in para
 
 
+def test_scaled_rows_compare_sa_conformal_with_sa_on_one_backbone(tmp_path: Path) -> None:
+    """``sa-conformal`` (the paper's nu with its spread scaled on the calibration part) against
+    ``sa``: the section and the README sentence say where the simpler row was lower; a record
+    on another backbone is not compared, and nothing is added without the row."""
+    _records(tmp_path)
+    page = Page("evidence", "E")
+    assert ev.scaled_section(page, ev.collect(tmp_path)) is False
+    _uci(tmp_path, "a", 0, "sa-conformal", 0.9)
+    _uci(tmp_path, "a", 1, "sa-conformal", 1.2)
+    _uci(tmp_path, "a", 2, "sa-conformal", 0.1, backbone={**BACKBONE, "best_epoch": 9})
+    units = ev.collect(tmp_path)
+    (row,) = ev.scaled_rows(units)
+    assert row.lower == [True, False] and row.gap == pytest.approx(0.05)
+    page = Page("evidence", "E")
+    assert ev.scaled_section(page, units) is True
+    text = page.markdown()
+    assert "| uci | a | 2 | 1.0000 ± 0.0000 | 1.0500 ± 0.2121 | +5.0 % | 1 of 2 |" in text
+    assert ("`sa-conformal` has the lower mean CRPS on 0 and the higher on 1 (a +5.0 %); it "
+            "was lower on 1 of 2 splits.") in text
+    para = ev.readme_paragraph(ev.evidence(units))[0]
+    assert "simplest calibrated SA row (`sa-conformal`" in para and "(a +5.0 %)" in para
+
+
 def test_centre_rows_read_ett_and_era5_results(tmp_path: Path) -> None:
     """ETTh1 and ERA5 keep ``sa-centre``'s CRPS and its chosen centre in their results files;
     ERA5's one fit gives a row per lead with the same centre."""

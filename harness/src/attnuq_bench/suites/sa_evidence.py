@@ -33,6 +33,7 @@ from attnuq_bench.suites._sa_evidence import (
     row_values,
     rule_lines,
     rule_predicts,
+    scaled_section,
     spearman_threshold,
 )
 
@@ -108,6 +109,7 @@ def build_page(units: Sequence[Unit], info: Mapping[str, Any], *, plot_path: str
     page.table(t)
     page.add("", *missing_lines(ev), "")
     centre_section(page, units)
+    scaled_section(page, units)
     page.section("A rule a user can apply on validation data")
     page.add(*rule_lines(ev), "")
     t2 = Table(["suite", "fit", "sa CRPS", "conformal CRPS", "gap to conformal",
