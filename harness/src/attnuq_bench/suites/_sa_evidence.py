@@ -614,6 +614,16 @@ def add_section(page: Page, root: Path, suite: str) -> bool:
     return True
 
 
+def _with_sa(units: Sequence[Unit], row: str) -> list[tuple[str, str, list[Unit]]]:
+    """``(suite, set, units)`` for each (suite, set) where ``row`` and ``sa`` share at least
+    one split (on one backbone), in the units' order."""
+    out: dict[tuple[str, str], list[Unit]] = {}
+    for u in units:
+        if "sa" in u.crps and row in u.crps:
+            out.setdefault((u.suite, u.dataset), []).append(u)
+    return [(suite, ds, us) for (suite, ds), us in out.items()]
+
+
 @dataclass
 class CentreRow:
     """``sa-centre`` against ``sa`` on one (suite, set): the splits both have, on one backbone."""
@@ -643,14 +653,8 @@ def centre_rows(units: Sequence[Unit]) -> list[CentreRow]:
     >>> r.n, r.centres, r.mean_better, round(r.gap, 4)
     (3, ['mean', 'frozen', 'mean'], [True, False], 0.0)
     """
-    keys: list[tuple[str, str]] = []
-    for u in units:
-        if "sa" in u.crps and CENTRE_ROW in u.crps and (u.suite, u.dataset) not in keys:
-            keys.append((u.suite, u.dataset))
     rows = []
-    for suite, ds in keys:
-        both = [u for u in units if (u.suite, u.dataset) == (suite, ds)
-                and "sa" in u.crps and CENTRE_ROW in u.crps]
+    for suite, ds, both in _with_sa(units, CENTRE_ROW):
         rows.append(CentreRow(
             suite=suite, dataset=ds, sa=_mean_sd([u.crps["sa"] for u in both]),
             auto=_mean_sd([u.crps[CENTRE_ROW] for u in both]),
@@ -716,14 +720,8 @@ def scaled_rows(units: Sequence[Unit]) -> list[ScaledRow]:
     >>> r.lower, round(r.gap, 4)
     ([True, False, False], 0.0333)
     """
-    keys: list[tuple[str, str]] = []
-    for u in units:
-        if "sa" in u.crps and SCALED_ROW in u.crps and (u.suite, u.dataset) not in keys:
-            keys.append((u.suite, u.dataset))
     rows = []
-    for suite, ds in keys:
-        both = [u for u in units if (u.suite, u.dataset) == (suite, ds)
-                and "sa" in u.crps and SCALED_ROW in u.crps]
+    for suite, ds, both in _with_sa(units, SCALED_ROW):
         rows.append(ScaledRow(
             suite=suite, dataset=ds, sa=_mean_sd([u.crps["sa"] for u in both]),
             scaled=_mean_sd([u.crps[SCALED_ROW] for u in both]),
