@@ -411,3 +411,18 @@ def test_reference_keeps_an_overflowed_variance_and_takes_the_field_in_q_dtype()
     fast = levy_attention(*args, m, **kw, **field)
     assert ref.mean.dtype == torch.float32
     torch.testing.assert_close(ref.mean, fast.mean, rtol=1e-4, atol=1e-5)
+
+
+def test_levy_messages_name_the_argument() -> None:
+    from attnuq.ops.levy import levy_attention
+
+    q, k, a = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 2)
+    t, m = torch.rand(1, 3), torch.ones(1, 3, dtype=torch.bool)
+    with pytest.raises(TypeError, match="alpha must be a float or a tensor, got alpha='1'"):
+        levy_attention(q, k, a, t, m, alpha="1", beta=2.0, h=0.1)  # type: ignore[arg-type]
+    layer = LevyAttention(3, 16, 4, out_features=1)
+    with pytest.raises(ValueError, match=r"query_channels must be an int64 tensor .* got "
+                                         r"torch.int32 of shape \(2, 3\)"):
+        layer(torch.rand(2, 4), torch.zeros(2, 4, dtype=torch.long), torch.randn(2, 4),
+              torch.ones(2, 4, dtype=torch.bool), torch.rand(2, 3),
+              query_channels=torch.zeros(2, 3, dtype=torch.int32))

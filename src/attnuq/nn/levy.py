@@ -390,9 +390,12 @@ class LevyAttention(nn.Module):
                 or query_channels.dtype != torch.long
                 or query_channels.shape != query_times.shape
             ):
+                got = (f"{query_channels.dtype} of shape {tuple(query_channels.shape)}"
+                       if isinstance(query_channels, torch.Tensor)
+                       else type(query_channels).__name__)
                 raise ValueError(
                     "query_channels must be an int64 tensor shaped like query_times "
-                    f"{tuple(query_times.shape)}, got {getattr(query_channels, 'shape', None)}"
+                    f"{tuple(query_times.shape)}, got {got}"
                 )
             if bool(((query_channels < 0) | (query_channels >= self.num_channels)).any()):
                 raise ValueError(

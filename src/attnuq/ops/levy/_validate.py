@@ -8,15 +8,19 @@ the argument, or zero masked rows that hold non-finite values (they get weight 0
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 from attnuq.ops.levy._types import _Args, _Inputs
 
 
-def _per_head(x: float | torch.Tensor, heads: int, ref: torch.Tensor) -> torch.Tensor:
+def _per_head(x: float | torch.Tensor, heads: int, ref: torch.Tensor, name: str = "value"
+              ) -> torch.Tensor:
     """``x`` as a tensor of ``ref``'s dtype/device, a scalar expanded to ``(heads,)`` (any other
-    shape is left for the caller to reject)."""
+    shape is left for the caller to reject; a non-number is refused naming ``name``)."""
+    if isinstance(x, bool) or not isinstance(x, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"{name} must be a float or a tensor, got {name}={x!r}")
     t = torch.as_tensor(x, dtype=ref.dtype, device=ref.device)
     return t.expand(heads) if t.dim() == 0 else t
 
@@ -25,7 +29,7 @@ def _head_param(
     x: float | torch.Tensor, name: str, heads: int, ref: torch.Tensor, *, strict: bool
 ) -> torch.Tensor:
     """Return ``x`` as a ``(H,)`` tensor of ``ref``'s dtype/device after range checks."""
-    t = _per_head(x, heads, ref)
+    t = _per_head(x, heads, ref, name)
     if t.shape != (heads,):
         raise ValueError(f"{name} must be a scalar or have shape ({heads},), got {tuple(t.shape)}")
     bad = ~torch.isfinite(t) | ((t <= 0) if strict else (t < 0))
@@ -86,7 +90,7 @@ def _fast_inputs(args: _Args, light: bool = False) -> _Inputs | None:
     """
     q, k, a, times, mask, alpha, beta, h, omega, phase, D = args
     H = q.shape[1]
-    pars = [_per_head(x, H, q) for x in (alpha, beta, h)]
+    pars = [_per_head(x, H, q, n) for x, n in ((alpha, "alpha"), (beta, "beta"), (h, "h"))]
     if any(t.shape != (H,) for t in pars):
         return None
     om = ph = dd = None
