@@ -190,9 +190,10 @@ def test_committed_page_regenerates_from_its_json() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         recs = [store.load((), f"seed_{s}", check=False) for s in range(3)]
-    # the page's copies are the records as scored; the files also carry the data digest
+    # the page's copies are the records as scored; the files carry the data digest (the
+    # page's copies do too when the run that made them saved the records first)
     assert all(r is not None and len(r.pop("data_digest")) == 16 for r in recs)
-    assert recs == res["per_seed"]
+    assert recs == [{k: v for k, v in r.items() if k != "data_digest"} for r in res["per_seed"]]
 
 
 def test_interrupted_training_resumes_to_the_same_model(
