@@ -383,19 +383,7 @@ def check_out_dir(path: str | os.PathLike[str], option: str = "--out") -> Path:
     if str(path) == "":
         raise ValueError(f"{option} is empty; name a folder")
     p = Path(path)
-    for q in (p, *p.parents):
-        if q.exists():
-            if not q.is_dir():
-                what = "" if q == p else f" (its parent {str(q)!r} is a file)"
-                raise ValueError(f"{option} {str(p)!r} is not a folder{what}")
-            try:
-                fd, probe = tempfile.mkstemp(prefix=".attnuq-probe-", dir=q)
-            except OSError as exc:
-                raise ValueError(f"{option} {str(p)!r}: folder {str(q)!r} does not take new "
-                                 f"files ({exc.strerror or type(exc).__name__})") from None
-            os.close(fd)
-            os.unlink(probe)
-            break
+    _check_writable(p, f"{option} {str(p)!r}", p)
     return p
 
 
@@ -407,11 +395,30 @@ def check_out_file(path: str | os.PathLike[str], option: str = "--out") -> Path:
     p = Path(path)
     if p.is_dir():
         raise ValueError(f"{option} {str(p)!r} is a folder; name the file")
-    try:
-        check_out_dir(p.parent, option)
-    except ValueError as exc:
-        raise ValueError(f"{option} {str(p)!r}: {str(exc).split(': ', 1)[-1]}") from None
+    _check_writable(p.parent, f"{option} {str(p)!r}", p)
     return p
+
+
+def _check_writable(folder: Path, label: str, named: Path) -> None:
+    """``ValueError`` starting with ``label`` when ``folder`` (or a parent) exists as a
+    non-folder, or when its nearest existing folder does not take a new file (probed: one is
+    created and removed). ``named`` is the path the user gave (``folder`` itself or a file
+    in it)."""
+    for q in (folder, *folder.parents):
+        if q.exists():
+            if not q.is_dir():
+                if named != folder:  # a file was named: its folder is the problem
+                    raise ValueError(f"{label}: its folder {str(q)!r} is a file")
+                what = "" if q == folder else f" (its parent {str(q)!r} is a file)"
+                raise ValueError(f"{label} is not a folder{what}")
+            try:
+                fd, probe = tempfile.mkstemp(prefix=".attnuq-probe-", dir=q)
+            except OSError as exc:
+                raise ValueError(f"{label}: folder {str(q)!r} does not take new files "
+                                 f"({exc.strerror or type(exc).__name__})") from None
+            os.close(fd)
+            os.unlink(probe)
+            return
 
 
 @contextlib.contextmanager
