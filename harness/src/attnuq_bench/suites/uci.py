@@ -295,9 +295,13 @@ def _make_task(data: Any, args: argparse.Namespace, cache: Path) -> tuple[Any, d
         # the larger sets (an hour or more on one thread) needs
         res = train_fn(model, (data.x_fit, data.y_fit), (data.x_val, data.y_val), 0,
                        checkpoint=cache / "train.ckpt")
+        # the thread count and CPU kernels of the process that finished the training: its
+        # seconds are wall time on that many threads, and a run on other kernels or another
+        # thread count does not reproduce the weights
         return {"best_epoch": res.best_epoch, "epochs_run": res.epochs_run,
                 "best_val_rmse_std_units": res.best_val, "seconds": res.seconds,
-                "n_forward": res.n_forward}
+                "n_forward": res.n_forward, "threads": torch.get_num_threads(),
+                "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
     model, info = cached_state(cache, lambda: make_model(0), train, device=device)
     if is_writer():
