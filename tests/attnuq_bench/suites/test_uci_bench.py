@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from attnuq.cli import main
 from attnuq_bench.methods import method_implementation
@@ -205,6 +206,9 @@ def test_records_of_another_backbone_are_redone(tmp_path: Path,
     run_json = out / "runs/concrete/split0/gaussian.json"
     rec = json.loads(run_json.read_text())
     assert len(rec["backbone"]["weights"]) > 8  # the weights' digest keys the row
+    # what a training reproduces only with: its thread count and CPU kernels
+    assert rec["backbone"]["threads"] == torch.get_num_threads()
+    assert rec["backbone"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     capsys.readouterr()
     assert main(_tiny_argv(out)) == 0  # same backbone: reused
     assert "redoing" not in capsys.readouterr().out

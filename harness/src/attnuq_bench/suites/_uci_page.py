@@ -99,6 +99,23 @@ def _splits_of(rows: list[dict[str, Any]], ds: str) -> dict[str, set[int]]:
     return by_m
 
 
+def _one_thread_backbone_seconds(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """Split -> its backbone's training seconds, from the records trained on one thread.
+
+    A record naming another thread count (``backbone.threads``, written since the records
+    hold it) is left out: its seconds are wall time on that many threads, not core-seconds.
+    Records without the field come from this suite's one-thread runs.
+
+    >>> r = lambda s, sec, **kw: {"split": s, "backbone": {"seconds": sec, **kw}}
+    >>> _one_thread_backbone_seconds([r(0, 3000.0), r(1, 1800.0, threads=2),
+    ...                               r(2, 3600.0, threads=1)])
+    {0: 3000.0, 2: 3600.0}
+    """
+    return {int(rec["split"]): float(rec["backbone"]["seconds"]) for rec in rows
+            if (rec.get("backbone") or {}).get("seconds")
+            and int(rec["backbone"].get("threads", 1)) == 1}
+
+
 def _partial(rows: list[dict[str, Any]], ds: str) -> tuple[dict[str, int], list[int]]:
     """The methods of ``ds`` run on fewer splits than the set has (method -> its number of
     splits) and the splits every method of ``ds`` ran on, in order.
@@ -352,7 +369,8 @@ def retraining_cost_lines(rows: list[dict[str, Any]], datasets: Sequence[str], *
     for m in RETRAINING:
         fit = bb = 0.0
         for rec in rows:
-            b = (rec.get("backbone") or {}).get("seconds")
+            bb_rec = rec.get("backbone") or {}
+            b = bb_rec.get("seconds") if int(bb_rec.get("threads", 1)) == 1 else None
             f = (rec.get("cost") or {}).get("fit_seconds")
             if rec["method"] == m and b and f is not None:
                 fit, bb = fit + float(f), bb + float(b)
@@ -366,8 +384,7 @@ def retraining_cost_lines(rows: list[dict[str, Any]], datasets: Sequence[str], *
         rr = _of(rows, ds)
         if any(rec["method"] in RETRAINING for rec in rr):
             continue
-        per_split = {int(rec["split"]): float(rec["backbone"]["seconds"]) for rec in rr
-                     if (rec.get("backbone") or {}).get("seconds")}
+        per_split = _one_thread_backbone_seconds(rr)
         if not per_split:
             continue
         sec = sum(per_split.values()) / len(per_split)
@@ -421,8 +438,7 @@ def missing_rows_cost_lines(rows: list[dict[str, Any]], datasets: Sequence[str])
             each[m] = sum(w) / len(w) if w else None
         row_s = sum((each[m] or 0.0) * len(sp) for m, sp in gaps.items())
         splits = sorted(set().union(*map(set, gaps.values())))
-        per_split = {int(rec["split"]): float(rec["backbone"]["seconds"]) for rec in rr
-                     if (rec.get("backbone") or {}).get("seconds")}
+        per_split = _one_thread_backbone_seconds(rr)
         again = ""
         if per_split:
             bb = sum(per_split.values()) / len(per_split)
