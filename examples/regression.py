@@ -60,8 +60,8 @@ cal_data = [(x_cal[i:i + 250], y_cal[i:i + 250]) for i in range(0, 1000, 250)]
 sa = attnuq.SARegressor(model, progress=False).fit(val_data, cal_data)
 d = sa.diagnostics  # also saved in the JSON by sa.save(path)
 print(f"nu = {d['nu']} (at an edge of nu_range: {d['nu_at_edge']}) | form: {d['form']} "
-      f"(beta = {d['floor_beta_units']:g} x the residual RMS; 0: SA alone, inf: plain "
-      f"conformal) | validation Spearman(spread, |error|) = "
+      f"(beta = {d['floor_beta_units']:g} x the residual RMS; 0: SA alone, inf: constant "
+      f"width) | validation Spearman(spread, |error|) = "
       f"{d['spearman_spread_abs_error']:.2f}")
 
 # 3. predict on fresh data: intervals at any level

@@ -29,7 +29,7 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 SA_START, SA_END = "<!-- sa-rule:start -->", "<!-- sa-rule:end -->"
 
 #: the suites whose headline the README shows, in README order
-SUITES = ("uci", "ett", "era5", "physionet", "calibration")
+SUITES = ("uci", "ett", "era5", "physionet", "calibration", "mortality", "digits")
 
 def backbone_line(suite: str) -> str | None:
     """``suite``'s frozen backbone beside its reference, per data set, from summary.json
