@@ -298,7 +298,8 @@ def render(res: dict[str, Any]) -> str:
         "`attnuq calibrate MODEL_DIR heldout.npz --head head.pt` runs on this model folder: "
         "`--head` is a `torch.save`d module or a linear head's state dict "
         "(`{'weight': (K, D), 'bias': (K,)}`) applied to the pooled embedding (`--pool mean`, "
-        "the un-normalised mask-weighted mean over the tokens, by default, or `cls`); the NPZ "
+        "the un-normalised mask-weighted mean over the tokens, by default; `cls`, the first "
+        "token; or `none`, where the model's output is already `(B, D)`); the NPZ "
         "holds the tokenizer's arrays (`input_ids`, `attention_mask`, ...) and `y`. "
         "`tests/attnuq/cli/test_cli_pretrained.py` runs it end to end on "
         "a ridge head fitted to a random linear function of the embeddings plus noise.",

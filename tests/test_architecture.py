@@ -49,7 +49,7 @@ LAYERS: dict[tuple[str, str], int] = {
 #: a package's root (``__init__.py``, a facade) counts as that package's top layer
 ROOT_LAYER = {LIBRARY: 5, HARNESS: 108}
 #: the suite modules of ``attnuq_bench.suites`` (a private ``_<suite>_*`` module is the suite's)
-SUITES = ("uci", "ett", "era5", "physionet", "nu_search")
+SUITES = ("uci", "ett", "era5", "physionet", "nu_search", "mortality", "digits", "sa_evidence")
 #: what a library module may import at module level besides the standard library and itself
 REQUIRED = frozenset({"torch", "numpy", "scipy", "tqdm"})
 
