@@ -111,9 +111,16 @@ def _one_thread_backbone_seconds(rows: list[dict[str, Any]]) -> dict[int, float]
     ...                               r(2, 3600.0, threads=1)])
     {0: 3000.0, 2: 3600.0}
     """
-    return {int(rec["split"]): float(rec["backbone"]["seconds"]) for rec in rows
-            if (rec.get("backbone") or {}).get("seconds")
-            and int(rec["backbone"].get("threads", 1)) == 1}
+    return {int(rec["split"]): float(b) for rec in rows
+            if (b := _one_thread_seconds(rec)) is not None}
+
+
+def _one_thread_seconds(rec: dict[str, Any]) -> float | None:
+    """The backbone training seconds of record ``rec`` if it trained on one thread (a record
+    without ``backbone.threads`` did), else ``None``."""
+    bb = rec.get("backbone") or {}
+    sec = bb.get("seconds")
+    return float(sec) if sec and int(bb.get("threads", 1)) == 1 else None
 
 
 def _partial(rows: list[dict[str, Any]], ds: str) -> tuple[dict[str, int], list[int]]:
@@ -369,8 +376,7 @@ def retraining_cost_lines(rows: list[dict[str, Any]], datasets: Sequence[str], *
     for m in RETRAINING:
         fit = bb = 0.0
         for rec in rows:
-            bb_rec = rec.get("backbone") or {}
-            b = bb_rec.get("seconds") if int(bb_rec.get("threads", 1)) == 1 else None
+            b = _one_thread_seconds(rec)
             f = (rec.get("cost") or {}).get("fit_seconds")
             if rec["method"] == m and b and f is not None:
                 fit, bb = fit + float(f), bb + float(b)
