@@ -1,10 +1,12 @@
 """The ``attnuq`` command line.
 
-* ``attnuq calibrate MODEL DATA``: fit :class:`attnuq.SARegressor` for a user's saved model (a
-  Hugging Face model folder or a ``torch.save``-d module) on a CSV or NPZ file of held-out inputs
-  and targets; writes ``estimator.json``.
+* ``attnuq calibrate MODEL DATA``: fit :class:`attnuq.SARegressor` (``--task
+  classification``: :class:`attnuq.SAClassifier`) for a user's saved model (a Hugging Face
+  model folder or a ``torch.save``-d module) on a CSV or NPZ file of held-out inputs and
+  targets; writes ``estimator.json``.
 * ``attnuq predict MODEL FITTED.json INPUTS --out FILE``: mean, lower, upper (and samples) of
-  each input row, as ``.npz`` or ``.csv``.
+  each input row, as ``.npz`` or ``.csv``; for a classifier the class probabilities, the
+  predicted class, the uncertainty scores and the prediction set at ``--level``.
 * ``attnuq report RESULTS_JSON``: (re)write ``report.html`` from a results file.
 * Commands of installed plugins: a distribution that declares entry points in the group
   ``attnuq.commands`` adds one subcommand per entry point (its name). The benchmark harness
@@ -158,14 +160,18 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
     cal = sub.add_parser(
         "calibrate",
-        help="fit calibrated SA intervals for a saved model on held-out data",
+        help="fit calibrated SA intervals (or class probabilities and prediction sets) for a "
+        "saved model on held-out data",
         description="Fit attnuq.SARegressor (the recommended recipe: nu on a validation part, "
-        "the conformal step on a calibration part) for a saved model and write "
-        "OUT/estimator.json for attnuq predict. MODEL: a Hugging Face model folder (config.json "
-        "+ weights) or a file written by torch.save(module). DATA: an .npz file with arrays 'x' "
-        "(or several named input arrays passed as keyword arguments) and 'y', or a .csv file "
-        "whose --target columns are the targets and whose other columns are the inputs. The "
-        "rows are split at random (--seed) into validation and calibration parts.",
+        "the conformal step on a calibration part), or with --task classification "
+        "attnuq.SAClassifier (nu and a temperature by the validation NLL, conformal prediction "
+        "sets from the calibration part), for a saved model and write OUT/estimator.json for "
+        "attnuq predict. MODEL: a Hugging Face model folder (config.json + weights) or a file "
+        "written by torch.save(module). DATA: an .npz file with arrays 'x' (or several named "
+        "input arrays passed as keyword arguments) and 'y', or a .csv file whose --target "
+        "columns are the targets and whose other columns are the inputs; for classification "
+        "the targets are integer class ids and the model's output its logits. The rows are "
+        "split at random (--seed) into validation and calibration parts.",
     )
     cal.add_argument("model", help="Hugging Face model folder or torch.save()d module file")
     cal.add_argument("data", help="held-out data: .npz (x, y) or .csv")
@@ -189,27 +195,44 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "tokens, the first token, or none (the field is already (B, D)); default: mean",
     )
     cal.add_argument(
-        "--criterion", default="auto", choices=list(CRITERIA),
-        help="calibration criterion (default: auto): " + "; ".join(
+        "--task", default="regression", choices=["regression", "classification"],
+        help="regression: intervals (SARegressor); classification: class probabilities and "
+        "prediction sets (SAClassifier; targets are class ids, the output logits: (B, C), or "
+        "(B,) / (B, 1) for a binary model) (default: regression)",
+    )
+    cal.add_argument(
+        "--criterion", default=None, choices=list(CRITERIA),
+        help="regression only: calibration criterion (default: auto): " + "; ".join(
             f"{name}: {get_criterion(name).description}".replace("%", "%%") for name in CRITERIA
         ),
     )
     cal.add_argument("--search", default="bo", choices=list(SEARCHES), help="default: bo")
     cal.add_argument(
         "--per-layer", default=None, choices=list(PER_LAYER),
-        help="also calibrate one nu per attention site: geometric = nu_l = nu_0 r^(l/(L-1)) over "
-        "the sites in find_attention order, at most twice the shared search's passes; the map "
-        "goes to calibration.json (nu_map). Not with --criterion scale or coverage (default: off)",
+        help="regression only: also calibrate one nu per attention site: geometric = nu_l = nu_0 "
+        "r^(l/(L-1)) over the sites in find_attention order, at most twice the shared search's "
+        "passes; the map goes to calibration.json (nu_map). Not with --criterion scale or "
+        "coverage (default: off)",
     )
     cal.add_argument(
-        "--centre", default="frozen", choices=["frozen", "mean", "auto"],
-        help="centre of the intervals: the frozen output (SA never moves the point prediction), "
-        "the mean of the SA draws, or auto: the one of lower cross-fitted validation CRPS "
-        "(default: frozen)",
+        "--centre", default=None, choices=["frozen", "mean", "auto"],
+        help="regression only: centre of the intervals: the frozen output (SA never moves the "
+        "point prediction), the mean of the SA draws, or auto: the one of lower cross-fitted "
+        "validation CRPS (default: frozen)",
     )
-    cal.add_argument("--n-passes", type=int, default=6,
-                     help="stochastic passes per input, in the search and for the spread "
-                     "(default: 6)")
+    cal.add_argument(
+        "--score", default=None, choices=["aps", "lac", "raps"],
+        help="classification only: conformal score of the prediction sets (default: aps)",
+    )
+    cal.add_argument(
+        "--temperature", default=None, choices=["joint", "after", "none"],
+        help="classification only: the temperature on the logits, fitted with nu (joint: each "
+        "nu scored at its own best temperature), after nu, or none (default: joint)",
+    )
+    cal.add_argument("--n-passes", type=int, default=None,
+                     help="stochastic passes per input, in the search and for the prediction "
+                     "(default: 6 for regression; for classification 10 in the search and 32 "
+                     "for the probabilities)")
     cal.add_argument("--cal-fraction", type=float, default=0.5,
                      help="share of DATA's rows for the calibration part (default: 0.5)")
     cal.add_argument("--batch-size", type=int, default=64, help="default: 64")
@@ -222,22 +245,27 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
     prd = sub.add_parser(
         "predict",
-        help="calibrated intervals of a saved model with a fitted estimator",
+        help="calibrated intervals (or class probabilities and prediction sets) of a saved "
+        "model with a fitted estimator",
         description="Predict with a model and the estimator JSON that attnuq calibrate wrote: "
-        "writes mean, lower and upper (and the raw SA samples with --samples) of every input "
-        "row to --out (.npz, or .csv with one row per input). INPUTS: an .npz file (array 'x', "
-        "or named input arrays; an array 'y' is ignored) or a .csv file (every column is an "
-        "input, except --target columns). --head, --pool and --output-key default to what the "
+        "writes mean, lower and upper (and the raw SA samples with --samples) of every input row "
+        "to --out (.npz, or .csv with one row per input); for a classifier: label, the class "
+        "probabilities prob_<c>, confidence, entropy, expected_entropy, mutual_information and "
+        "the prediction set at --level (set_size, set_<c>). INPUTS: an .npz file (array 'x', or "
+        "named input arrays; an array 'y' is ignored) or a .csv file (every column is an input, "
+        "except --target columns). --head, --pool and --output-key default to what the "
         "calibration used.",
     )
     prd.add_argument("model", help="Hugging Face model folder or torch.save()d module file")
     prd.add_argument("fitted", help="estimator.json written by attnuq calibrate")
     prd.add_argument("input", metavar="INPUTS", help="inputs: .npz or .csv")
     prd.add_argument("--level", type=float, default=0.9,
-                     help="central interval level in (0, 1) (default: 0.9)")
+                     help="level in (0, 1) of the central intervals, or of a classifier's "
+                     "prediction sets (they hold the label with that probability) (default: 0.9)")
     prd.add_argument("--out", required=True, help="output file: .npz or .csv")
     prd.add_argument("--samples", action="store_true",
-                     help="also write the raw SA samples (S, N, ...) (default: off)")
+                     help="also write the raw SA samples (S, N, ...); a classifier's are "
+                     "probability draws (S, N, C), .npz only (default: off)")
     prd.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     prd.add_argument("--head", default=None, metavar="FILE",
                      help="head on the pooled embedding (default: the calibration's)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -306,8 +307,6 @@ def _rows(inputs: torch.Tensor | dict[str, torch.Tensor], idx: torch.Tensor
 
 def _show_warnings(caught: list[Any]) -> None:
     """Print each warning a fit showed as one ``attnuq: warning: ...`` line on stderr."""
-    import sys
-
     seen: set[str] = set()
     for w in caught:
         msg = " ".join(str(w.message).split())
@@ -323,9 +322,12 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     the folder."""
     import warnings
 
+    from attnuq.cli._classify import calibrate_classifier, class_ids, resolve_task_options
     from attnuq.estimators._regressor import SARegressor
 
-    if args.n_passes < 2:
+    resolve_task_options(args)  # an option of the other task is refused, not ignored
+    classify = args.task == "classification"
+    if args.n_passes is not None and args.n_passes < 2:
         raise ValueError(f"--n-passes must be at least 2, got {args.n_passes}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
@@ -333,7 +335,8 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
         raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
     from attnuq.calibration.layers import check_per_layer
 
-    check_per_layer(getattr(args, "per_layer", None), args.criterion)  # before loading anything
+    if not classify:
+        check_per_layer(getattr(args, "per_layer", None), args.criterion)  # before any loading
     _check_csv_only_and_head_options(args, args.data, head=getattr(args, "head", None))
     args.pool = args.pool or "mean"
     out = check_out_dir(args.out)  # before any work: a file named as --out fails now
@@ -341,12 +344,16 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     torch.manual_seed(args.seed)
     model = load_saved_model(args.model, args.device)
     inputs, y = load_heldout(args.data, args.target)
+    if classify:
+        y = class_ids(y, args.data)
     val_idx, cal_idx = split_val_cal(len(y), args.cal_fraction, args.seed)
     if getattr(args, "head", None) is not None:  # encoder -> pooled embedding -> the user's head
         from attnuq.cli._head import attach_head
 
+        # a regression head's (B, 1) is squeezed to the targets' (B,); a classifier's logits
+        # keep their class axis
         model = attach_head(model, args.head, pool=args.pool, field=args.output_key,
-                            squeeze=y.dim() == 1, device=args.device)
+                            squeeze=y.dim() == 1 and not classify, device=args.device)
     dev = torch.device(args.device)  # the model is there; so go the data
     inputs = ({k: v.to(dev) for k, v in inputs.items()} if isinstance(inputs, dict)
               else inputs.to(dev))
@@ -356,6 +363,9 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     # with --head, --output-key names the encoder's field, which the head reads itself
     key = None if getattr(args, "head", None) is not None else args.output_key
     _probe(model, val[0][0], make_output_fn(key), args.model, args.data)
+    if classify:
+        return calibrate_classifier(args, model, val, cal, make_output_fn(key), len(val_idx),
+                                    len(cal_idx), out)
     extra = {} if getattr(args, "per_layer", None) is None else {"per_layer": args.per_layer}
     centres: dict[str, bool | Literal["auto"]] = {"frozen": True, "mean": False, "auto": "auto"}
     recentre = centres[getattr(args, "centre", "frozen")]
@@ -404,25 +414,7 @@ def _write_calibration(out: Path, sa: Any, args: argparse.Namespace, y: torch.Te
     })
     if report is not None:
         atomic_write_text(out / "calibration.json", report.to_json())
-    figures = []
-    plt: Any = None
-    try:  # the figure needs the extra `plots`; the report and the JSON do not
-        import matplotlib
-    except ModuleNotFoundError:
-        print("calibration_curve.png not drawn: matplotlib is not installed "
-              "(pip install 'attnuq[plots]')")
-    else:
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as _plt
-
-        plt = _plt
-    if report is not None and plt is not None:
-        fig, ax = plt.subplots(figsize=(5.5, 3.8))
-        report.plot(ax=ax)
-        fig.tight_layout()
-        atomic_savefig(fig, out / "calibration_curve.png", dpi=120)
-        plt.close(fig)
-        figures.append({"file": "calibration_curve.png", "caption": "objective against nu"})
+    figures = draw_calibration_curve(out, report)
     from attnuq._runtime import run_info
     from attnuq.html_report import render_report
 
@@ -462,6 +454,29 @@ def _write_calibration(out: Path, sa: Any, args: argparse.Namespace, y: torch.Te
     }
     atomic_write_json(out / "results.json", results, indent=2)
     render_report(out / "results.json")
+
+
+def draw_calibration_curve(out: Path, report: Any) -> list[dict[str, str]]:
+    """Draw ``out/calibration_curve.png`` (the search's objective against ``nu``) and return
+    its entry for ``results.json``'s figures; nothing without a search (``report`` is
+    ``None``) or without matplotlib (the extra ``plots``: said on stdout)."""
+    try:  # the figure needs the extra `plots`; the report and the JSON do not
+        import matplotlib
+    except ModuleNotFoundError:
+        print("calibration_curve.png not drawn: matplotlib is not installed "
+              "(pip install 'attnuq[plots]')")
+        return []
+    if report is None:
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    report.plot(ax=ax)
+    fig.tight_layout()
+    atomic_savefig(fig, out / "calibration_curve.png", dpi=120)
+    plt.close(fig)
+    return [{"file": "calibration_curve.png", "caption": "objective against nu"}]
 
 
 def load_inputs(path: str | Path, drop: list[str] | None = None
@@ -515,6 +530,8 @@ def load_inputs(path: str | Path, drop: list[str] | None = None
 
 def predict_saved_model(args: argparse.Namespace) -> Path:
     """Run the ``predict`` command: mean, lower, upper (and samples) of every input row."""
+    from attnuq.cli._classify import class_csv, fitted_kind, predict_classes, set_rule_at
+    from attnuq.estimators._classifier import SAClassifier
     from attnuq.estimators._common import read_envelope
     from attnuq.estimators._regressor import SARegressor
     from attnuq.predictive import check_level
@@ -530,7 +547,17 @@ def predict_saved_model(args: argparse.Namespace) -> Path:
         raise ValueError(f"--out must end in .npz or .csv, got {out.name!r}")
     check_out_file(out)
     check_fresh_out(out, args.overwrite)
-    meta = read_envelope(args.fitted, "SARegressor", None).get("metadata") or {}
+    kind = fitted_kind(args.fitted)
+    classify = kind == "SAClassifier"
+    if classify and args.samples and out.suffix == ".csv":
+        raise ValueError("--samples with a .csv --out: a classifier's draws are (S, N, C) "
+                         "probabilities; use an .npz --out")
+    env = read_envelope(args.fitted, kind, None)
+    fitted = env.get("fitted")
+    if classify and out.suffix == ".csv" and isinstance(fitted, dict) and fitted.get("tokens"):
+        raise ValueError("--out .csv holds one row per input; this classifier predicts per "
+                         "token ((N, L, C) probabilities): use an .npz --out")
+    meta = env.get("metadata") or {}
     if not isinstance(meta, dict):
         raise ValueError(f"{args.fitted}: field 'metadata' must be a JSON object, got "
                          f"{type(meta).__name__}")
@@ -545,7 +572,8 @@ def predict_saved_model(args: argparse.Namespace) -> Path:
         from attnuq.cli._head import attach_head
 
         model = attach_head(model, head, pool=pool, field=key,
-                            squeeze=bool(meta.get("squeeze", True)), device=args.device)
+                            squeeze=bool(meta.get("squeeze", not classify)),
+                            device=args.device)
     # with a head, the key names the encoder's field, which the head reads itself
     import warnings
 
@@ -554,14 +582,19 @@ def predict_saved_model(args: argparse.Namespace) -> Path:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", EstimatorWarning)
         try:
-            sa = SARegressor.load(args.fitted, model,
-                                  make_output_fn(None if head is not None else key),
-                                  strict=not args.no_strict, progress=None)
+            est_cls: Any = SAClassifier if classify else SARegressor
+            sa = est_cls.load(args.fitted, model,
+                              make_output_fn(None if head is not None else key),
+                              strict=not args.no_strict, progress=None)
         except ValueError as exc:
             if "pass strict=False" not in str(exc):
                 raise
             raise ValueError(str(exc).replace("pass strict=False", "pass --no-strict")) from None
     _show_warnings([w for w in caught if issubclass(w.category, EstimatorWarning)])
+    rule = set_rule_at(sa, level) if classify else None
+    if classify and rule is None:
+        print(f"attnuq: warning: {Path(args.fitted).name} was fitted without a calibration "
+              "part: no prediction sets are written", file=sys.stderr)
     dev = torch.device(args.device)
     inputs = ({k: v.to(dev) for k, v in inputs.items()} if isinstance(inputs, dict)
               else inputs.to(dev))
@@ -569,29 +602,43 @@ def predict_saved_model(args: argparse.Namespace) -> Path:
     first = ({k: v[:args.batch_size] for k, v in inputs.items()} if isinstance(inputs, dict)
              else inputs[:args.batch_size])
     _probe(sa.model, first, sa.output_fn or (lambda o: o), args.model, args.input)
-    means, lows, highs, samples = [], [], [], []
-    for i in range(0, n, args.batch_size):
-        sl = slice(i, min(i + args.batch_size, n))
-        xb = {k: v[sl] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[sl]
-        pred = sa.predict(xb)
-        lo, hi = pred.interval(level)
-        means.append(pred.mean.cpu())
-        lows.append(lo.cpu())
-        highs.append(hi.cpu())
-        if args.samples:
-            samples.append(pred.samples.cpu())
-    res: dict[str, Any] = {"mean": torch.cat(means).numpy(), "lower": torch.cat(lows).numpy(),
-           "upper": torch.cat(highs).numpy()}
-    if args.samples:
-        res["samples"] = torch.cat(samples, 1).numpy()
+    res: dict[str, Any]
+    if classify:
+        res = predict_classes(sa, rule, inputs, n, args.batch_size, level, args.samples)
+        to_csv = class_csv
+    else:
+        res = _predict_intervals(sa, inputs, n, args.batch_size, level, args.samples)
+        to_csv = _csv
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".npz":
         from attnuq._io import atomic_np_savez
 
         atomic_np_savez(out, level=np.asarray(level), **res)
     else:
-        atomic_write_text(out, _csv(res))
+        atomic_write_text(out, to_csv(res))
     return out
+
+
+def _predict_intervals(sa: Any, inputs: Any, n: int, batch_size: int, level: float,
+                       samples: bool) -> dict[str, Any]:
+    """``mean``, ``lower``, ``upper`` (and ``samples`` ``(S, N, ...)`` when asked) of every
+    input row, in batches of ``batch_size``."""
+    means, lows, highs, draws = [], [], [], []
+    for i in range(0, n, batch_size):
+        sl = slice(i, min(i + batch_size, n))
+        xb = {k: v[sl] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[sl]
+        pred = sa.predict(xb)
+        lo, hi = pred.interval(level)
+        means.append(pred.mean.cpu())
+        lows.append(lo.cpu())
+        highs.append(hi.cpu())
+        if samples:
+            draws.append(pred.samples.cpu())
+    res: dict[str, Any] = {"mean": torch.cat(means).numpy(), "lower": torch.cat(lows).numpy(),
+                           "upper": torch.cat(highs).numpy()}
+    if samples:
+        res["samples"] = torch.cat(draws, 1).numpy()
+    return res
 
 
 def _csv(res: dict[str, np.ndarray]) -> str:

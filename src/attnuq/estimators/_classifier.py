@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -62,6 +62,7 @@ from attnuq.conformal_sets import (
 from attnuq.estimators._common import (
     check_model,
     check_settings,
+    jsonable,
     read_fitted,
     read_pairs,
     require_fitted,
@@ -144,6 +145,9 @@ class SAClassifier:
         model at its own best ``T``) and ``"sa"`` (the fitted estimator), the mean validation
         mutual information, ``n_val`` / ``n_cal`` (labelled rows), ``n_classes``,
         ``forward_passes`` (per example), ``fit_seconds`` and ``warnings``.
+    metadata
+        Free-form, JSON-ready; saved by :meth:`save` and restored by :meth:`load` (``attnuq
+        calibrate`` keeps the file names and options there for ``attnuq predict``).
 
     Examples
     --------
@@ -227,6 +231,7 @@ class SAClassifier:
         self._fitted: dict[str, Any] | None = None
         self.diagnostics: dict[str, Any] = {}
         self.report: Any = None
+        self.metadata: dict[str, Any] = {}  # free-form, saved with the estimator
 
     # ------------------------------------------------------------------ fit
     @property
@@ -455,9 +460,9 @@ class SAClassifier:
             )
         return _draw_logits(pred.samples), fz
 
-    def predict_set(self, inputs: Any, alpha: float = 0.1) -> torch.Tensor:
-        r"""Conformal prediction sets ``(B, [L,] C)`` (bool) holding the label with marginal
-        probability at least ``1 - alpha`` (split conformal on ``cal_data``; finite-sample).
+    def set_rule(self, alpha: float = 0.1) -> ConformalSets:
+        """The split-conformal set rule at ``alpha`` from the calibration scores of :meth:`fit`
+        (no forward pass): its ``threshold``, ``n`` and ``score``.
 
         Raises
         ------
@@ -471,18 +476,66 @@ class SAClassifier:
         fit = self._require_fitted()
         scores = fit["cal_scores"]
         if scores is None:
-            raise RuntimeError("predict_set needs the calibration part: fit(val_data, cal_data)")
+            raise RuntimeError("prediction sets need the calibration part: "
+                               "fit(val_data, cal_data)")
         k = conformal_rank(int(scores.numel()), alpha)
-        rule = ConformalSets(threshold=float(scores[k - 1]), alpha=alpha,
+        return ConformalSets(threshold=float(scores[k - 1]), alpha=alpha,
                              n=int(scores.numel()), score=self.score)
+
+    def predict_set(self, inputs: Any, alpha: float = 0.1) -> torch.Tensor:
+        r"""Conformal prediction sets ``(B, [L,] C)`` (bool) holding the label with marginal
+        probability at least ``1 - alpha`` (split conformal on ``cal_data``; finite-sample).
+
+        Raises
+        ------
+        ValueError
+            ``alpha`` outside ``(0, 1)``, or below the smallest ``1/(n_cal + 1)`` that the
+            calibration part supports (the message names it).
+        RuntimeError
+            Not fitted with ``cal_data``.
+        """
+        return self.predict_with_set(inputs, alpha)[1]
+
+    def predict_with_set(self, inputs: Any, alpha: float = 0.1
+                         ) -> tuple[CategoricalPredictive, torch.Tensor]:
+        """:meth:`predict` and :meth:`predict_set` of the same ``inputs`` from one set of
+        stochastic passes (the two calls draw the same samples, at twice the cost).
+
+        Examples
+        --------
+        >>> import torch, warnings
+        >>> from torch import nn
+        >>> _ = torch.manual_seed(0)
+        >>> class Net(nn.Module):  # one attention layer, mean-pooled, 3 classes (untrained)
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        ...         self.head = nn.Linear(4, 3)
+        ...     def forward(self, x):
+        ...         return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+        >>> x, y = torch.randn(60, 5, 4), torch.randint(0, 3, (60,))
+        >>> clf = SAClassifier(Net().eval(), nu=4, n_samples=4, progress=False)
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     clf = clf.fit([(x[:30], y[:30])], [(x[30:], y[30:])])
+        >>> pred, sets = clf.predict_with_set(x[:5], alpha=0.2)
+        >>> pred.probs.shape, sets.shape
+        (torch.Size([5, 3]), torch.Size([5, 3]))
+        >>> bool(torch.equal(sets, clf.predict_set(x[:5], alpha=0.2)))
+        True
+        """
+        rule = self.set_rule(alpha)  # alpha and the calibration part checked before any pass
+        fit = self._require_fitted()
+        zs, fz = self._draws(inputs)
+        pred = CategoricalPredictive.from_logits(zs, temperature=fit["temperature"],
+                                                 frozen_logits=fz)
         # the scores exactly as the calibration scores were computed at fit (float64 softmax
         # of the draws over T, then their mean): a float32 mean sums to 1 + 3e-8, and APS
         # scores of 1 + 3e-8 fall above a threshold of 1.0, dropping classes the guarantee
         # needs
-        zs, _ = self._draws(inputs)
         probs = (zs.double() / fit["temperature"]).softmax(-1).mean(0)
         flat = probs.reshape(-1, probs.shape[-1])
-        return rule.predict(flat).reshape(probs.shape).to(zs.device)
+        return pred, rule.predict(flat).reshape(probs.shape).to(zs.device)
 
     # ------------------------------------------------------------ save/load
     def to_dict(self) -> dict[str, Any]:
@@ -505,11 +558,16 @@ class SAClassifier:
             "diagnostics": self.diagnostics,
         }
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, *, metadata: Mapping[str, Any] | None = None) -> Path:
         """Write the fitted estimator to ``path`` as JSON, atomically: settings, ``nu``,
         ``T``, the sorted calibration scores, the seed, the library version, the model's
-        digest and the diagnostics. Never the weights."""
-        return write_envelope(path, "SAClassifier", self.model, self.to_dict())
+        digest and the diagnostics. Never the weights. ``metadata`` (JSON-ready) is stored as
+        is and comes back as :attr:`metadata` after :meth:`load`."""
+        payload = self.to_dict()
+        meta = dict(self.metadata if metadata is None else metadata)
+        if meta:
+            payload["metadata"] = jsonable(meta)
+        return write_envelope(path, "SAClassifier", self.model, payload)
 
     @classmethod
     def load(cls, path: str | Path, model: nn.Module, output_fn: Any = None, *,
@@ -541,6 +599,10 @@ class SAClassifier:
                                      "finite floats")
             est._fitted = {"nu": nu, "temperature": t, "n_classes": c,
                            "tokens": bool(ft["tokens"]), "cal_scores": scores}
+            meta = obj.get("metadata") or {}
+            if not isinstance(meta, dict):
+                raise ValueError(f"metadata must be a JSON object, got {type(meta).__name__}")
+            est.metadata = dict(meta)
             return est
 
         return read_fitted(path, "SAClassifier", model, strict=strict, build=build)

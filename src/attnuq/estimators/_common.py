@@ -393,3 +393,21 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     rx, ry = rx - rx.mean(), ry - ry.mean()
     den = float(rx.norm() * ry.norm())
     return float((rx * ry).sum()) / den if den > 0 else math.nan
+
+
+def jsonable(obj: Any) -> Any:
+    """``obj`` made JSON-ready: dicts, lists and scalars as they are; tuples as lists; anything
+    else as its repr.
+
+    Examples
+    --------
+    >>> jsonable({"a": (1, 2.5), 3: None, "f": len})
+    {'a': [1, 2.5], '3': None, 'f': '<built-in function len>'}
+    """
+    if isinstance(obj, Mapping):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return repr(obj)

@@ -82,6 +82,7 @@ from attnuq.conformal import FLOOR_GRID
 from attnuq.estimators._common import (
     check_model,
     check_settings,
+    jsonable,
     read_fitted,
     read_pairs,
     require_fitted,
@@ -864,7 +865,7 @@ class SARegressor:
                 "criterion": self.criterion, "recentre": self.recentre, "floor": self.floor,
                 "gaussian": self.gaussian,
                 "nu_range": list(self.nu_range), "n_samples": self.n_samples,
-                "seed": self.seed, "calibrate_kwargs": _jsonable(self.calibrate_kwargs),
+                "seed": self.seed, "calibrate_kwargs": jsonable(self.calibrate_kwargs),
             },
             "fitted": {
                 "nu": fit["nu"], "criterion_resolved": fit["criterion_resolved"],
@@ -873,7 +874,7 @@ class SARegressor:
                 "n_cal": fit["n_cal"],
                 "ranks": fit["ranks"].tolist(), "scores": fit["scores"].tolist(),
             },
-            "diagnostics": _jsonable(self.diagnostics),
+            "diagnostics": jsonable(self.diagnostics),
         }
 
     def save(self, path: str | Path, *, metadata: Mapping[str, Any] | None = None) -> Path:
@@ -885,7 +886,7 @@ class SARegressor:
         payload = self.to_dict()
         meta = dict(self.metadata if metadata is None else metadata)
         if meta:
-            payload["metadata"] = _jsonable(meta)
+            payload["metadata"] = jsonable(meta)
         return write_envelope(path, "SARegressor", self.model, payload)
 
     @classmethod
@@ -953,13 +954,3 @@ def _key(v: float) -> str:
     """A float as a JSON key: ``"inf"`` for infinity, else its shortest repr."""
     return "inf" if math.isinf(v) else repr(float(v))
 
-
-def _jsonable(obj: Any) -> Any:
-    """Dicts, lists and scalars as they are; tuples as lists; anything else as its repr."""
-    if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    return repr(obj)
