@@ -4,7 +4,8 @@ Starting a process costs seconds here (importing torch on a loaded machine), so 
 3-rank case runs inside two launches of ``_worker.py`` (all scenarios, in order) and one
 ``torchrun ... -m attnuq.cli calibrate``, started together; the world-size-1 reference runs in
 this process, in a gloo group of one, while they run. Under pytest-xdist only one worker
-computes all this (``dist_run``); the tests read it.
+computes all this (``dist_run``); the tests read it. A second torchrun launch runs
+``attnuq calibrate --task classification`` (every rank fits the whole classifier).
 """
 
 from __future__ import annotations
@@ -35,11 +36,24 @@ def cli_args(files: dict[str, Path], out: Path) -> list[str]:
             "--batch-size", "4", "--out", str(out)]
 
 
+def cls_args(files: dict[str, Path], out: Path) -> list[str]:
+    """``attnuq calibrate --task classification``: the same model's two outputs read as the
+    logits of two classes, on labels drawn from them."""
+    return ["calibrate", str(files["model"]), str(files["cls_data"]), "--task",
+            "classification", "--n-passes", "3", "--batch-size", "4", "--out", str(out)]
+
+
 def _files(d: Path) -> dict[str, Path]:
     x, y = _worker.data()
     torch.save(_worker.small_model(), d / "model.pt")
     np.savez(d / "heldout.npz", x=x.numpy(), y=y.numpy())
-    return {"model": d / "model.pt", "data": d / "heldout.npz", "dir": d}
+    g = torch.Generator().manual_seed(2)
+    xc = torch.randn(24, 5, 8, generator=g)
+    with torch.no_grad():
+        yc = torch.multinomial((2 * _worker.small_model()(xc)).softmax(-1), 1, generator=g)
+    np.savez(d / "heldout_cls.npz", x=xc.numpy(), y=yc[:, 0].numpy())
+    return {"model": d / "model.pt", "data": d / "heldout.npz",
+            "cls_data": d / "heldout_cls.npz", "dir": d}
 
 
 class _Finished:
@@ -56,7 +70,8 @@ def _compute(root: Path) -> dict[str, Any]:
     """Start the launches, run the world-size-1 reference here meanwhile, wait for them."""
     from attnuq.cli import main
 
-    sub = {k: root / k for k in ("files", "w2", "w3", "fork", "cli", "cli_w1")}
+    sub = {k: root / k for k in ("files", "w2", "w3", "fork", "cli", "cli_w1", "cls",
+                                 "cls_w1")}
     for d in sub.values():
         d.mkdir(parents=True, exist_ok=True)
     files = _files(sub["files"])
@@ -64,6 +79,7 @@ def _compute(root: Path) -> dict[str, Any]:
     ranks = _launch.start_forked([("same", 2, out[2]), ("same", 3, out[3])], sub["fork"],
                                  TEST_DIST_TIMEOUT=str(TIMEOUT_S))
     cli = _launch.start_torchrun(2, cli_args(files, sub["cli"] / "report"))
+    cls = _launch.start_torchrun(2, cls_args(files, sub["cls"] / "report"))
     assert not dist.is_initialized()
     n = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -78,12 +94,14 @@ def _compute(root: Path) -> dict[str, Any]:
         w1 = _worker.same(0, 1)
         w1["cli_out"] = sub["cli_w1"] / "report"
         w1["cli_rc"] = main(cli_args(files, w1["cli_out"]))
+        w1["cls_out"] = sub["cls_w1"] / "report"
+        w1["cls_rc"] = main(cls_args(files, w1["cls_out"]))
     finally:
         dist.destroy_process_group()
         torch.set_num_threads(n)
     return {"w1": w1, "plain": plain, "out": out, "top": sub["fork"],
-            "cli_out": sub["cli"] / "report",
-            "ranks": ranks.wait(), "cli": cli.wait()}
+            "cli_out": sub["cli"] / "report", "cls_out": sub["cls"] / "report",
+            "ranks": ranks.wait(), "cli": cli.wait(), "cls": cls.wait()}
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +125,8 @@ def dist_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def launched(dist_run: dict[str, Any]) -> dict[str, Any]:
     """The 2- and 3-rank groups and the torchrun launch, all finished."""
     return {"out": dist_run["out"], "top": dist_run["top"], "cli_out": dist_run["cli_out"],
-            "ranks": _Finished(dist_run["ranks"]), "cli": _Finished(dist_run["cli"])}
+            "cls_out": dist_run["cls_out"], "ranks": _Finished(dist_run["ranks"]),
+            "cli": _Finished(dist_run["cli"]), "cls": _Finished(dist_run["cls"])}
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,27 @@ def test_calibrate_under_torchrun(launched: dict[str, Any], w1: dict[str, Any]) 
     assert [e["nu"] for e in got["evaluations"]] == [e["nu"] for e in ref["evaluations"]]
 
 
+def test_calibrate_classification_under_torchrun(launched: dict[str, Any],
+                                                 w1: dict[str, Any]) -> None:
+    """Every rank fits the whole classifier (the search is not sharded), rank 0 alone writes
+    it, and the fit is the one process's: nu, T, the calibration scores, every evaluation."""
+    (agent,) = launched["cls"].wait()
+    assert agent.returncode == 0, agent.stderr[-4000:]
+    assert w1["cls_rc"] == 0
+    out, ref_out = launched["cls_out"], w1["cls_out"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref_out.iterdir())
+    assert agent.stdout.count("chosen nu = ") == 1
+    got = json.loads((out / "estimator.json").read_text())
+    ref = json.loads((ref_out / "estimator.json").read_text())
+    assert got["estimator"] == "SAClassifier"
+    assert got["fitted"] == ref["fitted"]  # nu, T, classes and the sorted calibration scores
+    for key in ("val", "nu", "temperature", "forward_passes", "n_val", "n_cal"):
+        assert got["diagnostics"][key] == ref["diagnostics"][key], key
+    cal, cal_ref = (json.loads((d / "calibration.json").read_text()) for d in (out, ref_out))
+    assert [(e["nu"], e["objective"]) for e in cal["evaluations"]] == [
+        (e["nu"], e["objective"]) for e in cal_ref["evaluations"]]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_runner_whole_groups(world: int, launched: dict[str, Any]) -> None:
     """5 groups of 2 methods, >= world groups: group g goes whole to rank g % world."""
