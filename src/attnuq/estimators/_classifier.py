@@ -485,15 +485,8 @@ class SAClassifier:
     def predict_set(self, inputs: Any, alpha: float = 0.1) -> torch.Tensor:
         r"""Conformal prediction sets ``(B, [L,] C)`` (bool) holding the label with marginal
         probability at least ``1 - alpha`` (split conformal on ``cal_data``; finite-sample).
-
-        Raises
-        ------
-        ValueError
-            ``alpha`` outside ``(0, 1)``, or below the smallest ``1/(n_cal + 1)`` that the
-            calibration part supports (the message names it).
-        RuntimeError
-            Not fitted with ``cal_data``.
-        """
+        A bad ``alpha`` or a missing calibration part raises as :meth:`set_rule` says, before
+        any forward pass."""
         return self.predict_with_set(inputs, alpha)[1]
 
     def predict_with_set(self, inputs: Any, alpha: float = 0.1
