@@ -275,7 +275,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                      help="field of the model output (default: the calibration's)")
     prd.add_argument("--target", action="append", default=None,
                      help="CSV columns to drop from the inputs (default: the calibration's "
-                     "--target)")
+                     "target columns, where present; the other columns must then be the "
+                     "calibration's input columns, in its order)")
     prd.add_argument("--batch-size", type=int, default=64, help="default: 64")
     prd.add_argument("--no-strict", action="store_true",
                      help="accept a model whose parameters differ from the calibrated one "

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -23,8 +23,8 @@ from attnuq._io import (
 )
 from attnuq.data import DataFormatError
 
-__all__ = ["calibrate_saved_model", "load_heldout", "load_inputs", "load_saved_model",
-           "make_output_fn", "predict_saved_model"]
+__all__ = ["HeldOut", "calibrate_saved_model", "load_heldout", "load_inputs", "load_saved_model",
+           "make_output_fn", "predict_saved_model", "read_heldout"]
 
 
 def load_saved_model(path: str | Path, device: str = "cpu") -> nn.Module:
@@ -82,9 +82,26 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
+class HeldOut(NamedTuple):
+    """Held-out data as :func:`read_heldout` reads it: ``inputs`` (a tensor or named arrays),
+    targets ``y``, and for a ``.csv`` the input and target column names (``None`` for an
+    ``.npz``)."""
+
+    inputs: torch.Tensor | dict[str, torch.Tensor]
+    y: torch.Tensor
+    input_columns: list[str] | None
+    target_columns: list[str] | None
+
+
 def load_heldout(
     path: str | Path, targets: list[str] | None = None
 ) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
+    """``(inputs, targets)`` of :func:`read_heldout`."""
+    held = read_heldout(path, targets)
+    return held.inputs, held.y
+
+
+def read_heldout(path: str | Path, targets: list[str] | None = None) -> HeldOut:
     """Read held-out ``(inputs, targets)`` from ``.npz`` or ``.csv``.
 
     NPZ: ``y`` holds the targets; ``x`` the inputs, or else every other array is passed to the
@@ -104,10 +121,12 @@ def load_heldout(
         targets, non-numeric or scalar arrays, row counts that disagree.
     """
     p = check_input_file(path, "data file")  # not found, a folder, a FIFO, /dev/null
+    x_names: list[str] | None = None
+    y_names: list[str] | None = None
     if p.suffix == ".npz":
         inputs, y = _read_npz(p)
     elif p.suffix == ".csv":
-        inputs, y = _read_csv(p, targets)
+        inputs, y, x_names, y_names = _read_csv(p, targets)
     else:
         raise ValueError(f"data file must end in .npz or .csv, got {p.name!r}")
     n = len(y)
@@ -119,7 +138,7 @@ def load_heldout(
     sizes = [len(v) for v in (inputs.values() if isinstance(inputs, dict) else [inputs])]
     if any(s != n for s in sizes):
         raise DataFormatError(p, f"inputs have {sizes} rows but targets have {n}")
-    return inputs, y
+    return HeldOut(inputs, y, x_names, y_names)
 
 
 def _read_npz(p: Path) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
@@ -166,8 +185,10 @@ def _read_npz(p: Path) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Te
     return {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}, y
 
 
-def _read_csv(p: Path, targets: list[str] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """CSV part of :func:`load_heldout`: a strict header table (file and line in every error)."""
+def _read_csv(p: Path, targets: list[str] | None
+              ) -> tuple[torch.Tensor, torch.Tensor, list[str], list[str]]:
+    """CSV part of :func:`read_heldout`: a strict header table (file and line in every error);
+    inputs, targets, and the input and target column names."""
     from attnuq.data.readers import read_csv_table
 
     table = read_csv_table(p)
@@ -196,7 +217,7 @@ def _read_csv(p: Path, targets: list[str] | None) -> tuple[torch.Tensor, torch.T
         )
     x = torch.as_tensor(table.floats(x_names), dtype=torch.float32)
     y = torch.as_tensor(yv, dtype=torch.float32)
-    return x, (y[:, 0] if y.shape[1] == 1 else y)
+    return x, (y[:, 0] if y.shape[1] == 1 else y), x_names, cols
 
 
 def make_output_fn(key: str | None) -> Callable[[Any], torch.Tensor]:
@@ -343,7 +364,10 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     check_fresh_out(out, getattr(args, "overwrite", False))
     torch.manual_seed(args.seed)
     model = load_saved_model(args.model, args.device)
-    inputs, y = load_heldout(args.data, args.target)
+    held = read_heldout(args.data, args.target)
+    inputs, y = held.inputs, held.y
+    # predict drops the target columns from a CSV of new inputs and checks the rest
+    args.columns = {"target": held.target_columns, "input_columns": held.input_columns}
     if classify:
         y = class_ids(y, args.data)
     val_idx, cal_idx = split_val_cal(len(y), args.cal_fraction, args.seed)
@@ -409,7 +433,7 @@ def _write_calibration(out: Path, sa: Any, args: argparse.Namespace, y: torch.Te
         "command": "attnuq calibrate", "model": str(Path(args.model).resolve()),
         "data": str(Path(args.data).resolve()), "head": None if args.head is None
         else str(Path(args.head).resolve()), "pool": args.pool, "output_key": args.output_key,
-        "target": args.target, "cal_fraction": args.cal_fraction,
+        **args.columns, "cal_fraction": args.cal_fraction,
         "n_val_rows": len(val_idx), "n_cal_rows": len(cal_idx), "squeeze": y.dim() == 1,
     })
     if report is not None:
@@ -479,10 +503,14 @@ def draw_calibration_curve(out: Path, report: Any) -> list[dict[str, str]]:
     return [{"file": "calibration_curve.png", "caption": "objective against nu"}]
 
 
-def load_inputs(path: str | Path, drop: list[str] | None = None
-                ) -> torch.Tensor | dict[str, torch.Tensor]:
+def load_inputs(path: str | Path, drop: list[str] | None = None, *,
+                expect: list[str] | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
     """Inputs for ``attnuq predict``: ``.npz`` (``x``, or every array as a keyword argument;
-    an array ``y`` is ignored) or ``.csv`` (every column, except the ``drop`` columns)."""
+    an array ``y`` is ignored) or ``.csv`` (every column, except the ``drop`` columns).
+
+    ``expect``: the input columns the model was calibrated on (``attnuq calibrate`` records
+    them); a ``.csv`` whose remaining columns differ in names or order is refused, naming
+    them, rather than fed to the model column by column."""
     from attnuq.data.readers import read_csv_table
 
     p = check_input_file(path, "inputs file")
@@ -521,6 +549,14 @@ def load_inputs(path: str | Path, drop: list[str] | None = None
         cols = [c for c in table.header if c not in (drop or [])]
         if not cols:
             raise DataFormatError(p, "has no input columns", line=table.header_line)
+        if expect is not None and cols != list(expect):
+            missing = [c for c in expect if c not in cols]
+            extra = [c for c in cols if c not in expect]
+            why = (f"lacks {missing}" if missing else "") + (
+                f"{' and ' if missing else ''}has {extra} besides them" if extra else "")
+            raise DataFormatError(
+                p, f"input columns {cols} are not the calibration's {list(expect)} (in that "
+                f"order): {why or 'the order differs'}", line=table.header_line)
         x = torch.as_tensor(table.floats(cols), dtype=torch.float32)
         if len(x) == 0:
             raise DataFormatError(p, "has no rows")
@@ -567,7 +603,8 @@ def predict_saved_model(args: argparse.Namespace) -> Path:
     key = args.output_key if args.output_key is not None else meta.get("output_key")
     drop = args.target if args.target is not None else meta.get("target")
     model = load_saved_model(args.model, args.device)
-    inputs = load_inputs(args.input, drop)
+    expect = meta.get("input_columns") if args.target is None else None
+    inputs = load_inputs(args.input, drop, expect=expect)
     if head is not None:
         from attnuq.cli._head import attach_head
 

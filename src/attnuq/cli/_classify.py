@@ -170,7 +170,7 @@ def _write(out: Path, clf: Any, args: argparse.Namespace, n_val_rows: int,
         "command": "attnuq calibrate", "task": "classification",
         "model": str(Path(args.model).resolve()), "data": str(Path(args.data).resolve()),
         "head": None if args.head is None else str(Path(args.head).resolve()),
-        "pool": args.pool, "output_key": args.output_key, "target": args.target,
+        "pool": args.pool, "output_key": args.output_key, **args.columns,
         "cal_fraction": args.cal_fraction, "n_val_rows": n_val_rows, "n_cal_rows": n_cal_rows,
         "squeeze": False,
     })

@@ -119,6 +119,20 @@ def test_binary_model_and_csv_heldout(tmp_path: Path, capsys: pytest.CaptureFixt
     assert rows[0].startswith("label,prob_0,prob_1,") and len(rows) == 3
     p0, p1 = (float(v) for v in rows[1].split(",")[1:3])
     assert abs(p0 + p1 - 1) < 1e-6
+    # the same rows without the label column give the same probabilities
+    (tmp_path / "new2.csv").write_text("a,b,c\n0.1,0.2,0.3\n-1,0,2\n")
+    rc, _, err = run(["predict", str(model_path), str(tmp_path / "cal" / "estimator.json"),
+                      str(tmp_path / "new2.csv"), "--out", str(tmp_path / "p2.csv")], capsys)
+    assert rc == 0, err
+    assert (tmp_path / "p2.csv").read_text() == (tmp_path / "p.csv").read_text()
+    # columns in another order, or another column, are refused (this model would take them)
+    for name, header in (("swapped", "b,a,c"), ("renamed", "a,b,d")):
+        (tmp_path / f"{name}.csv").write_text(f"{header}\n0.1,0.2,0.3\n")
+        rc, _, err = run(["predict", str(model_path), str(tmp_path / "cal" / "estimator.json"),
+                          str(tmp_path / f"{name}.csv"), "--out", str(tmp_path / f"{name}.npz")],
+                         capsys)
+        assert_one_line_exit_2(rc, err, f"input columns {header.split(',')} are not the "
+                                        "calibration's ['a', 'b', 'c'] (in that order)")
 
 
 def test_predict_without_calibration_part_warns_and_writes_no_sets(
