@@ -367,7 +367,9 @@ def calibrate_saved_model(args: argparse.Namespace) -> Path:
     held = read_heldout(args.data, args.target)
     inputs, y = held.inputs, held.y
     # predict drops the target columns from a CSV of new inputs and checks the rest
-    args.columns = {"target": held.target_columns, "input_columns": held.input_columns}
+    args.columns = {"target": held.target_columns, "input_columns": held.input_columns,
+                    "input_arrays": None if held.input_columns is not None else
+                    sorted(inputs) if isinstance(inputs, dict) else ["x"]}
     if classify:
         y = class_ids(y, args.data)
     val_idx, cal_idx = split_val_cal(len(y), args.cal_fraction, args.seed)
@@ -504,13 +506,16 @@ def draw_calibration_curve(out: Path, report: Any) -> list[dict[str, str]]:
 
 
 def load_inputs(path: str | Path, drop: list[str] | None = None, *,
-                expect: list[str] | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+                expect: list[str] | None = None, expect_arrays: list[str] | None = None
+                ) -> torch.Tensor | dict[str, torch.Tensor]:
     """Inputs for ``attnuq predict``: ``.npz`` (``x``, or every array as a keyword argument;
     an array ``y`` is ignored) or ``.csv`` (every column, except the ``drop`` columns).
 
     ``expect``: the input columns the model was calibrated on (``attnuq calibrate`` records
     them); a ``.csv`` whose remaining columns differ in names or order is refused, naming
-    them, rather than fed to the model column by column."""
+    them, rather than fed to the model column by column. ``expect_arrays``: the input arrays
+    of a calibration ``.npz``; an ``.npz`` with other arrays is refused (a model may take a
+    missing keyword argument, e.g. an attention mask, and answer for other inputs)."""
     from attnuq.data.readers import read_csv_table
 
     p = check_input_file(path, "inputs file")
@@ -534,6 +539,9 @@ def load_inputs(path: str | Path, drop: list[str] | None = None, *,
                 raise DataFormatError(p, f"array {k!r} has no rows (shape {v.shape})")
         if not arrays:
             raise DataFormatError(p, "has no input arrays")
+        if expect_arrays is not None and sorted(arrays) != sorted(expect_arrays):
+            raise DataFormatError(p, f"has the input arrays {sorted(arrays)}, but the "
+                                     f"calibration's were {sorted(expect_arrays)}")
         if "x" in arrays:
             if len(arrays) > 1:
                 raise DataFormatError(p, f"has 'x' and also {sorted(set(arrays) - {'x'})}")
@@ -604,7 +612,8 @@ def predict_saved_model(args: argparse.Namespace) -> Path:
     drop = args.target if args.target is not None else meta.get("target")
     model = load_saved_model(args.model, args.device)
     expect = meta.get("input_columns") if args.target is None else None
-    inputs = load_inputs(args.input, drop, expect=expect)
+    inputs = load_inputs(args.input, drop, expect=expect,
+                         expect_arrays=meta.get("input_arrays"))
     if head is not None:
         from attnuq.cli._head import attach_head
 

@@ -203,6 +203,7 @@ def test_calibrate_bad_input_one_line_exit_2(tmp_path: Path, case: str, message:
     ("samples-csv", "--samples with a .csv --out: a classifier's draws are (S, N, C)"),
     ("level-1", "--level must lie in (0, 1), got 1.0"),
     ("inputs-rejected", "model clf.pt fails on the inputs of bad.npz"),
+    ("other-arrays", "has the input arrays ['input_ids'], but the calibration's were ['x']"),
 ])
 def test_predict_bad_input_one_line_exit_2(fitted: dict[str, Path], case: str, message: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
@@ -219,6 +220,9 @@ def test_predict_bad_input_one_line_exit_2(fitted: dict[str, Path], case: str, m
     elif case == "inputs-rejected":
         inputs = fitted["tmp"] / "bad.npz"
         np.savez(inputs, x=np.zeros((4, 3, 2), dtype=np.float32))
+    elif case == "other-arrays":
+        inputs = fitted["tmp"] / "ids.npz"
+        np.savez(inputs, input_ids=np.zeros((4, 3), dtype=np.int64))
     rc, _, err = run(["predict", str(fitted["model"]), str(fitted["fitted"]), str(inputs),
                       "--out", str(out), *extra], capsys)
     assert_one_line_exit_2(rc, err, message)
@@ -266,6 +270,11 @@ def test_per_token_labels_npz_only(tmp_path: Path, capsys: pytest.CaptureFixture
     z = np.load(tmp_path / "p.npz")
     assert z["probs"].shape == (7, 6, 5) and z["set"].shape == (7, 6, 5)
     assert z["mutual_information"].shape == (7, 6)
+    np.savez(tmp_path / "more.npz", input_ids=ids[:7].numpy(), attention_mask=ids[:7].numpy())
+    rc, _, err = run(["predict", str(path), fitted, str(tmp_path / "more.npz"), "--out",
+                      str(tmp_path / "more_p.npz")], capsys)
+    assert_one_line_exit_2(rc, err, "has the input arrays ['attention_mask', 'input_ids'], but "
+                                    "the calibration's were ['input_ids']")
     rc, _, err = run(["predict", str(path), fitted, str(tmp_path / "new.npz"), "--out",
                       str(tmp_path / "p.csv")], capsys)
     assert_one_line_exit_2(rc, err, "this classifier predicts per token ((N, L, C) "
