@@ -1,4 +1,5 @@
-"""Diagnostic plots: PIT histogram, reliability diagram, calibration curve, fan chart, spread map.
+"""Diagnostic plots: PIT histogram, reliability diagrams (interval coverage; class confidence),
+calibration curve, fan chart, spread map.
 
 matplotlib is imported lazily (extra ``bench``). Every function takes ``ax=None`` (a new figure
 is made) and returns the ``Axes`` it drew on.
@@ -20,15 +21,19 @@ Examples
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from attnuq.predictive import GaussianPredictive, Predictive
 
+if TYPE_CHECKING:
+    from attnuq.metrics import CalibrationBins
+
 __all__ = [
     "calibration_curve",
+    "confidence_reliability",
     "fan_chart",
     "pit_histogram",
     "reliability_diagram",
@@ -196,6 +201,61 @@ def reliability_diagram(
     ax.set_ylabel("observed coverage")
     if label:
         ax.legend()
+    return ax
+
+
+def confidence_reliability(
+    bins: CalibrationBins,
+    *,
+    ax: Any = None,
+    title: str | None = None,
+) -> Any:
+    """Reliability diagram of class probabilities: accuracy against top-label confidence per
+    bin of :func:`attnuq.metrics.calibration_bins` (a bar over each non-empty equal-width bin,
+    or ``1/M`` wide at the mean confidence of a ``"mass"`` bin, and a dot at (mean confidence,
+    accuracy)), the diagonal of perfect calibration, and the ECE of the same bins in the title
+    (after ``title``).
+
+    Examples
+    --------
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> import matplotlib.pyplot as plt
+    >>> import torch
+    >>> from attnuq.metrics import calibration_bins
+    >>> g = torch.Generator().manual_seed(0)
+    >>> p = (2 * torch.randn(200, 3, generator=g)).softmax(-1)
+    >>> y = torch.multinomial(p, 1, generator=g)[:, 0]
+    >>> ax = confidence_reliability(calibration_bins(p, y, n_bins=10), title="toy")
+    >>> ax.get_title().startswith("toy: ECE "), ax.get_xlabel()
+    (True, 'confidence')
+    >>> plt.close(ax.figure)
+    """
+    from attnuq.metrics import CalibrationBins as _Bins
+
+    if not isinstance(bins, _Bins):
+        raise TypeError(f"bins must be attnuq.metrics.CalibrationBins (from calibration_bins), "
+                        f"got {type(bins).__name__}")
+    keep = (bins.count > 0).cpu()
+    conf = bins.confidence.cpu()[keep].numpy()
+    acc = bins.accuracy.cpu()[keep].numpy()
+    ax = _axes(ax)
+    ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+    if bins.edges is not None:  # equal-width bins: a bar over each bin, a dot at its mean
+        e = bins.edges.cpu().numpy()
+        left = e[:-1][keep.numpy()]
+        ax.bar(left, acc, width=np.diff(e)[keep.numpy()], align="edge", alpha=0.6,
+               color="#3b6ea5", edgecolor="white", label="accuracy")
+    else:
+        ax.bar(conf, acc, width=1.0 / bins.n_bins, alpha=0.6, color="#3b6ea5",
+               edgecolor="white", label="accuracy")
+    ax.plot(conf, acc, "o", ms=3, color="#b03a2e", label="(mean confidence, accuracy)")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("confidence")
+    ax.set_ylabel("accuracy")
+    ece = f"ECE {float(bins.ece):.4f}"
+    ax.set_title(f"{title}: {ece}" if title else ece, fontsize=9)
     return ax
 
 

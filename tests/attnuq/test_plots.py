@@ -99,3 +99,23 @@ def test_fan_chart_and_spread_map(tmp_path: Path) -> None:
     _save(plots.spread_map(fields.std[1]), tmp_path / "map2.png")
     with pytest.raises(ValueError, match="lat/lon"):
         plots.spread_map(fields, lat=lat[:3], lon=lon)
+
+
+def test_confidence_reliability_draws_the_bins(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    p = (3 * torch.randn(300, 3, generator=g, dtype=torch.float64)).softmax(-1)
+    y = torch.multinomial(p, 1, generator=g)[:, 0]
+    bins = metrics.calibration_bins(p, y, n_bins=10)
+    ax = plots.confidence_reliability(bins, title="toy")
+    keep = bins.count > 0
+    heights = [bar.get_height() for bar in ax.patches]
+    assert heights == pytest.approx(bins.accuracy[keep].tolist(), abs=1e-12)
+    lefts = [bar.get_x() for bar in ax.patches]  # equal-width bins: one bar over each
+    assert lefts == pytest.approx(bins.edges[:-1][keep].tolist(), abs=1e-12)  # type: ignore[index]
+    assert ax.get_title() == f"toy: ECE {float(metrics.ece_probs(p, y, n_bins=10)):.4f}"
+    _save(ax, tmp_path / "conf.png")
+    mass = plots.confidence_reliability(metrics.calibration_bins(p, y, binning="mass"))
+    assert len(mass.patches) == 15
+    plt.close(mass.figure)
+    with pytest.raises(TypeError, match=r"bins must be attnuq\.metrics\.CalibrationBins"):
+        plots.confidence_reliability((p, y))  # type: ignore[arg-type]

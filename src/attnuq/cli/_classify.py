@@ -177,7 +177,7 @@ def _write(out: Path, clf: Any, args: argparse.Namespace, n_val_rows: int,
     report = clf.report
     if report is not None:
         atomic_write_text(out / "calibration.json", report.to_json())
-    figures = draw_calibration_curve(out, report)
+    figures = draw_calibration_curve(out, report) + _draw_reliability(out, d["val"])
     v = d["val"]
     n_cal = d["n_cal"]
     results = {
@@ -210,6 +210,36 @@ def _write(out: Path, clf: Any, args: argparse.Namespace, n_val_rows: int,
     }
     atomic_write_json(out / "results.json", results, indent=2)
     render_report(out / "results.json")
+
+
+def _draw_reliability(out: Path, val: dict[str, Any]) -> list[dict[str, str]]:
+    """``out/reliability.png``: the validation reliability diagrams of the frozen model,
+    temperature scaling alone and SA (the bins in the fit's diagnostics); nothing without
+    matplotlib (the extra ``plots``)."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        print("reliability.png not drawn: matplotlib is not installed "
+              "(pip install 'attnuq[plots]')")
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from attnuq._io import atomic_savefig
+    from attnuq.metrics import CalibrationBins
+    from attnuq.plots import confidence_reliability
+
+    names = {"frozen": "frozen", "temperature_scaling": "temperature scaling", "sa": "SA"}
+    fig, axes = plt.subplots(1, 3, figsize=(9.6, 3.4))
+    for ax, (key, name) in zip(axes, names.items(), strict=True):
+        confidence_reliability(CalibrationBins.from_dict(val[key]["reliability"]), ax=ax,
+                               title=name)
+    fig.suptitle("validation part: accuracy against confidence", fontsize=9)
+    fig.tight_layout()
+    atomic_savefig(fig, out / "reliability.png", dpi=100)
+    plt.close(fig)
+    return [{"file": "reliability.png",
+             "caption": "validation reliability: frozen, temperature scaling alone, SA"}]
 
 
 def fitted_kind(path: str | Path) -> str:

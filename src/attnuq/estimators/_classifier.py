@@ -91,10 +91,14 @@ def _draw_logits(s: torch.Tensor) -> torch.Tensor:
     return zs.reshape(s.shape[0], s.shape[1], *zs.shape[1:])
 
 
-def _ece(logit_draws: torch.Tensor, labels: torch.Tensor, t: float) -> float:
-    from attnuq.metrics import ece_probs
+def _calibration(logit_draws: torch.Tensor, labels: torch.Tensor, t: float
+                 ) -> dict[str, Any]:
+    """ECE (15 equal-width bins) of the Monte Carlo mean probability at temperature ``t``, and
+    its bins (what a reliability diagram draws: :func:`attnuq.plots.confidence_reliability`)."""
+    from attnuq.metrics import calibration_bins
 
-    return float(ece_probs((logit_draws / t).softmax(-1).mean(0), labels))
+    bins = calibration_bins((logit_draws / t).softmax(-1).mean(0), labels)
+    return {"ece": float(bins.ece), "reliability": bins.to_dict()}
 
 
 class SAClassifier:
@@ -141,8 +145,10 @@ class SAClassifier:
     diagnostics
         After :meth:`fit` (and in the JSON): ``nu``, ``nu_at_edge`` (``None``, ``"lower"``,
         ``"upper"``), ``temperature`` and ``temperature_rule``, ``val`` with the validation
-        ``nll`` and ``ece`` of ``"frozen"`` (``T = 1``), ``"temperature_scaling"`` (the frozen
-        model at its own best ``T``) and ``"sa"`` (the fitted estimator), the mean validation
+        ``nll``, ``ece`` and ``reliability`` (its bins:
+        :meth:`attnuq.metrics.CalibrationBins.to_dict`) of ``"frozen"`` (``T = 1``),
+        ``"temperature_scaling"`` (the frozen model at its own best ``T``) and ``"sa"`` (the
+        fitted estimator), the mean validation
         mutual information, ``n_val`` / ``n_cal`` (labelled rows), ``n_classes``,
         ``forward_passes`` (per example), ``fit_seconds`` and ``warnings``.
     metadata
@@ -323,10 +329,10 @@ class SAClassifier:
         nll_ts = float(mc_nll(fr, val_rows.labels, t_frozen).mean())
         diag["val"] = {
             "frozen": {"nll": float(mc_nll(fr, val_rows.labels).mean()),
-                       "ece": _ece(fr, val_rows.labels, 1.0)},
+                       **_calibration(fr, val_rows.labels, 1.0)},
             "temperature_scaling": {"temperature": t_frozen, "nll": nll_ts,
-                                    "ece": _ece(fr, val_rows.labels, t_frozen)},
-            "sa": {"nll": nll_sa, "ece": _ece(val_rows.draws, val_rows.labels, t)},
+                                    **_calibration(fr, val_rows.labels, t_frozen)},
+            "sa": {"nll": nll_sa, **_calibration(val_rows.draws, val_rows.labels, t)},
         }
         pred_val = CategoricalPredictive.from_logits(val_rows.draws, temperature=t)
         diag["val_mean_mutual_information"] = float(pred_val.mutual_information.mean())

@@ -17,11 +17,13 @@ torch.Size([])
 """
 
 from attnuq.metrics._classification import (
+    CalibrationBins,
     auprc,
     aurc,
     auroc,
     auroc_error,
     brier_probs,
+    calibration_bins,
     ece_probs,
     entropy_probs,
     mutual_information_samples,
@@ -42,11 +44,13 @@ from attnuq.metrics._intervals import coverage, interval_score, interval_width
 from attnuq.metrics._pit import dispersion_factor, pit_samples, pit_w1, pit_w1_scaled
 
 __all__ = [
+    "CalibrationBins",
     "auprc",
     "aurc",
     "auroc",
     "auroc_error",
     "brier_probs",
+    "calibration_bins",
     "coverage",
     "crps_normal",
     "crps_samples",

@@ -12,18 +12,21 @@ example (``reduction="none"``) where a per-example form exists.
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
 from attnuq.metrics._checks import Reduction, as_tensor, check_reduction, check_tensor, reduce
 
 __all__ = [
+    "CalibrationBins",
     "auprc",
     "aurc",
     "auroc",
     "auroc_error",
     "brier_probs",
+    "calibration_bins",
     "ece_probs",
     "entropy_probs",
     "mutual_information_samples",
@@ -186,6 +189,139 @@ def brier_probs(
     return reduce(bs / 2 if binary else bs, reduction)
 
 
+@dataclass(frozen=True)
+class CalibrationBins:
+    """Top-label calibration statistics per confidence bin (:func:`calibration_bins`).
+
+    Attributes
+    ----------
+    count
+        ``(M,)`` examples per bin (float64).
+    sum_confidence, sum_accuracy
+        ``(M,)`` sums of the top-label confidence and of the 0/1 correctness per bin.
+    edges
+        ``(M + 1,)`` bin edges for ``binning="width"``; ``None`` for ``"mass"`` (the bins
+        are groups of ranks, not intervals).
+
+    Examples
+    --------
+    >>> import torch
+    >>> p = torch.tensor([[0.9, 0.1], [0.9, 0.1], [0.6, 0.4], [0.6, 0.4]])
+    >>> b = calibration_bins(p, torch.tensor([0, 1, 0, 0]), n_bins=5)
+    >>> b.count.tolist(), [round(v, 3) for v in b.accuracy.nan_to_num(-1).tolist()]
+    ([0.0, 0.0, 0.0, 2.0, 2.0], [-1.0, -1.0, -1.0, 1.0, 0.5])
+    >>> round(float(b.ece), 4)
+    0.4
+    """
+
+    count: torch.Tensor
+    sum_confidence: torch.Tensor
+    sum_accuracy: torch.Tensor
+    edges: torch.Tensor | None = None
+
+    @property
+    def n_bins(self) -> int:
+        return int(self.count.numel())
+
+    @property
+    def confidence(self) -> torch.Tensor:
+        """``(M,)`` mean confidence per bin (NaN where a bin is empty)."""
+        return self.sum_confidence / self.count
+
+    @property
+    def accuracy(self) -> torch.Tensor:
+        """``(M,)`` accuracy per bin (NaN where a bin is empty)."""
+        return self.sum_accuracy / self.count
+
+    @property
+    def ece(self) -> torch.Tensor:
+        r"""``sum_m |B_m| / B * |acc(B_m) - conf(B_m)|``, a 0-d float64 tensor."""
+        return (self.sum_accuracy - self.sum_confidence).abs().sum() / self.count.sum()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CalibrationBins:
+        """Inverse of :meth:`to_dict` (the sums rebuilt as mean x count)."""
+        count = torch.tensor([float(c) for c in d["count"]], dtype=D)
+
+        def sums(key: str) -> torch.Tensor:
+            vals = d[key]
+            if len(vals) != count.numel():
+                raise ValueError(f"{key} has {len(vals)} bins, count has {count.numel()}")
+            return torch.tensor([0.0 if v is None else float(v) for v in vals], dtype=D) * count
+
+        edges = d.get("edges")
+        return cls(count=count, sum_confidence=sums("confidence"),
+                   sum_accuracy=sums("accuracy"),
+                   edges=None if edges is None else torch.tensor(edges, dtype=D))
+
+    def to_dict(self) -> dict[str, list[float] | list[int] | None]:
+        """JSON-ready lists: ``count``, ``confidence`` and ``accuracy`` per bin (``None``
+        where a bin is empty), and ``edges``."""
+
+        def floats(t: torch.Tensor) -> list[float]:
+            return [float(v) for v in t.tolist()]
+
+        def means(t: torch.Tensor) -> list[float | None]:
+            return [None if c == 0 else float(v) for v, c in zip(t.tolist(),
+                                                                 self.count.tolist(),
+                                                                 strict=True)]
+
+        return {"count": [int(c) for c in self.count.tolist()],
+                "confidence": means(self.confidence),  # type: ignore[dict-item]
+                "accuracy": means(self.accuracy),  # type: ignore[dict-item]
+                "edges": None if self.edges is None else floats(self.edges)}
+
+
+def calibration_bins(
+    probs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    n_bins: int = 15,
+    binning: Binning = "width",
+) -> CalibrationBins:
+    r"""The bins of :func:`ece_probs`: per bin of the top-label confidence ``c_i = max_k p_ik``,
+    the number of examples and the sums of confidence and of correctness (prediction ``argmax_k
+    p_ik``, first maximum); what a reliability diagram draws
+    (:func:`attnuq.plots.confidence_reliability`).
+
+    ``binning="width"``: ``M`` equal-width bins ``(m/M, (m+1)/M]`` (the first also holds 0);
+    ``"mass"``: ``M`` consecutive groups of the sorted confidences whose sizes differ by at most
+    one (the first ``B mod M`` one larger).
+
+    Parameters
+    ----------
+    probs, targets
+        ``(B, C)`` (or ``(B,)`` binary) and ``(B,)``.
+    n_bins
+        ``M``, at least 1 (default 15).
+    binning
+        ``"width"`` or ``"mass"``.
+    """
+    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
+        raise ValueError(f"n_bins must be a positive int, got {n_bins=!r}")
+    if binning not in ("width", "mass"):
+        raise ValueError(f"binning must be 'width' or 'mass', got {binning=!r}")
+    p, y = _probs_labels(probs, targets)
+    conf, pred = p.max(-1)
+    acc = (pred == y).to(D)
+    n = conf.numel()
+    edges = None
+    if binning == "width":
+        edges = torch.linspace(0.0, 1.0, n_bins + 1, dtype=D, device=conf.device)
+        idx = (torch.bucketize(conf, edges, right=False) - 1).clamp(0, n_bins - 1)  # (lo, hi]
+    else:
+        order = torch.sort(conf, stable=True).indices
+        idx = torch.empty(n, dtype=torch.int64, device=conf.device)
+        sizes = [n // n_bins + (1 if k < n % n_bins else 0) for k in range(n_bins)]
+        idx[order] = torch.repeat_interleave(torch.arange(n_bins, device=conf.device),
+                                             torch.tensor(sizes, device=conf.device))
+    count = torch.zeros(n_bins, dtype=D, device=conf.device)
+    count.index_add_(0, idx, torch.ones_like(conf))
+    s_conf = torch.zeros_like(count).index_add_(0, idx, conf)
+    s_acc = torch.zeros_like(count).index_add_(0, idx, acc)
+    return CalibrationBins(count=count, sum_confidence=s_conf, sum_accuracy=s_acc, edges=edges)
+
+
 def ece_probs(
     probs: torch.Tensor,
     targets: torch.Tensor,
@@ -226,28 +362,7 @@ def ece_probs(
     >>> round(float(ece_probs(p, torch.tensor([0, 1, 0, 0]))), 4)  # |0.5-0.9|/2 + |1-0.6|/2
     0.4
     """
-    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
-        raise ValueError(f"n_bins must be a positive int, got {n_bins=!r}")
-    if binning not in ("width", "mass"):
-        raise ValueError(f"binning must be 'width' or 'mass', got {binning=!r}")
-    p, y = _probs_labels(probs, targets)
-    conf, pred = p.max(-1)
-    acc = (pred == y).to(D)
-    n = conf.numel()
-    if binning == "width":
-        edges = torch.linspace(0.0, 1.0, n_bins + 1, dtype=D, device=conf.device)
-        idx = (torch.bucketize(conf, edges, right=False) - 1).clamp(0, n_bins - 1)  # (lo, hi]
-    else:
-        order = torch.sort(conf, stable=True).indices
-        idx = torch.empty(n, dtype=torch.int64, device=conf.device)
-        sizes = [n // n_bins + (1 if k < n % n_bins else 0) for k in range(n_bins)]
-        idx[order] = torch.repeat_interleave(torch.arange(n_bins, device=conf.device),
-                                             torch.tensor(sizes, device=conf.device))
-    count = torch.zeros(n_bins, dtype=D, device=conf.device)
-    count.index_add_(0, idx, torch.ones_like(conf))
-    s_conf = torch.zeros_like(count).index_add_(0, idx, conf)
-    s_acc = torch.zeros_like(count).index_add_(0, idx, acc)
-    return (s_acc - s_conf).abs().sum() / n
+    return calibration_bins(probs, targets, n_bins=n_bins, binning=binning).ece
 
 
 def entropy_probs(probs: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,16 @@ def test_calibrate_writes_a_classifier(fitted: dict[str, Path]) -> None:
     assert results["summary"]["largest set level the calibration part supports"] == 60 / 61
     assert (fitted["out"] / "report.html").is_file()
     assert (fitted["out"] / "calibration.json").is_file()
+    for key in ("frozen", "temperature_scaling", "sa"):  # the validation reliability bins
+        rel = d["val"][key]["reliability"]
+        assert sum(rel["count"]) == 60 and len(rel["accuracy"]) == 15
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError:  # the library alone: no figures, said on stdout
+        return
+    figs = {f["file"] for f in results["figures"]}
+    assert figs == {"calibration_curve.png", "reliability.png"}
+    assert (fitted["out"] / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_predict_equals_the_library(fitted: dict[str, Path],

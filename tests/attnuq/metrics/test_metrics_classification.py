@@ -4,6 +4,7 @@ scikit-learn) and brute-force definitions, float64, plus every bad input."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -220,3 +221,34 @@ def test_bad_inputs_name_the_value() -> None:
         M.set_size(torch.rand(2, 3))
     with pytest.raises(ValueError, match=r"targets must be class ids in \[0, 3\), got targets=3"):
         M.set_coverage(torch.ones(2, 3, dtype=torch.bool), torch.tensor([0, 3]))
+
+
+@pytest.mark.parametrize("binning", ["width", "mass"])
+def test_calibration_bins_match_a_direct_count(binning: str) -> None:
+    """Per-bin counts, mean confidence and accuracy equal a loop over the examples (numpy,
+    the bins' own definition); their ECE is ece_probs's, and to_dict/from_dict round-trip."""
+    g = torch.Generator().manual_seed(3)
+    p = (2 * torch.randn(157, 4, generator=g, dtype=torch.float64)).softmax(-1)
+    y = torch.multinomial(p, 1, generator=g)[:, 0]
+    b = M.calibration_bins(p, y, n_bins=7, binning=binning)  # type: ignore[arg-type]
+    conf, pred = p.max(-1)
+    conf_np, ok_np = conf.numpy(), (pred == y).numpy().astype(float)
+    if binning == "width":
+        idx = np.clip(np.searchsorted(np.linspace(0, 1, 8), conf_np, side="left") - 1, 0, 6)
+    else:  # 157 = 7 x 22 + 3: the three lowest-confidence groups hold 23
+        idx = np.empty(157, dtype=int)
+        idx[np.argsort(conf_np, kind="stable")] = np.repeat(np.arange(7), [23] * 3 + [22] * 4)
+    for m in range(7):
+        sel = idx == m
+        assert float(b.count[m]) == sel.sum()
+        if sel.any():
+            assert float(b.confidence[m]) == pytest.approx(conf_np[sel].mean(), abs=1e-12)
+            assert float(b.accuracy[m]) == pytest.approx(ok_np[sel].mean(), abs=1e-12)
+        else:
+            assert math.isnan(float(b.accuracy[m]))
+    assert torch.equal(b.ece, M.ece_probs(p, y, n_bins=7, binning=binning))  # type: ignore[arg-type]
+    d = b.to_dict()
+    assert (d["edges"] is None) == (binning == "mass")
+    back = M.CalibrationBins.from_dict(d)
+    assert torch.equal(back.count, b.count)
+    assert float(back.ece) == pytest.approx(float(b.ece), abs=1e-12)

@@ -396,37 +396,29 @@ def compute_line(rows: Sequence[Mapping[str, Any]], threads: Any) -> str:
 
 def reliability_figure(path: Path, title: str, panels: Mapping[str, tuple[np.ndarray, np.ndarray]],
                        n_bins: int = 15) -> Path:
-    """One PNG of reliability diagrams (accuracy against top-label confidence, equal-width
-    bins), one panel per ``label -> (probs, labels)``; written atomically."""
+    """One PNG of reliability diagrams (:func:`attnuq.plots.confidence_reliability`: accuracy
+    against top-label confidence, equal-width bins, the ECE in each title), one panel per
+    ``label -> (probs, labels)``; written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     from attnuq._io import atomic_savefig
+    from attnuq.metrics import calibration_bins
+    from attnuq.plots import confidence_reliability
 
     if not panels:
         raise ValueError(f"no reliability panels for {str(path)!r}")
     ncol = min(4, len(panels))
     nrow = math.ceil(len(panels) / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(3.0 * ncol, 2.9 * nrow), squeeze=False)
-    edges = np.linspace(0, 1, n_bins + 1)
     for ax, (label, (p, y)) in zip(axes.flat, panels.items(), strict=False):
-        conf, pred = p.max(1), p.argmax(1)
-        acc = (pred == y).astype(float)
-        idx = np.clip(np.searchsorted(edges, conf, side="left") - 1, 0, n_bins - 1)
-        cnt = np.bincount(idx, minlength=n_bins)
-        a = np.bincount(idx, weights=acc, minlength=n_bins) / np.maximum(cnt, 1)
-        c = np.bincount(idx, weights=conf, minlength=n_bins) / np.maximum(cnt, 1)
-        keep = cnt > 0
-        ax.plot([0, 1], [0, 1], "k--", lw=0.8)
-        ax.bar(c[keep], a[keep], width=1.0 / n_bins, alpha=0.6, color="#3b6ea5",
-               edgecolor="white")
-        ax.set_title(label, fontsize=8)
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1)
-        ax.set_xlabel("confidence", fontsize=7)
-        ax.set_ylabel("accuracy", fontsize=7)
+        bins = calibration_bins(torch.as_tensor(p), torch.as_tensor(y), n_bins=n_bins)
+        confidence_reliability(bins, ax=ax, title=label)
+        ax.title.set_fontsize(8)
+        ax.xaxis.label.set_fontsize(7)
+        ax.yaxis.label.set_fontsize(7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle(title, fontsize=9)
