@@ -296,6 +296,14 @@ def calibration_bins(
         ``M``, at least 1 (default 15).
     binning
         ``"width"`` or ``"mass"``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> p = torch.tensor([[0.95, 0.05], [0.7, 0.3], [0.2, 0.8], [0.45, 0.55]])
+    >>> b = calibration_bins(p, torch.tensor([0, 1, 1, 1]), n_bins=2, binning="mass")
+    >>> b.count.tolist(), b.accuracy.tolist()  # confidences 0.55, 0.7 | 0.8, 0.95
+    ([2.0, 2.0], [0.5, 1.0])
     """
     if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
         raise ValueError(f"n_bins must be a positive int, got {n_bins=!r}")
