@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -248,16 +248,20 @@ def make_output_fn(key: str | None) -> Callable[[Any], torch.Tensor]:
     return output_fn
 
 
+def input_batches(inputs: torch.Tensor | dict[str, torch.Tensor], batch_size: int
+                  ) -> Iterator[tuple[slice, torch.Tensor | dict[str, torch.Tensor]]]:
+    """The consecutive row slices of ``inputs`` (a tensor, or named arrays of one row count),
+    ``batch_size`` rows each (the last may be shorter), with the slice they come from."""
+    n = len(next(iter(inputs.values()))) if isinstance(inputs, dict) else len(inputs)
+    for i in range(0, n, batch_size):
+        sl = slice(i, min(i + batch_size, n))
+        yield sl, _rows(inputs, sl)
+
+
 def _batches(
     inputs: torch.Tensor | dict[str, torch.Tensor], y: torch.Tensor, batch_size: int
 ) -> list[tuple[Any, torch.Tensor]]:
-    n = len(y)
-    out: list[tuple[Any, torch.Tensor]] = []
-    for i in range(0, n, batch_size):
-        sl = slice(i, min(i + batch_size, n))
-        xb = {k: v[sl] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[sl]
-        out.append((xb, y[sl]))
-    return out
+    return [(xb, y[sl]) for sl, xb in input_batches(inputs, batch_size)]
 
 
 def _probe(model: nn.Module, xb: Any, output_fn: Callable[[Any], torch.Tensor],
@@ -321,7 +325,7 @@ def split_val_cal(n: int, cal_fraction: float, seed: int) -> tuple[torch.Tensor,
     return perm[: n - n_cal], perm[n - n_cal:]
 
 
-def _rows(inputs: torch.Tensor | dict[str, torch.Tensor], idx: torch.Tensor
+def _rows(inputs: torch.Tensor | dict[str, torch.Tensor], idx: torch.Tensor | slice
           ) -> torch.Tensor | dict[str, torch.Tensor]:
     return {k: v[idx] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[idx]
 
@@ -644,16 +648,14 @@ def predict_saved_model(args: argparse.Namespace) -> Path:
     dev = torch.device(args.device)
     inputs = ({k: v.to(dev) for k, v in inputs.items()} if isinstance(inputs, dict)
               else inputs.to(dev))
-    n = len(next(iter(inputs.values()))) if isinstance(inputs, dict) else len(inputs)
-    first = ({k: v[:args.batch_size] for k, v in inputs.items()} if isinstance(inputs, dict)
-             else inputs[:args.batch_size])
+    _, first = next(input_batches(inputs, args.batch_size))
     _probe(sa.model, first, sa.output_fn or (lambda o: o), args.model, args.input)
     res: dict[str, Any]
     if classify:
-        res = predict_classes(sa, rule, inputs, n, args.batch_size, level, args.samples)
+        res = predict_classes(sa, rule, inputs, args.batch_size, level, args.samples)
         to_csv = class_csv
     else:
-        res = _predict_intervals(sa, inputs, n, args.batch_size, level, args.samples)
+        res = _predict_intervals(sa, inputs, args.batch_size, level, args.samples)
         to_csv = _csv
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".npz":
@@ -665,14 +667,12 @@ def predict_saved_model(args: argparse.Namespace) -> Path:
     return out
 
 
-def _predict_intervals(sa: Any, inputs: Any, n: int, batch_size: int, level: float,
+def _predict_intervals(sa: Any, inputs: Any, batch_size: int, level: float,
                        samples: bool) -> dict[str, Any]:
     """``mean``, ``lower``, ``upper`` (and ``samples`` ``(S, N, ...)`` when asked) of every
     input row, in batches of ``batch_size``."""
     means, lows, highs, draws = [], [], [], []
-    for i in range(0, n, batch_size):
-        sl = slice(i, min(i + batch_size, n))
-        xb = {k: v[sl] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[sl]
+    for _, xb in input_batches(inputs, batch_size):
         pred = sa.predict(xb)
         lo, hi = pred.interval(level)
         means.append(pred.mean.cpu())
@@ -704,7 +704,22 @@ def _csv(res: dict[str, np.ndarray]) -> str:
             raise ValueError("--samples with a .csv --out needs a scalar output per row; use "
                              ".npz for vector outputs")
         cols += [(f"sample_{s}", smp[s].reshape(n)) for s in range(smp.shape[0])]
+    return csv_text(cols)
+
+
+def csv_text(cols: list[tuple[str, np.ndarray]]) -> str:
+    """A CSV table of named columns ``(name, (N,) array)``: a header, then one line per row;
+    integer columns as integers, the others as the shortest repr of their float value.
+
+    Examples
+    --------
+    >>> print(csv_text([("label", np.array([1, 0])), ("p", np.array([0.25, 0.5]))]), end="")
+    label,p
+    1,0.25
+    0,0.5
+    """
+    cells = [[str(int(v)) for v in a] if a.dtype.kind in "biu" else [repr(float(v)) for v in a]
+             for _, a in cols]
     lines = [",".join(c for c, _ in cols)]
-    for i in range(n):
-        lines.append(",".join(repr(float(v[i])) for _, v in cols))
+    lines += [",".join(row) for row in zip(*cells, strict=True)]
     return "\n".join(lines) + "\n"

@@ -286,17 +286,17 @@ def set_rule_at(clf: Any, level: float) -> Any:
         ) from None
 
 
-def predict_classes(clf: Any, rule: Any, inputs: Any, n: int, batch_size: int, level: float,
+def predict_classes(clf: Any, rule: Any, inputs: Any, batch_size: int, level: float,
                     samples: bool) -> dict[str, np.ndarray]:
     """The arrays ``attnuq predict`` writes for a classifier, over every input row in
     batches of ``batch_size``: ``probs`` ``(N, [L,] C)``, ``label``, ``confidence``,
     ``entropy``, ``expected_entropy``, ``mutual_information`` ``(N, [L])``, ``set``
     ``(N, [L,] C)`` (bool; absent when ``rule`` is ``None``) and ``samples`` ``(S, N, [L,] C)``
     when asked."""
+    from attnuq.cli._calibrate import input_batches
+
     parts: dict[str, list[torch.Tensor]] = {}
-    for i in range(0, n, batch_size):
-        sl = slice(i, min(i + batch_size, n))
-        xb = {k: v[sl] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[sl]
+    for _, xb in input_batches(inputs, batch_size):
         if rule is None:
             pred, sets = clf.predict(xb), None
         else:
@@ -328,18 +328,15 @@ def class_csv(res: dict[str, np.ndarray]) -> str:
     label,prob_0,prob_1,confidence,entropy,expected_entropy,mutual_information,set_size,set_0,set_1
     1,0.25,0.75,0.75,0.56,0.5,0.06,1,0,1
     """
+    from attnuq.cli._calibrate import csv_text
+
     probs = res["probs"]
-    n, c = probs.shape
-    cols: list[tuple[str, Any]] = [("label", res["label"].astype(int).tolist())]
-    cols += [(f"prob_{k}", probs[:, k].tolist()) for k in range(c)]
-    cols += [(k, res[k].tolist()) for k in ("confidence", "entropy", "expected_entropy",
-                                            "mutual_information")]
+    cols: list[tuple[str, np.ndarray]] = [("label", res["label"].astype(int))]
+    cols += [(f"prob_{k}", probs[:, k]) for k in range(probs.shape[1])]
+    cols += [(k, res[k]) for k in ("confidence", "entropy", "expected_entropy",
+                                   "mutual_information")]
     if "set" in res:
         s = res["set"].astype(int)
-        cols.append(("set_size", s.sum(1).tolist()))
-        cols += [(f"set_{k}", s[:, k].tolist()) for k in range(c)]
-    lines = [",".join(name for name, _ in cols)]
-    for i in range(n):
-        lines.append(",".join(repr(v[i]) if isinstance(v[i], float) else str(v[i])
-                              for _, v in cols))
-    return "\n".join(lines) + "\n"
+        cols.append(("set_size", s.sum(1)))
+        cols += [(f"set_{k}", s[:, k]) for k in range(probs.shape[1])]
+    return csv_text(cols)

@@ -254,22 +254,17 @@ class CalibrationBins:
                    sum_accuracy=sums("accuracy"),
                    edges=None if edges is None else torch.tensor(edges, dtype=D))
 
-    def to_dict(self) -> dict[str, list[float] | list[int] | None]:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-ready lists: ``count``, ``confidence`` and ``accuracy`` per bin (``None``
         where a bin is empty), and ``edges``."""
-
-        def floats(t: torch.Tensor) -> list[float]:
-            return [float(v) for v in t.tolist()]
+        empty = [c == 0 for c in self.count.tolist()]
 
         def means(t: torch.Tensor) -> list[float | None]:
-            return [None if c == 0 else float(v) for v, c in zip(t.tolist(),
-                                                                 self.count.tolist(),
-                                                                 strict=True)]
+            return [None if e else float(v) for v, e in zip(t.tolist(), empty, strict=True)]
 
         return {"count": [int(c) for c in self.count.tolist()],
-                "confidence": means(self.confidence),  # type: ignore[dict-item]
-                "accuracy": means(self.accuracy),  # type: ignore[dict-item]
-                "edges": None if self.edges is None else floats(self.edges)}
+                "confidence": means(self.confidence), "accuracy": means(self.accuracy),
+                "edges": None if self.edges is None else [float(v) for v in self.edges.tolist()]}
 
 
 def calibration_bins(
@@ -279,23 +274,10 @@ def calibration_bins(
     n_bins: int = 15,
     binning: Binning = "width",
 ) -> CalibrationBins:
-    r"""The bins of :func:`ece_probs`: per bin of the top-label confidence ``c_i = max_k p_ik``,
-    the number of examples and the sums of confidence and of correctness (prediction ``argmax_k
-    p_ik``, first maximum); what a reliability diagram draws
-    (:func:`attnuq.plots.confidence_reliability`).
-
-    ``binning="width"``: ``M`` equal-width bins ``(m/M, (m+1)/M]`` (the first also holds 0);
-    ``"mass"``: ``M`` consecutive groups of the sorted confidences whose sizes differ by at most
-    one (the first ``B mod M`` one larger).
-
-    Parameters
-    ----------
-    probs, targets
-        ``(B, C)`` (or ``(B,)`` binary) and ``(B,)``.
-    n_bins
-        ``M``, at least 1 (default 15).
-    binning
-        ``"width"`` or ``"mass"``.
+    r"""The bins of :func:`ece_probs` (its arguments, binnings and checks): per bin of the
+    top-label confidence ``c_i = max_k p_ik``, the number of examples and the sums of
+    confidence and of correctness (prediction ``argmax_k p_ik``, first maximum); what a
+    reliability diagram draws (:func:`attnuq.plots.confidence_reliability`).
 
     Examples
     --------
